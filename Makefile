@@ -1,0 +1,31 @@
+# Pinned environment for this machine: torch 2.13.0 has a CPU wheel on disk.
+# pyproject keeps a range so GPU users bring their own torch.
+PY ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q $(TORCH_PIN)
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(VPY) -m zero_plugin.demo
+
+bench: $(STAMP)
+	$(VPY) -m pip install -q -e '.[bench]'
+	$(VPY) -m benchmarks.compare --size small --world-size 2
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,365 @@
+"""Unit tests for zero_plugin.config.ZeroConfig: validation, normalisation, serialisation, loading."""
+import dataclasses
+import json
+import math
+import pickle
+
+import pytest
+import torch
+import yaml
+
+from zero_plugin.config import ZeroConfig
+
+
+def _policy(module, name):
+    return isinstance(module, torch.nn.Linear)
+
+
+class Block(torch.nn.Module):
+    pass
+
+
+def _raises(match_parts, **kwargs):
+    with pytest.raises(ValueError) as info:
+        ZeroConfig(**kwargs)
+    for part in match_parts:
+        assert part in str(info.value), f"{part!r} not in {info.value}"
+    return str(info.value)
+
+
+# --------------------------------------------------------------------- defaults and normalisation
+
+def test_defaults_are_valid():
+    config = ZeroConfig()
+    assert config.stage == 2
+    assert config.offload_optimizer == "none" and not config.offload
+    assert config.param_dtype is None and config.reduce_dtype is None
+    assert config.master_dtype is torch.float32
+    assert config.bucket_size_mb == 25.0 and config.timeout_s == 600.0
+    assert config.unit_classes == () and config.unit_policy is None
+    assert config.loss_scale == "dynamic" and config.clip_grad_norm is None
+    assert not config.mixed_precision and config.effective_reduce_dtype is None
+
+
+@pytest.mark.parametrize("text, dtype", [
+    ("fp32", torch.float32), ("float32", torch.float32), ("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16),
+    ("fp16", torch.float16), ("float16", torch.float16), ("half", torch.float16),
+    ("fp64", torch.float64), ("float64", torch.float64), ("double", torch.float64), (torch.bfloat16, torch.bfloat16),
+])
+def test_dtype_names_normalise(text, dtype):
+    assert ZeroConfig(param_dtype=text).param_dtype is dtype
+    assert ZeroConfig(reduce_dtype=text).reduce_dtype is dtype
+
+
+def test_master_dtype_normalises():
+    assert ZeroConfig(master_dtype="fp64").master_dtype is torch.float64
+
+
+@pytest.mark.parametrize("value, expected", [(None, "none"), (False, "none"), (True, "cpu"), ("CPU", "cpu"), ("none", "none")])
+def test_offload_optimizer_normalises(value, expected):
+    config = ZeroConfig(offload_optimizer=value)
+    assert config.offload_optimizer == expected
+    assert config.offload is (expected == "cpu")
+
+
+def test_unit_classes_normalise_to_tuple():
+    assert ZeroConfig(unit_classes=[Block, "GPT2Block"]).unit_classes == (Block, "GPT2Block")
+    assert ZeroConfig(unit_classes="GPT2Block").unit_classes == ("GPT2Block",)
+    # Sets are sorted so every rank gets the same order.
+    assert ZeroConfig(unit_classes={"B", "A", "C"}).unit_classes == ("A", "B", "C")
+
+
+def test_numbers_normalise():
+    config = ZeroConfig(bucket_size_mb=50, clip_grad_norm=1, timeout_s=30, stage=3, param_dtype="fp16", loss_scale=128)
+    assert isinstance(config.bucket_size_mb, float) and isinstance(config.clip_grad_norm, float)
+    assert config.loss_scale == 128.0 and isinstance(config.timeout_s, float)
+
+
+def test_properties():
+    assert ZeroConfig(param_dtype="bf16").mixed_precision
+    assert ZeroConfig(param_dtype="fp16").mixed_precision
+    assert not ZeroConfig(param_dtype="fp32").mixed_precision
+    assert ZeroConfig(param_dtype="fp32", master_dtype="fp64").mixed_precision
+    assert ZeroConfig(param_dtype="bf16").effective_reduce_dtype is torch.bfloat16
+    assert ZeroConfig(param_dtype="bf16", reduce_dtype="fp32").effective_reduce_dtype is torch.float32
+    assert ZeroConfig(reduce_dtype="fp32").effective_reduce_dtype is torch.float32
+
+
+def test_constructor_ignores_environment(monkeypatch):
+    monkeypatch.setenv("ZERO_PLUGIN_STAGE", "3")
+    assert ZeroConfig().stage == 2
+
+
+# --------------------------------------------------------------------- single-field validation
+
+@pytest.mark.parametrize("field, value, shown", [
+    ("stage", 5, "5"), ("stage", -1, "-1"), ("stage", True, "True"), ("stage", "3", "'3'"), ("stage", 2.0, "2.0"),
+    ("offload_optimizer", "gpu", "'gpu'"), ("offload_optimizer", 1, "1"),
+    ("offload_params", "yes", "'yes'"), ("offload_params", 1, "1"),
+    ("param_dtype", "int8", "'int8'"), ("param_dtype", torch.int32, "torch.int32"), ("param_dtype", 3, "3"),
+    ("reduce_dtype", torch.int64, "torch.int64"), ("reduce_dtype", "fp8", "'fp8'"),
+    ("master_dtype", "bf16", "'bf16'"), ("master_dtype", torch.float16, "torch.float16"), ("master_dtype", None, "None"),
+    ("bucket_size_mb", 0, "0"), ("bucket_size_mb", -1.0, "-1.0"), ("bucket_size_mb", 5000, "5000"),
+    ("bucket_size_mb", "25", "'25'"), ("bucket_size_mb", True, "True"), ("bucket_size_mb", math.nan, "nan"),
+    ("prefetch_depth", -1, "-1"), ("prefetch_depth", 9, "9"), ("prefetch_depth", 1.5, "1.5"),
+    ("persistence_threshold", -1, "-1"), ("persistence_threshold", "0", "'0'"),
+    ("reshard_after_forward", "yes", "'yes'"), ("reshard_after_forward", 0, "0"),
+    ("unit_classes", 5, "5"), ("unit_classes", [int], "<class 'int'>"), ("unit_classes", [""], "''"),
+    ("unit_classes", [torch.nn.Linear(1, 1)], "Linear"),
+    ("unit_policy", 5, "5"), ("unit_policy", torch.nn.Linear, "Linear"),
+    ("clip_grad_norm", 0, "0"), ("clip_grad_norm", -1.0, "-1.0"), ("clip_grad_norm", "1", "'1'"),
+    ("clip_grad_norm", math.inf, "inf"),
+    ("loss_scale", "static", "'static'"), ("loss_scale", 0, "0"), ("loss_scale", -2.0, "-2.0"),
+    ("debug_collectives", 1, "1"), ("timeout_s", 0, "0"), ("timeout_s", math.inf, "inf"),
+    ("check_ranks", "true", "'true'"),
+])
+def test_invalid_field_value(field, value, shown):
+    kwargs = {field: value}
+    if field == "loss_scale":
+        kwargs["param_dtype"] = torch.float16  # so only the value itself is wrong
+    message = _raises([f"ZeroConfig.{field}", shown], **kwargs)
+    assert "must be" in message
+
+
+def test_stage_message_lists_allowed_values():
+    assert _raises(["stage"], stage=5) == "ZeroConfig.stage must be one of 0, 1, 2, 3; got 5"
+
+
+# --------------------------------------------------------------------- cross-field validation
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_offload_params_requires_stage3(stage):
+    _raises(["offload_params", "stage", f"stage={stage}"], stage=stage, offload_params=True)
+
+
+def test_offload_params_with_stage3_needs_nothing_else():
+    assert ZeroConfig(stage=3, offload_params=True).offload_params
+
+
+def test_unit_classes_and_policy_are_exclusive():
+    _raises(["unit_classes", "unit_policy", "GPT2Block", "_policy"], unit_classes=["GPT2Block"], unit_policy=_policy)
+
+
+@pytest.mark.parametrize("param_dtype", [None, "bf16", "fp32"])
+def test_fixed_loss_scale_requires_fp16(param_dtype):
+    _raises(["loss_scale", "128", "param_dtype"], loss_scale=128, param_dtype=param_dtype)
+
+
+def test_fixed_loss_scale_with_fp16_is_allowed():
+    assert ZeroConfig(loss_scale=1024.0, param_dtype="fp16").loss_scale == 1024.0
+
+
+def test_reduce_dtype_without_param_dtype_is_allowed():
+    assert ZeroConfig(reduce_dtype="fp32").reduce_dtype is torch.float32
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stage3_knobs_are_harmless_below_stage3(stage):
+    config = ZeroConfig(stage=stage, prefetch_depth=4, persistence_threshold=1000, reshard_after_forward=False,
+                        unit_classes=[Block])
+    assert config.replace(stage=3).prefetch_depth == 4
+
+
+# --------------------------------------------------------------------- frozen, replace, fingerprint
+
+def test_frozen():
+    config = ZeroConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.stage = 3
+    with pytest.raises((AttributeError, TypeError)):
+        config.not_a_field = 1
+
+
+def test_keyword_only():
+    with pytest.raises(TypeError):
+        ZeroConfig(3)
+
+
+def test_replace_revalidates_and_copies():
+    config = ZeroConfig()
+    assert config.replace(stage=3).stage == 3 and config.stage == 2
+    with pytest.raises(ValueError, match="stage"):
+        config.replace(stage=7)
+    with pytest.raises(ValueError, match="offload_params"):
+        config.replace(offload_params=True)
+    with pytest.raises(ValueError, match="did you mean 'stage'"):
+        config.replace(stag=3)
+
+
+def test_fingerprint():
+    assert ZeroConfig(stage=3).fingerprint() == ZeroConfig(stage=3).fingerprint()
+    assert ZeroConfig(stage=3).fingerprint() != ZeroConfig(stage=2).fingerprint()
+    assert ZeroConfig(param_dtype="bf16").fingerprint() == ZeroConfig(param_dtype=torch.bfloat16).fingerprint()
+    assert len(ZeroConfig().fingerprint()) == 64
+
+
+def test_hashable_and_picklable():
+    config = ZeroConfig(stage=3, param_dtype="bf16", unit_classes=[Block])
+    assert pickle.loads(pickle.dumps(config)) == config
+    assert hash(config) == hash(ZeroConfig(stage=3, param_dtype=torch.bfloat16, unit_classes=(Block,)))
+
+
+# --------------------------------------------------------------------- to_dict / from_dict
+
+def test_to_dict_is_json_and_yaml_safe():
+    config = ZeroConfig(stage=3, param_dtype="bf16", unit_classes=[Block, "GPT2Block"])
+    data = config.to_dict()
+    assert data["param_dtype"] == "bf16" and data["master_dtype"] == "fp32"
+    assert data["unit_classes"] == [f"{__name__}.Block", "GPT2Block"]
+    assert json.loads(json.dumps(data)) == data
+    assert yaml.safe_load(yaml.safe_dump(data)) == data
+
+
+def test_round_trip():
+    config = ZeroConfig(stage=3, offload_optimizer="cpu", offload_params=True, param_dtype="fp16",
+                        reduce_dtype="fp32", master_dtype="fp64", bucket_size_mb=12.5, prefetch_depth=2,
+                        persistence_threshold=100, reshard_after_forward=False, unit_policy=_policy,
+                        clip_grad_norm=1.0, loss_scale=256.0, debug_collectives=True, timeout_s=30.0,
+                        check_ranks=False)
+    assert config.to_dict()["unit_policy"] == f"{__name__}._policy"
+    assert ZeroConfig.from_dict(config.to_dict()) == config
+
+
+def test_round_trip_keeps_class_names_as_strings():
+    config = ZeroConfig(stage=3, unit_classes=[Block])
+    again = ZeroConfig.from_dict(config.to_dict())
+    assert again.unit_classes == (f"{__name__}.Block",)
+    assert again.fingerprint() == config.fingerprint()
+
+
+def test_from_dict_parses_strings():
+    config = ZeroConfig.from_dict({
+        "stage": "3", "offload_optimizer": "true", "offload_params": "True", "param_dtype": "bf16",
+        "reduce_dtype": "none", "bucket_size_mb": "25", "prefetch_depth": "2", "reshard_after_forward": "false",
+        "unit_classes": "LlamaDecoderLayer, GPT2Block", "clip_grad_norm": "0.5", "timeout_s": "60",
+        "debug_collectives": "yes", "check_ranks": "0", "unit_policy": "null", "loss_scale": "dynamic"})
+    assert config.stage == 3 and config.offload and config.offload_params
+    assert config.param_dtype is torch.bfloat16 and config.reduce_dtype is None
+    assert config.bucket_size_mb == 25.0 and config.prefetch_depth == 2 and not config.reshard_after_forward
+    assert config.unit_classes == ("LlamaDecoderLayer", "GPT2Block")
+    assert config.clip_grad_norm == 0.5 and config.timeout_s == 60.0
+    assert config.debug_collectives and not config.check_ranks
+
+
+@pytest.mark.parametrize("field, text", [
+    ("stage", "three"), ("check_ranks", "maybe"), ("bucket_size_mb", "big"), ("unit_policy", "no.such.module_fn"),
+    ("loss_scale", "static"),
+])
+def test_from_dict_bad_string(field, text):
+    with pytest.raises(ValueError) as info:
+        ZeroConfig.from_dict({field: text})
+    assert f"ZeroConfig.{field}" in str(info.value) and repr(text) in str(info.value)
+
+
+def test_from_dict_unknown_key_suggests_close_match():
+    with pytest.raises(ValueError) as info:
+        ZeroConfig.from_dict({"stag": 3, "zzz": 1})
+    message = str(info.value)
+    assert "'stag' (did you mean 'stage'?)" in message and "'zzz'" in message
+    assert "prefetch_depth" in message  # the allowed names are listed
+
+
+def test_from_dict_rejects_non_mapping():
+    with pytest.raises(ValueError, match="mapping"):
+        ZeroConfig.from_dict([("stage", 3)])
+
+
+# --------------------------------------------------------------------- from_file
+
+@pytest.mark.parametrize("name, text", [
+    ("c.yaml", "stage: 3\noffload_optimizer: cpu\nparam_dtype: bf16\n"),
+    ("c.yml", "zero_plugin:\n  stage: 3\n  offload_optimizer: true\n  param_dtype: bf16\nother_tool:\n  x: 1\n"),
+    ("c.json", '{"stage": 3, "offload_optimizer": "cpu", "param_dtype": "bf16"}'),
+    ("n.json", '{"zero_plugin": {"stage": "3", "offload_optimizer": "cpu", "param_dtype": "bfloat16"}}'),
+])
+def test_from_file(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    assert ZeroConfig.from_file(path) == ZeroConfig(stage=3, offload_optimizer="cpu", param_dtype="bf16")
+    assert ZeroConfig.from_file(str(path)).stage == 3
+
+
+def test_from_file_empty_yaml_gives_defaults(tmp_path):
+    (tmp_path / "e.yaml").write_text("")
+    assert ZeroConfig.from_file(tmp_path / "e.yaml") == ZeroConfig()
+
+
+def test_from_file_missing(tmp_path):
+    path = tmp_path / "missing.yaml"
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        ZeroConfig.from_file(path)
+
+
+@pytest.mark.parametrize("name, text", [("bad.yaml", "stage: [3\n"), ("bad.json", "{stage: 3"), ("list.yaml", "- 3\n")])
+def test_from_file_bad_content(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=name):
+        ZeroConfig.from_file(tmp_path / name)
+
+
+def test_from_file_wrong_extension(tmp_path):
+    (tmp_path / "c.toml").write_text("stage = 3\n")
+    with pytest.raises(ValueError, match=r"\.yaml, \.yml or \.json"):
+        ZeroConfig.from_file(tmp_path / "c.toml")
+
+
+def test_from_file_invalid_value_names_path_and_field(tmp_path):
+    (tmp_path / "c.yaml").write_text("stage: 7\n")
+    with pytest.raises(ValueError, match=r"c\.yaml.*ZeroConfig\.stage.*7"):
+        ZeroConfig.from_file(tmp_path / "c.yaml")
+
+
+# --------------------------------------------------------------------- from_env
+
+def test_from_env_empty_gives_defaults():
+    assert ZeroConfig.from_env({}) == ZeroConfig()
+    assert ZeroConfig.from_env({"ZERO_PLUGIN_STAGE": "", "UNRELATED": "x"}) == ZeroConfig()
+
+
+def test_from_env_stage():
+    assert ZeroConfig.from_env({"ZERO_PLUGIN_STAGE": "3"}).stage == 3
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("cpu", "cpu"), ("none", "none"), ("1", "cpu"), ("0", "none"), ("true", "cpu"), ("false", "none"),
+])
+def test_from_env_offload(text, expected):
+    assert ZeroConfig.from_env({"ZERO_PLUGIN_OFFLOAD": text}).offload_optimizer == expected
+
+
+def test_from_env_config_file_then_overrides(tmp_path):
+    path = tmp_path / "z.yaml"
+    path.write_text("stage: 1\nbucket_size_mb: 10\nparam_dtype: fp16\n")
+    config = ZeroConfig.from_env({"ZERO_PLUGIN_CONFIG": str(path), "ZERO_PLUGIN_STAGE": "3"})
+    assert config.stage == 3 and config.bucket_size_mb == 10.0 and config.param_dtype is torch.float16
+
+
+def test_from_env_generic_fields():
+    config = ZeroConfig.from_env({
+        "ZERO_PLUGIN_PARAM_DTYPE": "bf16", "ZERO_PLUGIN_BUCKET_SIZE_MB": "50",
+        "ZERO_PLUGIN_UNIT_CLASSES": "GPT2Block", "ZERO_PLUGIN_LAUNCHER_ONLY": "x", "ZERO_PLUGIN_stage": "3"})
+    assert config.param_dtype is torch.bfloat16 and config.bucket_size_mb == 50.0
+    assert config.unit_classes == ("GPT2Block",) and config.stage == 2  # lower-case names are not fields
+
+
+@pytest.mark.parametrize("environ, var", [
+    ({"ZERO_PLUGIN_STAGE": "9"}, "ZERO_PLUGIN_STAGE"),
+    ({"ZERO_PLUGIN_STAGE": "abc"}, "ZERO_PLUGIN_STAGE"),
+    ({"ZERO_PLUGIN_OFFLOAD": "gpu"}, "ZERO_PLUGIN_OFFLOAD"),
+    ({"ZERO_PLUGIN_TIMEOUT_S": "-1"}, "ZERO_PLUGIN_TIMEOUT_S"),
+    ({"ZERO_PLUGIN_OFFLOAD": "cpu", "ZERO_PLUGIN_OFFLOAD_OPTIMIZER": "none"}, "ZERO_PLUGIN_OFFLOAD_OPTIMIZER"),
+])
+def test_from_env_bad_value_names_variable(environ, var):
+    with pytest.raises(ValueError) as info:
+        ZeroConfig.from_env(environ)
+    assert var in str(info.value) and repr(environ[var]) in str(info.value)
+
+
+def test_from_env_missing_config_file_names_variable(tmp_path):
+    with pytest.raises(FileNotFoundError, match="ZERO_PLUGIN_CONFIG.*nope.yaml"):
+        ZeroConfig.from_env({"ZERO_PLUGIN_CONFIG": str(tmp_path / "nope.yaml")})
+
+
+def test_from_env_reads_os_environ_by_default(monkeypatch):
+    monkeypatch.setenv("ZERO_PLUGIN_STAGE", "1")
+    assert ZeroConfig.from_env().stage == 1

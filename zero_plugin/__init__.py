@@ -1,0 +1,23 @@
+"""zero_plugin: ZeRO-1/2/3 sharded data parallelism and CPU offload on torch.distributed."""
+from .api import clip_grad_norm_, gathered_parameters, no_sync, setup
+from .collectives import comm_stats, reset_comm_stats
+from .config import ZeroConfig
+from .memory import memory_report
+from .optim.zero_optimizer import ZeroOptimizer
+from .state_dict import full_state_dict, load_full_state_dict
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ZeroConfig",
+    "ZeroOptimizer",
+    "setup",
+    "clip_grad_norm_",
+    "no_sync",
+    "gathered_parameters",
+    "full_state_dict",
+    "load_full_state_dict",
+    "memory_report",
+    "comm_stats",
+    "reset_comm_stats",
+]

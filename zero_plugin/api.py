@@ -1,0 +1,113 @@
+"""Public verbs.  Each finds the model's engine and delegates; none keeps state."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from . import _validate
+from .collectives import Comm
+from .config import ZeroConfig
+from .engine import engine_of, register_engine
+from .optim.clip import clip_owned_grads
+from .optim.zero_optimizer import ZeroOptimizer
+from .stages import build_engine
+
+__all__ = ["setup", "clip_grad_norm_", "no_sync", "gathered_parameters"]
+
+_NOT_YET = {
+    "offload_optimizer": "CPU-offload optimizer (ZeRO-Offload) and parameter offload",
+    "offload_params": "CPU-offload optimizer (ZeRO-Offload) and parameter offload",
+}
+
+
+def _check_implemented(config: ZeroConfig) -> None:
+    if config.offload_optimizer != "none":
+        raise NotImplementedError(f"ZeroConfig.offload_optimizer={config.offload_optimizer!r}: not implemented yet "
+                                  f"(issue: {_NOT_YET['offload_optimizer']})")
+    if config.offload_params:
+        raise NotImplementedError(f"ZeroConfig.offload_params=True: not implemented yet "
+                                  f"(issue: {_NOT_YET['offload_params']})")
+
+
+def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
+          group: Any = None) -> tuple[nn.Module, ZeroOptimizer]:
+    """Shard ``model`` and ``optimizer`` in place for ``config.stage``; collective over ``group``.
+
+    Returns the same module object and a :class:`ZeroOptimizer` wrapping ``optimizer``.
+    """
+    config = ZeroConfig() if config is None else config
+    if not isinstance(config, ZeroConfig):
+        raise ValueError(f"zp.setup: config must be a zp.ZeroConfig, got {type(config).__name__}; "
+                         "build one with zp.ZeroConfig(stage=...) or ZeroConfig.from_dict(...)")
+    if isinstance(optimizer, ZeroOptimizer):
+        raise ValueError("zp.setup: this optimizer is already a ZeroOptimizer; pass the original model and optimizer once")
+    _check_implemented(config)
+    comm = Comm(group)
+    trainable = _validate.trainable_parameters(model, optimizer)
+    _validate.check_ranks_agree(model, config, comm)
+    if config.stage < 3:
+        _validate.broadcast_module_state(model, comm)
+    engine = build_engine(model, trainable, config, comm)
+    _rebind_optimizer(optimizer, engine)
+    register_engine(model, engine)
+    zero_optimizer = ZeroOptimizer(optimizer, engine)
+    engine.optimizer = zero_optimizer
+    return model, zero_optimizer
+
+
+def _rebind_optimizer(optimizer: torch.optim.Optimizer, engine) -> None:
+    """Point the user's param groups at the masters, carrying over any existing state."""
+    by_param = {id(s.param): s for s in engine.slots}
+    old_state = optimizer.state
+    new_state: dict = type(old_state)() if not isinstance(old_state, dict) else {}
+    for group in optimizer.param_groups:
+        masters = []
+        for p in group["params"]:
+            slot = by_param[id(p)]
+            masters.append(slot.master)
+            if p in old_state:
+                new_state[slot.master] = {k: _region(v, slot) for k, v in old_state[p].items()}
+        group["params"] = masters
+    optimizer.state.clear()
+    optimizer.state.update(new_state)
+
+
+def _region(value: Any, slot) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == slot.layout.numel:
+        lo, hi = slot.layout.bounds()
+        return value.detach().reshape(-1)[lo:hi].clone().view_as(slot.master) if slot.master.dim() == 1 \
+            else value.detach().clone()
+    return value
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the reduced gradients by their global norm over every rank's shard; returns that norm."""
+    if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+        raise ValueError(f"zp.clip_grad_norm_: max_norm must be a positive number, got {max_norm!r}")
+    return clip_owned_grads(engine_of(model, "clip_grad_norm_"), max_norm, norm_type)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Skip gradient reduction for the backward passes inside (gradient accumulation)."""
+    with engine_of(model, "no_sync").no_sync():
+        yield
+
+
+@contextlib.contextmanager
+def gathered_parameters(model_or_params: nn.Module | Iterable[nn.Parameter], modifier_rank: int | None = None,
+                        model: nn.Module | None = None) -> Iterator[None]:
+    """Full parameters visible on every rank inside the block.
+
+    With ``modifier_rank`` set, that rank's edits are broadcast and re-sharded on exit.
+    """
+    target = model if model is not None else model_or_params
+    if not isinstance(target, nn.Module):
+        raise ValueError("zp.gathered_parameters: pass the set-up model, or params with model=<the set-up model>")
+    engine = engine_of(target, "gathered_parameters")
+    params = list(model_or_params.parameters()) if isinstance(model_or_params, nn.Module) else list(model_or_params)
+    with engine.gathered(params, modifier_rank):
+        yield

@@ -1,0 +1,239 @@
+"""Gradient reduction during backward for stages 0-2.
+
+Pipeline per bucket: ``copy_in -> collective (async) -> wait -> copy_out``.
+Hooks are ``register_post_accumulate_grad_hook`` on each trainable parameter;
+a final autograd callback (queued from the first hook, or from the model
+output's grad hook, so that it belongs to the outermost backward) flushes the
+buckets that did not complete (unused parameters) and waits for all of them.
+
+Stage composition (see ``zero_plugin/engine.py``):
+  * stage 0 -> :class:`AllReduceReducer`: every rank keeps the full averaged grad in ``param.grad``;
+  * stage 1 -> :class:`ReduceScatterReducer(keep_full_grad=True)`: the averaged owned region
+    is written into ``param.grad`` in place (full gradients stay allocated, ZeRO-1);
+  * stage 2 -> :class:`ReduceScatterReducer(keep_full_grad=False)`: the averaged owned region
+    goes to a shard-sized gradient and ``param.grad`` is freed (ZeRO-2).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .._flat import copy_padded_rows
+from ..collectives import Comm
+from ..optim.master import MasterParam
+from .bucket import Bucket, plan_buckets
+
+__all__ = ["AllReduceReducer", "ReduceScatterReducer", "GradReducer"]
+
+
+class GradReducer:
+    """Shared hook and bucket bookkeeping; subclasses define launch and completion."""
+
+    sharded = False
+
+    def __init__(self, slots: list[MasterParam], comm: Comm, reduce_dtype: torch.dtype | None,
+                 bucket_bytes: int) -> None:
+        self.slots = slots
+        self.comm = comm
+        self.reduce_dtype = reduce_dtype
+        self.buckets = plan_buckets(slots, bucket_bytes, sharded=self.sharded)
+        self._where = {id(s.param): (b, i) for b in self.buckets for i, s in enumerate(b.slots)}
+        self.owned: dict[int, torch.Tensor] = {}   # id(param) -> reduced grad of the owned region
+        self.require_sync = True
+        self._callback_queued = False
+        self._handles: list = []
+
+    # -- hooks --------------------------------------------------------------
+    def register(self, root: nn.Module) -> None:
+        for slot in self.slots:
+            self._handles.append(slot.param.register_post_accumulate_grad_hook(self._post_accumulate))
+        self._handles.append(root.register_forward_hook(self._on_root_output))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _on_root_output(self, module: nn.Module, args, output) -> None:
+        # A grad hook on the output runs in the outermost backward, so the final
+        # callback it queues is not consumed by a nested (reentrant checkpoint) backward.
+        if not torch.is_grad_enabled():
+            return
+        for t in torch.utils._pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if self.require_sync:
+            self._queue_final_callback()
+
+    def _queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def _post_accumulate(self, param: torch.Tensor) -> None:
+        if not self.require_sync:
+            return
+        self._queue_final_callback()
+        bucket, index = self._where[id(param)]
+        if bucket.launched:
+            self._late_gradient(bucket, index)
+            return
+        bucket.ready.add(index)
+        if len(bucket.ready) == len(bucket.slots):
+            self._launch(bucket)
+
+    def _late_gradient(self, bucket: Bucket, index: int) -> None:
+        raise RuntimeError(
+            f"zero_plugin: parameter {bucket.slots[index].name!r} received a gradient after its bucket "
+            "was reduced in this backward (a parameter reused across reentrant checkpoint segments?). "
+            "Use non-reentrant activation checkpointing (use_reentrant=False) or stage 0/2."
+        )
+
+    # -- end of backward ----------------------------------------------------
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Flush unlaunched buckets (unused parameters count as zeros), wait, copy out."""
+        self._callback_queued = False
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            self._complete(bucket)
+            bucket.reset()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous = self.require_sync
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
+        return self.owned.get(id(slot.param))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.owned.clear()
+        for slot in self.slots:
+            if set_to_none:
+                slot.param.grad = None
+            elif slot.param.grad is not None:
+                slot.param.grad.zero_()
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Every gradient tensor this reducer keeps alive (for memory accounting)."""
+        return list(self.owned.values())
+
+    # -- per-kind -----------------------------------------------------------
+    def _launch(self, bucket: Bucket) -> None:
+        raise NotImplementedError
+
+    def _complete(self, bucket: Bucket) -> None:
+        raise NotImplementedError
+
+    def _buffer_dtype(self, bucket: Bucket) -> torch.dtype:
+        return self.reduce_dtype or bucket.slots[0].param.dtype
+
+
+class AllReduceReducer(GradReducer):
+    """Stage 0 (DDP): average full gradients with a bucketed all-reduce."""
+
+    @torch.no_grad()
+    def _launch(self, bucket: Bucket) -> None:
+        param0 = bucket.slots[0].param
+        buf = torch.empty(bucket.width, dtype=self._buffer_dtype(bucket), device=param0.device)
+        for slot, off in zip(bucket.slots, bucket.offsets):
+            dst = buf[off: off + slot.layout.numel]
+            grad = slot.param.grad
+            dst.copy_(grad.view(-1)) if grad is not None else dst.zero_()
+        bucket.buffer, bucket.launched = buf, True
+        bucket.work = self.comm.all_reduce(buf, async_op=True)
+
+    @torch.no_grad()
+    def _complete(self, bucket: Bucket) -> None:
+        buf = bucket.buffer
+        buf.div_(self.comm.world_size)
+        for slot, off in zip(bucket.slots, bucket.offsets):
+            p = slot.param
+            src = buf[off: off + slot.layout.numel].view_as(p)
+            if p.grad is None:
+                p.grad = src.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(src)
+            self.owned[id(p)] = p.grad
+
+
+class ReduceScatterReducer(GradReducer):
+    """Stages 1-2: each rank receives the average of its owned region only."""
+
+    sharded = True
+
+    def __init__(self, *args, keep_full_grad: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.keep_full_grad = keep_full_grad
+        self._late: set[int] = set()
+
+    @torch.no_grad()
+    def _launch(self, bucket: Bucket) -> None:
+        n = self.comm.world_size
+        param0 = bucket.slots[0].param
+        buf = torch.empty(n, bucket.width, dtype=self._buffer_dtype(bucket), device=param0.device)
+        for slot, off in zip(bucket.slots, bucket.offsets):
+            grad = slot.param.grad
+            rows = buf[:, off: off + slot.layout.shard_numel]
+            copy_padded_rows(rows, None if grad is None else grad.view(-1), slot.layout)
+            if not self.keep_full_grad:
+                slot.param.grad = None   # ZeRO-2: the full gradient is not kept
+        out = torch.empty(bucket.width, dtype=buf.dtype, device=buf.device)
+        bucket.buffer, bucket.output, bucket.launched = buf, out, True
+        bucket.work = self.comm.reduce_scatter(out, buf.view(-1), async_op=True)
+
+    def _late_gradient(self, bucket: Bucket, index: int) -> None:
+        if self.keep_full_grad:
+            super()._late_gradient(bucket, index)
+            return
+        # Stage 2: the fresh param.grad holds only the new contribution; it is reduced
+        # by a second launch at the end of backward and added to the shard.
+        self._late.add(id(bucket))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        late = [b for b in self.buckets if id(b) in self._late]
+        super().finish()
+        for bucket in late:   # rare path: reduce the extra contributions once more
+            self._launch(bucket)
+            bucket.work.wait()
+            self._complete(bucket)
+            bucket.reset()
+        self._late.clear()
+
+    @torch.no_grad()
+    def _complete(self, bucket: Bucket) -> None:
+        out = bucket.output
+        out.div_(self.comm.world_size)
+        for slot, off in zip(bucket.slots, bucket.offsets):
+            reduced = out[off: off + slot.layout.local_numel]
+            self._store(slot, reduced)
+
+    def _store(self, slot: MasterParam, reduced: torch.Tensor) -> None:
+        p = slot.param
+        if self.keep_full_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            region = slot.layout.local_view(p.grad)
+            region.copy_(reduced)
+            self.owned[id(p)] = region
+            return
+        current = self.owned.get(id(p))
+        if current is None:
+            self.owned[id(p)] = reduced.to(p.dtype, copy=True)
+        else:
+            current.add_(reduced.to(current.dtype))

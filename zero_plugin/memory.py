@@ -1,0 +1,105 @@
+"""Memory per rank: what this rank holds (measured) and what the ZeRO paper says it should.
+
+Theory (arXiv 1910.02054, section 5, Figure 1), with Ψ trainable parameters,
+N ranks, K bytes of optimizer state per parameter (Adam: two fp32 moments):
+  stage 0: params + grads + K          (fp32 Adam: 16Ψ)
+  stage 1: params + grads + K/N        (8Ψ + 8Ψ/N)
+  stage 2: params + (grads + K)/N      (4Ψ + 12Ψ/N)
+  stage 3: (params + grads + K)/N      (16Ψ/N)
+With ``param_dtype`` lower than ``master_dtype`` the fp32 master copy is part of K
+(mixed-precision Adam: 2Ψ + 2Ψ + 12Ψ).  Frozen parameters count as params only.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+__all__ = ["memory_report", "theory_bytes", "state_elements_per_param"]
+
+
+def state_elements_per_param(optimizer: torch.optim.Optimizer) -> int | None:
+    """Optimizer-state tensors per parameter element for known optimizers (None when unknown)."""
+    opt = getattr(optimizer, "inner", optimizer)
+    group = opt.param_groups[0] if opt.param_groups else {}
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return 3 if group.get("amsgrad") else 2
+    if isinstance(opt, torch.optim.SGD):
+        return 1 if group.get("momentum", 0) else 0
+    if isinstance(opt, (torch.optim.Adagrad,)):
+        return 1
+    if isinstance(opt, torch.optim.RMSprop):
+        return 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
+    return None
+
+
+def theory_bytes(*, stage: int, world_size: int, trainable: int, frozen: int, param_bytes: int,
+                 master_bytes: int, state_per_param: int, mixed: bool) -> dict[str, float]:
+    n = world_size
+    k = state_per_param * master_bytes + (master_bytes if mixed else 0)
+    params = (trainable + frozen) * param_bytes / (n if stage == 3 else 1)
+    grads = trainable * param_bytes / (n if stage >= 2 else 1)
+    optimizer = trainable * k / (n if stage >= 1 else 1)
+    return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
+
+
+class _StorageCounter:
+    """Sums each distinct storage once, attributed to the first category that names it."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, int]] = set()
+        self.bytes: dict[str, int] = {}
+
+    def add(self, category: str, tensors: Iterable[torch.Tensor]) -> None:
+        total = self.bytes.setdefault(category, 0)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if storage.nbytes() == 0 or key in self.seen:
+                continue
+            self.seen.add(key)
+            total += storage.nbytes()
+        self.bytes[category] = total
+
+
+def _optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
+    opt = getattr(optimizer, "inner", optimizer)
+    return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def memory_report(model, optimizer) -> dict:
+    """This rank's bytes of parameters, gradients and optimizer state (incl. fp32 masters), and the theory."""
+    from .engine import engine_of
+
+    engine = engine_of(model, "memory_report")
+    held = engine.model_state_tensors()
+    counter = _StorageCounter()
+    counter.add("params", held["params"])
+    counter.add("grads", held["grads"])
+    counter.add("optimizer", list(held["masters"]) + _optimizer_state_tensors(optimizer))
+    measured = dict(counter.bytes)
+    measured["total"] = sum(measured.values())
+    return {"stage": engine.config.stage, "world_size": engine.comm.world_size, "rank": engine.comm.rank,
+            "measured": measured, "theory": _theory_for(engine, optimizer), **_counts(engine)}
+
+
+def _counts(engine) -> dict[str, int]:
+    trainable = sum(s.layout.numel for s in engine.slots)
+    total = sum(engine.full_numel(p) for p in engine.model.parameters())
+    return {"trainable_params": trainable, "frozen_params": total - trainable}
+
+
+def _theory_for(engine, optimizer) -> dict[str, float] | None:
+    per = state_elements_per_param(optimizer)
+    if per is None:
+        return None
+    counts = _counts(engine)
+    cfg = engine.config
+    p_dtype = cfg.param_dtype or next(engine.model.parameters()).dtype
+    mixed = cfg.param_dtype is not None and cfg.param_dtype != cfg.master_dtype
+    master_dtype = cfg.master_dtype if mixed else p_dtype
+    return theory_bytes(stage=cfg.stage, world_size=engine.comm.world_size, trainable=counts["trainable_params"],
+                        frozen=counts["frozen_params"], param_bytes=p_dtype.itemsize,
+                        master_bytes=master_dtype.itemsize, state_per_param=per, mixed=mixed)

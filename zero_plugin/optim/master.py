@@ -1,0 +1,72 @@
+"""What the wrapped optimizer steps: one :class:`MasterParam` per trainable parameter.
+
+[Note: masters]
+The user's optimizer is rebound from the model's parameters to *masters*:
+  * stage 0, same dtype: the master is the parameter itself (plain DDP);
+  * stages 1-2, same dtype: a 1-D view of this rank's owned region of the
+    full parameter (no copy: an update of the master is an update of the
+    parameter, and the all-gather after the step refreshes the other regions);
+  * stage 3, same dtype: the parameter, whose data already is the shard;
+  * any stage, ``param_dtype`` lower than ``master_dtype``: a separate tensor
+    in ``master_dtype`` (fp32 master weights), written back (cast) after each step.
+The grad the optimizer sees is set by :meth:`MasterParam.set_grad` from the
+reduced gradient of the owned region.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._flat import ShardLayout
+
+__all__ = ["MasterParam"]
+
+
+class MasterParam:
+    """One trainable parameter as the optimizer sees it on this rank."""
+
+    __slots__ = ("name", "param", "layout", "local", "master", "separate")
+
+    def __init__(self, name: str, param: nn.Parameter, layout: ShardLayout, local: torch.Tensor,
+                 master_dtype: torch.dtype | None, source: torch.Tensor | None = None) -> None:
+        self.name = name
+        self.param = param
+        self.layout = layout            # where the owned region sits in the flattened parameter
+        self.local = local              # view of param data holding the owned region
+        self.separate = master_dtype is not None and master_dtype != local.dtype
+        if self.separate:
+            # ``source``: the region before the parameter was cast down, so no precision is lost.
+            init = local if source is None else source
+            self.master = nn.Parameter(init.detach().to(master_dtype, copy=True).reshape(local.shape),
+                                       requires_grad=True)
+        elif local is param:
+            self.master = param
+        else:
+            self.master = nn.Parameter(local, requires_grad=True)
+
+    @property
+    def is_identity(self) -> bool:
+        """True when the optimizer steps the model's own parameter object."""
+        return self.master is self.param
+
+    def set_grad(self, grad: torch.Tensor | None) -> None:
+        if self.is_identity:
+            return  # autograd/reducer already left the reduced grad in param.grad
+        if grad is None:
+            self.master.grad = None
+        elif self.separate or grad.dtype != self.master.dtype:
+            self.master.grad = grad.to(self.master.dtype)
+        else:
+            self.master.grad = grad
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """After a step: copy an fp32 master into the (lower precision) parameter region."""
+        if self.separate:
+            self.local.copy_(self.master)
+
+    @torch.no_grad()
+    def refresh_from_param(self) -> None:
+        """After the parameter was overwritten (load, gathered edit): resync the master."""
+        if self.separate:
+            self.master.copy_(self.local)

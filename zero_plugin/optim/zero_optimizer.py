@@ -1,0 +1,101 @@
+"""``ZeroOptimizer``: the user's optimizer, rebound to this rank's masters.
+
+It *is* a ``torch.optim.Optimizer`` (LR schedulers, Accelerate and Lightning
+check that) whose ``param_groups`` and ``state`` are the wrapped optimizer's own
+objects: changing ``lr`` on either changes both.  See [Note: masters] in
+``master.py`` for what the groups hold.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+from .state import consolidate_optimizer_state, shard_optimizer_state
+
+__all__ = ["ZeroOptimizer"]
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Steps this rank's shard with the wrapped optimizer, then lets the engine re-sync parameters."""
+
+    def __init__(self, inner: torch.optim.Optimizer, engine: Any) -> None:
+        # Optimizer.__init__ would re-register the params; we share the inner ones instead.
+        self.inner = inner
+        self.engine = engine
+        self.defaults = inner.defaults
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+
+    # param_groups/state are properties so that both views always agree.
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.inner.state = value
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer(stage={self.engine.config.stage}, inner={self.inner!r})"
+
+    def __getstate__(self):
+        raise TypeError("ZeroOptimizer holds process-group state; save with zp.save_checkpoint or state_dict()")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.engine.before_step()
+        self.inner.step()
+        self.engine.after_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise NotImplementedError(
+            "ZeroOptimizer.add_param_group: add every param group before zp.setup (the parameters must be "
+            "sharded together with the model)"
+        )
+
+    # -- state dicts --------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard: the wrapped optimizer's state dict plus a ``zero_plugin`` layout record."""
+        sd = self.inner.state_dict()
+        sd["zero_plugin"] = self.engine.shard_metadata()
+        return sd
+
+    def consolidate_state_dict(self, to_rank: int | None = 0) -> dict:
+        """Collective: the state dict an unsharded optimizer would have (full-shape tensors, on CPU).
+
+        Ranks other than ``to_rank`` get ``{}`` (``to_rank=None``: every rank gets it).
+        """
+        return consolidate_optimizer_state(self, to_rank)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a full state dict (from ``consolidate_state_dict`` or an unsharded optimizer) or this rank's shard."""
+        meta = state_dict.get("zero_plugin")
+        if meta is not None and meta.get("sharded", False):
+            self.engine.check_shard_metadata(meta)
+            inner_sd = {k: v for k, v in state_dict.items() if k != "zero_plugin"}
+            self.inner.load_state_dict(inner_sd)
+            return
+        self.inner.load_state_dict(shard_optimizer_state(self, state_dict))

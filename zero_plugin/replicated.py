@@ -1,0 +1,116 @@
+"""Stages 0-2: every rank keeps the full parameters (ZeRO paper, section 5.1-5.2).
+
+What differs between the three stages is only the composition chosen in
+``stages.py``: whether masters cover the whole parameter or this rank's
+region, which reducer runs in backward, and whether updated regions are
+all-gathered after the step.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ._flat import ShardLayout
+from .collectives import Comm
+from .config import ZeroConfig
+from .engine import Engine
+from .grads.reducer import GradReducer
+from .optim.master import MasterParam
+from .optim.param_sync import ParamAllGather
+
+__all__ = ["ReplicatedEngine", "make_masters"]
+
+
+def make_masters(named: list[tuple[str, nn.Parameter]], comm: Comm, config: ZeroConfig,
+                 sharded: bool) -> list[MasterParam]:
+    """One master per trainable parameter; casts the model to ``param_dtype`` on the way."""
+    master_dtype = config.master_dtype if config.param_dtype is not None else None
+    slots = []
+    for name, p in named:
+        world, rank = (comm.world_size, comm.rank) if sharded else (1, 0)
+        layout = ShardLayout(p.numel(), world, rank)
+        source = None
+        if config.param_dtype is not None and p.dtype != config.param_dtype:
+            source = layout.local_view(p.data) if sharded else p.data.clone()
+            p.data = p.data.to(config.param_dtype)
+        local = layout.local_view(p.data) if sharded else p
+        if not sharded and master_dtype is not None and master_dtype != p.dtype:
+            local = p.data
+        slots.append(MasterParam(name, p, layout, local, master_dtype, source=source))
+    return slots
+
+
+class ReplicatedEngine(Engine):
+    """Full parameters on every rank; gradients and optimizer state as the stage says."""
+
+    def __init__(self, model: nn.Module, config: ZeroConfig, comm: Comm, slots: list[MasterParam],
+                 reducer: GradReducer, param_sync: ParamAllGather | None) -> None:
+        super().__init__(model, config, comm, slots)
+        self.reducer = reducer
+        self.param_sync = param_sync
+        self.grads_sharded = reducer.sharded
+        reducer.register(model)
+
+    def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
+        return self.reducer.owned_grad(slot)
+
+    def after_step(self) -> None:
+        super().after_step()
+        # A step consumes the reduced gradients: the next backward starts fresh even
+        # when the script zeroes grads with model.zero_grad() (stage 2 keeps none in .grad).
+        self.reducer.owned.clear()
+        if self.param_sync is not None:
+            self.param_sync.run()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.reducer.zero_grad(set_to_none)
+        for slot in self.slots:
+            if not slot.is_identity:
+                slot.master.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.reducer.no_sync():
+            yield
+
+    @contextlib.contextmanager
+    def gathered(self, params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
+        # Parameters are already full on every rank; only edits need spreading.
+        yield
+        if modifier_rank is not None:
+            with torch.no_grad():
+                for p in params:
+                    self.comm.broadcast(p.data, src=modifier_rank)
+            self.refresh_masters()
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        for slot in self.slots:
+            slot.refresh_from_param()
+
+    @torch.no_grad()
+    def full_state_dict(self, rank0_only: bool = True, trainable_only: bool = False) -> dict:
+        if rank0_only and self.comm.rank != 0:
+            return {}
+        keep = {s.name for s in self.slots} if trainable_only else None
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()
+                if keep is None or k in keep}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        result = self.model.load_state_dict(state_dict, strict=strict)
+        self.refresh_masters()
+        return result
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params = [p for p in self.model.parameters()]
+        grads = [p.grad for p in params if p.grad is not None] + self.reducer.grad_tensors()
+        masters = [s.master for s in self.slots if s.separate]
+        return {"params": params, "grads": grads, "masters": masters}
+
+    def remove(self) -> None:
+        self.reducer.remove()
+        super().remove()

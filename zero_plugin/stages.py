@@ -1,0 +1,56 @@
+"""The stage table: which components make up each ZeRO stage.
+
+=====  ============  =========================================  =====================
+stage  masters       reducer (backward)                         after step
+=====  ============  =========================================  =====================
+0      whole param   all-reduce, full grads kept (DDP)          -
+1      own region    reduce-scatter, full grads kept            all-gather params
+2      own region    reduce-scatter, only the shard kept        all-gather params
+3      own shard     see ``stage3/``                            - (gathered per unit)
+=====  ============  =========================================  =====================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .collectives import Comm
+from .config import ZeroConfig
+from .engine import Engine
+from .grads.reducer import AllReduceReducer, ReduceScatterReducer
+from .optim.param_sync import ParamAllGather
+from .replicated import ReplicatedEngine, make_masters
+
+__all__ = ["build_engine"]
+
+
+@dataclass(frozen=True, slots=True)
+class _ReplicatedStage:
+    sharded_masters: bool
+    keep_full_grad: bool
+
+
+_REPLICATED = {
+    0: _ReplicatedStage(sharded_masters=False, keep_full_grad=True),
+    1: _ReplicatedStage(sharded_masters=True, keep_full_grad=True),
+    2: _ReplicatedStage(sharded_masters=True, keep_full_grad=False),
+}
+
+
+def build_engine(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig,
+                 comm: Comm) -> Engine:
+    if config.stage == 3:
+        from .stage3.engine import build_stage3_engine
+        return build_stage3_engine(model, trainable, config, comm)
+    spec = _REPLICATED[config.stage]
+    slots = make_masters(trainable, comm, config, sharded=spec.sharded_masters)
+    bucket_bytes = int(config.bucket_size_mb * 2**20)
+    common = dict(comm=comm, reduce_dtype=config.effective_reduce_dtype, bucket_bytes=bucket_bytes)
+    if spec.sharded_masters:
+        reducer = ReduceScatterReducer(slots, keep_full_grad=spec.keep_full_grad, **common)
+        param_sync = ParamAllGather(slots, comm, bucket_bytes)
+    else:
+        reducer = AllReduceReducer(slots, **common)
+        param_sync = None
+    return ReplicatedEngine(model, config, comm, slots, reducer, param_sync)
