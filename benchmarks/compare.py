@@ -1,0 +1,111 @@
+"""Compare zero_plugin with torch DDP, ZeroRedundancyOptimizer and FSDP2 in one multi-process run.
+
+    python -m benchmarks.compare --size small --world-size 2
+    python -m benchmarks.compare --size smoke --variants ddp zp1 zp2 --profile
+
+One invocation spawns ``world_size`` gloo ranks; inside them the variants run
+round-robin over ``--rounds`` so that machine noise hits all alike.  The report
+is printed and written to ``benchmarks/results/<size>-ws<N>.md`` (plus a PNG
+when matplotlib is installed).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from .models import SIZES
+from .report import bar_chart, markdown, summarise
+from .runner import RunConfig, worker
+from .variants import DEFAULT_VARIANTS, VARIANTS
+
+__all__ = ["main"]
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=list(SIZES), default="small")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant per round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1: optimizer state exists)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--profile", action="store_true", help="time the engine's internal phases (small overhead)")
+    p.add_argument("--out", type=Path, default=None, help="report path (default benchmarks/results/<size>-ws<N>.md)")
+    args = p.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1 or args.world_size < 1:
+        p.error("--warmup, --steps, --rounds and --world-size must be >= 1")
+    return args
+
+
+def _header(args: argparse.Namespace, threads: int, rss_method: str, wall: float) -> dict:
+    import transformers
+
+    return {
+        "size": args.size, "world_size": args.world_size,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": f"{_cores()} cores ({platform.machine()}), gloo, {threads} torch thread(s) per rank",
+        "workload": f"fp32 AdamW(lr={args.lr}), batch {args.batch} × {args.seq} tokens per rank, "
+                    f"{args.warmup} warm-up + {args.steps} timed steps × {args.rounds} interleaved rounds",
+        "peak RSS method": rss_method,
+        "wall time": f"{wall:.0f} s",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    threads = max(1, _cores() // args.world_size)
+    variants = list(dict.fromkeys(args.variants))
+    with tempfile.TemporaryDirectory(prefix="zp-bench-") as tmp:
+        cfg = RunConfig(size=args.size, world_size=args.world_size, variants=tuple(variants), steps=args.steps,
+                        warmup=args.warmup, rounds=args.rounds, batch=args.batch, seq=args.seq, seed=args.seed,
+                        lr=args.lr, threads=threads, port=_free_port(), out_dir=tmp, profile=args.profile)
+        t0 = time.perf_counter()
+        mp.spawn(worker, args=(cfg,), nprocs=args.world_size, join=True)
+        wall = time.perf_counter() - t0
+        dumps = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world_size)]
+    records = [rec for d in dumps for rec in d["records"]]
+    rows, skipped = summarise(records, variants, args.world_size)
+    text = markdown(rows, skipped, _header(args, threads, dumps[0]["rss_method"], wall))
+    print(text)
+    out = args.out or RESULTS / f"{args.size}-ws{args.world_size}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    png = bar_chart(rows, out.with_suffix(".png")) if rows else None
+    print(f"wrote {out}" + (f" and {png}" if png else ""), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

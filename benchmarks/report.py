@@ -1,0 +1,159 @@
+"""Turn the ranks' records into the markdown report (and, if matplotlib is installed, a bar chart)."""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+__all__ = ["summarise", "markdown", "bar_chart", "theory_state_bytes"]
+
+MIB = 2**20
+_PHASES = ("forward", "backward", "step", "zero_grad")
+
+
+def theory_state_bytes(stage: int, psi: int, n: int) -> float:
+    """ZeRO paper, section 5 (fp32 AdamW: K = 8 bytes/param; no separate master copy)."""
+    return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def _per_step_max(records: list[dict], key: str) -> list[float]:
+    """For each (round, step): the slowest rank's time; ranks wait on each other anyway."""
+    by_round = defaultdict(list)
+    for r in records:
+        by_round[r["round"]].append(r["times"][key])
+    return [max(ts) for runs in by_round.values() for ts in zip(*runs)]
+
+
+def _summarise_one(recs: list[dict], world_size: int) -> dict:
+    last = [r for r in recs if r["round"] == max(x["round"] for x in recs)]
+    psi, stage = recs[0]["psi"], recs[0]["theory_stage"]
+    rank0 = next(r for r in last if r["rank"] == 0)
+    state = max(r["state"]["total"] for r in last)
+    reported = [r["state"].get("zp_reported_total") for r in last]
+    row = {
+        "step": statistics.median(_per_step_max(recs, "total")),
+        "phases": {k: statistics.median(_per_step_max(recs, k)) for k in _PHASES},
+        "psi": psi, "stage": stage, "state": state,
+        "state_theory": theory_state_bytes(stage, psi, world_size),
+        "state_mismatch": any(x is not None and x != r["state"]["total"] for x, r in zip(reported, last)),
+        "rss": max(r["rss_delta"] for r in last),
+        "comm": {k: v / (4 * psi) for k, v in rank0["comm"].items()},
+        "max_abs_diff": max((r["max_abs_diff"] for r in recs if "max_abs_diff" in r), default=None),
+        "rel_diff": max((r["rel_update_diff"] for r in recs if "rel_update_diff" in r), default=None),
+        "loss_last": rank0["loss_last"],
+    }
+    if "profile" in rank0:
+        row["profile"] = rank0["profile"]
+    return row
+
+
+def summarise(records: list[dict], variants: list[str], world_size: int) -> tuple[dict, dict]:
+    """(rows by variant, skip reasons by variant)."""
+    rows, skipped = {}, {}
+    for name in variants:
+        recs = [r for r in records if r["variant"] == name]
+        skip = next((r["skipped"] for r in recs if r.get("skipped")), None)
+        if skip is not None:
+            skipped[name] = skip
+        elif recs:
+            rows[name] = _summarise_one(recs, world_size)
+    return rows, skipped
+
+
+def _comm_text(comm: dict[str, float]) -> str:
+    total = comm.get("total", 0.0)
+    parts = [f"{k.replace('_', '-')} {v:.2f}" for k, v in comm.items() if k != "total" and v > 0]
+    return f"{total:.2f}Ψ" + (f" ({' + '.join(parts)})" if parts else "")
+
+
+def _num(x, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _main_table(rows: dict) -> list[str]:
+    ddp = rows.get("ddp", {}).get("step")
+    lines = ["| variant | step (s) | ×DDP | model states / rank (MiB) | ×ZeRO theory | peak RSS Δ (MiB) "
+             "| comm / step / rank (Ψ·4 B) | max abs Δθ vs DDP | ‖θ−θ_DDP‖/‖θ_DDP−θ₀‖ |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        ratio = f"{r['step'] / ddp:.3f}" if ddp else "n/a"
+        mark = " ⚠" if r["state_mismatch"] else ""
+        lines.append(
+            f"| {name} | {r['step']:.3f} | {ratio} | {r['state'] / MIB:.1f}{mark} | {r['state'] / r['state_theory']:.3f} "
+            f"| {r['rss'] / MIB:.0f} | {_comm_text(r['comm'])} | {_num(r['max_abs_diff'], '.2e')} "
+            f"| {_num(r['rel_diff'], '.2e')} |")
+    return lines
+
+
+def _phase_table(rows: dict) -> list[str]:
+    lines = ["| variant | forward | backward (incl. grad reduction wait) | optimizer.step | zero_grad | total |",
+             "|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        p = r["phases"]
+        cells = " | ".join(f"{p[k] * 1e3:.0f}" for k in _PHASES)
+        lines.append(f"| {name} | {cells} | {r['step'] * 1e3:.0f} |")
+    return lines
+
+
+def _profile_lines(rows: dict) -> list[str]:
+    out = []
+    for name, r in rows.items():
+        if r.get("profile"):
+            out += ["", f"`{name}` (rank 0, ms per timed step):", ""]
+            out += [f"- {k}: {v * 1e3:.1f}" for k, v in sorted(r["profile"].items(), key=lambda kv: -kv[1])]
+    return (["", "## Profile (--profile)"] + out) if out else []
+
+
+def markdown(rows: dict, skipped: dict, header: dict) -> str:
+    psi = next(iter(rows.values()))["psi"] if rows else 0
+    lines = [f"# zero_plugin vs torch baselines: `{header['size']}`, world size {header['world_size']}", ""]
+    lines += [f"- {k}: {v}" for k, v in header.items()]
+    lines += [f"- Ψ (parameters): {psi:,} ({psi * 4 / MIB:.1f} MiB in fp32)", ""]
+    lines += _main_table(rows)
+    lines += ["", "Median phase times (ms; per step, slowest rank):", ""] + _phase_table(rows)
+    if skipped:
+        lines += ["", "Skipped:"] + [f"- `{k}`: {v}" for k, v in skipped.items()]
+    lines += _profile_lines(rows)
+    lines += ["", "## How each column is measured", "", *_DEFINITIONS]
+    return "\n".join(lines) + "\n"
+
+
+_DEFINITIONS = [
+    "- step: median over all timed steps of all rounds of the slowest rank's forward + backward + "
+    "optimizer.step + zero_grad; ×DDP divides by DDP's median from the same run.",
+    "- model states: distinct `untyped_storage().nbytes()` of parameters, gradients and optimizer state "
+    "(FSDP2: DTensor local tensors; zero_plugin: also the engine's gradient shards and masters), after the first "
+    "timed backward, before its step (untimed); largest rank, last round. ZeRO theory: 16Ψ / 8Ψ+8Ψ/N / 4Ψ+12Ψ/N / "
+    "16Ψ/N. ⚠ = differs from `zp.memory_report`.",
+    "- peak RSS Δ: kernel VmHWM (reset per variant) minus VmRSS before the model was built; freed memory is "
+    "returned to the OS (gc + malloc_trim) between variants; largest rank, last round.",
+    "- comm: logical bytes per timed step on rank 0 (ZeRO paper counting: all-reduce 2n, reduce-scatter n "
+    "inputs, all-gather n outputs, broadcast n) / (4Ψ). DDP: counting wrapper around the standard Python "
+    "`allreduce_hook`; ZeroRedundancyOptimizer / FSDP2: counting wrappers around `torch.distributed` "
+    "broadcast / all-gather / reduce-scatter; zero_plugin: `zp.comm_stats()`.",
+    "- Δθ: final parameters vs DDP's in the same round (same data, same init), max over ranks and rounds.",
+]
+
+
+def bar_chart(rows: dict, path: Path) -> Path | None:
+    """Step time ×DDP and model states ×theory; silently skipped without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = list(rows)
+    ddp = rows.get("ddp", {}).get("step") or 1.0
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    axes[0].bar(names, [rows[n]["step"] / ddp for n in names])
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].set_title("step time ×DDP")
+    axes[1].bar(names, [rows[n]["state"] / MIB for n in names])
+    axes[1].set_title("model states / rank (MiB)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,209 @@
+"""The contenders.  Each wraps a freshly built model and exposes the same measuring surface.
+
+A variant is built once per round from an identical model; the runner calls
+``loss(ids)`` / ``optimizer`` in the training loop and the methods below to
+measure.  Every method that communicates is called on all ranks in the same order.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .measure import TorchCommCounter, local_tensor
+
+__all__ = ["VARIANTS", "Variant", "SkipVariant", "make_variant"]
+
+
+class SkipVariant(Exception):
+    """This variant cannot run here (e.g. a stage zero_plugin has not implemented yet)."""
+
+
+def _adamw(params, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr)
+
+
+class Variant:
+    """Base: the raw model (for parameter names) and a counter for Python-level collectives."""
+
+    theory_stage = 0   # which ZeRO memory formula applies
+
+    def __init__(self, raw: nn.Module, lr: float) -> None:
+        self.raw = raw
+        self.lr = lr
+        self.counter = TorchCommCounter()
+        self.module: nn.Module = raw
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def loss(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.module(input_ids=ids, labels=ids).loss
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        with self.counter.counting():
+            yield
+
+    def reset_comm(self) -> None:
+        self.counter.reset()
+
+    def comm(self) -> dict[str, int]:
+        return {"total": self.counter.bytes}
+
+    def state_groups(self) -> dict[str, list]:
+        params = list(self.raw.parameters())
+        return {"params": params, "grads": [p.grad for p in params], "optimizer": self._optimizer_state()}
+
+    def _optimizer_state(self) -> list[torch.Tensor]:
+        opt = self.optimizer
+        return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+    @torch.no_grad()
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.raw.named_parameters()}
+
+    def teardown(self) -> None:
+        self.module = self.optimizer = None
+
+
+class DDPVariant(Variant):
+    """torch DDP; its all-reduce is counted by the standard Python all-reduce comm hook."""
+
+    def __init__(self, raw: nn.Module, lr: float) -> None:
+        super().__init__(raw, lr)
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        counter = self.counter
+
+        def counted_allreduce(state, bucket):
+            buf = bucket.buffer()
+            counter.add(2 * buf.numel() * buf.element_size())   # all-reduce of n moves 2n
+            return allreduce_hook(state, bucket)
+
+        self.module = DDP(raw)
+        self.module.register_comm_hook(state=None, hook=counted_allreduce)
+        self.optimizer = self._make_optimizer()
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        return _adamw(self.module.parameters(), self.lr)
+
+
+class ZeroRedundancyVariant(DDPVariant):
+    """torch ``ZeroRedundancyOptimizer`` (ZeRO-1) over DDP."""
+
+    theory_stage = 1
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(self.module.parameters(), optimizer_class=torch.optim.AdamW, lr=self.lr)
+
+    def _optimizer_state(self) -> list[torch.Tensor]:
+        local = self.optimizer.optim
+        return [v for s in local.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+class FSDP2Variant(Variant):
+    """torch FSDP2 ``fully_shard`` per decoder layer + root, on a CPU device mesh (ZeRO-3)."""
+
+    theory_stage = 3
+    _mesh = None
+
+    def __init__(self, raw: nn.Module, lr: float) -> None:
+        super().__init__(raw, lr)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if FSDP2Variant._mesh is None:
+            FSDP2Variant._mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in raw.model.layers:
+            fully_shard(layer, mesh=FSDP2Variant._mesh)
+        self.module = fully_shard(raw, mesh=FSDP2Variant._mesh)
+        self.optimizer = _adamw(raw.parameters(), lr)
+
+    def state_groups(self) -> dict[str, list]:
+        return {k: [local_tensor(t) for t in v if t is not None] for k, v in super().state_groups().items()}
+
+    @torch.no_grad()
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.full_tensor().clone() for n, p in self.raw.named_parameters()}
+
+
+class ZeroPluginVariant(Variant):
+    """zero_plugin at one stage; collectives counted by ``zp.comm_stats()``."""
+
+    def __init__(self, raw: nn.Module, lr: float, stage: int, offload: bool) -> None:
+        super().__init__(raw, lr)
+        import zero_plugin as zp
+
+        self.zp = zp
+        self.theory_stage = stage
+        config = zp.ZeroConfig(stage=stage, offload_optimizer="cpu" if offload else "none")
+        try:
+            self.module, self.optimizer = zp.setup(raw, _adamw(raw.parameters(), lr), config)
+        except (NotImplementedError, ImportError) as exc:   # stage 3 before its engine exists
+            raise SkipVariant(f"{type(exc).__name__}: {exc}") from exc
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        yield
+
+    def reset_comm(self) -> None:
+        self.zp.reset_comm_stats()
+
+    def comm(self) -> dict[str, int]:
+        return {k: v["bytes"] for k, v in self.zp.comm_stats().items() if v["bytes"]}
+
+    def state_groups(self) -> dict[str, list]:
+        held = self._engine().model_state_tensors()
+        params = list(self.raw.parameters())
+        return {"params": params + held["params"],
+                "grads": [p.grad for p in params] + held["grads"],
+                "optimizer": held["masters"] + self._optimizer_state()}
+
+    def reported_state_bytes(self) -> int:
+        """zero_plugin's own count (``zp.memory_report``), to cross-check ours."""
+        return int(self.zp.memory_report(self.raw, self.optimizer)["measured"]["total"])
+
+    @torch.no_grad()
+    def full_params(self) -> dict[str, torch.Tensor]:
+        with self.zp.gathered_parameters(self.raw):
+            return {n: p.detach().clone() for n, p in self.raw.named_parameters()}
+
+    def _engine(self):
+        from zero_plugin.engine import engine_of
+
+        return engine_of(self.raw, "benchmarks")
+
+    def teardown(self) -> None:
+        # The engine registry maps model -> engine and the engine holds the model, so
+        # without remove() neither is ever freed (reported upstream).
+        self._engine().remove()
+        super().teardown()
+
+
+def _zp(stage: int, offload: bool = False):
+    return lambda raw, lr: ZeroPluginVariant(raw, lr, stage, offload)
+
+
+VARIANTS = {
+    "ddp": DDPVariant,
+    "zero_redundancy": ZeroRedundancyVariant,
+    "fsdp2": FSDP2Variant,
+    "zp0": _zp(0),
+    "zp1": _zp(1),
+    "zp2": _zp(2),
+    "zp2_offload": _zp(2, offload=True),
+    "zp3": _zp(3),
+    "zp3_offload": _zp(3, offload=True),
+}
+DEFAULT_VARIANTS = ("ddp", "zero_redundancy", "fsdp2", "zp0", "zp1", "zp2", "zp3")
+
+
+def make_variant(name: str, raw: nn.Module, lr: float) -> Variant:
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    return VARIANTS[name](raw, lr)

@@ -1,0 +1,200 @@
+"""Stage 3: parameters, gradients and optimizer state all sharded (ZeRO paper, section 5.3).
+
+Setup shards every parameter in place (see [Note: stage-3 parameter storage]
+in ``param.py``), groups them into units (``policy.py``) and registers the
+runtime hooks (``hooks.py``).  The optimizer steps the model's own parameter
+objects, whose data is the local shard.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .._flat import ShardLayout
+from ..collectives import Comm
+from ..config import ZeroConfig
+from ..engine import Engine
+from ..optim.master import MasterParam
+from .hooks import Stage3Runtime
+from .param import ShardedParam, ShardedState
+from .policy import assign_units
+from .unit import Unit
+
+__all__ = ["Stage3Engine", "build_stage3_engine"]
+
+
+def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig,
+                        comm: Comm) -> "Stage3Engine":
+    if config.persistence_threshold:
+        raise NotImplementedError("ZeroConfig.persistence_threshold > 0 is not implemented yet (issue: Core engine "
+                                  "II: ZeRO-3 parameter sharding)")
+    modules, owner = assign_units(model, config)
+    names = {id(p): n for n, p in model.named_parameters()}
+    sharded: dict[int, ShardedParam] = {}
+    per_unit: list[list[ShardedParam]] = [[] for _ in modules]
+    for name, p in model.named_parameters():
+        sp = _shard_one(p, name, comm, config)
+        sharded[id(p)] = sp
+        per_unit[owner[id(p)]].append(sp)
+    _broadcast_buffers(model, comm)
+    units = [Unit(i, name, module, per_unit[i], comm, config.effective_reduce_dtype)
+             for i, (name, module) in enumerate(modules)]
+    slots = [MasterParam(names[id(p)], p, sharded[id(p)].layout, p, None) for _, p in trainable]
+    return Stage3Engine(model, config, comm, slots, units, sharded)
+
+
+@torch.no_grad()
+def _shard_one(p: nn.Parameter, name: str, comm: Comm, config: ZeroConfig) -> ShardedParam:
+    full = p.data.contiguous()
+    comm.broadcast(full, src=0)   # every rank starts from rank 0's values (DDP semantics)
+    compute = config.param_dtype or p.dtype
+    storage = config.master_dtype if config.param_dtype is not None and p.dtype.is_floating_point else p.dtype
+    if not p.dtype.is_floating_point:
+        compute = p.dtype
+    layout = ShardLayout(full.numel(), comm.world_size, comm.rank)
+    return ShardedParam(p, name, full, layout, storage_dtype=storage, compute_dtype=compute)
+
+
+@torch.no_grad()
+def _broadcast_buffers(model: nn.Module, comm: Comm) -> None:
+    for b in model.buffers():
+        comm.broadcast(b, src=0)
+
+
+class Stage3Engine(Engine):
+    grads_sharded = True
+
+    def __init__(self, model: nn.Module, config: ZeroConfig, comm: Comm, slots: list[MasterParam],
+                 units: list[Unit], sharded: dict[int, ShardedParam]) -> None:
+        super().__init__(model, config, comm, slots)
+        self.units = units
+        self.sharded = sharded
+        self.unit_of = {id(sp.param): u for u in units for sp in u.params}
+        self.runtime = Stage3Runtime(units, config.prefetch_depth, config.reshard_after_forward)
+        self.runtime.register()
+
+    # -- step ---------------------------------------------------------------------
+    def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
+        return self.sharded[id(slot.param)].sharded_grad
+
+    def before_step(self) -> None:
+        for slot in self.slots:
+            slot.param.grad = self.sharded[id(slot.param)].sharded_grad
+
+    def after_step(self) -> None:
+        for slot in self.slots:
+            slot.param.grad = None
+            self.sharded[id(slot.param)].sharded_grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for slot in self.slots:
+            sp = self.sharded[id(slot.param)]
+            slot.param.grad = None
+            if set_to_none or sp.sharded_grad is None:
+                sp.sharded_grad = None
+            else:
+                sp.sharded_grad.zero_()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        # Stage 3 reduce-scatters every micro-batch and accumulates into the shard
+        # gradient (the sum is the same); keeping full gradients would defeat ZeRO-3.
+        yield
+
+    # -- gathering ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered(self, params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
+        units = sorted({self.unit_of[id(p)].index: self.unit_of[id(p)] for p in params
+                        if id(p) in self.unit_of}.values(), key=lambda u: u.index)
+        opened = [u for u in units if u.state is ShardedState.SHARDED]
+        for u in opened:
+            u.unshard()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                if modifier_rank is not None:
+                    for u in units:
+                        for sp in u.params:
+                            self.comm.broadcast(sp.param.data, src=modifier_rank)
+                            sp.write_full_into_local(sp.param.data)
+            for u in opened:
+                u.reshard()
+
+    # -- state dicts --------------------------------------------------------------
+    @torch.no_grad()
+    def full_state_dict(self, rank0_only: bool = True, trainable_only: bool = False) -> dict:
+        """Stream unit by unit: at most one unit is gathered at a time."""
+        keep = {id(s.param) for s in self.slots} if trainable_only else None
+        names = _all_names(self.model)
+        out: dict[str, torch.Tensor] = {}
+        want = not rank0_only or self.comm.rank == 0
+        for unit in self.units:
+            was_sharded = unit.state is ShardedState.SHARDED
+            unit.unshard()
+            if want:
+                for sp in unit.params:
+                    if keep is None or id(sp.param) in keep:
+                        value = sp.param.data.detach().cpu().clone()
+                        for n in names[id(sp.param)]:
+                            out[n] = value
+            if was_sharded:
+                unit.reshard()
+        if want and keep is None:
+            param_ids = {id(p) for p in self.model.parameters()}
+            for k, v in self.model.state_dict(keep_vars=True).items():
+                if k not in out and id(v) not in param_ids:
+                    out[k] = v.detach().cpu().clone()
+        return out if want else {}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict, strict: bool = True):
+        names = _all_names(self.model)
+        missing = []
+        for sp in self.sharded.values():
+            key = next((n for n in names[id(sp.param)] if n in state_dict), None)
+            if key is None:
+                missing.extend(names[id(sp.param)][:1])
+                continue
+            value = state_dict[key]
+            if tuple(value.shape) != sp.shape:
+                raise ValueError(f"zp.load_full_state_dict: {key!r} has shape {tuple(value.shape)}, the model "
+                                 f"expects {sp.shape}")
+        if strict and missing:
+            raise ValueError(f"zp.load_full_state_dict: missing keys {missing[:5]}; pass strict=False to skip them")
+        for sp in self.sharded.values():
+            key = next((n for n in names[id(sp.param)] if n in state_dict), None)
+            if key is not None:
+                sp.write_full_into_local(state_dict[key].to(sp.local.dtype))
+        param_ids = {id(p) for p in self.model.parameters()}
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            if id(v) not in param_ids and k in state_dict:
+                v.data.copy_(state_dict[k])
+        return None
+
+    def full_numel(self, param: nn.Parameter) -> int:
+        sp = self.sharded.get(id(param))
+        return sp.layout.numel if sp is not None else param.numel()
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params = [sp.local for sp in self.sharded.values()] + [sp.unsharded for sp in self.sharded.values()]
+        grads = [sp.sharded_grad for sp in self.sharded.values() if sp.sharded_grad is not None]
+        grads += [sp.param.grad for sp in self.sharded.values() if sp.param.grad is not None]
+        return {"params": params, "grads": grads, "masters": []}
+
+    def unsharded_units(self) -> list[Unit]:
+        return [u for u in self.units if u.state is ShardedState.UNSHARDED]
+
+    def remove(self) -> None:
+        self.runtime.remove()
+        super().remove()
+
+
+def _all_names(model: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return names

@@ -1,0 +1,202 @@
+"""Stage-3 runtime: module and autograd hooks that drive each unit's lifecycle.
+
+Forward:  pre_forward  -> unshard (wait for prefetch), prefetch the next units, hook inputs
+          post_forward -> reshard (unless recomputing in backward), hook outputs
+Backward: output grad hook (pre_backward) -> unshard again, prefetch the previous units
+          param post-accumulate hook -> when every trainable param of the unit is ready,
+                                        launch its reduce-scatter
+          input grad hook (post_backward) -> reshard once the unit's grads were reduced
+          final callback (finalize_backward) -> reduce units whose hooks did not complete,
+                                                wait for every reduction, reshard everything
+[Note: root unit] The root unit (parameters outside every block, e.g. embeddings,
+final norm, LM head) is gathered for the whole forward, kept gathered after a
+forward with grad (backward needs it first) and released in the final callback.
+"""
+from __future__ import annotations
+
+import functools
+from collections import deque
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .param import ShardedState
+from .unit import BackwardState, Unit
+
+__all__ = ["Stage3Runtime"]
+
+_MAX_INFLIGHT_REDUCES = 2
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward signals that the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+class Stage3Runtime:
+    def __init__(self, units: list[Unit], prefetch_depth: int, reshard_after_forward: bool) -> None:
+        self.units = units
+        self.root = units[0]
+        self.prefetch_depth = prefetch_depth
+        self.reshard_after_forward = reshard_after_forward
+        self.forward_order: list[Unit] = []
+        self._recording: list[Unit] = []
+        self._inflight: deque = deque()
+        self._late: list[Unit] = []
+        self._callback_queued = False
+        self.require_sync = True
+        self._handles: list = []
+
+    # -- registration -----------------------------------------------------------
+    def register(self) -> None:
+        for unit in self.units:
+            m = unit.module
+            self._handles.append(m.register_forward_pre_hook(functools.partial(self.pre_forward, unit),
+                                                             with_kwargs=True))
+            self._handles.append(m.register_forward_hook(functools.partial(self.post_forward, unit)))
+            for sp in unit.trainable:
+                self._handles.append(sp.param.register_post_accumulate_grad_hook(
+                    functools.partial(self.post_accumulate, unit)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- forward ------------------------------------------------------------------
+    def pre_forward(self, unit: Unit, module, args, kwargs):
+        in_backward = _in_backward()
+        if not in_backward:
+            if unit is self.root:
+                self._recording = []
+            elif unit not in self._recording:
+                self._recording.append(unit)
+        self._ensure_unsharded(unit)
+        if not in_backward:
+            self._prefetch(unit, +1)
+        if unit is not self.root and torch.is_grad_enabled():
+            args, kwargs = self._hook_inputs(unit, args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, unit: Unit, module, args, output):
+        grad = torch.is_grad_enabled()
+        if grad:
+            self._hook_outputs(unit, output)
+        if _in_backward():
+            return None   # recomputation (activation checkpointing): backward needs the unit
+        if unit is self.root:
+            self.forward_order = list(self._recording)
+            for other in self.units[1:]:
+                if other.state is ShardedState.UNSHARDED or other.gathering:
+                    if not grad or self.reshard_after_forward:
+                        other.reshard()
+            if not grad:
+                self.root.reshard()
+        elif self.reshard_after_forward or not grad:
+            unit.reshard()
+        return None
+
+    def _hook_inputs(self, unit: Unit, args, kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        picks = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not picks:
+            return args, kwargs
+        outs = _PostBackward.apply(functools.partial(self.post_backward, unit), *[leaves[i] for i in picks])
+        for i, t in zip(picks, outs):
+            leaves[i] = t
+        unit.wrapped_inputs = True
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _hook_outputs(self, unit: Unit, output) -> None:
+        for t in pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(functools.partial(self._on_output_grad, unit))
+
+    # -- backward -----------------------------------------------------------------
+    def _on_output_grad(self, unit: Unit, grad: torch.Tensor) -> None:
+        self.pre_backward(unit)
+
+    def pre_backward(self, unit: Unit) -> None:
+        self._queue_final_callback()
+        if unit.backward_state is BackwardState.IDLE:
+            unit.backward_state = BackwardState.PRE_BACKWARD
+        self._ensure_unsharded(unit)
+        self._prefetch(unit, -1)
+
+    def post_accumulate(self, unit: Unit, param: torch.Tensor) -> None:
+        self._queue_final_callback()
+        if unit.reduced:
+            if unit not in self._late:   # a second gradient for a param in one backward
+                self._late.append(unit)
+            return
+        if unit.mark_ready(param):
+            self._launch_reduce(unit)
+            if unit is not self.root and (unit.backward_state is BackwardState.POST_BACKWARD
+                                          or not unit.wrapped_inputs):
+                unit.reshard()
+
+    def post_backward(self, unit: Unit) -> None:
+        unit.backward_state = BackwardState.POST_BACKWARD
+        if unit.reduced or not unit.trainable:
+            unit.reshard()
+
+    def _launch_reduce(self, unit: Unit) -> None:
+        self._inflight.extend((unit, p) for p in unit.reduce_grads())
+        while len(self._inflight) > _MAX_INFLIGHT_REDUCES:
+            done_unit, pending = self._inflight.popleft()
+            done_unit.complete_reduce(pending)
+
+    def _queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
+
+    @torch.no_grad()
+    def finalize_backward(self) -> None:
+        self._callback_queued = False
+        for unit in self.units:
+            if unit.trainable and not unit.reduced:
+                self._launch_reduce(unit)
+        for unit in self._late:
+            self._launch_reduce(unit)
+        self._late = []
+        self.drain()
+        for unit in self.units:
+            unit.reshard()
+            unit.reset_backward()
+
+    def drain(self) -> None:
+        while self._inflight:
+            unit, pending = self._inflight.popleft()
+            unit.complete_reduce(pending)
+
+    # -- helpers ------------------------------------------------------------------
+    def _ensure_unsharded(self, unit: Unit) -> None:
+        if unit.state is ShardedState.SHARDED:
+            unit.unshard(async_op=False)
+        elif unit.gathering:
+            unit.wait_unshard()
+
+    def _prefetch(self, unit: Unit, direction: int) -> None:
+        order = self.forward_order
+        if not self.prefetch_depth or unit not in order:
+            return
+        i = order.index(unit)
+        span = order[i + 1: i + 1 + self.prefetch_depth] if direction > 0 else \
+            list(reversed(order[max(0, i - self.prefetch_depth): i]))
+        for nxt in span:
+            if nxt.state is ShardedState.SHARDED and not nxt.gathering:
+                nxt.unshard(async_op=True)

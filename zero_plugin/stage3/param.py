@@ -1,0 +1,85 @@
+"""One parameter's sharded/unsharded lifecycle at stage 3 (ZeRO paper, section 5.3).
+
+[Note: stage-3 parameter storage]
+The ``nn.Parameter`` object never changes.  Between uses ``param.data`` is this
+rank's 1-D shard (its valid region, in the storage dtype: the master dtype when
+``param_dtype`` is lower).  While its unit is gathered, ``param.data`` is
+``unsharded``: a full-shape tensor in ``param_dtype`` whose *storage object is
+kept for the whole training run*; releasing resizes that storage to 0 bytes and
+gathering resizes it back and refills it.  Autograd may have saved views of the
+unsharded tensor in forward (``weight.t()`` in ``F.linear``); keeping the storage
+object alive and refilling it before backward keeps those views valid, and
+freeing by resize keeps the memory bounded.  Writes go through ``.data`` aliases
+so that autograd's version counters are untouched (the data is the same values).
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from .._flat import ShardLayout, copy_from_rows
+
+__all__ = ["ShardedParam", "ShardedState"]
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"          # param.data is the local shard; unsharded storage is 0 bytes
+    UNSHARDED = "unsharded"      # param.data is the full tensor
+
+
+class ShardedParam:
+    """Owns one parameter's local shard, its reusable unsharded storage and its shard gradient."""
+
+    __slots__ = ("param", "name", "layout", "shape", "local", "unsharded", "sharded_grad", "state")
+
+    def __init__(self, param: nn.Parameter, name: str, full: torch.Tensor, layout: ShardLayout,
+                 storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+        self.param = param
+        self.name = name
+        self.layout = layout
+        self.shape = tuple(full.shape)
+        self.local = layout.local_view(full.detach().contiguous()).to(storage_dtype, copy=True)
+        self.unsharded = torch.empty(self.shape, dtype=compute_dtype, device=full.device)
+        self._free_unsharded()
+        self.sharded_grad: torch.Tensor | None = None
+        self.state = ShardedState.SHARDED
+        param.data = self.local
+
+    # -- transitions ----------------------------------------------------------
+    def to_unsharded(self, rows: torch.Tensor) -> None:
+        """Fill the full tensor from gathered ``(world_size, shard_numel)`` rows and expose it."""
+        assert self.state is ShardedState.SHARDED, f"{self.name}: to_unsharded from {self.state}"
+        storage = self.unsharded.untyped_storage()
+        storage.resize_(self.layout.numel * self.unsharded.element_size())
+        copy_from_rows(self.unsharded.data.view(-1), rows, self.layout)
+        self.param.data = self.unsharded
+        self.state = ShardedState.UNSHARDED
+
+    def to_sharded(self) -> None:
+        assert self.state is ShardedState.UNSHARDED, f"{self.name}: to_sharded from {self.state}"
+        self.param.data = self.local
+        self._free_unsharded()
+        self.state = ShardedState.SHARDED
+
+    def _free_unsharded(self) -> None:
+        self.unsharded.untyped_storage().resize_(0)
+
+    # -- data movement ----------------------------------------------------------
+    def copy_local_into(self, dst: torch.Tensor) -> None:
+        """Copy-in for the all-gather: the local shard (cast to the compute dtype) into ``dst``."""
+        dst[: self.local.numel()].copy_(self.local)
+        if self.local.numel() < dst.numel():
+            dst[self.local.numel():].zero_()
+
+    @torch.no_grad()
+    def write_full_into_local(self, full: torch.Tensor) -> None:
+        """Take this rank's region of an edited full tensor (load, gathered edit)."""
+        self.local.copy_(self.layout.local_view(full.detach().reshape(-1).contiguous()))
+
+    def accumulate_grad(self, reduced: torch.Tensor) -> None:
+        if self.sharded_grad is None:
+            self.sharded_grad = reduced.to(self.local.dtype, copy=True)
+        else:
+            self.sharded_grad.add_(reduced.to(self.local.dtype))

@@ -1,0 +1,160 @@
+"""A stage-3 unit: parameters gathered, released and reduced together.
+
+Pipelines (one collective per dtype present in the unit):
+  unshard:      copy_in (local shards) -> all_gather (async) -> [wait] -> copy_out (to_unsharded)
+  reduce_grads: copy_in (full grads, padded) -> reduce_scatter (async) -> [wait] -> accumulate shard grads
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._flat import copy_padded_rows
+from ..collectives import Comm
+from .param import ShardedParam, ShardedState
+
+__all__ = ["Unit", "BackwardState"]
+
+
+class BackwardState(enum.Enum):
+    IDLE = "idle"                  # no backward of this unit in flight
+    PRE_BACKWARD = "pre_backward"  # gathered for backward, gradients pending
+    POST_BACKWARD = "post_backward"  # the unit's backward ops finished (inputs' grads computed)
+
+
+@dataclass(eq=False)
+class _Pending:
+    """One in-flight collective with the buffers it needs until completion."""
+
+    params: list[ShardedParam]
+    offsets: list[int]
+    width: int
+    output: torch.Tensor
+    work: Any
+    buffer: torch.Tensor | None = None
+
+
+class Unit:
+    def __init__(self, index: int, name: str, module: nn.Module, params: list[ShardedParam],
+                 comm: Comm, reduce_dtype: torch.dtype | None) -> None:
+        self.index = index
+        self.name = name
+        self.module = module
+        self.params = params
+        self.trainable = [sp for sp in params if sp.param.requires_grad]
+        self.comm = comm
+        self.reduce_dtype = reduce_dtype
+        self.state = ShardedState.SHARDED
+        self.backward_state = BackwardState.IDLE
+        self.ready: set[int] = set()          # id(param) of trainable params whose grad is final
+        self.reduced = False                  # this backward's reduce-scatter was launched
+        self.wrapped_inputs = False           # a post-backward hook sits on this forward's inputs
+        self._gather: list[_Pending] = []
+
+    def __repr__(self) -> str:
+        return f"Unit({self.index}, {self.name!r}, {self.state.value})"
+
+    # -- gather ---------------------------------------------------------------
+    @property
+    def gathering(self) -> bool:
+        return bool(self._gather)
+
+    @torch.no_grad()
+    def unshard(self, async_op: bool = False) -> None:
+        if self.state is ShardedState.UNSHARDED or self._gather:
+            if not async_op:
+                self.wait_unshard()
+            return
+        n = self.comm.world_size
+        for dtype, group in _by_dtype(self.params, lambda sp: sp.unsharded.dtype).items():
+            offsets, width = _offsets(group)
+            device = group[0].local.device
+            inp = torch.empty(width, dtype=dtype, device=device)
+            for sp, off in zip(group, offsets):
+                sp.copy_local_into(inp[off: off + sp.layout.shard_numel])
+            out = torch.empty(n * width, dtype=dtype, device=device)
+            work = self.comm.all_gather(out, inp, async_op=True)
+            self._gather.append(_Pending(group, offsets, width, out, work, inp))
+        if not async_op:
+            self.wait_unshard()
+
+    @torch.no_grad()
+    def wait_unshard(self) -> None:
+        pending, self._gather = self._gather, []
+        for p in pending:
+            p.work.wait()
+            rows = p.output.view(self.comm.world_size, p.width)
+            for sp, off in zip(p.params, p.offsets):
+                sp.to_unsharded(rows[:, off: off + sp.layout.shard_numel])
+        for sp in self.params:   # zero-size parameters take part in no collective
+            if sp.layout.numel == 0 and sp.state is ShardedState.SHARDED:
+                sp.to_unsharded(torch.empty(self.comm.world_size, 0, dtype=sp.unsharded.dtype))
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        if self._gather:
+            self.wait_unshard()
+        if self.state is ShardedState.SHARDED:
+            return
+        for sp in self.params:
+            sp.to_sharded()
+        self.state = ShardedState.SHARDED
+
+    # -- gradients ------------------------------------------------------------
+    def mark_ready(self, param: torch.Tensor) -> bool:
+        """Record that ``param``'s gradient is final; True when every trainable param is ready."""
+        self.ready.add(id(param))
+        return len(self.ready) >= len(self.trainable)
+
+    @torch.no_grad()
+    def reduce_grads(self) -> list[_Pending]:
+        """Launch the reduce-scatter of this unit's full grads (missing ones count as zeros)."""
+        self.reduced = True
+        n = self.comm.world_size
+        launched = []
+        grad_dtype = lambda sp: self.reduce_dtype or sp.unsharded.dtype  # noqa: E731
+        for dtype, group in _by_dtype(self.trainable, grad_dtype).items():
+            offsets, width = _offsets(group)
+            buf = torch.empty(n, width, dtype=dtype, device=group[0].local.device)
+            for sp, off in zip(group, offsets):
+                grad = sp.param.grad
+                copy_padded_rows(buf[:, off: off + sp.layout.shard_numel],
+                                 None if grad is None else grad.reshape(-1), sp.layout)
+                sp.param.grad = None
+            out = torch.empty(width, dtype=dtype, device=buf.device)
+            work = self.comm.reduce_scatter(out, buf.view(-1), async_op=True)
+            launched.append(_Pending(group, offsets, width, out, work, buf))
+        return launched
+
+    @torch.no_grad()
+    def complete_reduce(self, pending: _Pending) -> None:
+        pending.work.wait()
+        pending.output.div_(self.comm.world_size)
+        for sp, off in zip(pending.params, pending.offsets):
+            sp.accumulate_grad(pending.output[off: off + sp.layout.local_numel])
+
+    def reset_backward(self) -> None:
+        self.ready.clear()
+        self.reduced = False
+        self.wrapped_inputs = False
+        self.backward_state = BackwardState.IDLE
+
+
+def _by_dtype(params: list[ShardedParam], key) -> dict[torch.dtype, list[ShardedParam]]:
+    groups: dict[torch.dtype, list[ShardedParam]] = {}
+    for sp in params:
+        if sp.layout.numel:
+            groups.setdefault(key(sp), []).append(sp)
+    return groups
+
+
+def _offsets(group: list[ShardedParam]) -> tuple[list[int], int]:
+    offsets, width = [], 0
+    for sp in group:
+        offsets.append(width)
+        width += sp.layout.shard_numel
+    return offsets, width
