@@ -7,7 +7,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from . import _validate
+from . import _validate, materialize
 from .collectives import Comm
 from .config import ZeroConfig
 from .engine import engine_of, register_engine
@@ -33,10 +33,12 @@ def _check_implemented(config: ZeroConfig) -> None:
 
 
 def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
-          group: Any = None) -> tuple[nn.Module, ZeroOptimizer]:
+          group: Any = None, *, param_source: Any = None) -> tuple[nn.Module, ZeroOptimizer]:
     """Shard ``model`` and ``optimizer`` in place for ``config.stage``; collective over ``group``.
 
     Returns the same module object and a :class:`ZeroOptimizer` wrapping ``optimizer``.
+    A model built on the meta device (``zp.materialize.empty_model``) is materialised from
+    ``param_source`` (see ``zero_plugin/materialize.py``); at stage 3 one unit at a time.
     """
     config = ZeroConfig() if config is None else config
     if not isinstance(config, ZeroConfig):
@@ -48,9 +50,11 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
     comm = Comm(group)
     trainable = _validate.trainable_parameters(model, optimizer)
     _validate.check_ranks_agree(model, config, comm)
+    source = materialize.as_source(param_source)
     if config.stage < 3:
+        materialize.materialize_all(model, source, comm)
         _validate.broadcast_module_state(model, comm)
-    engine = build_engine(model, trainable, config, comm)
+    engine = build_engine(model, trainable, config, comm, source)
     _rebind_optimizer(optimizer, engine)
     register_engine(model, engine)
     zero_optimizer = ZeroOptimizer(optimizer, engine)

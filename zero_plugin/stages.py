@@ -39,10 +39,10 @@ _REPLICATED = {
 
 
 def build_engine(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig,
-                 comm: Comm) -> Engine:
+                 comm: Comm, param_source=None) -> Engine:
     if config.stage == 3:
         from .stage3.engine import build_stage3_engine
-        return build_stage3_engine(model, trainable, config, comm)
+        return build_stage3_engine(model, trainable, config, comm, param_source)
     spec = _REPLICATED[config.stage]
     slots = make_masters(trainable, comm, config, sharded=spec.sharded_masters)
     bucket_bytes = int(config.bucket_size_mb * 2**20)

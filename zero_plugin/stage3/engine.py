@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .._flat import ShardLayout
+from ..materialize import ParamSource, owners_of, to_real
 from ..collectives import Comm
 from ..config import ZeroConfig
 from ..engine import Engine
@@ -27,7 +28,7 @@ __all__ = ["Stage3Engine", "build_stage3_engine"]
 
 
 def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig,
-                        comm: Comm) -> "Stage3Engine":
+                        comm: Comm, param_source: ParamSource | None = None) -> "Stage3Engine":
     if config.persistence_threshold:
         raise NotImplementedError("ZeroConfig.persistence_threshold > 0 is not implemented yet (issue: Core engine "
                                   "II: ZeRO-3 parameter sharding)")
@@ -35,10 +36,13 @@ def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Paramete
     names = {id(p): n for n, p in model.named_parameters()}
     sharded: dict[int, ShardedParam] = {}
     per_unit: list[list[ShardedParam]] = [[] for _ in modules]
-    for name, p in model.named_parameters():
-        sp = _shard_one(p, name, comm, config)
-        sharded[id(p)] = sp
-        per_unit[owner[id(p)]].append(sp)
+    all_params = list(model.parameters())
+    for index in range(len(modules)):   # one unit at a time: never the whole model unsharded
+        params = [p for p in all_params if owner[id(p)] == index]
+        for p, full in zip(params, _full_tensors(model, params, param_source, comm)):
+            sp = _shard_one(p, names[id(p)], full, comm, config)
+            sharded[id(p)] = sp
+            per_unit[index].append(sp)
     _broadcast_buffers(model, comm)
     units = [Unit(i, name, module, per_unit[i], comm, config.effective_reduce_dtype)
              for i, (name, module) in enumerate(modules)]
@@ -47,8 +51,27 @@ def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Paramete
 
 
 @torch.no_grad()
-def _shard_one(p: nn.Parameter, name: str, comm: Comm, config: ZeroConfig) -> ShardedParam:
-    full = p.data.contiguous()
+def _full_tensors(model: nn.Module, params: list[nn.Parameter], source: ParamSource | None,
+                  comm: Comm) -> list[torch.Tensor]:
+    """Full values of one unit's parameters: the live data, or fresh tensors filled from ``source``."""
+    meta = [p for p in params if p.is_meta]
+    if meta and source is None:
+        name = owners_of(model, meta[:1])[0][2]
+        raise ValueError(f"zp.setup: parameter {name!r} is on the meta device; pass param_source= (a safetensors "
+                         "path, zp.materialize.from_init_fn(...), or a fill function) so it can be materialised")
+    fulls = {id(p): torch.empty(p.shape, dtype=p.dtype) for p in meta}
+    if meta and comm.rank == 0:   # other ranks receive rank 0's values in the broadcast
+        owners = owners_of(model, meta)
+        source.fill([(m, a, n, fulls[id(p)]) for (m, a, n), p in zip(owners, meta)])
+    for p in meta:
+        if p.is_meta:
+            to_real(p, fulls[id(p)])
+    return [fulls.get(id(p), p.data) for p in params]
+
+
+@torch.no_grad()
+def _shard_one(p: nn.Parameter, name: str, full: torch.Tensor, comm: Comm, config: ZeroConfig) -> ShardedParam:
+    full = full.contiguous()
     comm.broadcast(full, src=0)   # every rank starts from rank 0's values (DDP semantics)
     compute = config.param_dtype or p.dtype
     storage = config.master_dtype if config.param_dtype is not None and p.dtype.is_floating_point else p.dtype

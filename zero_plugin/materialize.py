@@ -1,0 +1,188 @@
+"""Models bigger than one rank: build on the meta device, fill unit by unit.
+
+``zp.setup(model, optimizer, config, param_source=...)`` accepts a model whose
+parameters live on the meta device.  At stage 3 each unit's parameters are
+allocated full-size one unit at a time, filled from ``param_source``, sharded
+and freed, so no rank ever holds more than one unit unsharded.  Sources:
+
+* :func:`from_safetensors` -- a ``.safetensors`` file, a folder of them, or an
+  ``*.safetensors.index.json`` (the layout ``save_pretrained`` writes);
+* :func:`from_init_fn` -- ``fn(module)`` run on each module that directly owns
+  parameters, e.g. ``model._init_weights`` of a transformers model;
+* a callable ``(name, tensor) -> None`` that fills ``tensor`` in place.
+
+:func:`empty_model` builds any model with parameters on meta and real buffers
+(rotary tables etc.); :func:`pretrained_on_meta` does it for a transformers
+checkpoint folder and returns the matching safetensors source.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["ParamSource", "empty_model", "from_safetensors", "from_init_fn", "pretrained_on_meta", "as_source"]
+
+
+class ParamSource:
+    """Fills full-size parameter tensors of one unit."""
+
+    def fill(self, owners: list[tuple[nn.Module, str, str, torch.Tensor]]) -> None:
+        """``owners``: (module, attribute name, qualified name, empty full tensor) per parameter."""
+        raise NotImplementedError
+
+
+class _TensorFnSource(ParamSource):
+    def __init__(self, fn: Callable[[str, torch.Tensor], None]) -> None:
+        self.fn = fn
+
+    def fill(self, owners) -> None:
+        for _, _, name, full in owners:
+            self.fn(name, full)
+
+
+class _SafetensorsSource(ParamSource):
+    def __init__(self, path: str | os.PathLike, prefix_map: Callable[[str], list[str]] | None = None) -> None:
+        self.files = _safetensors_files(Path(path))
+        self.where: dict[str, Path] = {}
+        from safetensors import safe_open
+        for f in self.files:
+            with safe_open(str(f), framework="pt") as handle:
+                for key in handle.keys():
+                    self.where[key] = f
+        self.prefix_map = prefix_map or _candidate_keys
+
+    def fill(self, owners) -> None:
+        from safetensors import safe_open
+        for _, _, name, full in owners:
+            key = next((k for k in self.prefix_map(name) if k in self.where), None)
+            if key is None:
+                raise KeyError(f"zero_plugin: parameter {name!r} is not in {[str(f) for f in self.files]}; "
+                               "the checkpoint does not match the model")
+            with safe_open(str(self.where[key]), framework="pt") as handle:
+                value = handle.get_tensor(key)
+            if tuple(value.shape) != tuple(full.shape):
+                raise ValueError(f"zero_plugin: {key!r} in {self.where[key]} has shape {tuple(value.shape)}, "
+                                 f"the model expects {tuple(full.shape)}")
+            full.copy_(value)
+
+
+class _InitFnSource(ParamSource):
+    def __init__(self, fn: Callable[[nn.Module], None]) -> None:
+        self.fn = fn
+
+    def fill(self, owners) -> None:
+        modules = {}
+        for module, attr, _, full in owners:
+            to_real(getattr(module, attr), full)
+            modules[id(module)] = module
+        for module in modules.values():
+            self.fn(module)
+        for module, attr, _, full in owners:
+            data = getattr(module, attr).data
+            if data.data_ptr() != full.data_ptr():
+                full.copy_(data)
+
+
+def _candidate_keys(name: str) -> list[str]:
+    # PEFT and task wrappers prefix names; checkpoints may or may not carry them.
+    keys = [name]
+    for prefix in ("base_model.model.", "module.", "_orig_mod."):
+        if name.startswith(prefix):
+            keys.append(name[len(prefix):])
+    return keys + [k.replace(".base_layer.", ".") for k in keys]
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise FileNotFoundError(f"zero_plugin: no checkpoint at {path}")
+    if path.is_file() and path.name.endswith(".json"):
+        index = json.loads(path.read_text())
+        return sorted({path.parent / f for f in index["weight_map"].values()})
+    if path.is_file():
+        return [path]
+    index = sorted(path.glob("*.safetensors.index.json"))
+    if index:
+        return _safetensors_files(index[0])
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"zero_plugin: no *.safetensors files in {path}")
+    return files
+
+
+def from_safetensors(path: str | os.PathLike) -> ParamSource:
+    return _SafetensorsSource(path)
+
+
+def from_init_fn(fn: Callable[[nn.Module], None]) -> ParamSource:
+    return _InitFnSource(fn)
+
+
+def as_source(source) -> ParamSource | None:
+    if source is None or isinstance(source, ParamSource):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return from_safetensors(source)
+    if callable(source):
+        return _TensorFnSource(source)
+    raise ValueError(f"zp.setup: param_source must be a path, a ParamSource or a callable; got {type(source).__name__}")
+
+
+def empty_model(build: Callable[[], nn.Module]) -> nn.Module:
+    """Run ``build()`` with parameters created on the meta device (buffers stay real)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = build()
+    if hasattr(model, "tie_weights"):   # transformers models tie embeddings after init; on meta they come apart
+        model.tie_weights()
+    return model
+
+
+def pretrained_on_meta(name_or_path: str | os.PathLike, **config_kwargs) -> tuple[nn.Module, ParamSource]:
+    """A transformers causal LM from a local checkpoint folder, on meta, plus its weights as a source."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(name_or_path, **config_kwargs)
+    model = empty_model(lambda: AutoModelForCausalLM.from_config(cfg))
+    return model, from_safetensors(name_or_path)
+
+
+def has_meta_params(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def owners_of(model: nn.Module, params: list[nn.Parameter]) -> list[tuple[nn.Module, str, str]]:
+    """(module, attribute, qualified name) of the first registration of each parameter."""
+    wanted = {id(p) for p in params}
+    found: dict[int, tuple[nn.Module, str, str]] = {}
+    for mname, module in model.named_modules():
+        for attr, p in module.named_parameters(recurse=False):
+            if id(p) in wanted and id(p) not in found:
+                found[id(p)] = (module, attr, f"{mname}.{attr}" if mname else attr)
+    return [found[id(p)] for p in params]
+
+
+@torch.no_grad()
+def materialize_all(model: nn.Module, source: ParamSource | None, comm) -> None:
+    """Stages 0-2 keep full parameters anyway: fill every meta parameter on rank 0 (then broadcast)."""
+    meta = [p for p in model.parameters() if p.is_meta]
+    if not meta:
+        return
+    if source is None:
+        raise ValueError(f"zp.setup: parameter {owners_of(model, meta[:1])[0][2]!r} is on the meta device; pass "
+                         "param_source= so it can be materialised")
+    fulls = [torch.empty(p.shape, dtype=p.dtype) for p in meta]
+    if comm.rank == 0:
+        source.fill([(m, a, n, f) for (m, a, n), f in zip(owners_of(model, meta), fulls)])
+    for p, f in zip(meta, fulls):
+        to_real(p, f)
+
+
+def to_real(param: nn.Parameter, full: torch.Tensor) -> None:
+    """Give a meta parameter real storage while keeping its Python object (optimizer, PEFT, ties)."""
+    torch.utils.swap_tensors(param, nn.Parameter(full, requires_grad=param.requires_grad))
