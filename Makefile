@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(VPY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(VPY) -m zero_plugin.demo
+	OMP_NUM_THREADS=1 $(VPY) -m torch.distributed.run --nproc-per-node 2 examples/quickstart.py --stage 3
 
 bench: $(STAMP)
 	$(VPY) -m pip install -q -e '.[bench]'

@@ -52,9 +52,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", choices=list(SIZES), default="small")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--steps", type=int, default=10, help="timed steps per variant per round")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1: optimizer state exists)")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant per round (default 10; smoke 5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first, >= 1 (default 3; smoke 2)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--seed", type=int, default=0)
@@ -62,12 +62,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="time the engine's internal phases (small overhead)")
     p.add_argument("--out", type=Path, default=None, help="report path (default benchmarks/results/<size>-ws<N>.md)")
     args = p.parse_args(argv)
+    quick = args.size == "smoke"   # a quick check: under ~2 minutes on 2 cores
+    args.steps = args.steps if args.steps is not None else (5 if quick else 10)
+    args.warmup = args.warmup if args.warmup is not None else (2 if quick else 3)
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1 or args.world_size < 1:
         p.error("--warmup, --steps, --rounds and --world-size must be >= 1")
     return args
 
 
-def _header(args: argparse.Namespace, threads: int, rss_method: str, wall: float) -> dict:
+def _load() -> str:
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _header(args: argparse.Namespace, threads: int, rss_method: str, wall: float, load_before: str) -> dict:
     import transformers
 
     return {
@@ -80,6 +87,8 @@ def _header(args: argparse.Namespace, threads: int, rss_method: str, wall: float
                     f"{args.warmup} warm-up + {args.steps} timed steps × {args.rounds} interleaved rounds",
         "peak RSS method": rss_method,
         "wall time": f"{wall:.0f} s",
+        "load average (1/5/15 min) before / after": f"{load_before}  /  {_load()} (> {args.world_size} means "
+                                                    "other jobs shared the cores: trust CPU s more than step s)",
     }
 
 
@@ -91,13 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = RunConfig(size=args.size, world_size=args.world_size, variants=tuple(variants), steps=args.steps,
                         warmup=args.warmup, rounds=args.rounds, batch=args.batch, seq=args.seq, seed=args.seed,
                         lr=args.lr, threads=threads, port=_free_port(), out_dir=tmp, profile=args.profile)
-        t0 = time.perf_counter()
+        load_before, t0 = _load(), time.perf_counter()
         mp.spawn(worker, args=(cfg,), nprocs=args.world_size, join=True)
         wall = time.perf_counter() - t0
         dumps = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world_size)]
     records = [rec for d in dumps for rec in d["records"]]
     rows, skipped = summarise(records, variants, args.world_size)
-    text = markdown(rows, skipped, _header(args, threads, dumps[0]["rss_method"], wall))
+    text = markdown(rows, skipped, _header(args, threads, dumps[0]["rss_method"], wall, load_before))
     print(text)
     out = args.out or RESULTS / f"{args.size}-ws{args.world_size}.md"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -69,19 +69,28 @@ class PhaseProfiler:
 
         setattr(comm, method, issued)
 
+    def _time_if(self, obj, method: str, label: str) -> None:
+        """Engines differ by stage (and evolve): time only what this one has."""
+        if obj is not None and callable(getattr(obj, method, None)):
+            self._time(obj, method, label)
+
     def _instrument_zero_plugin(self, variant) -> None:
         engine = variant._engine()
-        reducer = engine.reducer
-        self._time(reducer, "_launch", "grad copy-in + launch (in backward)")
-        self._time(reducer, "finish", "end-of-backward flush + wait + copy-out")
-        self._time(reducer, "_complete", "grad copy-out")
         for method in ("all_reduce", "reduce_scatter", "all_gather"):
             self._time_waits(engine.comm, method)
         self._time(engine, "before_step", "before_step (set master grads)")
         self._time(variant.optimizer.inner, "step", "inner optimizer step (Adam math)")
         self._time(engine, "after_step", "after_step (write-back + param all-gather)")
-        if engine.param_sync is not None:
-            self._time(engine.param_sync, "run", "param all-gather (total)")
+        reducer = getattr(engine, "reducer", None)          # stages 0-2
+        self._time_if(reducer, "_launch", "grad copy-in + launch (in backward)")
+        self._time_if(reducer, "finish", "end-of-backward flush + wait + copy-out")
+        self._time_if(reducer, "_complete", "grad copy-out")
+        self._time_if(getattr(engine, "param_sync", None), "run", "param all-gather (total)")
+        runtime = getattr(engine, "runtime", None)          # stage 3
+        self._time_if(runtime, "finalize_backward", "stage-3 finalize_backward")
+        for unit in getattr(engine, "units", []):
+            for method in ("unshard", "wait_unshard", "reshard", "reduce_grads", "complete_reduce"):
+                self._time_if(unit, method, f"stage-3 unit.{method}")
 
     def _instrument_torch(self, variant) -> None:
         opt = variant.optimizer

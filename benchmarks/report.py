@@ -32,6 +32,7 @@ def _summarise_one(recs: list[dict], world_size: int) -> dict:
     reported = [r["state"].get("zp_reported_total") for r in last]
     row = {
         "step": statistics.median(_per_step_max(recs, "total")),
+        "cpu": statistics.median(_per_step_max(recs, "cpu")),
         "phases": {k: statistics.median(_per_step_max(recs, k)) for k in _PHASES},
         "psi": psi, "stage": stage, "state": state,
         "state_theory": theory_state_bytes(stage, psi, world_size),
@@ -71,15 +72,16 @@ def _num(x, fmt: str) -> str:
 
 
 def _main_table(rows: dict) -> list[str]:
-    ddp = rows.get("ddp", {}).get("step")
-    lines = ["| variant | step (s) | ×DDP | model states / rank (MiB) | ×ZeRO theory | peak RSS Δ (MiB) "
+    ddp, ddp_cpu = rows.get("ddp", {}).get("step"), rows.get("ddp", {}).get("cpu")
+    lines = ["| variant | step (s) | ×DDP | CPU s / step | CPU ×DDP | model states / rank (MiB) | ×ZeRO theory | peak RSS Δ (MiB) "
              "| comm / step / rank (Ψ·4 B) | max abs Δθ vs DDP | ‖θ−θ_DDP‖/‖θ_DDP−θ₀‖ |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         ratio = f"{r['step'] / ddp:.3f}" if ddp else "n/a"
+        cpu_ratio = f"{r['cpu'] / ddp_cpu:.3f}" if ddp_cpu else "n/a"
         mark = " ⚠" if r["state_mismatch"] else ""
         lines.append(
-            f"| {name} | {r['step']:.3f} | {ratio} | {r['state'] / MIB:.1f}{mark} | {r['state'] / r['state_theory']:.3f} "
+            f"| {name} | {r['step']:.3f} | {ratio} | {r['cpu']:.3f} | {cpu_ratio} | {r['state'] / MIB:.1f}{mark} | {r['state'] / r['state_theory']:.3f} "
             f"| {r['rss'] / MIB:.0f} | {_comm_text(r['comm'])} | {_num(r['max_abs_diff'], '.2e')} "
             f"| {_num(r['rel_diff'], '.2e')} |")
     return lines
@@ -120,7 +122,9 @@ def markdown(rows: dict, skipped: dict, header: dict) -> str:
 
 _DEFINITIONS = [
     "- step: median over all timed steps of all rounds of the slowest rank's forward + backward + "
-    "optimizer.step + zero_grad; ×DDP divides by DDP's median from the same run.",
+    "optimizer.step + zero_grad; ×DDP divides by DDP's median from the same run. CPU s / step: the same "
+    "median of the process CPU time (all threads, `time.process_time`), which other jobs on the machine "
+    "disturb far less than wall time; compare the load averages in the header.",
     "- model states: distinct `untyped_storage().nbytes()` of parameters, gradients and optimizer state "
     "(FSDP2: DTensor local tensors; zero_plugin: also the engine's gradient shards and masters), after the first "
     "timed backward, before its step (untimed); largest rank, last round. ZeRO theory: 16Ψ / 8Ψ+8Ψ/N / 4Ψ+12Ψ/N / "

@@ -112,7 +112,7 @@ def _profiler(variant):
 
 
 def _train(variant, batches: list[torch.Tensor], cfg: RunConfig, profiler) -> dict:
-    times = {k: [] for k in (*PHASES, "total")}
+    times = {k: [] for k in (*PHASES, "total", "cpu")}
     losses, state = [], {}
     with variant.counting():
         for step, ids in enumerate(batches):
@@ -126,28 +126,33 @@ def _train(variant, batches: list[torch.Tensor], cfg: RunConfig, profiler) -> di
             state = state_now if measure else state
             losses.append(loss)
             if step >= cfg.warmup:
-                for k, d in zip(PHASES, durations):
+                for k, d in durations.items():
                     times[k].append(d)
-                times["total"].append(sum(durations))
         comm = variant.comm()
     return {"times": times, "state": state, "comm": {k: v / cfg.steps for k, v in comm.items()},
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 
-def _one_step(variant, ids: torch.Tensor, measure: bool) -> tuple[list[float], float, dict]:
-    """forward, backward, step, zero_grad; model states measured (untimed) between backward and step."""
-    t0 = time.perf_counter()
+def _one_step(variant, ids: torch.Tensor, measure: bool) -> tuple[dict[str, float], float, dict]:
+    """forward, backward, step, zero_grad; model states measured (untimed) between backward and step.
+
+    ``cpu`` is this process's CPU time (all its threads) for the step: unlike wall time it barely
+    moves when other jobs share the machine.
+    """
+    c0, t0 = time.process_time(), time.perf_counter()
     loss = variant.loss(ids)
     t1 = time.perf_counter()
     loss.backward()
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     state = _measure_state(variant) if measure else {}
-    t2b = time.perf_counter()
+    c2b, t2b = time.process_time(), time.perf_counter()
     variant.optimizer.step()
     t3 = time.perf_counter()
     variant.optimizer.zero_grad()
-    t4 = time.perf_counter()
-    return [t1 - t0, t2 - t1, t3 - t2b, t4 - t3], float(loss.detach()), state
+    t4, c4 = time.perf_counter(), time.process_time()
+    phases = dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2b, t4 - t3)))
+    phases.update(total=sum(phases.values()), cpu=(c2 - c0) + (c4 - c2b))
+    return phases, float(loss.detach()), state
 
 
 def _measure_state(variant) -> dict:

@@ -98,6 +98,7 @@ class Stage3Engine(Engine):
         self.unit_of = {id(sp.param): u for u in units for sp in u.params}
         self.runtime = Stage3Runtime(units, config.prefetch_depth, config.reshard_after_forward)
         self.runtime.register()
+        _mark_for_synced_generate(model, comm)
 
     # -- step ---------------------------------------------------------------------
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
@@ -214,6 +215,17 @@ class Stage3Engine(Engine):
     def remove(self) -> None:
         self.runtime.remove()
         super().remove()
+
+
+def _mark_for_synced_generate(model: nn.Module, comm: Comm) -> None:
+    """[Note: synced generate] Every stage-3 forward is collective, so a rank that finished generating
+    must keep running forwards until all have.  transformers' ``generate`` does that (``synced_gpus``)
+    for modules carrying ``_is_fsdp_managed_module``; we set it on the model's transformers modules."""
+    if comm.world_size == 1:
+        return
+    for module in model.modules():
+        if hasattr(module, "generate"):
+            module._is_fsdp_managed_module = True
 
 
 def _all_names(model: nn.Module) -> dict[int, list[str]]:

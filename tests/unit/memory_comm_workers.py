@@ -1,0 +1,231 @@
+"""Functions that run inside the ranks of ``tests/unit/test_memory_comm.py``."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zero_plugin as zp
+from zero_plugin.engine import engine_of
+
+# Odd sizes (padding on 2-4 ranks) and ~295k parameters, so padding is negligible next to Ψ.
+SIZES = (257, 509, 255, 131)
+ROWS_PER_RANK = 4
+
+
+def build_model() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        layers = []
+        for d_in, d_out in zip(SIZES[:-1], SIZES[1:]):
+            layers += [nn.Linear(d_in, d_out), nn.Tanh()]
+        return nn.Sequential(*layers[:-1])
+
+
+def numel_of_model() -> tuple[int, list[int]]:
+    sizes = [p.numel() for p in build_model().parameters()]
+    return sum(sizes), sizes
+
+
+def _config(stage: int, mixed: bool, **extra) -> zp.ZeroConfig:
+    return zp.ZeroConfig(stage=stage, param_dtype="bf16" if mixed else None, **extra)
+
+
+def _setup(stage: int, mixed: bool, **extra):
+    model = build_model()
+    return zp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), _config(stage, mixed, **extra))
+
+
+def _backward(model, seed: int) -> None:
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    x = torch.randn(ROWS_PER_RANK, SIZES[0], generator=gen).to(dtype)
+    y = torch.randn(ROWS_PER_RANK, SIZES[-1], generator=gen).to(dtype)
+    F.mse_loss(model(x), y).backward()
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
+def _unique_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = _storage_key(t)
+        if t.untyped_storage().nbytes() and key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def independent_count(model, opt) -> int:
+    """Bytes of every distinct storage reachable from the model, the optimizer and the engine's grad shards."""
+    tensors = []
+    for p in model.parameters():
+        tensors += [p] + ([p.grad] if p.grad is not None else [])
+    for group in opt.param_groups:
+        for p in group["params"]:
+            tensors += [p] + ([p.grad] if p.grad is not None else [])
+    for state in opt.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    tensors += engine_of(model, "x").model_state_tensors()["grads"]
+    return _unique_bytes(tensors)
+
+
+def _all_live_tensors() -> list[torch.Tensor]:
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not o.is_meta]
+
+
+def _live_tensor_bytes(baseline: list[torch.Tensor]) -> int:
+    """Bytes of every distinct storage held by a live Python tensor object, except the baseline's.
+
+    The caller keeps ``baseline`` alive, so none of its storage addresses can be reused meanwhile.
+    """
+    exclude = {_storage_key(t) for t in baseline}
+    return _unique_bytes(t for t in _all_live_tensors() if _storage_key(t) not in exclude)
+
+
+def memory_worker(stage: int, mixed: bool) -> dict:
+    """Report after step, zero_grad, backward (optimizer state exists; stage 2 holds its grad shards)."""
+    baseline = _all_live_tensors()
+    model, opt = _setup(stage, mixed)
+    _backward(model, seed=0)
+    opt.step()
+    opt.zero_grad()
+    _backward(model, seed=1)
+    report = zp.memory_report(model, opt)
+    return {
+        "report": report,
+        "independent": independent_count(model, opt),
+        "live": _live_tensor_bytes(baseline),
+        "full_grads": sum(p.grad is not None for p in model.parameters()),
+    }
+
+
+
+def comm_worker(stage: int, mixed: bool, bucket_size_mb: float) -> dict:
+    """comm_stats() after each phase of one accumulation step: no_sync backward, backward, clip, step."""
+    model, opt = _setup(stage, mixed, bucket_size_mb=bucket_size_mb)
+    zp.reset_comm_stats()
+    phases = {}
+    with zp.no_sync(model):
+        _backward(model, seed=0)
+    phases["no_sync_backward"] = _take_stats()
+    _backward(model, seed=1)
+    phases["backward"] = _take_stats()
+    zp.clip_grad_norm_(model, 1.0)
+    phases["clip"] = _take_stats()
+    opt.step()
+    opt.zero_grad()
+    phases["step"] = _take_stats()
+    return phases
+
+
+def _take_stats() -> dict:
+    stats = zp.comm_stats()
+    zp.reset_comm_stats()
+    return stats
+
+
+# -- every collective goes through zero_plugin/collectives.py ------------------------------------
+
+# torch.distributed function -> the comm_stats() kind zero_plugin records for it.
+COUNTED = {
+    "all_reduce": "all_reduce",
+    "all_gather_single": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "broadcast": "broadcast",
+    "all_gather_object": "all_gather_object",
+    "broadcast_object_list": "broadcast_object",
+}
+# Collectives zero_plugin is not expected to use at all: any call shows up under its own name.
+OTHERS = ("all_gather", "reduce_scatter", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
+          "gather_object", "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+          "barrier", "monitored_barrier", "send_object_list", "recv_object_list")
+
+
+class _CollectiveSpy:
+    """Counting wrappers over torch.distributed's collectives, installed wherever the originals are bound.
+
+    The wrappers replace the functions in ``torch.distributed``, ``torch.distributed.distributed_c10d``
+    and any ``zero_plugin`` module that bound one to its own name (``collectives._ALL_GATHER``), so a call
+    through any of these names is seen. A thread-local depth counts only the outermost call: torch's
+    object collectives call its tensor collectives internally.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._depth = threading.local()
+        self._undo: list[tuple[object, str, object]] = []
+
+    def _wrap(self, name: str, fn):
+        def spy(*args, **kwargs):
+            depth = getattr(self._depth, "n", 0)
+            if depth == 0:
+                self.counts[name] = self.counts.get(name, 0) + 1
+            self._depth.n = depth + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth.n = depth
+        return spy
+
+    def install(self) -> None:
+        originals = {}
+        for name in set(COUNTED) | set(OTHERS):
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                originals[id(fn)] = (name, fn)
+        modules = [dist, dist.distributed_c10d] + [m for n, m in list(sys.modules.items())
+                                                   if n.startswith("zero_plugin") and m is not None]
+        for module in modules:
+            for attr, value in list(vars(module).items()):
+                if id(value) in originals and originals[id(value)][1] is value:
+                    name, fn = originals[id(value)]
+                    self._undo.append((module, attr, value))
+                    setattr(module, attr, self._wrap(name, fn))
+
+    def remove(self) -> None:
+        for module, attr, value in reversed(self._undo):
+            setattr(module, attr, value)
+        self._undo.clear()
+
+    @contextlib.contextmanager
+    def active(self):
+        self.install()
+        try:
+            yield self
+        finally:
+            self.remove()
+
+
+def spy_worker(stage: int, mixed: bool) -> dict:
+    """Setup, an accumulation step and the state verbs, with every torch.distributed collective counted."""
+    spy = _CollectiveSpy()
+    with spy.active():
+        zp.reset_comm_stats()
+        model, opt = _setup(stage, mixed, bucket_size_mb=0.25)
+        with zp.no_sync(model):
+            _backward(model, seed=0)
+        _backward(model, seed=1)
+        zp.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+        zp.full_state_dict(model)
+        full = opt.consolidate_state_dict(to_rank=None)
+        opt.load_state_dict(full)
+        with zp.gathered_parameters(model, modifier_rank=0):
+            pass
+        zp.load_full_state_dict(model, zp.full_state_dict(model), src_rank=0)
+        stats = zp.comm_stats()
+        wrapped = sorted({attr for _, attr, _ in spy._undo})
+    return {"spy": dict(spy.counts), "stats": stats, "wrapped": wrapped}
