@@ -98,4 +98,14 @@ def parity_worker(kind: str, batches: list, steps: int, accum: int, max_norm: fl
     from zero_plugin.engine import engine_of
     out["unsharded_units_after"] = [u.name for u in engine_of(model, "test").unsharded_units()]
     out["full_state_dict"] = zp.full_state_dict(model)
+    out["checkpointing"] = _checkpointing(model)
     return out
+
+
+def _checkpointing(model) -> list:
+    """Per layer with a checkpointing switch: None when off, else the checkpoint function's use_reentrant."""
+    found = []
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+            found.append(module._gradient_checkpointing_func.keywords.get("use_reentrant"))
+    return found

@@ -95,6 +95,9 @@ def test_stage3_parity_with_reference(kind, world_size):
     for rank, r in enumerate(results):
         assert_rel_close(r["clip_norms"], ref["clip_norms"], rel, f"rank {rank} clip norm")
         assert r["unsharded_units_after"] == [], f"rank {rank}: units still gathered {r['unsharded_units_after']}"
+    ckpt = workers.KINDS[kind][1]
+    want_ckpt = [] if ckpt is None else [ckpt == "reentrant"] * 2   # both decoder layers
+    assert results[0]["checkpointing"] == want_ckpt, f"checkpointing in effect: {results[0]['checkpointing']}"
     full = results[0]["full_state_dict"]
     assert_params_match(base, full, ref, "full_state_dict on rank 0")
     assert all(r["full_state_dict"] == {} for r in results[1:]), "full_state_dict must be {} off rank 0"
