@@ -12,25 +12,11 @@ from .collectives import Comm
 from .config import ZeroConfig
 from .engine import engine_of, register_engine
 from .optim.clip import clip_owned_grads
+from .optim.offload import use_fast_cpu_kernels
 from .optim.zero_optimizer import ZeroOptimizer
 from .stages import build_engine
 
 __all__ = ["setup", "clip_grad_norm_", "no_sync", "gathered_parameters"]
-
-_NOT_YET = {
-    "offload_optimizer": "CPU-offload optimizer (ZeRO-Offload) and parameter offload",
-    "offload_params": "CPU-offload optimizer (ZeRO-Offload) and parameter offload",
-}
-
-
-def _check_implemented(config: ZeroConfig) -> None:
-    if config.offload_optimizer != "none":
-        raise NotImplementedError(f"ZeroConfig.offload_optimizer={config.offload_optimizer!r}: not implemented yet "
-                                  f"(issue: {_NOT_YET['offload_optimizer']})")
-    if config.offload_params:
-        raise NotImplementedError(f"ZeroConfig.offload_params=True: not implemented yet "
-                                  f"(issue: {_NOT_YET['offload_params']})")
-
 
 def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
           group: Any = None, *, param_source: Any = None) -> tuple[nn.Module, ZeroOptimizer]:
@@ -46,7 +32,6 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
                          "build one with zp.ZeroConfig(stage=...) or ZeroConfig.from_dict(...)")
     if isinstance(optimizer, ZeroOptimizer):
         raise ValueError("zp.setup: this optimizer is already a ZeroOptimizer; pass the original model and optimizer once")
-    _check_implemented(config)
     comm = Comm(group)
     trainable = _validate.trainable_parameters(model, optimizer)
     _validate.check_ranks_agree(model, config, comm)
@@ -56,6 +41,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
         _validate.broadcast_module_state(model, comm)
     engine = build_engine(model, trainable, config, comm, source)
     _rebind_optimizer(optimizer, engine)
+    if config.offload:
+        use_fast_cpu_kernels(optimizer)
     register_engine(model, engine)
     zero_optimizer = ZeroOptimizer(optimizer, engine)
     engine.optimizer = zero_optimizer

@@ -198,6 +198,10 @@ class ZeroConfig:
             raise ValueError(
                 "ZeroConfig.offload_params=True requires ZeroConfig.stage=3 (only stage 3 shards "
                 f"parameters); got stage={self.stage}")
+        if self.offload_optimizer == "cpu" and self.stage == 0:
+            raise ValueError(
+                "ZeroConfig.offload_optimizer='cpu' requires ZeroConfig.stage 1, 2 or 3 (ZeRO-Offload moves the "
+                "partitioned optimizer state to the host); got stage=0")
         if self.unit_classes and self.unit_policy is not None:
             raise ValueError(
                 "ZeroConfig.unit_classes and ZeroConfig.unit_policy are mutually exclusive, set at most one; "

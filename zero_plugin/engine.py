@@ -17,6 +17,7 @@ from torch import nn
 from .collectives import Comm
 from .config import ZeroConfig
 from .optim.master import MasterParam
+from .optim.offload import synchronize_copies
 
 __all__ = ["Engine", "engine_of", "register_engine"]
 
@@ -68,6 +69,7 @@ class Engine:
     def before_step(self) -> None:
         for slot in self.slots:
             slot.set_grad(self.owned_grad(slot))
+        synchronize_copies([s.master for s in self.slots if not s.is_identity])
 
     def after_step(self) -> None:
         for slot in self.slots:

@@ -19,6 +19,7 @@ from .config import ZeroConfig
 from .engine import Engine
 from .grads.reducer import GradReducer
 from .optim.master import MasterParam
+from .optim.offload import host_for
 from .optim.param_sync import ParamAllGather
 
 __all__ = ["ReplicatedEngine", "make_masters"]
@@ -36,10 +37,14 @@ def make_masters(named: list[tuple[str, nn.Parameter]], comm: Comm, config: Zero
         if config.param_dtype is not None and p.dtype != config.param_dtype:
             source = layout.local_view(p.data) if sharded else p.data.clone()
             p.data = p.data.to(config.param_dtype)
-        local = layout.local_view(p.data) if sharded else p
-        if not sharded and master_dtype is not None and master_dtype != p.dtype:
+        master_device = host_for(p.device) if config.offload else None
+        if sharded:
+            local = layout.local_view(p.data)
+        elif master_dtype in (None, p.dtype) and master_device is None:
+            local = p   # plain DDP: the optimizer steps the parameter itself
+        else:
             local = p.data
-        slots.append(MasterParam(name, p, layout, local, master_dtype, source=source))
+        slots.append(MasterParam(name, p, layout, local, master_dtype, source=source, master_device=master_device))
     return slots
 
 

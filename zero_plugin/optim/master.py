@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._flat import ShardLayout
+from .offload import pin
 
 __all__ = ["MasterParam"]
 
@@ -28,17 +29,20 @@ class MasterParam:
     __slots__ = ("name", "param", "layout", "local", "master", "separate")
 
     def __init__(self, name: str, param: nn.Parameter, layout: ShardLayout, local: torch.Tensor,
-                 master_dtype: torch.dtype | None, source: torch.Tensor | None = None) -> None:
+                 master_dtype: torch.dtype | None, source: torch.Tensor | None = None,
+                 master_device: torch.device | None = None) -> None:
         self.name = name
         self.param = param
         self.layout = layout            # where the owned region sits in the flattened parameter
         self.local = local              # view of param data holding the owned region
-        self.separate = master_dtype is not None and master_dtype != local.dtype
+        dtype = master_dtype or local.dtype
+        device = master_device or local.device
+        self.separate = dtype != local.dtype or device != local.device
         if self.separate:
             # ``source``: the region before the parameter was cast down, so no precision is lost.
             init = local if source is None else source
-            self.master = nn.Parameter(init.detach().to(master_dtype, copy=True).reshape(local.shape),
-                                       requires_grad=True)
+            data = pin(init.detach().to(device=device, dtype=dtype, copy=True).reshape(local.shape))
+            self.master = nn.Parameter(data, requires_grad=True)
         elif local is param:
             self.master = param
         else:
@@ -55,7 +59,8 @@ class MasterParam:
         if grad is None:
             self.master.grad = None
         elif self.separate or grad.dtype != self.master.dtype:
-            self.master.grad = grad.to(self.master.dtype)
+            self.master.grad = grad.to(device=self.master.device, dtype=self.master.dtype,
+                                       non_blocking=True)
         else:
             self.master.grad = grad
 
@@ -63,7 +68,7 @@ class MasterParam:
     def write_back(self) -> None:
         """After a step: copy an fp32 master into the (lower precision) parameter region."""
         if self.separate:
-            self.local.copy_(self.master)
+            self.local.copy_(self.master, non_blocking=True)
 
     @torch.no_grad()
     def refresh_from_param(self) -> None:

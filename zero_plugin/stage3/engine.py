@@ -19,6 +19,7 @@ from ..collectives import Comm
 from ..config import ZeroConfig
 from ..engine import Engine
 from ..optim.master import MasterParam
+from ..optim.offload import host_for, synchronize_copies
 from .hooks import Stage3Runtime
 from .param import ShardedParam, ShardedState
 from .policy import assign_units
@@ -46,7 +47,7 @@ def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Paramete
     _broadcast_buffers(model, comm)
     units = [Unit(i, name, module, per_unit[i], comm, config.effective_reduce_dtype)
              for i, (name, module) in enumerate(modules)]
-    slots = [MasterParam(names[id(p)], p, sharded[id(p)].layout, p, None) for _, p in trainable]
+    slots = [_master_for(sharded[id(p)], names[id(p)], config) for _, p in trainable]
     return Stage3Engine(model, config, comm, slots, units, sharded)
 
 
@@ -69,16 +70,35 @@ def _full_tensors(model: nn.Module, params: list[nn.Parameter], source: ParamSou
     return [fulls.get(id(p), p.data) for p in params]
 
 
+def _master_for(sp: ShardedParam, name: str, config: ZeroConfig) -> MasterParam:
+    """The shard itself, or (offload to a host distinct from the device) an fp32 copy on the host."""
+    master_device = host_for(sp.local.device) if config.offload else None
+    if master_device is None and (config.param_dtype is None or sp.local.dtype == config.master_dtype):
+        return MasterParam(name, sp.param, sp.layout, sp.param, None)
+    return MasterParam(name, sp.param, sp.layout, sp.local, config.master_dtype, master_device=master_device)
+
+
+def compute_device(comm: Comm) -> torch.device:
+    """Where units are gathered and computed: the current CUDA device under NCCL, else the CPU."""
+    if comm.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @torch.no_grad()
 def _shard_one(p: nn.Parameter, name: str, full: torch.Tensor, comm: Comm, config: ZeroConfig) -> ShardedParam:
-    full = full.contiguous()
+    device = compute_device(comm)
+    full = full.to(device).contiguous()
     comm.broadcast(full, src=0)   # every rank starts from rank 0's values (DDP semantics)
-    compute = config.param_dtype or p.dtype
-    storage = config.master_dtype if config.param_dtype is not None and p.dtype.is_floating_point else p.dtype
-    if not p.dtype.is_floating_point:
-        compute = p.dtype
+    floating = p.dtype.is_floating_point
+    compute = (config.param_dtype or p.dtype) if floating else p.dtype
+    # The shard doubles as the fp32 master unless offload moves the master to another device.
+    offload_master = config.offload and host_for(device) is not None
+    storage = config.master_dtype if floating and config.param_dtype is not None and not offload_master else compute
+    storage_device = host_for(device) if config.offload_params else None
     layout = ShardLayout(full.numel(), comm.world_size, comm.rank)
-    return ShardedParam(p, name, full, layout, storage_dtype=storage, compute_dtype=compute)
+    return ShardedParam(p, name, full, layout, storage_dtype=storage, compute_dtype=compute,
+                        storage_device=storage_device)
 
 
 @torch.no_grad()
@@ -106,12 +126,20 @@ class Stage3Engine(Engine):
 
     def before_step(self) -> None:
         for slot in self.slots:
-            slot.param.grad = self.sharded[id(slot.param)].sharded_grad
+            grad = self.sharded[id(slot.param)].sharded_grad
+            if slot.is_identity:
+                slot.param.grad = grad
+            else:
+                slot.set_grad(grad)
+        synchronize_copies([s.master for s in self.slots if not s.is_identity])
 
     def after_step(self) -> None:
         for slot in self.slots:
             slot.param.grad = None
             self.sharded[id(slot.param)].sharded_grad = None
+            if not slot.is_identity:
+                slot.write_back()
+                slot.master.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for slot in self.slots:

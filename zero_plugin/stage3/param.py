@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .._flat import ShardLayout, copy_from_rows
+from ..optim.offload import pin
 
 __all__ = ["ShardedParam", "ShardedState"]
 
@@ -35,12 +36,15 @@ class ShardedParam:
     __slots__ = ("param", "name", "layout", "shape", "local", "unsharded", "sharded_grad", "state")
 
     def __init__(self, param: nn.Parameter, name: str, full: torch.Tensor, layout: ShardLayout,
-                 storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+                 storage_dtype: torch.dtype, compute_dtype: torch.dtype,
+                 storage_device: torch.device | None = None) -> None:
         self.param = param
         self.name = name
         self.layout = layout
         self.shape = tuple(full.shape)
-        self.local = layout.local_view(full.detach().contiguous()).to(storage_dtype, copy=True)
+        # ``storage_device``: the host with offload_params (the shard is copied in for each gather).
+        region = layout.local_view(full.detach().contiguous())
+        self.local = pin(region.to(device=storage_device or full.device, dtype=storage_dtype, copy=True))
         self.unsharded = torch.empty(self.shape, dtype=compute_dtype, device=full.device)
         self._free_unsharded()
         self.sharded_grad: torch.Tensor | None = None
@@ -80,6 +84,6 @@ class ShardedParam:
 
     def accumulate_grad(self, reduced: torch.Tensor) -> None:
         if self.sharded_grad is None:
-            self.sharded_grad = reduced.to(self.local.dtype, copy=True)
+            self.sharded_grad = reduced.to(device=self.local.device, dtype=self.local.dtype, copy=True)
         else:
-            self.sharded_grad.add_(reduced.to(self.local.dtype))
+            self.sharded_grad.add_(reduced.to(device=self.local.device, dtype=self.local.dtype))

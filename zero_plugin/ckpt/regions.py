@@ -1,0 +1,125 @@
+"""Where each parameter's values live on this rank, for every stage.
+
+[Note: checkpoint regions]
+The checkpoint stores each parameter *flattened and unpadded* (``numel``
+elements) and cut into the regions ``ShardLayout(numel, N, r).bounds()`` of the
+N saving ranks: exactly what a rank owns at stage 3 (its shard) and stages 1-2
+(its optimizer region), and a slice of the full tensor at stage 0.  So every
+stage writes the same layout, each rank writes only its region, and loading at
+any stage and world size is slicing: a rank reads ``[lo, hi)`` of its own
+layout (stage 3 parameters, stages 1-3 optimizer state) or ``[0, numel)``
+(stage 0-2 parameters, stage 0 optimizer state).
+
+A region is read from the highest-precision copy the rank holds: the fp32
+master when ``param_dtype`` is lower (stages 0-2), the fp32 shard at stage 3.
+This module only reads engine attributes (``engine.model``, ``engine.slots``,
+stage 3's ``engine.sharded``); it changes nothing in the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .._flat import ShardLayout
+from ..optim.master import MasterParam
+from .format import CheckpointError
+
+__all__ = ["ParamView", "param_views", "persistent_buffers", "region_to_save", "state_region_to_save",
+           "load_range", "copy_param_in"]
+
+
+@dataclass(slots=True)
+class ParamView:
+    """One (deduplicated) parameter of the set-up model, as the checkpoint sees it."""
+
+    name: str
+    param: nn.Parameter
+    shape: tuple
+    slot: MasterParam | None      # None for frozen parameters
+    sharded: object | None        # stage 3: the ShardedParam holding the local shard
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        if self.sharded is not None:
+            return self.sharded.local.dtype
+        if self.slot is not None and self.slot.separate:
+            return self.slot.master.dtype
+        return self.param.dtype
+
+
+def param_views(engine) -> list[ParamView]:
+    sharded = getattr(engine, "sharded", None) or {}
+    slots = {id(s.param): s for s in engine.slots}
+    views = []
+    for name, p in engine.model.named_parameters():
+        sp = sharded.get(id(p))
+        shape = tuple(sp.shape) if sp is not None else tuple(p.shape)
+        views.append(ParamView(name, p, shape, slots.get(id(p)), sp))
+    return views
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Entries of ``model.state_dict()`` that are not parameters (persistent buffers)."""
+    param_ids = {id(p) for p in model.parameters()}
+    return [(k, v) for k, v in model.state_dict(keep_vars=True).items()
+            if isinstance(v, torch.Tensor) and id(v) not in param_ids]
+
+
+def region_to_save(view: ParamView, layout: ShardLayout) -> torch.Tensor:
+    """This rank's region of the flattened parameter, as a 1-D tensor (a view where possible)."""
+    lo, hi = layout.bounds()
+    if view.sharded is not None:
+        local = view.sharded.local
+        assert view.sharded.layout == layout, f"{view.name}: stage-3 layout differs from the save layout"
+        return local.reshape(-1)
+    src = view.slot.master if view.slot is not None and view.slot.separate else view.param.data
+    flat = src.reshape(-1)
+    if flat.numel() == view.numel:
+        return flat[lo:hi]
+    assert flat.numel() == hi - lo and view.slot.layout.bounds() == (lo, hi), f"{view.name}: unexpected master size"
+    return flat
+
+
+def state_region_to_save(view: ParamView, value: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """This rank's region of an optimizer state tensor shaped like the master."""
+    lo, hi = layout.bounds()
+    flat = value.detach().reshape(-1)
+    if view.slot.layout.world_size == 1:   # stage 0: the master (and its state) is the whole parameter
+        return flat[lo:hi]
+    assert view.slot.layout.bounds() == (lo, hi) and flat.numel() == hi - lo, f"{view.name}: unexpected state size"
+    return flat
+
+
+def load_range(view: ParamView) -> tuple[int, int]:
+    """The flat range of the parameter this rank must read: its shard at stage 3, all of it otherwise."""
+    if view.sharded is not None:
+        return view.sharded.layout.bounds()
+    return 0, view.numel
+
+
+@torch.no_grad()
+def copy_param_in(view: ParamView, values: torch.Tensor, lo: int) -> None:
+    """Write the values read for :func:`load_range` (starting at flat index ``lo``) into the model."""
+    if view.sharded is not None:
+        view.sharded.local.copy_(values)
+        return
+    view.param.data.view(-1).copy_(values)
+    if view.slot is not None and view.slot.separate:
+        m_lo, m_hi = view.slot.layout.bounds()
+        view.slot.master.view(-1).copy_(values[m_lo - lo:m_hi - lo])
+
+
+def check_loadable(engine) -> None:
+    units = getattr(engine, "unsharded_units", None)
+    if units is not None and units():
+        raise CheckpointError("zp.load_checkpoint: some stage-3 units are gathered; load outside forward/backward "
+                              "and outside zp.gathered_parameters")

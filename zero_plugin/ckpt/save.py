@@ -1,0 +1,174 @@
+"""``zp.save_checkpoint``: every rank writes its own regions, in parallel; rank 0 publishes.
+
+Steps: agree on the optimizer-state schema -> each rank streams its file into
+``<path>.tmp-<uuid>`` -> rank 0 writes ``index.json`` and the ``COMPLETE``
+manifest -> rename to ``<path>`` (an existing checkpoint is moved aside first
+and deleted only once the new one is in place).  See [Note: checkpoint layout]
+in ``format.py`` and [Note: checkpoint regions] in ``regions.py``.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import uuid
+from typing import Any
+
+import torch
+
+from .._flat import ShardLayout
+from . import format as fmt
+from .format import CheckpointError
+from .regions import ParamView, param_views, persistent_buffers, region_to_save, state_region_to_save
+from .rng import capture_rng
+from .sync import on_every_rank
+from .tree import encode
+
+__all__ = ["save"]
+
+
+def save(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, extra: Any) -> None:
+    comm = engine.comm
+    path = os.path.abspath(os.fspath(path))
+    token = comm.broadcast_object(uuid.uuid4().hex if comm.rank == 0 else None)
+    tmp = f"{path}.tmp-{token}"
+    views = param_views(engine)
+    try:
+        schema = _agree_state_schema(comm, views, inner)
+        index, json_tensors = on_every_rank(
+            comm, lambda: _build_index(engine, views, inner, schema, extra) if comm.rank == 0 else (None, {}))
+        record = on_every_rank(comm, lambda: _write_rank_file(tmp, engine, views, inner, schema, json_tensors))
+        records = comm.all_gather_object(record)
+        on_every_rank(comm, lambda: _publish(tmp, path, token, index, records) if comm.rank == 0 else None)
+    except BaseException:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# -- what each rank holds ------------------------------------------------------
+def _local_state_schema(views: list[ParamView], inner) -> dict[str, dict[str, str | None]]:
+    """``{param name: {state key: region dtype name, or None for a value}}`` on this rank."""
+    out: dict[str, dict[str, str | None]] = {}
+    for view in views:
+        if view.slot is None or inner is None:
+            continue
+        state = inner.state.get(view.slot.master, {})
+        entry = {}
+        for key, value in state.items():
+            if not isinstance(key, str):
+                raise CheckpointError(f"zp.save_checkpoint: optimizer state key {key!r} of {view.name!r} is not a str")
+            is_region = (isinstance(value, torch.Tensor) and value.dim() > 0
+                         and value.numel() == view.slot.master.numel())
+            entry[key] = fmt.dtype_name(value.dtype) if is_region else None
+        out[view.name] = entry
+    return out
+
+
+def _agree_state_schema(comm, views: list[ParamView], inner) -> dict[str, dict[str, str | None]]:
+    """A state entry is a region only when it is one on every rank (a 1-element region is ambiguous)."""
+    local = on_every_rank(comm, lambda: _local_state_schema(views, inner))
+    everyone = comm.all_gather_object(local)
+    merged: dict[str, dict[str, str | None]] = {}
+    for name in local:
+        key_sets = [set(s.get(name, {})) for s in everyone]
+        if any(k != key_sets[0] for k in key_sets):
+            raise CheckpointError(f"zp.save_checkpoint: optimizer state keys of {name!r} differ across ranks "
+                                  f"({[sorted(k) for k in key_sets]}); was optimizer.step() called on every rank?")
+        merged[name] = {k: (v if all(s[name][k] == v for s in everyone) else None) for k, v in local[name].items()}
+    return merged
+
+
+def _save_layout(view: ParamView, comm) -> ShardLayout:
+    return ShardLayout(view.numel, comm.world_size, comm.rank)
+
+
+def _build_index(engine, views: list[ParamView], inner, schema, extra) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Rank 0: the JSON index, and the tensors it refers to (they go into rank 0's file)."""
+    world = engine.comm.world_size
+    tensors: dict[str, torch.Tensor] = {}
+    params = {}
+    for view in views:
+        layouts = [ShardLayout(view.numel, world, r) for r in range(world)]
+        params[view.name] = {"shape": list(view.shape), "dtype": fmt.dtype_name(view.stored_dtype),
+                             "trainable": view.slot is not None,
+                             "shards": [[r, *lay.bounds()] for r, lay in enumerate(layouts) if lay.local_numel]}
+    buffers = {name: {"shape": list(b.shape), "dtype": fmt.dtype_name(b.dtype)}
+               for name, b in persistent_buffers(engine.model)}
+    index = {
+        "format": fmt.FORMAT, "version": fmt.VERSION, "torch_version": torch.__version__,
+        "world_size": world, "stage": engine.config.stage, "config": engine.config.to_dict(),
+        "files": [fmt.shard_file_name(r, world) for r in range(world)],
+        "params": params, "buffers": buffers,
+        "optimizer": None if inner is None else _optimizer_index(engine, views, inner, schema, tensors),
+        "extra": encode(extra, tensors, "x", "extra"),
+    }
+    json.dumps(index)   # fail here, on every rank, rather than after the files are written
+    return index, tensors
+
+
+def _optimizer_index(engine, views, inner, schema, tensors) -> dict:
+    by_name = {v.name: v for v in views}
+    groups = []
+    for gi, group in enumerate(inner.param_groups):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({"hyper": encode(hyper, tensors, "x", f"optimizer param_groups[{gi}]"),
+                       "param_names": [engine.name_of_master(p) for p in group["params"]]})
+    state = {}
+    for name, keys in schema.items():
+        values = inner.state.get(by_name[name].slot.master, {})
+        state[name] = {k: {"region": dtype} if dtype is not None
+                       else {"value": encode(values[k], tensors, "x", f"optimizer state[{name!r}][{k!r}]")}
+                       for k, dtype in keys.items()}
+    return {"class": f"{type(inner).__module__}.{type(inner).__qualname__}", "param_groups": groups, "state": state}
+
+
+def _write_rank_file(tmp: str, engine, views, inner, schema, json_tensors) -> fmt.FileRecord:
+    comm = engine.comm
+    os.makedirs(tmp, exist_ok=True)
+    entries: list[tuple[str, torch.Tensor]] = []
+    for view in views:
+        layout = _save_layout(view, comm)
+        if not layout.local_numel:
+            continue
+        entries.append((f"p/{view.name}", region_to_save(view, layout)))
+        state = inner.state.get(view.slot.master, {}) if view.slot is not None and inner is not None else {}
+        for key, dtype in schema.get(view.name, {}).items():
+            if dtype is not None:
+                entries.append((f"o/{view.name}/{key}", state_region_to_save(view, state[key], layout)))
+    if comm.rank == 0:
+        entries += [(f"b/{name}", b) for name, b in persistent_buffers(engine.model)]
+        entries += list(json_tensors.items())
+    rng_tensors: dict[str, torch.Tensor] = {}
+    rng = encode(capture_rng(), rng_tensors, "r", "rng state")
+    entries += list(rng_tensors.items())
+    name = fmt.shard_file_name(comm.rank, comm.world_size)
+    return fmt.write_safetensors(os.path.join(tmp, name), entries, {"rng": json.dumps(rng)})
+
+
+# -- publishing (rank 0) ------------------------------------------------------------
+def _publish(tmp: str, path: str, token: str, index: dict, records: list[fmt.FileRecord]) -> None:
+    records = list(records) + [fmt.write_json(os.path.join(tmp, fmt.INDEX), index)]
+    fmt.write_manifest(tmp, records)
+    fmt.fsync_dir(tmp)
+    old = None
+    if os.path.lexists(path):
+        old = f"{path}.old-{token}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    fmt.fsync_dir(os.path.dirname(path))
+    if old is not None:
+        _remove(old)
+    for stale in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
+        _remove(stale)   # leftovers of interrupted saves to this path; superseded now
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
