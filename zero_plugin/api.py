@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -44,9 +45,19 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
     if config.offload:
         use_fast_cpu_kernels(optimizer)
     register_engine(model, engine)
+    if config.param_dtype is not None:
+        engine.input_cast_handle = model.register_forward_pre_hook(
+            functools.partial(_cast_inputs, config.param_dtype), with_kwargs=True)
     zero_optimizer = ZeroOptimizer(optimizer, engine)
     engine.optimizer = zero_optimizer
     return model, zero_optimizer
+
+
+def _cast_inputs(dtype: torch.dtype, module: nn.Module, args, kwargs):
+    """Mixed precision: floating-point inputs enter the model in ``param_dtype`` (as FSDP's cast_forward_inputs)."""
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
+    return torch.utils._pytree.tree_map(cast, (args, kwargs))
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer, engine) -> None:

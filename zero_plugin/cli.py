@@ -1,4 +1,4 @@
-"""``zero-plugin`` command line: ``estimate`` now; ``launch`` and ``consolidate`` with their issues."""
+"""``zero-plugin`` command line: ``estimate``, ``launch`` (see ``run.py``); ``consolidate`` with its issue."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +51,12 @@ def _not_yet(what: str):
     return run
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from .run import launch
+
+    return launch(args.argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="zero-plugin", description="ZeRO sharded data parallelism tools")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -61,7 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--world-size", type=int, default=8)
     est.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="bf16")
     est.set_defaults(run=_estimate)
-    for name in ("launch", "consolidate"):
+    # Every launch option is parsed by Accelerate's own parser in zero_plugin.run.launch (imported
+    # only when launching); prefix_chars="\0" keeps argparse from reading any of them here.
+    launch = sub.add_parser("launch", help="run an Accelerate / transformers.Trainer script under a ZeRO stage",
+                            add_help=False, prefix_chars="\0")
+    launch.add_argument("argv", nargs=argparse.REMAINDER)
+    launch.set_defaults(run=_launch)
+    for name in ("consolidate",):
         sub.add_parser(name, help="(coming)").set_defaults(run=_not_yet(name))
     args = ap.parse_args(argv)
     return args.run(args)

@@ -114,6 +114,10 @@ class Engine:
                     "zp.load_checkpoint, which reshards"
                 )
 
+    def full_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        """Shape of ``param`` in the unsharded model."""
+        return tuple(param.shape)
+
     def full_numel(self, param: nn.Parameter) -> int:
         """Elements of ``param`` in the unsharded model."""
         return param.numel()

@@ -34,8 +34,15 @@ def state_elements_per_param(optimizer: torch.optim.Optimizer) -> int | None:
 
 
 def theory_bytes(*, stage: int, world_size: int, trainable: int, frozen: int, param_bytes: int,
-                 master_bytes: int, state_per_param: int, mixed: bool) -> dict[str, float]:
+                 master_bytes: int, state_per_param: int, mixed: bool, shard_is_master: bool = False) -> dict[str, float]:
+    """Bytes per rank by category.  ``shard_is_master``: stage 3 keeps one fp32 shard that is both the
+    parameter and its master (and reduces into an fp32 gradient shard): same total, other split."""
     n = world_size
+    if shard_is_master:
+        params = (trainable * master_bytes + frozen * param_bytes) / n
+        grads = trainable * master_bytes / n
+        optimizer = trainable * state_per_param * master_bytes / n
+        return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
     k = state_per_param * master_bytes + (master_bytes if mixed else 0)
     params = (trainable + frozen) * param_bytes / (n if stage == 3 else 1)
     grads = trainable * param_bytes / (n if stage >= 2 else 1)
@@ -49,6 +56,7 @@ class _StorageCounter:
     def __init__(self) -> None:
         self.seen: set[tuple[str, int]] = set()
         self.bytes: dict[str, int] = {}
+        self.device_bytes: dict[tuple[str, str], int] = {}   # (device type, category) -> bytes
 
     def add(self, category: str, tensors: Iterable[torch.Tensor]) -> None:
         total = self.bytes.setdefault(category, 0)
@@ -61,6 +69,8 @@ class _StorageCounter:
                 continue
             self.seen.add(key)
             total += storage.nbytes()
+            slot = (t.device.type, category)
+            self.device_bytes[slot] = self.device_bytes.get(slot, 0) + storage.nbytes()
         self.bytes[category] = total
 
 
@@ -81,8 +91,36 @@ def memory_report(model, optimizer) -> dict:
     counter.add("optimizer", list(held["masters"]) + _optimizer_state_tensors(optimizer))
     measured = dict(counter.bytes)
     measured["total"] = sum(measured.values())
+    theory = _theory_for(engine, optimizer)
     return {"stage": engine.config.stage, "world_size": engine.comm.world_size, "rank": engine.comm.rank,
-            "measured": measured, "theory": _theory_for(engine, optimizer), **_counts(engine)}
+            "measured": measured, "theory": theory, "placement": _placement(engine, counter, theory),
+            **_counts(engine)}
+
+
+def _offloaded(engine) -> set[str]:
+    cfg = engine.config
+    return ({"optimizer"} if cfg.offload else set()) | ({"params"} if cfg.offload_params else set())
+
+
+def _placement(engine, counter: _StorageCounter, theory: dict | None) -> dict:
+    """Bytes on the compute device vs in host memory.
+
+    On a CUDA run each storage is placed by its device.  On a CPU-only run host and device are the
+    same memory; categories that offload moves to the host are reported as host.
+    """
+    host_cats = _offloaded(engine)
+    device_is_cpu = all(key[0] == "cpu" for key in counter.device_bytes)
+    out: dict[str, dict[str, float]] = {"device": {}, "host": {}}
+    for (dev, category), nbytes in counter.device_bytes.items():
+        where = ("host" if category in host_cats else "device") if device_is_cpu else \
+            ("host" if dev == "cpu" else "device")
+        out[where][category] = out[where].get(category, 0) + nbytes
+    for where in out:
+        out[where]["total"] = sum(out[where].values())
+    if theory is not None:
+        out["theory"] = {"host": sum(v for k, v in theory.items() if k in host_cats),
+                         "device": sum(v for k, v in theory.items() if k not in host_cats and k != "total")}
+    return out
 
 
 def _counts(engine) -> dict[str, int]:
@@ -100,6 +138,8 @@ def _theory_for(engine, optimizer) -> dict[str, float] | None:
     p_dtype = cfg.param_dtype or next(engine.model.parameters()).dtype
     mixed = cfg.param_dtype is not None and cfg.param_dtype != cfg.master_dtype
     master_dtype = cfg.master_dtype if mixed else p_dtype
+    shard_is_master = cfg.stage == 3 and mixed and all(s.is_identity for s in engine.slots)
     return theory_bytes(stage=cfg.stage, world_size=engine.comm.world_size, trainable=counts["trainable_params"],
                         frozen=counts["frozen_params"], param_bytes=p_dtype.itemsize,
-                        master_bytes=master_dtype.itemsize, state_per_param=per, mixed=mixed)
+                        master_bytes=master_dtype.itemsize, state_per_param=per, mixed=mixed,
+                        shard_is_master=shard_is_master)

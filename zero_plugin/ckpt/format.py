@@ -33,7 +33,7 @@ import torch
 
 __all__ = ["CheckpointError", "FileRecord", "FORMAT", "VERSION", "INDEX", "COMPLETE", "shard_file_name",
            "write_safetensors", "write_json", "write_manifest", "read_manifest", "check_sizes", "sha256_file",
-           "read_json", "fsync_dir", "dtype_name", "dtype_from_name"]
+           "read_json", "fsync_dir", "dtype_name", "dtype_from_name", "safetensors_code", "check_sha256"]
 
 FORMAT = "zero_plugin.checkpoint"
 VERSION = 1
@@ -73,6 +73,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def safetensors_code(dtype: torch.dtype) -> str:
+    return _ST_DTYPES[dtype]
+
+
 def dtype_from_name(name: str) -> torch.dtype:
     if name not in _DTYPE_BY_NAME:
         raise CheckpointError(f"checkpoint records an unknown dtype {name!r}")
@@ -94,7 +98,8 @@ def write_safetensors(path: str, entries: list[tuple[str, torch.Tensor]], metada
     offset = 0
     for key, t in entries:
         nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": _ST_DTYPES[t.dtype] if t.dtype in _ST_DTYPES else dtype_name(t.dtype),
+        dtype_name(t.dtype)   # raises for dtypes safetensors cannot hold
+        header[key] = {"dtype": _ST_DTYPES[t.dtype],
                        "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()

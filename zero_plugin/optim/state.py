@@ -26,10 +26,10 @@ def _is_region_state(value: Any, slot: MasterParam) -> bool:
 
 
 @torch.no_grad()
-def _gather_full(comm, local: torch.Tensor, slot: MasterParam) -> torch.Tensor:
+def _gather_full(comm, local: torch.Tensor, slot: MasterParam, shape: tuple) -> torch.Tensor:
     layout = slot.layout
     if layout.world_size == 1:
-        return local.detach().reshape(slot.param.shape).cpu().clone()
+        return local.detach().reshape(shape).cpu().clone()
     padded = torch.zeros(layout.shard_numel, dtype=local.dtype, device=local.device)
     padded[: local.numel()].copy_(local.reshape(-1))
     out = torch.empty(layout.padded_numel, dtype=local.dtype, device=local.device)
@@ -39,7 +39,7 @@ def _gather_full(comm, local: torch.Tensor, slot: MasterParam) -> torch.Tensor:
     for r in range(layout.world_size):
         lo, hi = layout.bounds(r)
         full[lo:hi].copy_(rows[r, : hi - lo])
-    return full.view(slot.param.shape)
+    return full.view(shape)
 
 
 def consolidate_optimizer_state(opt: Any, to_rank: int | None) -> dict:
@@ -56,7 +56,7 @@ def consolidate_optimizer_state(opt: Any, to_rank: int | None) -> dict:
         entry = {}
         for k, v in state.items():
             if k in region_keys:
-                entry[k] = _gather_full(comm, v, slot)
+                entry[k] = _gather_full(comm, v, slot, opt.engine.full_shape(slot.param))
             else:
                 entry[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
         if entry:

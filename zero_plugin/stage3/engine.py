@@ -94,7 +94,8 @@ def _shard_one(p: nn.Parameter, name: str, full: torch.Tensor, comm: Comm, confi
     compute = (config.param_dtype or p.dtype) if floating else p.dtype
     # The shard doubles as the fp32 master unless offload moves the master to another device.
     offload_master = config.offload and host_for(device) is not None
-    storage = config.master_dtype if floating and config.param_dtype is not None and not offload_master else compute
+    keeps_master = floating and p.requires_grad and config.param_dtype is not None and not offload_master
+    storage = config.master_dtype if keeps_master else compute
     storage_device = host_for(device) if config.offload_params else None
     layout = ShardLayout(full.numel(), comm.world_size, comm.rank)
     return ShardedParam(p, name, full, layout, storage_dtype=storage, compute_dtype=compute,
@@ -226,6 +227,10 @@ class Stage3Engine(Engine):
             if id(v) not in param_ids and k in state_dict:
                 v.data.copy_(state_dict[k])
         return None
+
+    def full_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        sp = self.sharded.get(id(param))
+        return sp.shape if sp is not None else tuple(param.shape)
 
     def full_numel(self, param: nn.Parameter) -> int:
         sp = self.sharded.get(id(param))
