@@ -95,7 +95,8 @@ class Comm:
             return _DoneWork() if async_op else None
         return dist.all_reduce(tensor, op=_reduce_op(op, self.backend), group=self.group, async_op=async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False):
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False,
+                       tag: str = ""):
         """``input`` holds ``world_size`` equal chunks, rank-major; this rank's reduced chunk lands in ``output``."""
         assert input.numel() == output.numel() * self.world_size, "reduce_scatter: size mismatch"
         _record("reduce_scatter", input.numel() * input.element_size())
@@ -106,7 +107,7 @@ class Comm:
             output, input, op=_reduce_op(op, self.backend), group=self.group, async_op=async_op
         )
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""):
         """Concatenate every rank's ``input`` (equal sizes) into ``output``, rank-major."""
         assert output.numel() == input.numel() * self.world_size, "all_gather: size mismatch"
         _record("all_gather", output.numel() * output.element_size())

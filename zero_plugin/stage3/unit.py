@@ -19,6 +19,8 @@ from .param import ShardedParam, ShardedState
 
 __all__ = ["Unit", "BackwardState"]
 
+_TAG = 2   # elements appended to each rank's all-gather input: the unit's index (see _check_tags)
+
 
 class BackwardState(enum.Enum):
     IDLE = "idle"                  # no backward of this unit in flight
@@ -72,12 +74,13 @@ class Unit:
         n = self.comm.world_size
         for dtype, group in _by_dtype(self.params, lambda sp: sp.unsharded.dtype).items():
             offsets, width = _offsets(group)
-            device = group[0].local.device
-            inp = torch.empty(width, dtype=dtype, device=device)
+            device = group[0].unsharded.device
+            inp = torch.empty(width + _TAG, dtype=dtype, device=device)
             for sp, off in zip(group, offsets):
                 sp.copy_local_into(inp[off: off + sp.layout.shard_numel])
-            out = torch.empty(n * width, dtype=dtype, device=device)
-            work = self.comm.all_gather(out, inp, async_op=True)
+            inp[width:] = torch.tensor(self._tag(), dtype=dtype)
+            out = torch.empty(n * (width + _TAG), dtype=dtype, device=device)
+            work = self.comm.all_gather(out, inp, async_op=True, tag=self.name)
             self._gather.append(_Pending(group, offsets, width, out, work, inp))
         if not async_op:
             self.wait_unshard()
@@ -87,13 +90,32 @@ class Unit:
         pending, self._gather = self._gather, []
         for p in pending:
             p.work.wait()
-            rows = p.output.view(self.comm.world_size, p.width)
+            rows = p.output.view(self.comm.world_size, p.width + _TAG)
+            self._check_tags(rows[:, p.width:])
             for sp, off in zip(p.params, p.offsets):
                 sp.to_unsharded(rows[:, off: off + sp.layout.shard_numel])
         for sp in self.params:   # zero-size parameters take part in no collective
             if sp.layout.numel == 0 and sp.state is ShardedState.SHARDED:
                 sp.to_unsharded(torch.empty(self.comm.world_size, 0, dtype=sp.unsharded.dtype))
         self.state = ShardedState.UNSHARDED
+
+    def _tag(self) -> tuple[int, int]:
+        # Exact in every float dtype (values <= 129), unique per unit index.
+        return (self.index // 128 + 1, self.index % 128 + 1)
+
+    def _check_tags(self, tags: torch.Tensor) -> None:
+        """[Note: collective order] Every gather carries its unit's index; if ranks paired gathers of
+        different units (a block skipped on some ranks), every rank raises here instead of silently
+        mixing weights or hanging later."""
+        expected = torch.tensor(self._tag(), dtype=tags.dtype, device=tags.device)
+        bad = [r for r in range(tags.shape[0]) if not torch.equal(tags[r], expected)]
+        if bad:
+            got = [int((tags[r, 0].item() - 1) * 128 + tags[r, 1].item() - 1) for r in bad]
+            raise RuntimeError(
+                f"zero_plugin stage 3: collective order diverged. This rank gathered unit {self.index} "
+                f"({self.name!r}) while rank(s) {bad} gathered unit(s) {got} at the same point. Every rank must "
+                "run the same blocks in the same order (a conditional branch that skips a block on some ranks?). "
+                "Run the block on every rank (e.g. multiply its output by 0) or exclude it from sharding.")
 
     def reshard(self) -> None:
         if self._gather:
