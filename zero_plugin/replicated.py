@@ -21,6 +21,7 @@ from .grads.reducer import GradReducer
 from .optim.master import MasterParam
 from .optim.offload import host_for
 from .optim.param_sync import ParamAllGather
+from .optim.state import gather_full
 
 __all__ = ["ReplicatedEngine", "make_masters"]
 
@@ -98,16 +99,30 @@ class ReplicatedEngine(Engine):
 
     @torch.no_grad()
     def full_state_dict(self, rank0_only: bool = True, trainable_only: bool = False) -> dict:
+        """Full tensors; with mixed precision the trained parameters come from their fp32 masters."""
+        masters = {id(s.param): gather_full(self.comm, s.master.detach().reshape(-1), s.layout, tuple(s.param.shape))
+                   for s in self.slots if s.separate}   # collective: every rank takes part
         if rank0_only and self.comm.rank != 0:
             return {}
-        keep = {s.name for s in self.slots} if trainable_only else None
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()
-                if keep is None or k in keep}
+        keep = {id(s.param) for s in self.slots} if trainable_only else None
+        out = {}
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            if keep is not None and id(value) not in keep:
+                continue
+            out[name] = masters[id(value)] if id(value) in masters else value.detach().cpu().clone()
+        return out
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict, strict: bool = True) -> None:
         result = self.model.load_state_dict(state_dict, strict=strict)
-        self.refresh_masters()
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for slot in self.slots:
+            value = state_dict.get(names[id(slot.param)])
+            if slot.separate and value is not None:   # keep the fp32 precision the dict carries
+                region = slot.layout.local_view(value.detach().reshape(-1).contiguous())
+                slot.master.copy_(region.reshape(slot.master.shape))
+            else:
+                slot.refresh_from_param()
         return result
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:

@@ -44,7 +44,7 @@ def global_batches(kind: str) -> list:
 
 
 @functools.cache
-def reference(kind: str, use_scheduler: bool = False) -> dict:
+def reference(kind: str, use_scheduler: bool = False, steps: int = STEPS) -> dict:
     """``models.reference_train`` plus the reference optimizer's final state dict (cached per model)."""
     holder = {}
 
@@ -57,7 +57,7 @@ def reference(kind: str, use_scheduler: bool = False) -> dict:
         return opt
 
     out = models.reference_train(functools.partial(workers.build_model, kind), opt_fn, global_batches(kind),
-                                 steps=STEPS, accum=ACCUM, clip=MAX_NORM[kind])
+                                 steps=steps, accum=ACCUM, clip=MAX_NORM[kind])
     out["optim"] = holder["opt"].state_dict()
     return out
 
@@ -181,3 +181,40 @@ def test_state_dict_round_trip(stage, world_size):
         assert r["shard_after_shard_load"] == 0.0, (rank, r)
         assert r["moved_by_next_step"] > 1e-6, (rank, r)
         assert r["params_after_next_step"] == 0.0, (rank, r)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_resume_from_unsharded_optimizer_state(stage):
+    """Load an unsharded AdamW's state_dict() (and its weights) halfway, train on: same as never stopping."""
+    half = STEPS // 2
+    mid, ref = reference("mlp", steps=half), reference("mlp")
+    rest = global_batches("mlp")[half * ACCUM:]
+    results = run_ranks(3, workers.resume_worker, "mlp", stage, mid["params"], mid["optim"], rest, STEPS - half,
+                        ACCUM, MAX_NORM["mlp"])
+    for rank, r in enumerate(results):
+        assert_rel_close(r["clip_norms"], ref["clip_norms"][half:], 1e-10, f"rank {rank} clip norm after resume")
+        assert_params_match("mlp", r["params"], ref, f"rank {rank} parameters after resume")
+
+
+def _two_head_data():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(GLOBAL_ROWS, models.MLP_IN, generator=gen, dtype=torch.float64)
+    return x, torch.randn(GLOBAL_ROWS, 3, generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_globally_unused_parameter_is_not_stepped(stage):
+    x, y = _two_head_data()
+    use_b = [False, True, False]          # head_a unused in step 1, head_b in steps 0 and 2
+    want = workers.train_two_head(None, x, y, use_b)
+    for world_size in (1, 2):
+        got = run_ranks(world_size, workers.train_two_head, stage, x, y, use_b)[0]
+        diff = models.max_abs_diff(got, want)
+        assert diff <= 1e-10, f"world size {world_size}: max |θ - θ_ref| = {diff:.3g}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_mixed_precision_round_trip_keeps_fp32_masters(stage):
+    for r in run_ranks(2, workers.mixed_precision_roundtrip_worker, stage):
+        assert r["master_dtypes"] == ["torch.float32"]
+        assert r["master_max_diff"] == 0.0, r

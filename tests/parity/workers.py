@@ -87,8 +87,7 @@ def _params(model) -> dict[str, torch.Tensor]:
 def parity_worker(kind: str, stage: int, batches: list, steps: int, accum: int, max_norm: float,
                   use_scheduler: bool = False) -> dict:
     """Train through zero_plugin; rank 0 also returns the full model and optimizer state dicts."""
-    model = build_model(kind)
-    model, opt = zp.setup(model, build_optimizer(model), zp.ZeroConfig(stage=stage))
+    model, opt = _setup(kind, stage)
     scheduler = build_scheduler(opt) if use_scheduler else None
     out = _train(model, opt, batches, steps, accum, max_norm, scheduler)
     out["params"] = _params(model)   # stages 0-2: every rank holds the full, re-gathered parameters
@@ -136,46 +135,119 @@ def _max_diff(a: dict, b: dict) -> float:
                 if x.numel()), default=0.0)
 
 
+def _setup(kind: str, stage: int, perturb_seed: int | None = None):
+    """``zp.setup`` of a fresh model; ``perturb_seed`` moves its weights away from the seeded init."""
+    model = build_model(kind)
+    if perturb_seed is not None:
+        gen = torch.Generator().manual_seed(perturb_seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return zp.setup(model, build_optimizer(model), zp.ZeroConfig(stage=stage))
+
+
+def _groups_without_params(opt) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
 def roundtrip_worker(kind: str, stage: int, batches: list, steps: int, accum: int, max_norm: float) -> dict:
     """Train, then rebuild a fresh (differently initialised) setup from the full model and optimizer
     state dicts; its shards must equal the originals and both must take the same next step.
     """
-    model = build_model(kind)
-    model, opt = zp.setup(model, build_optimizer(model), zp.ZeroConfig(stage=stage))
+    model, opt = _setup(kind, stage)
     _train(model, opt, batches, steps, accum, max_norm)
     model_full = zp.full_state_dict(model)                 # rank 0 only
     optim_full = opt.consolidate_state_dict(to_rank=None)  # every rank
     shard = opt.state_dict()
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1234)
-        fresh = build_model(kind)
-        with torch.no_grad():
-            for p in fresh.parameters():
-                p.add_(torch.randn_like(p))            # differ from the trained weights
-    fresh, fresh_opt = zp.setup(fresh, build_optimizer(fresh), zp.ZeroConfig(stage=stage))
+    fresh, fresh_opt = _setup(kind, stage, perturb_seed=1234)
     zp.load_full_state_dict(fresh, model_full if dist.get_rank() == 0 else None, src_rank=0)
     fresh_opt.load_state_dict(optim_full)
     out = {
         "params_after_load": _max_diff(_params(model), _params(fresh)),
         "shard_after_full_load": _max_diff(_shard_tensors(shard), _shard_tensors(fresh_opt.state_dict())),
-        "groups_after_full_load": [{k: v for k, v in g.items() if k != "params"} for g in fresh_opt.param_groups]
-        == [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "groups_after_full_load": _groups_without_params(fresh_opt) == _groups_without_params(opt),
+        "full_after_full_load": _max_diff(_shard_tensors(optim_full),
+                                          _shard_tensors(fresh_opt.consolidate_state_dict(to_rank=None))),
     }
-    again = fresh_opt.consolidate_state_dict(to_rank=None)
-    out["full_after_full_load"] = _max_diff(_shard_tensors(optim_full), _shard_tensors(again))
-
     # A shard (this rank's state_dict) loads back into the same layout too.
-    third = build_model(kind)
-    third, third_opt = zp.setup(third, build_optimizer(third), zp.ZeroConfig(stage=stage))
+    _, third_opt = _setup(kind, stage)
     third_opt.load_state_dict(shard)
     out["shard_after_shard_load"] = _max_diff(_shard_tensors(shard), _shard_tensors(third_opt.state_dict()))
 
     # The next step from the loaded state equals the next step of the original.
-    extra = batches[:accum]
     before_next = _params(model)
-    _train(model, opt, extra, 1, accum, max_norm)
-    _train(fresh, fresh_opt, extra, 1, accum, max_norm)
+    _train(model, opt, batches[:accum], 1, accum, max_norm)
+    _train(fresh, fresh_opt, batches[:accum], 1, accum, max_norm)
     out["params_after_next_step"] = _max_diff(_params(model), _params(fresh))
     out["moved_by_next_step"] = _max_diff(_params(model), before_next)
     return out
+
+
+def resume_worker(kind: str, stage: int, params: dict, optim_state: dict, batches: list, steps: int, accum: int,
+                  max_norm: float) -> dict:
+    """Start from an unsharded run's parameters and ``torch.optim.AdamW.state_dict()``, then keep training."""
+    model, opt = _setup(kind, stage)
+    zp.load_full_state_dict(model, params if dist.get_rank() == 0 else None, src_rank=0)
+    opt.load_state_dict(optim_state)
+    out = _train(model, opt, batches, steps, accum, max_norm)
+    out["params"] = _params(model)
+    return out
+
+
+class TwoHeadMLP(torch.nn.Module):
+    """A body and two heads; each step uses one head, so the other is unused on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(models.MLP_IN, 15)
+        self.head_a = torch.nn.Linear(15, 3)
+        self.head_b = torch.nn.Linear(15, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return (self.head_b if use_b else self.head_a)(torch.tanh(self.body(x)))
+
+
+def train_two_head(stage: int | None, x: torch.Tensor, y: torch.Tensor, use_b: list[bool]) -> dict:
+    """AdamW steps on :class:`TwoHeadMLP` (float64); ``stage=None`` is plain single-process torch."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = TwoHeadMLP().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if stage is not None:
+        model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=stage))
+        x, y = (models.shard_batch(t, dist.get_rank(), dist.get_world_size()) for t in (x, y))
+    for flag in use_b:
+        torch.nn.functional.mse_loss(model(x, flag), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return _params(model)
+
+
+def mixed_precision_roundtrip_worker(stage: int) -> dict:
+    """bf16 params with fp32 masters: save through full_state_dict + consolidate_state_dict, load into a
+    fresh setup; are the fp32 masters the optimizer steps the same as before?
+    """
+    config = zp.ZeroConfig(stage=stage, param_dtype="bf16")
+
+    def fresh_setup():
+        model = models.make_odd_mlp(dtype=torch.float32)
+        return zp.setup(model, build_optimizer(model), config)
+
+    model, opt = fresh_setup()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for micro in models.make_batches("mlp", 3, world, 2, dtype=torch.bfloat16):
+        models.loss_fn(model, models.shard_batch(micro, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    model_sd = zp.full_state_dict(model)
+    optim_sd = opt.consolidate_state_dict(to_rank=None)
+    masters = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+
+    loaded, loaded_opt = fresh_setup()
+    zp.load_full_state_dict(loaded, model_sd if rank == 0 else None, src_rank=0)
+    loaded_opt.load_state_dict(optim_sd)
+    loaded_masters = [p.detach().clone() for g in loaded_opt.param_groups for p in g["params"]]
+    return {"master_dtypes": sorted({str(m.dtype) for m in masters}),
+            "state_dict_dtypes": sorted({str(v.dtype) for v in model_sd.values()}),
+            "master_max_diff": _max_diff(dict(enumerate(masters)), dict(enumerate(loaded_masters)))}

@@ -5,6 +5,7 @@ import contextlib
 import gc
 import sys
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,9 @@ def independent_count(model, opt) -> int:
 
 def _all_live_tensors() -> list[torch.Tensor]:
     gc.collect()
-    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not o.is_meta]
+    with warnings.catch_warnings():   # isinstance() on deprecated torch.distributed.reduce_op warns
+        warnings.simplefilter("ignore", FutureWarning)
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not o.is_meta]
 
 
 def _live_tensor_bytes(baseline: list[torch.Tensor]) -> int:
@@ -208,8 +211,12 @@ class _CollectiveSpy:
             self.remove()
 
 
-def spy_worker(stage: int, mixed: bool) -> dict:
-    """Setup, an accumulation step and the state verbs, with every torch.distributed collective counted."""
+def spy_worker(stage: int, mixed: bool, bypass: bool = False) -> dict:
+    """Setup, an accumulation step and the state verbs, with every torch.distributed collective counted.
+
+    ``bypass=True`` adds one raw ``torch.distributed`` all-reduce, which the spy must see and
+    ``comm_stats()`` must not (the check's own control).
+    """
     spy = _CollectiveSpy()
     with spy.active():
         zp.reset_comm_stats()
@@ -226,6 +233,8 @@ def spy_worker(stage: int, mixed: bool) -> dict:
         with zp.gathered_parameters(model, modifier_rank=0):
             pass
         zp.load_full_state_dict(model, zp.full_state_dict(model), src_rank=0)
+        if bypass:
+            dist.all_reduce(torch.zeros(1))
         stats = zp.comm_stats()
         wrapped = sorted({attr for _, attr, _ in spy._undo})
     return {"spy": dict(spy.counts), "stats": stats, "wrapped": wrapped}

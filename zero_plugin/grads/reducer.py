@@ -6,6 +6,12 @@ a final autograd callback (queued from the first hook, or from the model
 output's grad hook, so that it belongs to the outermost backward) flushes the
 buckets that did not complete (unused parameters) and waits for all of them.
 
+[Note: unused parameters]
+Each bucket carries one flag per parameter (1 where this rank has a gradient); after the
+collective the summed flag tells whether *any* rank had one.  A parameter no rank used keeps
+no gradient, so the optimizer skips it exactly as single-process training (and DDP) would;
+a parameter used on some ranks only gets the average with zeros from the others.
+
 Stage composition (see ``zero_plugin/engine.py``):
   * stage 0 -> :class:`AllReduceReducer`: every rank keeps the full averaged grad in ``param.grad``;
   * stage 1 -> :class:`ReduceScatterReducer(keep_full_grad=True)`: the averaged owned region
@@ -149,20 +155,25 @@ class AllReduceReducer(GradReducer):
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
         param0 = bucket.slots[0].param
-        buf = torch.empty(bucket.width, dtype=self._buffer_dtype(bucket), device=param0.device)
-        for slot, off in zip(bucket.slots, bucket.offsets):
+        k = len(bucket.slots)
+        buf = torch.empty(bucket.width + k, dtype=self._buffer_dtype(bucket), device=param0.device)
+        for i, (slot, off) in enumerate(zip(bucket.slots, bucket.offsets)):
             dst = buf[off: off + slot.layout.numel]
             grad = slot.param.grad
             dst.copy_(grad.view(-1)) if grad is not None else dst.zero_()
+            buf[bucket.width + i] = float(grad is not None)
         bucket.buffer, bucket.launched = buf, True
         bucket.work = self.comm.all_reduce(buf, async_op=True)
 
     @torch.no_grad()
     def _complete(self, bucket: Bucket) -> None:
         buf = bucket.buffer
+        present = buf[bucket.width:].tolist()
         buf.div_(self.comm.world_size)
-        for slot, off in zip(bucket.slots, bucket.offsets):
+        for slot, off, has_grad in zip(bucket.slots, bucket.offsets, present):
             p = slot.param
+            if not has_grad:
+                continue   # unused on every rank: no gradient, the optimizer skips it (as DDP)
             src = buf[off: off + slot.layout.numel].view_as(p)
             if p.grad is None:
                 p.grad = src.to(p.dtype, copy=True)
@@ -185,14 +196,16 @@ class ReduceScatterReducer(GradReducer):
     def _launch(self, bucket: Bucket) -> None:
         n = self.comm.world_size
         param0 = bucket.slots[0].param
-        buf = torch.empty(n, bucket.width, dtype=self._buffer_dtype(bucket), device=param0.device)
-        for slot, off in zip(bucket.slots, bucket.offsets):
+        k = len(bucket.slots)
+        buf = torch.empty(n, bucket.width + k, dtype=self._buffer_dtype(bucket), device=param0.device)
+        for i, (slot, off) in enumerate(zip(bucket.slots, bucket.offsets)):
             grad = slot.param.grad
             rows = buf[:, off: off + slot.layout.shard_numel]
             copy_padded_rows(rows, None if grad is None else grad.view(-1), slot.layout)
+            buf[:, bucket.width + i] = float(grad is not None)   # [Note: unused parameters]
             if not self.keep_full_grad:
                 slot.param.grad = None   # ZeRO-2: the full gradient is not kept
-        out = torch.empty(bucket.width, dtype=buf.dtype, device=buf.device)
+        out = torch.empty(bucket.width + k, dtype=buf.dtype, device=buf.device)
         bucket.buffer, bucket.output, bucket.launched = buf, out, True
         bucket.work = self.comm.reduce_scatter(out, buf.view(-1), async_op=True)
 
@@ -218,10 +231,11 @@ class ReduceScatterReducer(GradReducer):
     @torch.no_grad()
     def _complete(self, bucket: Bucket) -> None:
         out = bucket.output
+        present = out[bucket.width:].tolist()
         out.div_(self.comm.world_size)
-        for slot, off in zip(bucket.slots, bucket.offsets):
-            reduced = out[off: off + slot.layout.local_numel]
-            self._store(slot, reduced)
+        for slot, off, has_grad in zip(bucket.slots, bucket.offsets, present):
+            if has_grad:
+                self._store(slot, out[off: off + slot.layout.local_numel])
 
     def _store(self, slot: MasterParam, reduced: torch.Tensor) -> None:
         p = slot.param

@@ -13,7 +13,7 @@ import torch
 
 from ..optim.master import MasterParam
 
-__all__ = ["consolidate_optimizer_state", "shard_optimizer_state"]
+__all__ = ["consolidate_optimizer_state", "shard_optimizer_state", "gather_full"]
 
 
 def _ordered_slots(opt: Any) -> list[MasterParam]:
@@ -26,8 +26,8 @@ def _is_region_state(value: Any, slot: MasterParam) -> bool:
 
 
 @torch.no_grad()
-def _gather_full(comm, local: torch.Tensor, slot: MasterParam, shape: tuple) -> torch.Tensor:
-    layout = slot.layout
+def gather_full(comm, local: torch.Tensor, layout, shape: tuple) -> torch.Tensor:
+    """Collective: every rank's region of a flattened tensor -> the full tensor (CPU) on every rank."""
     if layout.world_size == 1:
         return local.detach().reshape(shape).cpu().clone()
     padded = torch.zeros(layout.shard_numel, dtype=local.dtype, device=local.device)
@@ -56,7 +56,7 @@ def consolidate_optimizer_state(opt: Any, to_rank: int | None) -> dict:
         entry = {}
         for k, v in state.items():
             if k in region_keys:
-                entry[k] = _gather_full(comm, v, slot, opt.engine.full_shape(slot.param))
+                entry[k] = gather_full(comm, v, slot.layout, opt.engine.full_shape(slot.param))
             else:
                 entry[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
         if entry:

@@ -20,6 +20,7 @@ from ..config import ZeroConfig
 from ..engine import Engine
 from ..optim.master import MasterParam
 from ..optim.offload import host_for, synchronize_copies
+from ..optim.state import gather_full
 from .hooks import Stage3Runtime
 from .param import ShardedParam, ShardedState
 from .policy import assign_units
@@ -180,22 +181,21 @@ class Stage3Engine(Engine):
     # -- state dicts --------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self, rank0_only: bool = True, trainable_only: bool = False) -> dict:
-        """Stream unit by unit: at most one unit is gathered at a time."""
+        """One parameter at a time, from the shards in their stored precision (fp32 masters when
+        ``param_dtype`` is lower): rank 0's peak is one full model plus one parameter."""
+        masters = {id(s.param): s.master for s in self.slots if not s.is_identity}
         keep = {id(s.param) for s in self.slots} if trainable_only else None
         names = _all_names(self.model)
         out: dict[str, torch.Tensor] = {}
         want = not rank0_only or self.comm.rank == 0
-        for unit in self.units:
-            was_sharded = unit.state is ShardedState.SHARDED
-            unit.unshard()
+        for sp in self.sharded.values():
+            if keep is not None and id(sp.param) not in keep:
+                continue
+            source = masters.get(id(sp.param), sp.local)
+            value = gather_full(self.comm, source.detach().reshape(-1), sp.layout, sp.shape)
             if want:
-                for sp in unit.params:
-                    if keep is None or id(sp.param) in keep:
-                        value = sp.param.data.detach().cpu().clone()
-                        for n in names[id(sp.param)]:
-                            out[n] = value
-            if was_sharded:
-                unit.reshard()
+                for n in names[id(sp.param)]:
+                    out[n] = value
         if want and keep is None:
             param_ids = {id(p) for p in self.model.parameters()}
             for k, v in self.model.state_dict(keep_vars=True).items():
@@ -218,10 +218,15 @@ class Stage3Engine(Engine):
                                  f"expects {sp.shape}")
         if strict and missing:
             raise ValueError(f"zp.load_full_state_dict: missing keys {missing[:5]}; pass strict=False to skip them")
+        masters = {id(s.param): s for s in self.slots if not s.is_identity}
         for sp in self.sharded.values():
             key = next((n for n in names[id(sp.param)] if n in state_dict), None)
             if key is not None:
                 sp.write_full_into_local(state_dict[key].to(sp.local.dtype))
+                if id(sp.param) in masters:
+                    slot = masters[id(sp.param)]
+                    region = sp.layout.local_view(state_dict[key].detach().reshape(-1).contiguous())
+                    slot.master.copy_(region.reshape(slot.master.shape))
         param_ids = {id(p) for p in self.model.parameters()}
         for k, v in self.model.state_dict(keep_vars=True).items():
             if id(v) not in param_ids and k in state_dict:

@@ -141,13 +141,15 @@ class Unit:
         grad_dtype = lambda sp: self.reduce_dtype or sp.unsharded.dtype  # noqa: E731
         for dtype, group in _by_dtype(self.trainable, grad_dtype).items():
             offsets, width = _offsets(group)
-            buf = torch.empty(n, width, dtype=dtype, device=group[0].local.device)
-            for sp, off in zip(group, offsets):
+            k = len(group)
+            buf = torch.empty(n, width + k, dtype=dtype, device=group[0].unsharded.device)
+            for i, (sp, off) in enumerate(zip(group, offsets)):
                 grad = sp.param.grad
                 copy_padded_rows(buf[:, off: off + sp.layout.shard_numel],
                                  None if grad is None else grad.reshape(-1), sp.layout)
+                buf[:, width + i] = float(grad is not None)   # see [Note: unused parameters] in grads/reducer.py
                 sp.param.grad = None
-            out = torch.empty(width, dtype=dtype, device=buf.device)
+            out = torch.empty(width + k, dtype=dtype, device=buf.device)
             work = self.comm.reduce_scatter(out, buf.view(-1), async_op=True)
             launched.append(_Pending(group, offsets, width, out, work, buf))
         return launched
@@ -155,9 +157,11 @@ class Unit:
     @torch.no_grad()
     def complete_reduce(self, pending: _Pending) -> None:
         pending.work.wait()
+        present = pending.output[pending.width:].tolist()
         pending.output.div_(self.comm.world_size)
-        for sp, off in zip(pending.params, pending.offsets):
-            sp.accumulate_grad(pending.output[off: off + sp.layout.local_numel])
+        for sp, off, has_grad in zip(pending.params, pending.offsets, present):
+            if has_grad:
+                sp.accumulate_grad(pending.output[off: off + sp.layout.local_numel])
 
     def reset_backward(self) -> None:
         self.ready.clear()
