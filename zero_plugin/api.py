@@ -33,7 +33,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
                          "build one with zp.ZeroConfig(stage=...) or ZeroConfig.from_dict(...)")
     if isinstance(optimizer, ZeroOptimizer):
         raise ValueError("zp.setup: this optimizer is already a ZeroOptimizer; pass the original model and optimizer once")
-    comm = Comm(group)
+    comm = Comm(group, timeout_s=config.timeout_s, debug=config.debug_collectives)
     trainable = _validate.trainable_parameters(model, optimizer)
     _validate.check_ranks_agree(model, config, comm)
     source = materialize.as_source(param_source)

@@ -17,7 +17,8 @@ wire; the logical count is what we hold against theory.
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
+from datetime import timedelta
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,8 +79,11 @@ class Comm:
     single-process script can run ``zp.setup`` unchanged.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, timeout_s: float | None = None, debug: bool = False) -> None:
         self.group = group
+        self.timeout_s = timeout_s
+        # debug_collectives: the last collectives this rank issued, quoted when one fails.
+        self.history: deque | None = deque(maxlen=32) if debug else None
         self.initialized = dist.is_available() and dist.is_initialized()
         if self.initialized:
             self.rank = dist.get_rank(group)
@@ -88,9 +92,30 @@ class Comm:
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
 
+    # -- waiting ------------------------------------------------------------
+    def wait(self, work, what: str = "collective") -> None:
+        """Wait for an async collective, turning a timeout or a dead peer into an error that says why."""
+        try:
+            if self.timeout_s is not None and not isinstance(work, _DoneWork):
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
+            else:
+                work.wait()
+        except Exception as exc:   # gloo/NCCL raise RuntimeError (timeout, connection closed by a dead peer)
+            raise RuntimeError(
+                f"zero_plugin: rank {self.rank}: {what} did not complete ({type(exc).__name__}: {exc}). Another "
+                "rank died or is stuck, or ranks issued collectives in a different order. "
+                + (f"Last collectives on this rank: {list(self.history)}" if self.history is not None else
+                   "Set ZeroConfig(debug_collectives=True) to list the last collectives of each rank.")
+            ) from exc
+
+    def _note(self, kind: str, tag: str, numel: int) -> None:
+        if self.history is not None:
+            self.history.append((kind, tag, numel))
+
     # -- tensor collectives -------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, tag: str = ""):
         _record("all_reduce", 2 * tensor.numel() * tensor.element_size())
+        self._note("all_reduce", tag, tensor.numel())
         if self.world_size == 1:
             return _DoneWork() if async_op else None
         return dist.all_reduce(tensor, op=_reduce_op(op, self.backend), group=self.group, async_op=async_op)
@@ -100,6 +125,7 @@ class Comm:
         """``input`` holds ``world_size`` equal chunks, rank-major; this rank's reduced chunk lands in ``output``."""
         assert input.numel() == output.numel() * self.world_size, "reduce_scatter: size mismatch"
         _record("reduce_scatter", input.numel() * input.element_size())
+        self._note("reduce_scatter", tag, input.numel())
         if self.world_size == 1:
             output.copy_(input)
             return _DoneWork() if async_op else None
@@ -111,6 +137,7 @@ class Comm:
         """Concatenate every rank's ``input`` (equal sizes) into ``output``, rank-major."""
         assert output.numel() == input.numel() * self.world_size, "all_gather: size mismatch"
         _record("all_gather", output.numel() * output.element_size())
+        self._note("all_gather", tag, output.numel())
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)

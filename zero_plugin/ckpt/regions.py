@@ -10,8 +10,9 @@ any stage and world size is slicing: a rank reads ``[lo, hi)`` of its own
 layout (stage 3 parameters, stages 1-3 optimizer state) or ``[0, numel)``
 (stage 0-2 parameters, stage 0 optimizer state).
 
-A region is read from the highest-precision copy the rank holds: the fp32
-master when ``param_dtype`` is lower (stages 0-2), the fp32 shard at stage 3.
+A region is read from the optimizer's copy when it has its own (the fp32
+master when ``param_dtype`` is lower, the host master with offload), else from
+the parameter (stages 0-2) or its shard (stage 3).
 This module only reads engine attributes (``engine.model``, ``engine.slots``,
 stage 3's ``engine.sharded``); it changes nothing in the engine.
 """
@@ -48,11 +49,16 @@ class ParamView:
         return n
 
     @property
+    def separate_master(self) -> torch.Tensor | None:
+        """The optimizer's own copy (fp32 and/or on the host) when it is not the parameter's storage."""
+        return self.slot.master if self.slot is not None and self.slot.separate else None
+
+    @property
     def stored_dtype(self) -> torch.dtype:
+        if self.separate_master is not None:
+            return self.separate_master.dtype
         if self.sharded is not None:
             return self.sharded.local.dtype
-        if self.slot is not None and self.slot.separate:
-            return self.slot.master.dtype
         return self.param.dtype
 
 
@@ -77,26 +83,27 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def region_to_save(view: ParamView, layout: ShardLayout) -> torch.Tensor:
     """This rank's region of the flattened parameter, as a 1-D tensor (a view where possible)."""
     lo, hi = layout.bounds()
+    if view.separate_master is not None:
+        return _region_of_master(view, view.separate_master, layout)
     if view.sharded is not None:
-        local = view.sharded.local
         assert view.sharded.layout == layout, f"{view.name}: stage-3 layout differs from the save layout"
-        return local.reshape(-1)
-    src = view.slot.master if view.slot is not None and view.slot.separate else view.param.data
-    flat = src.reshape(-1)
-    if flat.numel() == view.numel:
+        return view.sharded.local.reshape(-1)
+    return view.param.data.reshape(-1)[lo:hi]
+
+
+def _region_of_master(view: ParamView, tensor: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """A master-shaped tensor (the master or its optimizer state) cut to the save layout's region."""
+    lo, hi = layout.bounds()
+    flat = tensor.detach().reshape(-1)
+    if view.slot.layout.world_size == 1:   # stage 0: the master (and its state) is the whole parameter
         return flat[lo:hi]
-    assert flat.numel() == hi - lo and view.slot.layout.bounds() == (lo, hi), f"{view.name}: unexpected master size"
+    assert view.slot.layout.bounds() == (lo, hi) and flat.numel() == hi - lo, f"{view.name}: unexpected master size"
     return flat
 
 
 def state_region_to_save(view: ParamView, value: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     """This rank's region of an optimizer state tensor shaped like the master."""
-    lo, hi = layout.bounds()
-    flat = value.detach().reshape(-1)
-    if view.slot.layout.world_size == 1:   # stage 0: the master (and its state) is the whole parameter
-        return flat[lo:hi]
-    assert view.slot.layout.bounds() == (lo, hi) and flat.numel() == hi - lo, f"{view.name}: unexpected state size"
-    return flat
+    return _region_of_master(view, value, layout)
 
 
 def load_range(view: ParamView) -> tuple[int, int]:
@@ -111,11 +118,12 @@ def copy_param_in(view: ParamView, values: torch.Tensor, lo: int) -> None:
     """Write the values read for :func:`load_range` (starting at flat index ``lo``) into the model."""
     if view.sharded is not None:
         view.sharded.local.copy_(values)
-        return
-    view.param.data.view(-1).copy_(values)
-    if view.slot is not None and view.slot.separate:
+    else:
+        view.param.data.view(-1).copy_(values)
+    master = view.separate_master
+    if master is not None:   # from the stored values, not the (possibly lower precision) parameter
         m_lo, m_hi = view.slot.layout.bounds()
-        view.slot.master.view(-1).copy_(values[m_lo - lo:m_hi - lo])
+        master.view(-1).copy_(values[m_lo - lo:m_hi - lo])
 
 
 def check_loadable(engine) -> None:

@@ -67,16 +67,20 @@ def _local_state_schema(views: list[ParamView], inner) -> dict[str, dict[str, st
 
 
 def _agree_state_schema(comm, views: list[ParamView], inner) -> dict[str, dict[str, str | None]]:
-    """A state entry is a region only when it is one on every rank (a 1-element region is ambiguous)."""
+    """Merge the ranks' schemas: a rank whose region of a parameter is empty has no say about its state
+    (it may hold none), and an entry is a region only when it is one everywhere (1 element is ambiguous)."""
     local = on_every_rank(comm, lambda: _local_state_schema(views, inner))
-    everyone = comm.all_gather_object(local)
+    empty = {v.name for v in views if not ShardLayout(v.numel, comm.world_size, comm.rank).local_numel}
+    everyone = comm.all_gather_object((local, empty))
     merged: dict[str, dict[str, str | None]] = {}
     for name in local:
-        key_sets = [set(s.get(name, {})) for s in everyone]
+        voters = [schema[name] for schema, empty_here in everyone if name not in empty_here] or [local[name]]
+        key_sets = [set(v) for v in voters]
         if any(k != key_sets[0] for k in key_sets):
             raise CheckpointError(f"zp.save_checkpoint: optimizer state keys of {name!r} differ across ranks "
                                   f"({[sorted(k) for k in key_sets]}); was optimizer.step() called on every rank?")
-        merged[name] = {k: (v if all(s[name][k] == v for s in everyone) else None) for k, v in local[name].items()}
+        merged[name] = {k: (dtype if all(v[k] == dtype for v in voters) else None)
+                        for k, dtype in voters[0].items()}
     return merged
 
 
@@ -135,7 +139,7 @@ def _write_rank_file(tmp: str, engine, views, inner, schema, json_tensors) -> fm
         entries.append((f"p/{view.name}", region_to_save(view, layout)))
         state = inner.state.get(view.slot.master, {}) if view.slot is not None and inner is not None else {}
         for key, dtype in schema.get(view.name, {}).items():
-            if dtype is not None:
+            if dtype is not None:   # (the layout's region is not empty here, so this rank holds the state)
                 entries.append((f"o/{view.name}/{key}", state_region_to_save(view, state[key], layout)))
     if comm.rank == 0:
         entries += [(f"b/{name}", b) for name, b in persistent_buffers(engine.model)]

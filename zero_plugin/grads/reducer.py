@@ -110,7 +110,7 @@ class GradReducer:
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
-                bucket.work.wait()
+                self.comm.wait(bucket.work, "gradient reduction")
             self._complete(bucket)
             bucket.reset()
 
@@ -223,7 +223,7 @@ class ReduceScatterReducer(GradReducer):
         super().finish()
         for bucket in late:   # rare path: reduce the extra contributions once more
             self._launch(bucket)
-            bucket.work.wait()
+            self.comm.wait(bucket.work, "gradient reduction")
             self._complete(bucket)
             bucket.reset()
         self._late.clear()

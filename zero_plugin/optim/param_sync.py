@@ -34,7 +34,7 @@ class ParamAllGather:
             out = torch.empty(n * bucket.width, dtype=inp.dtype, device=inp.device)
             inflight.append((bucket, out, self.comm.all_gather(out, inp, async_op=True)))
         for bucket, out, work in inflight:
-            work.wait()
+            self.comm.wait(work, "parameter all-gather after the step")
             rows = out.view(n, bucket.width)
             for slot, off in zip(bucket.slots, bucket.offsets):
                 copy_from_rows(slot.param.data.view(-1), rows[:, off: off + slot.layout.shard_numel], slot.layout)

@@ -89,7 +89,7 @@ class Unit:
     def wait_unshard(self) -> None:
         pending, self._gather = self._gather, []
         for p in pending:
-            p.work.wait()
+            self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
             rows = p.output.view(self.comm.world_size, p.width + _TAG)
             self._check_tags(rows[:, p.width:])
             for sp, off in zip(p.params, p.offsets):
@@ -150,13 +150,13 @@ class Unit:
                 buf[:, width + i] = float(grad is not None)   # see [Note: unused parameters] in grads/reducer.py
                 sp.param.grad = None
             out = torch.empty(width + k, dtype=dtype, device=buf.device)
-            work = self.comm.reduce_scatter(out, buf.view(-1), async_op=True)
+            work = self.comm.reduce_scatter(out, buf.view(-1), async_op=True, tag=self.name)
             launched.append(_Pending(group, offsets, width, out, work, buf))
         return launched
 
     @torch.no_grad()
     def complete_reduce(self, pending: _Pending) -> None:
-        pending.work.wait()
+        self.comm.wait(pending.work, f"reduce-scatter of unit {self.name!r}")
         present = pending.output[pending.width:].tolist()
         pending.output.div_(self.comm.world_size)
         for sp, off, has_grad in zip(pending.params, pending.offsets, present):
