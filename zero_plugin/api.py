@@ -89,7 +89,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """Clip the reduced gradients by their global norm over every rank's shard; returns that norm."""
     if not (isinstance(max_norm, (int, float)) and max_norm > 0):
         raise ValueError(f"zp.clip_grad_norm_: max_norm must be a positive number, got {max_norm!r}")
-    return clip_owned_grads(engine_of(model, "clip_grad_norm_"), max_norm, norm_type)
+    engine = engine_of(model, "clip_grad_norm_")
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is not None:
+        optimizer.guard.unscale()   # fp16 loss scaling: clip the true gradients
+    return clip_owned_grads(engine, max_norm, norm_type)
 
 
 @contextlib.contextmanager

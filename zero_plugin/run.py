@@ -10,6 +10,7 @@ zero_plugin's Accelerator in for ``accelerate.Accelerator`` (see [Note: what zer
 and runs the script as ``__main__``.  It also works under a plain launcher:
 
     ZERO_PLUGIN_STAGE=3 accelerate launch --multi_gpu --num_processes 2 -m zero_plugin.run train.py
+    (without GPUs also ACCELERATE_USE_CPU=true, see the note below)
 
 [Note: Accelerate on a CPU-only machine]
 ``accelerate launch --num_processes N`` without GPUs starts ONE process (its simple launcher needs
@@ -134,13 +135,14 @@ def _launch_parser() -> argparse.ArgumentParser:
 
     parser = launch_command_parser()
     parser.prog = "zero-plugin launch"
+    parser.formatter_class = argparse.HelpFormatter   # Accelerate's hides groups it does not know
     parser.description = ("Run an unmodified Accelerate / transformers.Trainer script under zero_plugin: "
                           "accelerate launch [options] -m zero_plugin.run script.py [args].")
     group = parser.add_argument_group("zero_plugin", "ZeRO configuration (else ZERO_PLUGIN_* variables, or a "
                                       "zero_plugin: section of --config_file)")
     group.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (ZERO_PLUGIN_STAGE)")
     group.add_argument("--offload", choices=("none", "cpu"), help="optimizer offload (ZERO_PLUGIN_OFFLOAD)")
-    group.add_argument("--zero_config", "--zero-config", help="YAML/JSON file of ZeroConfig fields")
+    group.add_argument("--zero_config", help="YAML/JSON file of ZeroConfig fields")
     return parser
 
 

@@ -103,9 +103,11 @@ def parity_worker(kind: str, batches: list, steps: int, accum: int, max_norm: fl
 
 
 def _checkpointing(model) -> list:
-    """Per layer with a checkpointing switch: None when off, else the checkpoint function's use_reentrant."""
+    """``use_reentrant`` of each decoder layer that checkpoints (empty when none does)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     found = []
     for module in model.modules():
-        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
             found.append(module._gradient_checkpointing_func.keywords.get("use_reentrant"))
     return found

@@ -67,24 +67,26 @@ class _Reader:
     def __init__(self, directory: str, files: list[str], stack: contextlib.ExitStack) -> None:
         self.directory, self.files, self.stack = directory, files, stack
         self.handles: dict[int, Any] = {}
+        self.keys: dict[int, set[str]] = {}
 
-    def handle(self, i: int):
+    def handle(self, i: int, key: str | None = None):
+        """The open file ``i``; with ``key``, raise unless it holds that tensor."""
         if i not in self.handles:
             full = os.path.join(self.directory, self.files[i])
             try:
                 self.handles[i] = self.stack.enter_context(safe_open(full, framework="pt", device="cpu"))
             except Exception as exc:   # noqa: BLE001 - safetensors raises its own error types
                 raise CheckpointError(f"checkpoint file {full} is not a valid safetensors file: {exc}") from exc
+            self.keys[i] = set(self.handles[i].keys())
+        if key is not None and key not in self.keys[i]:
+            raise CheckpointError(f"{self._where(i, key)} is missing")
         return self.handles[i]
 
     def _where(self, i: int, key: str) -> str:
         return f"tensor {key!r} in checkpoint file {os.path.join(self.directory, self.files[i])}"
 
     def slice(self, i: int, key: str, length: int, dtype: torch.dtype):
-        handle = self.handle(i)
-        if key not in handle.keys():
-            raise CheckpointError(f"{self._where(i, key)} is missing")
-        piece = handle.get_slice(key)
+        piece = self.handle(i, key).get_slice(key)
         shape, stored = list(piece.get_shape()), piece.get_dtype()
         if shape != [length] or stored != fmt.safetensors_code(dtype):
             raise CheckpointError(f"{self._where(i, key)} has shape {shape} and dtype {stored}, the index says "
@@ -92,10 +94,7 @@ class _Reader:
         return piece
 
     def tensor(self, i: int, key: str) -> torch.Tensor:
-        handle = self.handle(i)
-        if key not in handle.keys():
-            raise CheckpointError(f"{self._where(i, key)} is missing")
-        return handle.get_tensor(key)
+        return self.handle(i, key).get_tensor(key)
 
     def metadata(self, i: int) -> dict[str, str]:
         return self.handle(i).metadata() or {}

@@ -108,7 +108,7 @@ def _build_index(engine, views: list[ParamView], inner, schema, extra) -> tuple[
         "optimizer": None if inner is None else _optimizer_index(engine, views, inner, schema, tensors),
         "extra": encode(extra, tensors, "x", "extra"),
     }
-    json.dumps(index)   # fail here, on every rank, rather than after the files are written
+    json.dumps(index)   # an unstorable value fails now, before any file is written
     return index, tensors
 
 
@@ -160,7 +160,12 @@ def _publish(tmp: str, path: str, token: str, index: dict, records: list[fmt.Fil
     if os.path.lexists(path):
         old = f"{path}.old-{token}"
         os.rename(path, old)
-    os.rename(tmp, path)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        if old is not None:
+            os.rename(old, path)   # put the previous checkpoint back
+        raise
     fmt.fsync_dir(os.path.dirname(path))
     if old is not None:
         _remove(old)

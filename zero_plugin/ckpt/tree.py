@@ -45,7 +45,7 @@ def encode(value: Any, tensors: dict[str, torch.Tensor], prefix: str, where: str
             return {k: encode(v, tensors, prefix, f"{where}[{k!r}]") for k, v in value.items()}
         return {"__dict__": [[encode(k, tensors, prefix, f"{where} key"), encode(v, tensors, prefix, f"{where}[{k!r}]")]
                              for k, v in value.items()]}
-    raise CheckpointError(f"zp.save_checkpoint: {where} is a {type(value).__name__}; a checkpoint stores only JSON "
+    raise CheckpointError(f"zp.save_checkpoint: {where} has type {type(value).__name__}; a checkpoint stores only JSON "
                           "values (dict, list, str, int, float, bool, None), tuples, tensors and numpy arrays")
 
 

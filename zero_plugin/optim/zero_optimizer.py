@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from .loss_scale import GradGuard
 from .state import consolidate_optimizer_state, shard_optimizer_state
 
 __all__ = ["ZeroOptimizer"]
@@ -32,6 +33,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
+        cfg = engine.config
+        fp16 = cfg.param_dtype == torch.float16
+        fixed = cfg.loss_scale if fp16 and not isinstance(cfg.loss_scale, str) else None
+        self.guard = GradGuard(engine, dynamic_scale=fp16 and cfg.loss_scale == "dynamic", fixed_scale=fixed)
 
     # param_groups/state are properties so that both views always agree.
     @property
@@ -62,10 +67,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self.guard.should_step():
+            self.engine.zero_grad(set_to_none=True)   # the skipped step's gradients are discarded
+            return loss
         self.engine.before_step()
         self.inner.step()
         self.engine.after_step()
         return loss
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because some rank had an inf/NaN gradient."""
+        return self.guard.skipped_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return self.guard.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` under fp16 dynamic loss scaling, else ``loss``: call ``.backward()`` on the result."""
+        return self.guard.scale_loss(loss)
+
+    def unscale_(self) -> None:
+        """Unscale the gradients now (e.g. before inspecting them); ``clip_grad_norm_`` does it itself."""
+        self.guard.unscale()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)

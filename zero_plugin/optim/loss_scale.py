@@ -1,0 +1,81 @@
+"""Non-finite gradients: dynamic loss scaling for fp16, and a guard for every precision.
+
+fp16 (``param_dtype=float16``): scale the loss before backward (``optimizer.scale_loss(loss)``) so small
+gradients do not underflow; before the step, unscale the owned gradients and check them on every rank.
+If any rank saw inf/NaN, *every* rank skips the step (the flag is all-reduced, so the decision is the
+same everywhere), halves the scale, and training continues.  The scale doubles after
+``growth_interval`` clean steps (the schedule of torch's GradScaler and DeepSpeed's dynamic scaler).
+
+Other precisions: no scaling, but a NaN/inf gradient is reported (warning + ``skipped_steps``) and the
+step is skipped, never silently applied.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+__all__ = ["GradGuard"]
+
+
+class GradGuard:
+    def __init__(self, engine, dynamic_scale: bool, init_scale: float = 2.0**16, growth_interval: int = 2000,
+                 backoff: float = 0.5, growth: float = 2.0, fixed_scale: float | None = None) -> None:
+        self.engine = engine
+        self.scaling = dynamic_scale or fixed_scale is not None
+        self.dynamic = dynamic_scale and fixed_scale is None
+        self.scale = fixed_scale if fixed_scale is not None else (init_scale if dynamic_scale else 1.0)
+        self.growth_interval = growth_interval
+        self.backoff, self.growth = backoff, growth
+        self.clean_steps = 0
+        self.skipped_steps = 0
+        self._unscaled = False
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.scaling else loss
+
+    @torch.no_grad()
+    def unscale(self) -> None:
+        """Divide the owned gradients by the scale once per step (clipping must see true gradients)."""
+        if self.scaling and not self._unscaled:
+            inv = 1.0 / self.scale
+            for g in self.engine.owned_grads():
+                g.mul_(inv)
+        self._unscaled = True
+
+    @torch.no_grad()
+    def found_nonfinite(self) -> bool:
+        """Collective: True if any rank holds an inf/NaN gradient."""
+        flag = torch.zeros(1, dtype=torch.float32)
+        for g in self.engine.owned_grads():
+            if g.numel() and not torch.isfinite(g).all():
+                flag.fill_(1.0)
+                break
+        self.engine.comm.all_reduce(flag, op="max", tag="nonfinite-check")
+        return bool(flag.item())
+
+    def should_step(self) -> bool:
+        """Unscale, check every rank, update the scale; False means skip this step on every rank."""
+        self.unscale()
+        self._unscaled = False
+        if self.found_nonfinite():
+            self.skipped_steps += 1
+            self.clean_steps = 0
+            if self.dynamic:
+                self.scale *= self.backoff
+            else:
+                warnings.warn(f"zero_plugin: non-finite gradient on some rank; step skipped on every rank "
+                              f"(skipped so far: {self.skipped_steps})", RuntimeWarning, stacklevel=3)
+            return False
+        self.clean_steps += 1
+        if self.dynamic and self.clean_steps % self.growth_interval == 0:
+            self.scale *= self.growth
+        return True
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
