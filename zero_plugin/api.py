@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import _validate, materialize
+from .buffers import BufferSync
 from .collectives import Comm
 from .config import ZeroConfig
 from .engine import engine_of, register_engine
@@ -45,6 +46,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
     if config.offload:
         use_fast_cpu_kernels(optimizer)
     register_engine(model, engine)
+    engine.buffer_sync = BufferSync.attach(model, comm)
     if config.param_dtype is not None:
         engine.input_cast_handle = model.register_forward_pre_hook(
             functools.partial(_cast_inputs, config.param_dtype), with_kwargs=True)

@@ -1,0 +1,53 @@
+"""Keep normalisation running statistics identical on every rank.
+
+BatchNorm-style modules update ``running_mean``/``running_var`` from each rank's own batch, so ranks
+drift apart.  After every training forward we average those floating-point buffers over the ranks
+(one all-reduce per dtype), so every rank holds the same statistics at all times -- what evaluation
+and checkpoints need.  Other buffers (rotary tables, masks) are constants and are left alone.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .collectives import Comm
+
+__all__ = ["BufferSync"]
+
+
+class BufferSync:
+    def __init__(self, buffers: list[torch.Tensor], comm: Comm) -> None:
+        self.buffers = buffers
+        self.comm = comm
+        self.handle = None
+
+    @classmethod
+    def attach(cls, model: nn.Module, comm: Comm) -> "BufferSync | None":
+        stats = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+                 and m.track_running_stats for b in (m.running_mean, m.running_var)
+                 if b is not None and b.is_floating_point()]
+        if comm.world_size == 1 or not stats:
+            return None
+        sync = cls(stats, comm)
+        sync.handle = model.register_forward_hook(sync._after_forward)
+        return sync
+
+    @torch.no_grad()
+    def _after_forward(self, module: nn.Module, args, output) -> None:
+        if not module.training:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in self.buffers:
+            by_dtype.setdefault(b.dtype, []).append(b)
+        for group in by_dtype.values():
+            flat = torch.cat([b.reshape(-1) for b in group])
+            self.comm.all_reduce(flat, tag="running statistics")
+            flat.div_(self.comm.world_size)
+            offset = 0
+            for b in group:
+                b.data.copy_(flat[offset: offset + b.numel()].view_as(b))   # .data: autograd saved them, unused in backward
+                offset += b.numel()
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
