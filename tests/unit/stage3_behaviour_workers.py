@@ -495,7 +495,8 @@ def comm_worker(kind: str, steps: int = 2) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # a branch taken on one rank only
 
-def branch_worker(skipped_is_larger: bool, skip_block: int = 2, skip_rank: int = 1, steps: int = 2) -> dict:
+def branch_worker(skipped_is_larger: bool, skip_block: int = 2, skip_rank: int = 1, steps: int = 2,
+                  debug: bool = False) -> dict:
     """Rank ``skip_rank`` leaves out block ``skip_block``; the reference is DDP semantics (that rank's
     gradient for the skipped block is zero), simulated in one process by replaying each rank's path.
 
@@ -520,7 +521,7 @@ def branch_worker(skipped_is_larger: bool, skip_block: int = 2, skip_rank: int =
         ref_opt.zero_grad()
     ref_model.skip = None
 
-    model, opt = _setup(build())
+    model, opt = _setup(build(), zp.ZeroConfig(stage=3, debug_collectives=debug) if debug else None)
     model.skip = skip_block if rank == skip_rank else None
     for batch in batches:
         x, target = models.shard_batch(batch, rank, world)

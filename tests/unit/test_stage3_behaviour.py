@@ -184,6 +184,17 @@ def test_branch_on_one_rank_works_or_fails_fast(skipped_is_larger):
         assert r["max_abs_diff"] <= F64, f"rank {rank}: silently wrong weights, max diff {r['max_abs_diff']:.3g}"
 
 
+def test_branch_on_one_rank_with_debug_collectives_names_the_unit_on_every_rank():
+    """debug_collectives adds a fixed-size order check before each gather, so even gathers of different
+    sizes (which gloo cannot pair) end in the same clear error on every rank."""
+    with pytest.raises(RankError) as info:
+        run_ranks(2, w.branch_worker, True, debug=True, timeout=30)
+    err = info.value
+    assert not err.missing and sorted(err.tracebacks) == [0, 1], err
+    for rank, text in err.tracebacks.items():
+        assert "collective order diverged" in text and "blocks.2" in text or "blocks.3" in text, (rank, text)
+
+
 # -- LoRA + activation checkpointing through transformers ---------------------------------------------------------
 
 def test_lora_with_gradient_checkpointing_trains_adapters():

@@ -26,8 +26,10 @@ import json
 import os
 import re
 import struct
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -40,6 +42,7 @@ VERSION = 1
 INDEX = "index.json"
 COMPLETE = "COMPLETE"
 _CHUNK = 64 << 20
+_HASH_QUEUE = 4   # chunks written but not yet hashed (bounds host copies of device tensors)
 # Only these names are ever opened; anything else a manifest lists is refused (no paths, no pickles).
 _FILE_NAME = re.compile(r"^(index\.json|rank-\d{5}-of-\d{5}\.safetensors)$")
 
@@ -93,31 +96,41 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def write_safetensors(path: str, entries: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> FileRecord:
-    """Stream ``entries`` into a safetensors file at ``path``; returns its size and sha256."""
+    """Stream ``entries`` into a safetensors file at ``path``; returns its size and sha256.
+
+    The sha256 runs in a helper thread on the chunks just written (hashlib releases the GIL),
+    so hashing overlaps the writes instead of adding to them.
+    """
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for key, t in entries:
         nbytes = t.numel() * t.element_size()
         dtype_name(t.dtype)   # raises for dtypes safetensors cannot hold
-        header[key] = {"dtype": _ST_DTYPES[t.dtype],
-                       "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)   # the format pads the header to 8-byte alignment
     digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        for part in (struct.pack("<Q", len(blob)), blob):
-            f.write(part)
-            digest.update(part)
-        for _, t in entries:
-            data = _as_bytes(t)
-            for start in range(0, len(data), _CHUNK):
-                chunk = data[start:start + _CHUNK]
-                f.write(chunk)
-                digest.update(chunk)
+    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1) as hasher:
+        in_flight: deque = deque()
+        for chunk in _chunks([struct.pack("<Q", len(blob)), blob], entries):
+            f.write(chunk)
+            in_flight.append(hasher.submit(digest.update, chunk))   # one worker: chunks hashed in order
+            while len(in_flight) > _HASH_QUEUE:
+                in_flight.popleft().result()
+        for future in in_flight:
+            future.result()
         f.flush()
         os.fsync(f.fileno())
     return FileRecord(os.path.basename(path), 8 + len(blob) + offset, digest.hexdigest())
+
+
+def _chunks(head: list[bytes], entries: list[tuple[str, torch.Tensor]]) -> Iterator[memoryview | bytes]:
+    yield from head
+    for _, t in entries:
+        data = _as_bytes(t)
+        for start in range(0, len(data), _CHUNK):
+            yield data[start:start + _CHUNK]
 
 
 def write_json(path: str, obj: Any) -> FileRecord:

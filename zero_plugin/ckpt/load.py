@@ -33,7 +33,7 @@ def load(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | No
     path = os.path.abspath(os.fspath(path))
     files = on_every_rank(comm, lambda: _manifest(engine, path))
     if verify:
-        mine = sorted(files)[comm.rank::comm.world_size]
+        mine = _files_to_verify(sorted(files), comm.rank, comm.world_size)
         on_every_rank(comm, lambda: [fmt.check_sha256(path, n, files[n]["sha256"]) for n in mine])
     views = param_views(engine)
     index = on_every_rank(comm, lambda: _index(path, files, views, engine, inner))
@@ -42,6 +42,13 @@ def load(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | No
         staged = on_every_rank(comm, lambda: _stage(reader, index, engine, views, inner))
     _copy_in(staged, inner)
     return staged.extra
+
+
+def _files_to_verify(names: list[str], rank: int, world: int) -> list[str]:
+    """Each file is hashed by one rank: the n-th data file by rank n mod world (at an unchanged world
+    size, the file this rank reads next, now in the page cache), the index by rank 0."""
+    data = [n for n in names if n != fmt.INDEX]
+    return ([fmt.INDEX] if rank == 0 else []) + [n for i, n in enumerate(data) if i % world == rank]
 
 
 def _manifest(engine, path: str) -> dict[str, dict]:

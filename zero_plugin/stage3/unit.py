@@ -72,6 +72,8 @@ class Unit:
                 self.wait_unshard()
             return
         n = self.comm.world_size
+        if self.comm.history is not None:
+            self._precheck_order()
         for dtype, group in _by_dtype(self.params, lambda sp: sp.unsharded.dtype).items():
             offsets, width = _offsets(group)
             device = group[0].unsharded.device
@@ -116,6 +118,15 @@ class Unit:
                 f"({self.name!r}) while rank(s) {bad} gathered unit(s) {got} at the same point. Every rank must "
                 "run the same blocks in the same order (a conditional branch that skips a block on some ranks?). "
                 "Run the block on every rank (e.g. multiply its output by 0) or exclude it from sharding.")
+
+    def _precheck_order(self) -> None:
+        """debug_collectives: a fixed-size tag exchange before the payload, so that even units of
+        different sizes (which gloo cannot pair) report the divergence instead of aborting."""
+        tag = torch.tensor(self._tag(), dtype=torch.float32)
+        device = self.params[0].unsharded.device if self.params else torch.device("cpu")
+        tags = torch.empty(self.comm.world_size * _TAG, dtype=torch.float32, device=device)
+        self.comm.all_gather(tags, tag.to(device), tag=f"order check {self.name}")
+        self._check_tags(tags.view(self.comm.world_size, _TAG))
 
     def reshard(self) -> None:
         if self._gather:

@@ -1,0 +1,227 @@
+"""Sharded checkpoints: exact resume, resharding across stages and world sizes, crash safety, bad input.
+
+* Exact resume (fp32 OddMLP, two-group AdamW, world size 2): 6 steps straight equal 3 steps,
+  save, and -- in a second ``run_ranks`` call that builds everything again -- load and 3 more,
+  bitwise (parameters, optimizer state, LR schedule, every rank's RNG).
+* Resharding (float64 OddMLP): save at (stage s1, N1), load at (s2, N2): the full parameters and
+  optimizer state equal the saved ones exactly, and one more step matches the saving run's
+  within 1e-10 (only the reduction order differs).  The whole 4x4 stage grid for N1=2 -> N2=4,
+  and every (N1, N2) in {1, 2, 4}^2 for stage 3 -> stage 1.
+* A save SIGKILLed after its first file leaves the previous checkpoint loadable and the partial
+  directory reports "incomplete checkpoint".
+* Corrupt or tampered checkpoints and mismatched models fail with errors naming the file or key,
+  before the model or optimizer is touched; planted pickles are refused, never executed.
+* PEFT under stage 3: ``save_peft_adapter`` writes an adapter that ``PeftModel.from_pretrained``
+  loads into an unsharded base model with identical logits.
+"""
+from __future__ import annotations
+
+import glob
+import itertools
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.harness import REPO_ROOT, run_ranks
+from tests.unit import checkpoint_workers as w
+
+STAGES = (0, 1, 2, 3)
+STEP_TOL = 1e-10
+
+
+def assert_params_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def assert_opt_equal(a: dict, b: dict) -> None:
+    assert a["groups"] == b["groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for name in a["state"]:
+        sa, sb = a["state"][name], b["state"][name]
+        assert sa.keys() == sb.keys(), name
+        for key in sa:
+            assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), (name, key)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].numel())
+
+
+# -- exact resume ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", STAGES)
+def test_exact_resume(stage, tmp_path):
+    path = str(tmp_path / "ckpt")
+    first = run_ranks(2, w.resume_first_half, stage, path, timeout=120)
+    second = run_ranks(2, w.resume_second_half, stage, path, timeout=120)
+    for rank in range(2):
+        a, b = first[rank], second[rank]
+        assert_params_equal(a["straight_params"], b["params"])
+        assert_opt_equal(a["straight_opt"], b["opt"])
+        assert b["lrs"] == a["split_lrs"]
+        assert b["extra"]["step"] == 3 and b["extra"]["data_position"] == 3 * w.GLOBAL_ROWS
+        rng_saved, rng_loaded = a["rng_after_save"], b["rng_after_load"]
+        assert torch.equal(rng_saved[0], rng_loaded[0]) and rng_saved[1:] == rng_loaded[1:], f"rank {rank} RNG"
+    assert not torch.equal(first[0]["rng_after_save"][0], first[1]["rng_after_save"][0]), "ranks should differ"
+
+
+# -- resharding --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("reshard"))
+    out = dict(run_ranks(2, w.reshard_save, list(STAGES), root, timeout=120)[0])
+    for world in (1, 4):
+        out.update(run_ranks(world, w.reshard_save, [3], root, timeout=120)[0])
+    return root, out
+
+
+def _check_loaded(saved_runs: dict, loaded: dict) -> None:
+    for (path, stage), got in loaded.items():
+        ref = saved_runs[path]
+        assert_params_equal(ref["params"], got["params"])
+        assert_opt_equal(ref["opt"], got["opt"])
+        assert max_diff(ref["after"], got["after"]) <= STEP_TOL, (path, stage)
+
+
+def test_reshard_every_stage_pair_2_to_4_ranks(saved):
+    root, runs = saved
+    paths = [os.path.join(root, f"s{s}-n2") for s in STAGES]
+    results = run_ranks(4, w.reshard_load, paths, list(STAGES), timeout=240)
+    assert len(results[0]) == 16
+    for result in results:
+        _check_loaded(runs, result)
+
+
+@pytest.mark.parametrize("n1,n2", list(itertools.product((1, 2, 4), repeat=2)))
+def test_reshard_every_world_size_pair_stage3_to_1(saved, n1, n2):
+    root, runs = saved
+    for result in run_ranks(n2, w.reshard_load, [os.path.join(root, f"s3-n{n1}")], [1], timeout=120):
+        _check_loaded(runs, result)
+
+
+def test_mixed_precision_masters_and_offload(tmp_path):
+    """bf16 compute with fp32 masters saved at stage 2 on 2 ranks: the fp32 masters come back exactly at
+    stage 3 with optimizer and parameter offload, at stage 1 on 4 ranks, and in plain fp32 at stage 0."""
+    path = str(tmp_path / "mixed")
+    mixed = {"param_dtype": "bf16"}
+    saved_run = run_ranks(2, w.mixed_save, 2, path, mixed, timeout=120)[0]
+    assert all(v.dtype == torch.float32 for v in saved_run["params"].values())
+    targets = {2: [(3, {**mixed, "offload_optimizer": "cpu", "offload_params": True}), (0, {})],
+               4: [(1, {**mixed, "offload_optimizer": "cpu"})]}
+    for world, runs in targets.items():
+        for result in run_ranks(world, w.mixed_load, path, runs, timeout=120):
+            for loaded in result:
+                assert_params_equal(saved_run["params"], loaded["params"])
+                assert_opt_equal(saved_run["opt"], loaded["opt"])
+
+
+# -- crash safety ------------------------------------------------------------------------------------------
+def test_killed_save_keeps_previous_checkpoint(tmp_path):
+    path, marker = str(tmp_path / "ckpt"), str(tmp_path / "first-file-written")
+    old_params = w.save_small(path, steps=2)
+    code = f"import sys; sys.path.insert(0, {REPO_ROOT!r}); from tests.unit import checkpoint_workers as w; " \
+           f"w.crash_save({path!r}, {marker!r})"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(marker) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(marker), f"the save never wrote its first file (exit code {proc.poll()})"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    partial = glob.glob(path + ".tmp-*")
+    assert len(partial) == 1 and os.listdir(partial[0]), "the killed save should leave its partial directory"
+
+    loaded, error = w.load_small(path)
+    assert error is None and loaded["extra"] == {"step": 2}
+    assert_params_equal(old_params, loaded["params"])
+    loaded, error = w.load_small(partial[0])
+    assert loaded is None and "incomplete checkpoint (interrupted save?)" in error and partial[0] in error
+
+    new_params = w.save_small(path, steps=3)   # the next save replaces the old one and clears the leftovers
+    assert glob.glob(path + ".tmp-*") == [] and glob.glob(path + ".old-*") == []
+    loaded, _ = w.load_small(path)
+    assert loaded["extra"] == {"step": 3}
+    assert_params_equal(new_params, loaded["params"])
+
+
+def test_crash_between_renames_points_to_previous(tmp_path):
+    path = str(tmp_path / "ckpt")
+    w.save_small(path, steps=1)
+    os.rename(path, path + ".old-deadbeef")   # what a crash between "move aside" and "rename" leaves
+    _, error = w.load_small(path)
+    assert "no checkpoint at" in error and path + ".old-deadbeef" in error
+
+
+# -- bad input and security ---------------------------------------------------------------------------------
+EXPECTED = {
+    "truncated": ("rank-00001-of-00002.safetensors", "bytes, the manifest says"),
+    "flipped": ("rank-00000-of-00002.safetensors", "does not match its sha256"),
+    "missing": ("rank-00001-of-00002.safetensors", "is missing"),
+    "no_complete": ("incomplete checkpoint (interrupted save?)", "no_complete"),
+    "planted_pickle": ("'evil.pkl'", "refusing to load it"),
+    "pickle_as_shard": ("rank-00000-of-00002.safetensors", "not a valid safetensors file"),
+    "torch_save_as_shard": ("rank-00001-of-00002.safetensors", "not a valid safetensors file"),
+    "pickle_as_index": ("index.json", "cannot read checkpoint index"),
+    "wider_head": ("shape mismatch for 'head.weight': checkpoint has (13, 15), the model has (15, 15)",
+                   "'head.bias'"),
+    "extra_param": ("missing parameters (in the model, not in the checkpoint): ['extra_bias']", "different model"),
+}
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_bad_checkpoints_fail_clearly_and_change_nothing(stage, tmp_path):
+    sentinel = str(tmp_path / "pwned")
+    results = run_ranks(2, w.bad_input, stage, str(tmp_path), sentinel, timeout=180)
+    assert results[0]["errors"] == results[1]["errors"], "every rank must raise the same error"
+    errors = results[0]["errors"]
+    for case, needles in EXPECTED.items():
+        assert errors[case] is not None, f"{case}: loaded without error"
+        for needle in needles:
+            assert needle in errors[case], f"{case}: {needle!r} not in {errors[case]!r}"
+    assert errors["wider_head_unchanged"] and errors["extra_param_unchanged"]
+    for r in results:
+        assert_params_equal(r["before"]["params"], r["after"]["params"])
+        assert_opt_equal(r["before"]["opt"], r["after"]["opt"])
+        assert not r["sentinel_exists"]
+    assert not os.path.exists(sentinel), "a planted pickle was executed"
+    # The payload is live: unpickling it would have run code.
+    pickle.loads(pickle.dumps(w.Evil(str(tmp_path / "control"))))
+    assert os.path.exists(tmp_path / "control")
+
+
+def test_unstorable_extra_and_mismatched_optimizer(tmp_path):
+    """One process, no process group: errors name the culprit and leave nothing behind or changed."""
+    path = str(tmp_path / "ckpt")
+    model, opt = w.build(1)
+    with pytest.raises(w.CheckpointError, match=r"extra\['sampler'\] has type object"):
+        w.save_checkpoint(path, model, opt, extra={"step": 1, "sampler": object()})
+    assert os.listdir(tmp_path) == []
+    w.train(model, opt, w.batches(torch.float64), 0, 1)
+    w.save_checkpoint(path, model, opt)
+    other = w.models.make_odd_mlp(seed=3)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=w.LR)   # one group instead of two
+    other, other_opt = w.zp.setup(other, other_opt, w.zp.ZeroConfig(stage=3))
+    before = w.full_params(other)
+    with pytest.raises(w.CheckpointError, match="has 2 optimizer param groups, this optimizer has 1"):
+        w.load_checkpoint(path, other, other_opt)
+    assert_params_equal(before, w.full_params(other))
+    assert not other_opt.state
+    w.load_checkpoint(path, other)   # the model alone loads fine
+    assert_params_equal(w.full_params(model), w.full_params(other))
+
+
+# -- PEFT under stage 3 -----------------------------------------------------------------------------------------
+def test_peft_adapter_from_stage3_loads_unsharded(tmp_path):
+    result = run_ranks(2, w.peft_adapter, str(tmp_path / "adapter"), timeout=180)[0]
+    assert result["keys"] and all("lora_" in k for k in result["keys"])
+    assert result["max_diff"] <= 1e-6, result["max_diff"]
