@@ -8,7 +8,6 @@ table that picks them is in ``zero_plugin/stages.py``.  Public verbs in
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Iterator
 
 import torch
@@ -21,21 +20,17 @@ from .optim.offload import synchronize_copies
 
 __all__ = ["Engine", "engine_of", "register_engine"]
 
-_ENGINES: "weakref.WeakKeyDictionary[nn.Module, Engine]" = weakref.WeakKeyDictionary()
+# [Note: engine registry] The engine lives in the model's __dict__ (not in a global map whose values
+# would keep every model alive): model -> engine -> model is a plain cycle the GC collects.
+_ATTR = "_zero_plugin_engine"
 
 
 def engine_of(model: Any, verb: str) -> "Engine":
-    """The engine ``zp.setup`` attached to ``model`` (or the model an optimizer belongs to)."""
-    engine = getattr(model, "engine", None) if not isinstance(model, nn.Module) else None
-    if isinstance(engine, Engine):
-        return engine
+    """The engine ``zp.setup`` attached to ``model`` (or to a module inside a wrapper around it)."""
     if isinstance(model, nn.Module):
-        found = _ENGINES.get(model)
-        if found is not None:
-            return found
-        for module in model.modules():   # a PEFT/Lightning wrapper around the set-up model
-            found = _ENGINES.get(module)
-            if found is not None:
+        for module in model.modules():   # the model itself first, then e.g. a PEFT/Lightning-wrapped one
+            found = module.__dict__.get(_ATTR)
+            if isinstance(found, Engine):
                 return found
     raise ValueError(
         f"zp.{verb}: {type(model).__name__} was not prepared by zp.setup; call "
@@ -44,13 +39,13 @@ def engine_of(model: Any, verb: str) -> "Engine":
 
 
 def register_engine(model: nn.Module, engine: "Engine") -> None:
-    if model in _ENGINES:
+    if isinstance(model.__dict__.get(_ATTR), Engine):
         raise ValueError("zp.setup: this model was already set up; call zp.setup once per model")
-    _ENGINES[model] = engine
+    model.__dict__[_ATTR] = engine
 
 
 def unregister_engine(model: nn.Module) -> None:
-    _ENGINES.pop(model, None)
+    model.__dict__.pop(_ATTR, None)
 
 
 class Engine:

@@ -18,9 +18,19 @@ import torch
 __all__ = ["memory_report", "theory_bytes", "state_elements_per_param"]
 
 
+def _unwrap(optimizer):
+    """The optimizer that holds the state: through Accelerate/Lightning wrappers and our ZeroOptimizer."""
+    for _ in range(4):
+        inner = getattr(optimizer, "inner", None) or getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
 def state_elements_per_param(optimizer: torch.optim.Optimizer) -> int | None:
     """Optimizer-state tensors per parameter element for known optimizers (None when unknown)."""
-    opt = getattr(optimizer, "inner", optimizer)
+    opt = _unwrap(optimizer)
     group = opt.param_groups[0] if opt.param_groups else {}
     if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         return 3 if group.get("amsgrad") else 2
@@ -75,7 +85,7 @@ class _StorageCounter:
 
 
 def _optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
-    opt = getattr(optimizer, "inner", optimizer)
+    opt = _unwrap(optimizer)
     return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 

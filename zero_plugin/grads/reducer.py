@@ -30,6 +30,7 @@ from torch import nn
 from .._flat import copy_padded_rows
 from ..collectives import Comm
 from ..optim.master import MasterParam
+from .._hooks import WeakHook
 from .bucket import Bucket, plan_buckets
 
 __all__ = ["AllReduceReducer", "ReduceScatterReducer", "GradReducer"]
@@ -55,7 +56,7 @@ class GradReducer:
     # -- hooks --------------------------------------------------------------
     def register(self, root: nn.Module) -> None:
         for slot in self.slots:
-            self._handles.append(slot.param.register_post_accumulate_grad_hook(self._post_accumulate))
+            self._handles.append(slot.param.register_post_accumulate_grad_hook(WeakHook(self._post_accumulate)))
         self._handles.append(root.register_forward_hook(self._on_root_output))
 
     def remove(self) -> None:

@@ -20,6 +20,7 @@ from collections import deque
 import torch
 from torch.utils import _pytree as pytree
 
+from .._hooks import WeakHook
 from .param import ShardedState
 from .unit import BackwardState, Unit
 
@@ -69,7 +70,7 @@ class Stage3Runtime:
             self._handles.append(m.register_forward_hook(functools.partial(self.post_forward, unit)))
             for sp in unit.trainable:
                 self._handles.append(sp.param.register_post_accumulate_grad_hook(
-                    functools.partial(self.post_accumulate, unit)))
+                    WeakHook(self.post_accumulate, unit)))
 
     def remove(self) -> None:
         for h in self._handles:

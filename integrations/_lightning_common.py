@@ -1,0 +1,318 @@
+"""Helpers shared by the Lightning Trainer strategy and the Fabric strategy.
+
+Both strategies are thin adapters: this module owns the presets, the one-optimizer
+setup (and re-setup) rules, clipping, the precision policy and the checkpoint layout,
+so that ``lightning_strategy.py`` and ``fabric_strategy.py`` only map Lightning's hooks
+onto these functions.  Nothing here imports Lightning: the same helpers serve
+``lightning.pytorch`` / ``lightning.fabric`` and the standalone ``pytorch_lightning`` /
+``lightning_fabric`` packages.
+
+[Note: sharded checkpoint directory]
+A sharded checkpoint (the default) is a directory::
+
+    <path>/zero/       zp.save_checkpoint(...): every rank's regions (any stage, any world size on load);
+                       the same format as the Accelerate integration's checkpoints (``_common.py``)
+    <path>/meta.pt     rank 0, written last (a directory without it is an interrupted save): everything
+                       Lightning/Fabric saves except model and optimizer state (loops, callbacks,
+                       LR schedulers, user values), torch.save format
+
+A full checkpoint is one file in Lightning's usual format (full ``state_dict`` and the
+consolidated optimizer state), written by rank 0 and loadable without zero_plugin.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+import zero_plugin as zp
+from zero_plugin.engine import Engine, engine_of
+
+from . import _common
+from ._common import is_set_up
+
+__all__ = [
+    "PRESETS", "SUPPORTED_PRECISIONS", "resolve_config", "check_precision", "engine_or_none", "is_set_up",
+    "shard", "shard_for_inference", "rebind_optimizer", "zero_optimizer_of", "clip_grad_norm", "clip_grad_value",
+    "full_parameters", "full_model_state", "full_optimizer_state", "uses_sharded_files", "is_sharded_checkpoint",
+    "save_sharded", "load_sharded", "load_full", "move_to_device", "register_presets",
+]
+
+# One entry per registered strategy name; each value is a full ZeroConfig, nothing else varies.
+PRESETS: dict[str, zp.ZeroConfig] = {
+    "zero1": zp.ZeroConfig(stage=1),
+    "zero2": zp.ZeroConfig(stage=2),
+    "zero2_offload": zp.ZeroConfig(stage=2, offload_optimizer="cpu"),
+    "zero3": zp.ZeroConfig(stage=3),
+    "zero3_offload": zp.ZeroConfig(stage=3, offload_optimizer="cpu", offload_params=True),
+}
+_DESCRIPTIONS = {
+    "zero1": "ZeRO stage 1 (optimizer state sharded)",
+    "zero2": "ZeRO stage 2 (optimizer state and gradients sharded)",
+    "zero2_offload": "ZeRO stage 2 with optimizer state and step on CPU (ZeRO-Offload)",
+    "zero3": "ZeRO stage 3 (parameters, gradients and optimizer state sharded)",
+    "zero3_offload": "ZeRO stage 3 with optimizer state and parameter shards on CPU",
+}
+
+# Lightning precision flags whose plugin the strategies keep for dtypes/autocast (16-mixed: see check_precision).
+SUPPORTED_PRECISIONS = ("32-true", "64-true", "bf16-true", "16-true", "bf16-mixed")
+META_FILE = "meta.pt"
+SHARDS_DIR = "zero"
+_CHECKPOINT_MODES = ("sharded", "full")
+
+
+# -- configuration ---------------------------------------------------------------
+def resolve_config(config: zp.ZeroConfig | str | Mapping | None) -> zp.ZeroConfig:
+    """A ZeroConfig from a config, a preset name, a dict of fields, or None (``ZeroConfig.from_env()``)."""
+    if config is None:
+        return zp.ZeroConfig.from_env()
+    if isinstance(config, zp.ZeroConfig):
+        return config
+    if isinstance(config, str):
+        if config not in PRESETS:
+            raise ValueError(f"ZeroStrategy: unknown preset {config!r}; choose one of {', '.join(PRESETS)} "
+                             "or pass config=zp.ZeroConfig(...)")
+        return PRESETS[config]
+    if isinstance(config, Mapping):
+        return zp.ZeroConfig.from_dict(config)
+    raise ValueError(f"ZeroStrategy: config must be a zp.ZeroConfig, a preset name or a dict; "
+                     f"got {type(config).__name__}")
+
+
+def check_checkpoint_mode(mode: str) -> str:
+    if mode not in _CHECKPOINT_MODES:
+        raise ValueError(f"ZeroStrategy: checkpoint must be one of {_CHECKPOINT_MODES}; got {mode!r}")
+    return mode
+
+
+def check_precision(precision: str, has_scaler: bool = False) -> str:
+    """Raise a clear error for precision flags the engine cannot run; return the flag."""
+    if precision == "16-mixed" or has_scaler:
+        raise NotImplementedError(
+            "zero_plugin: precision='16-mixed' needs a loss scaler that unscales and checks the sharded "
+            "gradients, which zero_plugin's Lightning integration does not implement yet; use "
+            "precision='bf16-mixed', or precision='16-true' / ZeroConfig(param_dtype='fp16')")
+    if precision not in SUPPORTED_PRECISIONS:
+        raise ValueError(f"zero_plugin: precision={precision!r} is not supported with ZeRO; choose one of "
+                         f"{', '.join(SUPPORTED_PRECISIONS)}")
+    return precision
+
+
+# -- engine lookup ------------------------------------------------------------------
+def engine_or_none(module: nn.Module | None) -> Engine | None:
+    return engine_of(module, "integrations") if is_set_up(module) else None
+
+
+def zero_optimizer_of(optimizer: Any) -> zp.ZeroOptimizer:
+    """The ZeroOptimizer behind a LightningOptimizer / _FabricOptimizer / ZeroOptimizer."""
+    found = _common.zero_optimizer_of(optimizer)
+    if found is None:
+        raise ValueError(f"zero_plugin: expected the optimizer set up by the ZeRO strategy, got "
+                         f"{type(optimizer).__name__}")
+    return found
+
+
+# -- setup ------------------------------------------------------------------------------
+def _only_optimizer(optimizers: Iterable[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    optimizers = list(optimizers)
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"zero_plugin: the ZeRO strategy supports exactly one optimizer (it is sharded together with the "
+            f"model); got {len(optimizers)}. Put every parameter in one optimizer with several param groups.")
+    return optimizers[0]
+
+
+def shard(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], config: zp.ZeroConfig) -> zp.ZeroOptimizer:
+    """``zp.setup`` the module with its one optimizer; if the module already is set up, bind the new optimizer.
+
+    Collective.  Offload presets raise the engine's NotImplementedError while offload is not implemented.
+    """
+    optimizer = _only_optimizer(optimizers)
+    if isinstance(optimizer, zp.ZeroOptimizer):
+        return optimizer
+    engine = engine_or_none(module)
+    if engine is None:
+        return zp.setup(module, optimizer, config)[1]
+    _check_same_config(engine, config)
+    return rebind_optimizer(module, engine, optimizer)
+
+
+def shard_for_inference(module: nn.Module, config: zp.ZeroConfig) -> None:
+    """Set up a module without a user optimizer (validate/test/predict, Fabric's ``setup_module``).
+
+    A placeholder SGD(lr=0) over the trainable parameters keeps the engine the same as for
+    training, so that a later ``fit`` only binds its real optimizer (``rebind_optimizer``).
+    """
+    if is_set_up(module):
+        return
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    zp.setup(module, torch.optim.SGD([{"params": trainable}], lr=0.0), config)
+
+
+def rebind_optimizer(module: nn.Module, engine: Engine, optimizer: torch.optim.Optimizer) -> zp.ZeroOptimizer:
+    """Wrap a fresh optimizer over an already sharded module (a second fit, or fit after validate)."""
+    from zero_plugin import _validate, api
+
+    rebind = getattr(api, "_rebind_optimizer", None)
+    if rebind is None:
+        raise RuntimeError("zero_plugin: this module is already sharded and this zero_plugin version cannot bind "
+                           "a new optimizer to it; build a fresh module for the new run")
+    trainable = _validate.trainable_parameters(module, optimizer)
+    mine = {id(s.param) for s in engine.slots}
+    if {id(p) for _, p in trainable} != mine:
+        raise ValueError("zero_plugin: the module is already sharded for a different set of trainable parameters "
+                         "than this optimizer's; build the optimizer over the same parameters (or a fresh module)")
+    rebind(optimizer, engine)
+    wrapped = zp.ZeroOptimizer(optimizer, engine)
+    engine.optimizer = wrapped
+    return wrapped
+
+
+def _check_same_config(engine: Engine, config: zp.ZeroConfig) -> None:
+    if engine.config != config:
+        raise ValueError(f"zero_plugin: this module was already sharded with stage={engine.config.stage} "
+                         f"({engine.config.to_dict()}); it cannot be set up again with stage={config.stage}. "
+                         "Use the same strategy config for every trainer, or a fresh module")
+
+
+@contextlib.contextmanager
+def full_parameters(module: nn.Module):
+    """Collective.  Inside, an already sharded stage-3 module shows full-shape parameters, so that code
+    building an optimizer from shapes (``p.ndim >= 2`` groups) sees what it saw before sharding."""
+    engine = engine_or_none(module)
+    if engine is None or engine.config.stage < 3:
+        yield
+        return
+    with zp.gathered_parameters(module):
+        yield
+
+
+def move_to_device(module: nn.Module, device: torch.device) -> None:
+    """Move an unsharded module; a set-up module keeps its placement (the engine owns it), and
+    meta-device parameters are left for ``zp.setup``'s materialisation."""
+    if is_set_up(module) or any(p.is_meta for p in module.parameters()):
+        return
+    module.to(device)
+
+
+# -- gradients ---------------------------------------------------------------------------
+def clip_grad_norm(optimizer_or_module: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Global-norm clipping over every rank's reduced gradient shard (collective)."""
+    return zp.clip_grad_norm_(_model_for(optimizer_or_module), float(max_norm), float(norm_type))
+
+
+@torch.no_grad()
+def clip_grad_value(optimizer_or_module: Any, clip_val: float) -> None:
+    """Element-wise clipping is local, so clipping each rank's reduced shard is exact."""
+    for grad in _common.owned_grads(_model_for(optimizer_or_module)):
+        grad.clamp_(-float(clip_val), float(clip_val))
+
+
+def _model_for(obj: Any) -> nn.Module:
+    if isinstance(obj, nn.Module):
+        return obj
+    return zero_optimizer_of(obj).engine.model
+
+
+# -- state -------------------------------------------------------------------------------------
+def full_model_state(module: nn.Module) -> dict:
+    """Collective once set up: rank 0 gets the full state dict on CPU, the others ``{}``.
+    (Not set up yet: every rank's own ``state_dict()``.)"""
+    if not is_set_up(module):
+        return module.state_dict()
+    return zp.full_state_dict(module)
+
+
+def full_optimizer_state(optimizer: Any) -> dict:
+    """Collective: rank 0 gets the consolidated (unsharded, torch-format) optimizer state, the others ``{}``."""
+    return zero_optimizer_of(optimizer).consolidate_state_dict()
+
+
+def uses_sharded_files(mode: str) -> bool:
+    """Sharded directories need ``zp.save_checkpoint``; without it we fall back to one full file."""
+    if mode != "sharded":
+        return False
+    if hasattr(zp, "save_checkpoint") and hasattr(zp, "load_checkpoint"):
+        return True
+    warnings.warn("zero_plugin: zp.save_checkpoint is not available in this version; saving full single-file "
+                  "checkpoints (rank 0 writes) instead of sharded directories", stacklevel=3)
+    return False
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / META_FILE).is_file()
+
+
+def prepare_path(path: Path, sharded: bool, is_rank0: bool, barrier: Callable[[], None]) -> None:
+    """Replace a checkpoint of the other kind at ``path``; never delete a directory that is not ours."""
+    if not sharded and path.is_dir() and not is_sharded_checkpoint(path):
+        raise IsADirectoryError(f"zero_plugin: the checkpoint path is an existing directory: {path}")
+    if is_rank0:
+        if sharded and path.is_file():
+            path.unlink()
+        elif not sharded and path.is_dir():
+            shutil.rmtree(path)
+        if sharded:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / META_FILE).unlink(missing_ok=True)   # written last: its presence marks a complete save
+    barrier()
+
+
+def save_sharded(path: Path, module: nn.Module, optimizer: Any | None, meta: dict, *, is_rank0: bool,
+                 write: Callable[[dict, Path], None], barrier: Callable[[], None]) -> None:
+    """Collective: see [Note: sharded checkpoint directory]; ``write(obj, file)`` is the rank-0 writer."""
+    prepare_path(path, True, is_rank0, barrier)
+    inner = None if optimizer is None else zero_optimizer_of(optimizer)
+    zp.save_checkpoint(str(path / SHARDS_DIR), module, inner)
+    if is_rank0:
+        write(meta, path / META_FILE)
+    barrier()
+
+
+def load_sharded(path: Path, module: nn.Module, optimizer: Any | None) -> None:
+    """Collective: restore the model (and optimizer) regions from ``<path>/zero``, at any stage and world size."""
+    inner = None if optimizer is None else zero_optimizer_of(optimizer)
+    zp.load_checkpoint(str(path / SHARDS_DIR), module, inner)
+
+
+def load_full(checkpoint: dict, module: nn.Module, optimizer: Any | None, *, strict: bool = True,
+              optimizer_state: dict | None = None) -> None:
+    """Load a full Lightning checkpoint that every rank has read into a set-up module (and optimizer)."""
+    state = checkpoint.get("state_dict")
+    if state is not None:
+        zp.load_full_state_dict(module, state, src_rank=None, strict=strict)
+    if optimizer is not None and optimizer_state is not None:
+        zero_optimizer_of(optimizer).load_state_dict(optimizer_state)
+
+
+# -- registration ---------------------------------------------------------------------------
+def register_presets(registry: Any, strategy_cls: type) -> None:
+    """Register every preset name; idempotent for our class, and never overrides another library's name."""
+    for name, config in PRESETS.items():
+        entry = dict.get(registry, name)   # the registry's own get() instantiates the strategy
+        if isinstance(entry, dict):
+            if entry.get("strategy") is strategy_cls:
+                continue
+            if getattr(entry.get("strategy"), "__module__", "").startswith("zero_plugin."):
+                registry.pop(name)   # a previous import of the same module (e.g. a reload)
+            else:
+                raise ValueError(f"zero_plugin: strategy name {name!r} is already registered by "
+                                 f"{entry.get('strategy')!r}; not overriding it")
+        registry.register(name, strategy_cls, description=_DESCRIPTIONS[name], config=config)
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module, enabled: bool = True):
+    """``zp.no_sync`` when enabled and the module is set up; otherwise nothing."""
+    if not enabled or not is_set_up(module):
+        yield
+        return
+    with zp.no_sync(module):
+        yield

@@ -1,0 +1,316 @@
+"""Accelerate integration: an ``accelerate.Accelerator`` whose ``prepare`` shards with ``zp.setup``.
+
+    from zero_plugin.integrations.accelerate import Accelerator, ZeroPlugin
+    accelerator = Accelerator(zero_plugin=ZeroPlugin(zp.ZeroConfig(stage=3)))   # or ZERO_PLUGIN_* variables
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+Accelerate special-cases DeepSpeed and FSDP in a handful of methods; those (and only those) are
+overridden here, everything else (data loaders, schedulers, ``gather``, ``unwrap_model``,
+``save_model``, trackers) is inherited.  ``zero_plugin.run`` swaps this class in for
+``accelerate.Accelerator`` so that unmodified scripts run under a chosen stage.
+
+[Note: model and optimizer are prepared together]
+``zp.setup`` shards a model and rebinds its optimizer to this rank's masters in one collective
+step, so ``prepare`` must see both: the optimizer is set up before Accelerate's own per-object
+preparation runs, whatever the argument order.  No DDP wrapper is added; the model is sharded
+in place and stays the same object.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Iterable, Iterator, Mapping
+
+import accelerate.accelerator
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+from torch import nn
+
+import zero_plugin as zp
+from zero_plugin.config import ZeroConfig
+
+from . import _common
+
+__all__ = ["Accelerator", "ZeroPlugin"]
+
+# Captured at import, before zero_plugin.run rebinds ``accelerate.Accelerator`` to the subclass below.
+_AccelerateAccelerator = accelerate.accelerator.Accelerator
+
+_REPLACED_BACKENDS = {
+    DistributedType.DEEPSPEED: "DeepSpeed",
+    DistributedType.FSDP: "FSDP",
+    DistributedType.MEGATRON_LM: "Megatron-LM",
+    DistributedType.XLA: "XLA",
+}
+_REPLACED_PLUGINS = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin")
+_PAIR_HINT = "prepare them in one call: model, optimizer = accelerator.prepare(model, optimizer)"
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroPlugin:
+    """zero_plugin's counterpart of Accelerate's ``DeepSpeedPlugin``: one :class:`zp.ZeroConfig`."""
+
+    config: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, ZeroConfig):
+            raise ValueError(f"ZeroPlugin.config must be a zp.ZeroConfig, got {type(self.config).__name__}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "ZeroPlugin":
+        """From the ``ZERO_PLUGIN_*`` variables (see ``ZeroConfig.from_env``)."""
+        return cls(ZeroConfig.from_env(environ))
+
+    @classmethod
+    def coerce(cls, value: Any) -> "ZeroPlugin":
+        """A ZeroPlugin from a ZeroPlugin, a ZeroConfig, a mapping of ZeroConfig fields, or None (environment)."""
+        if value is None:
+            return cls.from_env()
+        if isinstance(value, ZeroPlugin):
+            return value
+        if isinstance(value, ZeroConfig):
+            return cls(value)
+        if isinstance(value, Mapping):
+            return cls(ZeroConfig.from_dict(value))
+        raise ValueError(f"Accelerator(zero_plugin=...) must be a ZeroPlugin, a zp.ZeroConfig or a dict of "
+                         f"ZeroConfig fields; got {type(value).__name__}")
+
+
+class Accelerator(_AccelerateAccelerator):
+    """``accelerate.Accelerator`` that shards with zero_plugin instead of wrapping in DDP.
+
+    ``zero_plugin``: a :class:`ZeroPlugin`, a ``zp.ZeroConfig`` or a dict of its fields;
+    default: ``ZeroConfig.from_env()``.  Every other argument is Accelerate's.
+    """
+
+    def __init__(self, *args: Any, zero_plugin: Any = None, **kwargs: Any) -> None:
+        self.zero_plugin = ZeroPlugin.coerce(zero_plugin)   # a bad config fails before any process group work
+        given = [name for name in _REPLACED_PLUGINS if kwargs.get(name) is not None]
+        if given:
+            raise ValueError(f"zero_plugin's Accelerator replaces DeepSpeed/FSDP/Megatron sharding; remove "
+                             f"{', '.join(given)} (choose the ZeRO stage with ZeroConfig instead)")
+        super().__init__(*args, **kwargs)
+        self._check_launch()
+
+    @property
+    def zero_config(self) -> ZeroConfig:
+        return self.zero_plugin.config
+
+    def _check_launch(self) -> None:
+        backend = _REPLACED_BACKENDS.get(self.distributed_type)
+        if backend is not None:
+            raise ValueError(f"zero_plugin's Accelerator was launched with {backend} ({self.distributed_type}); "
+                             "zero_plugin replaces it: launch without --use_deepspeed/--use_fsdp, e.g. "
+                             "`zero-plugin launch --stage 3 ...`")
+        started = int(os.environ.get("WORLD_SIZE", "1"))
+        if started > 1 and self.num_processes == 1:
+            raise RuntimeError(
+                f"{started} processes were started (WORLD_SIZE={started}) but Accelerate set up a single-process "
+                f"run ({self.distributed_type}), so each process would train alone. On a machine without GPUs set "
+                "ACCELERATE_USE_CPU=true (gloo), or launch with `zero-plugin launch`, which does that for you.")
+        if self.scaler is not None:
+            raise ValueError("zero_plugin: mixed_precision='fp16' uses Accelerate's GradScaler, which cannot see "
+                             "sharded gradients; use mixed_precision='bf16', or ZeroConfig(param_dtype='fp16') "
+                             "with Accelerate's mixed_precision='no'")
+
+    # -- prepare ----------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None):
+        """Accelerate's ``prepare``; each trainable model is sharded with its optimizer first.
+
+        See [Note: model and optimizer are prepared together].
+        """
+        args = list(args)
+        placements = device_placement or [None] * len(args)
+        for model_index, optimizer_index in self._pairs_to_set_up(args):
+            args[optimizer_index] = self._set_up(args[model_index], args[optimizer_index],
+                                                 placements[model_index])
+        return super().prepare(*args, device_placement=device_placement)
+
+    def _pairs_to_set_up(self, args: list[Any]) -> list[tuple[int, int]]:
+        """(model index, optimizer index) of each trainable model not yet set up and the optimizer that owns it."""
+        fresh_optimizers = {i: a for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)
+                            and _common.zero_optimizer_of(a) is None}
+        pairs = []
+        for i, obj in enumerate(args):
+            if not isinstance(obj, nn.Module) or _common.is_set_up(obj) or not _has_trainable(obj):
+                continue
+            ids = {id(p) for p in obj.parameters()}
+            owners = [j for j, opt in fresh_optimizers.items()
+                      if all(id(p) in ids for g in opt.param_groups for p in g["params"])]
+            if len(owners) != 1:
+                found = "no optimizer" if not owners else f"{len(owners)} optimizers"
+                raise ValueError(f"zero_plugin: prepare() got a trainable {type(obj).__name__} and {found} over its "
+                                 f"parameters; zp.setup shards a model together with its one optimizer, so "
+                                 f"{_PAIR_HINT}")
+            pairs.append((i, owners[0]))
+            del fresh_optimizers[owners[0]]
+        if fresh_optimizers:
+            raise ValueError(f"zero_plugin: prepare() got an optimizer whose model is not in the same call; "
+                             f"{_PAIR_HINT}")
+        return pairs
+
+    def _set_up(self, model: nn.Module, optimizer: torch.optim.Optimizer, device_placement: bool | None):
+        place = self.device_placement if device_placement is None else device_placement
+        if place and self.device.type != "cpu":
+            model.to(self.device)   # before sharding: the shards are created where the parameters live
+        _, zero_optimizer = zp.setup(model, optimizer, self.zero_config)
+        return zero_optimizer
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+        """No DDP wrapper: a set-up model only gets Accelerate's autocast / compile (its evaluation mode).
+
+        A model without trainable parameters, or prepared with ``evaluation_mode=True``, is not sharded.
+        """
+        if _common.is_set_up(model):
+            device_placement = False   # placed before sharding, see _set_up
+        elif not evaluation_mode and _has_trainable(model):
+            raise ValueError(f"zero_plugin: prepare_model() alone cannot shard a trainable model; {_PAIR_HINT}")
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
+        """An ``AcceleratedOptimizer`` over the ``ZeroOptimizer`` (which already placed its state)."""
+        if getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        zero_optimizer = _common.zero_optimizer_of(optimizer)
+        if zero_optimizer is None:
+            raise ValueError(f"zero_plugin: prepare_optimizer() alone cannot shard an optimizer; {_PAIR_HINT}")
+        prepared = AcceleratedOptimizer(zero_optimizer, device_placement=False, scaler=None)
+        self._optimizers.append(prepared)
+        return prepared
+
+    # -- training step ------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` scaled by 1/gradient_accumulation_steps; zero_plugin's hooks reduce the gradients."""
+        if not self._zero_pairs():
+            return super().backward(loss, **kwargs)
+        kwargs.pop("learning_rate", None)   # LOMO's argument; not an autograd one
+        (loss / self.gradient_accumulation_steps).backward(**kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """``zp.no_sync`` for a set-up model (``accumulate`` enters this while ``sync_gradients`` is False)."""
+        if not _common.is_set_up(model):
+            with super().no_sync(model):
+                yield
+            return
+        with zp.no_sync(model):
+            yield
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2):
+        """Global norm over every rank's shard of the reduced gradients (``zp.clip_grad_norm_``)."""
+        parameters = list(parameters)
+        model = self._zero_model_of(parameters, "clip_grad_norm_")
+        if model is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        return zp.clip_grad_norm_(model, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Clamp the reduced gradients this rank owns (elementwise, so shards clamp like the whole)."""
+        parameters = list(parameters)
+        model = self._zero_model_of(parameters, "clip_grad_value_")
+        if model is None:
+            return super().clip_grad_value_(parameters, clip_value)
+        for grad in _common.owned_grads(model):
+            grad.clamp_(-clip_value, clip_value)
+        return None
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Nothing to unscale: Accelerate's fp16 GradScaler is refused at construction (see _check_launch)."""
+        if not self._zero_pairs():
+            super().unscale_gradients(optimizer)
+
+    # -- state ------------------------------------------------------------------------------------
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
+        """Collective for a set-up model: rank 0 gets full CPU tensors, other ranks ``{}`` (``zp.full_state_dict``)."""
+        if _common.is_set_up(model):
+            return zp.full_state_dict(model)
+        return super().get_state_dict(model, unwrap=unwrap)
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs):
+        """Accelerate's ``save_state``; each set-up model and its optimizer go to ``zero_plugin_<i>/``.
+
+        Collective.  Schedulers, samplers, RNG states and custom objects are saved by Accelerate as usual.
+        """
+        pairs = self._zero_pairs()
+        if not pairs:
+            return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+
+        def save_zero(models: list, weights: list, out_dir: str) -> None:
+            for i, (model, optimizer) in enumerate(pairs):
+                _common.save_sharded(os.path.join(out_dir, f"zero_plugin_{i}"), model, optimizer)
+
+        with self._zero_objects_hidden(pairs), _hook(self.register_save_state_pre_hook(save_zero)):
+            return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
+        """Inverse of :meth:`save_state`; collective.  Reshards when ``zp.load_checkpoint`` is available."""
+        pairs = self._zero_pairs()
+        if not pairs:
+            return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+
+        def load_zero(models: list, in_dir: str) -> None:
+            for i, (model, optimizer) in enumerate(pairs):
+                _common.load_sharded(os.path.join(in_dir, f"zero_plugin_{i}"), model, optimizer)
+
+        with self._zero_objects_hidden(pairs), _hook(self.register_load_state_pre_hook(load_zero)):
+            return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+
+    def free_memory(self, *objects: Any):
+        """Accelerate's ``free_memory``; set-up models among ``objects`` also lose zero_plugin's hooks."""
+        for obj in objects:
+            zero_optimizer = _common.zero_optimizer_of(obj)
+            model = zero_optimizer.engine.model if zero_optimizer is not None else obj
+            if _common.is_set_up(model):
+                _common.release(model)
+        return super().free_memory(*objects)
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _zero_pairs(self) -> list[tuple[nn.Module, AcceleratedOptimizer]]:
+        """(model, prepared optimizer) for every optimizer this accelerator prepared over a ZeroOptimizer."""
+        pairs = []
+        for optimizer in self._optimizers:
+            zero_optimizer = _common.zero_optimizer_of(optimizer)
+            if zero_optimizer is not None:
+                pairs.append((zero_optimizer.engine.model, optimizer))
+        return pairs
+
+    def _zero_model_of(self, parameters: list[torch.Tensor], verb: str) -> nn.Module | None:
+        """The set-up model these parameters belong to (None if none); they must cover its trainable ones."""
+        given = {id(p) for p in parameters}
+        for model, _ in self._zero_pairs():
+            ids = {id(p) for p in model.parameters()}
+            if not given & ids:
+                continue
+            trainable = {id(p) for p in model.parameters() if p.requires_grad}
+            if not given <= ids or not trainable <= given:
+                raise ValueError(f"zero_plugin: {verb} over a subset of a sharded model's parameters is not "
+                                 f"supported (the norm is global over all shards); pass model.parameters()")
+            return model
+        return None
+
+    @contextlib.contextmanager
+    def _zero_objects_hidden(self, pairs: list) -> Iterator[None]:
+        """Hide set-up models and their optimizers from Accelerate's generic save/load of state dicts."""
+        models, optimizers = self._models, self._optimizers
+        hidden_models = {id(m) for m, _ in pairs}
+        hidden_optimizers = {id(o) for _, o in pairs}
+        self._models = [m for m in models if id(m) not in hidden_models and not _common.is_set_up(m)]
+        self._optimizers = [o for o in optimizers if id(o) not in hidden_optimizers]
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = models, optimizers
+
+
+def _has_trainable(model: nn.Module) -> bool:
+    return any(p.requires_grad for p in model.parameters())
+
+
+@contextlib.contextmanager
+def _hook(handle) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -1,0 +1,269 @@
+"""ZeRO for Lightning Fabric: ``Fabric(strategy="zero3")`` or ``ZeroFabricStrategy(config=zp.ZeroConfig(...))``.
+
+``fabric.setup(model, optimizer)`` shards both together with ``zp.setup`` and returns the same
+module (inside Fabric's usual ``_FabricModule``) and the ``ZeroOptimizer``; ``setup_module``
+alone shards for inference (a later ``setup_optimizers`` binds the real optimizer).
+``fabric.backward`` is plain autograd (the engine's hooks reduce), ``fabric.clip_gradients``
+clips by the global norm over every rank's shard, ``fabric.no_backward_sync`` maps to
+``zp.no_sync``, and ``fabric.save`` / ``fabric.load`` use the layout in ``_lightning_common.py``.
+"""
+from __future__ import annotations
+
+import weakref
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.types import ReduceOp, _Stateful
+
+import zero_plugin as zp
+
+from . import _lightning_common as common
+
+__all__ = ["ZeroFabricStrategy"]
+
+_SUPPORTED_PLUGINS = (Precision, DoublePrecision, HalfPrecision, MixedPrecision)
+_OWNER_KEY = "zero_plugin"   # in meta.pt: which state keys held the module and the optimizer
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if enabled and not common.is_set_up(module):
+            raise TypeError("no_backward_sync: the module was not set up by the ZeRO strategy; "
+                            "call fabric.setup(model, optimizer) first")
+        return common.no_sync(module, enabled)
+
+
+class ZeroFabricStrategy(ParallelStrategy):
+    """ZeRO stages 0-3 (zero_plugin) for Lightning Fabric; see ``ZeroStrategy`` for the arguments."""
+
+    def __init__(
+        self,
+        config: Union[zp.ZeroConfig, str, Mapping, None] = None,
+        checkpoint: str = "sharded",
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
+        self.config = common.resolve_config(config)
+        self._checkpoint = common.check_checkpoint_mode(checkpoint)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._backward_sync_control = _ZeroBackwardSyncControl()
+        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()   # set up here, for setup_optimizer
+        self._num_nodes = 1
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        if precision is not None:
+            if type(precision) not in _SUPPORTED_PLUGINS:
+                raise ValueError(f"ZeroFabricStrategy: the precision plugin {type(precision).__name__} is not "
+                                 f"supported; use one of {', '.join(common.SUPPORTED_PRECISIONS)}")
+            common.check_precision(str(precision.precision), getattr(precision, "scaler", None) is not None)
+        self._precision = precision
+
+    # -- processes --------------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._set_world_ranks()
+        self._process_group_backend = (self._process_group_backend
+                                       or _get_default_process_group_backend_for_device(self.root_device))
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=device_id)
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # -- setup ------------------------------------------------------------------------------------------
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
+                                    scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
+        """Shard the module and its one optimizer together (collective)."""
+        optimizer = common.shard(module, optimizers, self.config)
+        self._remember(module)
+        return module, [optimizer], scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard for inference; ``setup_optimizers`` may bind an optimizer later."""
+        common.shard_for_inference(module, self.config)
+        self._remember(module)
+        return module
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Bind an optimizer to the module ``setup_module`` sharded (the FSDP-style two-step setup)."""
+        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        owners = [m for m in self._modules if params & {id(p) for p in m.parameters()}]
+        if len(owners) != 1:
+            raise RuntimeError(self._err_msg_joint_setup_required())
+        return common.shard(owners[0], [optimizer], self.config)
+
+    def _remember(self, module: nn.Module) -> None:
+        self._modules.add(module)
+
+    def module_to_device(self, module: nn.Module) -> None:
+        common.move_to_device(module, self.root_device)
+
+    # -- gradients -----------------------------------------------------------------------------------------
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        total = common.clip_grad_norm(module, max_norm, norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped (the gradients were scaled anyway). "
+                               "Set `error_if_nonfinite=False` to disable this error")
+        return total
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        common.clip_grad_value(module, clip_val)
+
+    # -- collectives ------------------------------------------------------------------------------------------
+    def all_reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+                   reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    # -- state and checkpoints ------------------------------------------------------------------------------------
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """Collective: the full state dict on rank 0, ``{}`` on the others."""
+        return common.full_model_state(module)
+
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        if not common.is_set_up(module):
+            module.load_state_dict(state_dict, strict=strict)
+            return
+        zp.load_full_state_dict(module, state_dict, src_rank=None, strict=strict)
+
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Collective: the consolidated optimizer state on rank 0, ``{}`` on the others."""
+        return common.full_optimizer_state(optimizer)
+
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        path = Path(self.broadcast(str(path)))
+        if not common.uses_sharded_files(self._checkpoint):
+            common.prepare_path(path, False, self.is_global_zero, self.barrier)
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            return
+        if filter or storage_options is not None:
+            raise TypeError("ZeroFabricStrategy: filter= and storage_options= need a full checkpoint; use "
+                            "ZeroFabricStrategy(checkpoint='full')")
+        (module_key, module), (opt_key, optimizer) = _module_and_optimizer(state)
+        meta = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in state.items()
+                if k not in (module_key, opt_key)}
+        meta[_OWNER_KEY] = {"module": module_key, "optimizer": opt_key}
+        common.save_sharded(path, module, optimizer, meta, is_rank0=self.is_global_zero, barrier=self.barrier,
+                            write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file))
+
+    def load_checkpoint(self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
+                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(path)))
+        if not common.is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if not isinstance(state, dict) or not state:
+            raise ValueError("ZeroFabricStrategy: a sharded checkpoint loads into objects only; pass "
+                             "state={'model': model, 'optimizer': optimizer, ...}")
+        (module_key, module), (opt_key, optimizer) = _module_and_optimizer(state)
+        meta = self.checkpoint_io.load_checkpoint(path / common.META_FILE, weights_only=weights_only)
+        owners = meta.pop(_OWNER_KEY, {})
+        saved = set(meta) | {k for k in (owners.get("module"), owners.get("optimizer")) if k is not None}
+        _validate_keys_for_strict_loading(state.keys(), saved, strict=strict)
+        if opt_key is not None and opt_key != owners.get("optimizer"):
+            optimizer = None   # not strict, and the checkpoint has no optimizer under this key
+        common.load_sharded(path, module, optimizer)
+        for key in [k for k in state if k not in (module_key, opt_key) and k in meta]:
+            if isinstance(state[key], _Stateful):
+                state[key].load_state_dict(meta.pop(key))
+            else:
+                state[key] = meta.pop(key)
+        return meta
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        common.register_presets(strategy_registry, cls)
+
+
+def _module_and_optimizer(state: dict[str, Any]) -> tuple[tuple[Any, nn.Module], tuple[Any, Optional[Optimizer]]]:
+    """The one set-up module and (at most) one optimizer in a Fabric state dict."""
+    modules = [(k, v) for k, v in state.items() if isinstance(v, nn.Module)]
+    optimizers = [(k, v) for k, v in state.items() if isinstance(v, Optimizer)]
+    if len(modules) != 1 or len(optimizers) > 1 or not common.is_set_up(modules[0][1]):
+        raise ValueError("ZeroFabricStrategy: a sharded checkpoint holds exactly one module set up by the strategy "
+                         f"and at most one optimizer; got modules {[k for k, _ in modules]} and optimizers "
+                         f"{[k for k, _ in optimizers]}. Use ZeroFabricStrategy(checkpoint='full') otherwise")
+    return modules[0], (optimizers[0] if optimizers else (None, None))

@@ -1,0 +1,156 @@
+"""transformers ``Trainer`` under zero_plugin's Accelerator.
+
+With ``accelerate.Accelerator`` swapped for zero_plugin's (``zero_plugin.run`` does it), the Trainer
+already prepares, steps, accumulates, clips and evaluates through the Accelerator.  What remains
+are the Trainer methods that assume every rank holds the full model or optimizer:
+
+* ``save_model``: the Trainer saves on rank 0 only, from ``model.state_dict()`` (a shard at
+  stage 3).  Here every rank joins the collective ``zp.full_state_dict`` and rank 0 writes
+  (for a PEFT model only the trainable adapter weights are gathered: adapter files stay small).
+* ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: the optimizer state is
+  saved with ``_common.save_sharded`` into ``checkpoint-N/zero_plugin/`` and loaded back on resume
+  (a plain DDP checkpoint's ``optimizer.pt`` also loads: it is a full state dict).
+* ``create_accelerator_and_postprocess``: refuses the features that re-prepare a model
+  (``auto_find_batch_size``) or load weights into it after training (``load_best_model_at_end``).
+
+:func:`install` patches these onto ``transformers.Trainer`` in one place; each override falls
+back to the original method when the Trainer's accelerator is not zero_plugin's.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import zero_plugin as zp
+
+from . import _common
+from .accelerate_plugin import Accelerator as ZeroAccelerator
+
+__all__ = ["install"]
+
+CHECKPOINT_SUBDIR = "zero_plugin"
+_ORIGINALS: dict[str, Callable] = {}
+
+
+def _uses_zero(trainer: Any) -> bool:
+    return isinstance(getattr(trainer, "accelerator", None), ZeroAccelerator)
+
+
+def _set_up_model(trainer: Any) -> nn.Module | None:
+    model = trainer.model
+    return model if _uses_zero(trainer) and _common.is_set_up(model) else None
+
+
+def _is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+# -- overrides (self is a transformers.Trainer) ------------------------------------------------
+def create_accelerator_and_postprocess(self) -> None:
+    _ORIGINALS["create_accelerator_and_postprocess"](self)
+    if _uses_zero(self):
+        _check_supported(self.args)
+
+
+def _check_supported(args: Any) -> None:
+    refused = {
+        "auto_find_batch_size": "it re-prepares the model after an out-of-memory error, and a sharded model is "
+                                "set up once; set per_device_train_batch_size instead",
+        "load_best_model_at_end": "loading a checkpoint into a sharded model after training is not implemented; "
+                                  "load the best checkpoint's weights after the run",
+        "deepspeed": "zero_plugin replaces DeepSpeed; choose the ZeRO stage with zero-plugin launch --stage",
+        "fsdp": "zero_plugin replaces FSDP; choose the ZeRO stage with zero-plugin launch --stage",
+    }
+    for name, why in refused.items():
+        if getattr(args, name, None):
+            raise ValueError(f"zero_plugin: TrainingArguments.{name}={getattr(args, name)!r} is not supported: {why}")
+
+
+def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    model = _set_up_model(self)
+    if model is None:
+        return _ORIGINALS["save_model"](self, output_dir, _internal_call)
+    output_dir = output_dir if output_dir is not None else self.args.output_dir
+    # Collective on every rank (the Trainer calls save_model on all of them); rank 0 gets the tensors.
+    state_dict = zp.full_state_dict(model, trainable_only=_is_peft(model))
+    self._save(output_dir, state_dict=state_dict)   # returns at once on ranks that do not write
+    if self.args.push_to_hub and not _internal_call:
+        self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+    model = _set_up_model(self)
+    if model is None:
+        return _ORIGINALS["_save_optimizer_and_scheduler"](self, output_dir)
+    # Weights are in output_dir already (save_model); the sharded format stores them anyway.
+    _common.save_sharded(os.path.join(output_dir, CHECKPOINT_SUBDIR), model, self.optimizer, include_model=False)
+    if self.args.should_save:
+        from transformers.trainer import SCHEDULER_NAME
+
+        with warnings.catch_warnings(record=True):
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+
+def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    model = _set_up_model(self)
+    if model is None or checkpoint is None:
+        return _ORIGINALS["_load_optimizer_and_scheduler"](self, checkpoint)
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+    sharded = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
+    if os.path.isdir(sharded):
+        _common.load_sharded(sharded, model, self.optimizer)
+    elif os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
+        # A checkpoint from an unsharded run: its optimizer state is full; ZeroOptimizer slices it.
+        self.optimizer.load_state_dict(torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu",
+                                                  weights_only=True))
+    else:
+        return
+    scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+    if os.path.isfile(scheduler_file):
+        self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+
+def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+    target = model if model is not None else self.model
+    if _uses_zero(self) and _common.is_set_up(target):
+        raise ValueError("zero_plugin: resume_from_checkpoint on a Trainer whose model is already sharded (a second "
+                         "train() call) is not supported; resume in a fresh Trainer/process")
+    return _ORIGINALS["_load_from_checkpoint"](self, resume_from_checkpoint, model)
+
+
+_OVERRIDES: dict[str, Callable] = {
+    "create_accelerator_and_postprocess": create_accelerator_and_postprocess,
+    "save_model": save_model,
+    "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
+    "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
+    "_load_from_checkpoint": _load_from_checkpoint,
+}
+
+
+def install() -> None:
+    """Make ``transformers.Trainer`` use zero_plugin's Accelerator and checkpoint methods (idempotent).
+
+    The one place where transformers is patched: the ``Accelerator`` name ``transformers.trainer``
+    imported from accelerate, and the five Trainer methods in ``_OVERRIDES`` (subclasses such as
+    ``Seq2SeqTrainer`` inherit them).  Each override defers to the original unless the Trainer's
+    accelerator is zero_plugin's.
+    """
+    from transformers import trainer as trainer_module
+
+    trainer_module.Accelerator = ZeroAccelerator
+    trainer_cls = trainer_module.Trainer
+    if getattr(trainer_cls, "_zero_plugin_installed", False):
+        return
+    for name, override in _OVERRIDES.items():
+        _ORIGINALS[name] = getattr(trainer_cls, name)
+        setattr(trainer_cls, name, override)
+    trainer_cls._zero_plugin_installed = True

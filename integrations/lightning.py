@@ -1,0 +1,108 @@
+"""Lightning integration: importing this module registers the ZeRO strategy names.
+
+    import zero_plugin.integrations.lightning            # registers zero1, zero2, zero2_offload, zero3, zero3_offload
+    trainer = lightning.pytorch.Trainer(strategy="zero3")
+    fabric = lightning.fabric.Fabric(strategy="zero3")
+    trainer = Trainer(strategy=ZeroStrategy(config=zp.ZeroConfig(stage=3, prefetch_depth=2), checkpoint="full"))
+
+The names are registered for the unified ``lightning`` package and, when installed, for the
+standalone ``pytorch_lightning`` / ``lightning_fabric`` packages, whose strategy base classes
+are distinct: there, the same source is loaded a second time against those packages (the way
+Lightning itself derives the standalone packages from one source tree).
+
+``register_strategies()`` is for launchers (``python -m zero_plugin.run``): with the names
+registered, ``PL_TRAINER_STRATEGY=zero3`` selects ZeRO in a script whose Trainer does not pass
+``strategy=`` itself.  Note that Lightning's own launcher re-runs ``sys.argv`` for ranks > 0, so
+a launcher that registers the names must also start the ranks itself (torchrun-style, setting
+``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``), or the re-run ranks will not know them.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Iterable, Optional
+
+from . import _lightning_common as common
+from .fabric_strategy import ZeroFabricStrategy
+from .lightning_strategy import (
+    ZeroModelSummary,
+    ZeroPrecision,
+    ZeroRichModelSummary,
+    ZeroStrategy,
+    ZeroSummary,
+)
+
+__all__ = ["ZeroStrategy", "ZeroFabricStrategy", "ZeroPrecision", "ZeroSummary", "ZeroModelSummary",
+           "ZeroRichModelSummary", "PRESETS", "register_strategies", "standalone_strategies"]
+
+PRESETS = common.PRESETS
+
+# (our module, its mirror's name, {unified package prefix: standalone package prefix})
+_STANDALONE = {
+    "pytorch_lightning": (f"{__package__}.lightning_strategy", f"{__package__}._pytorch_lightning_strategy",
+                          {"lightning.pytorch": "pytorch_lightning", "lightning.fabric": "lightning_fabric"}),
+    "lightning_fabric": (f"{__package__}.fabric_strategy", f"{__package__}._lightning_fabric_strategy",
+                         {"lightning.fabric": "lightning_fabric"}),
+}
+
+
+def _mirror(source_module: str, mirror_name: str, renames: dict[str, str]) -> ModuleType:
+    """Load ``source_module``'s code again with its Lightning imports pointed at the standalone packages."""
+    if mirror_name in sys.modules:
+        return sys.modules[mirror_name]
+    spec = importlib.util.find_spec(source_module)
+    assert spec is not None and spec.origin is not None
+    with open(spec.origin, encoding="utf-8") as f:
+        code = f.read()
+    for unified, standalone in renames.items():
+        code = code.replace(f"{unified}.", f"{standalone}.").replace(f"import {unified} ", f"import {standalone} ")
+    module = ModuleType(mirror_name)
+    module.__file__ = spec.origin
+    module.__package__ = __package__
+    sys.modules[mirror_name] = module
+    try:
+        exec(compile(code, spec.origin, "exec"), module.__dict__)
+    except BaseException:
+        del sys.modules[mirror_name]
+        raise
+    return module
+
+
+def standalone_strategies(packages: Iterable[str] = tuple(_STANDALONE)) -> dict[str, type]:
+    """``{"pytorch_lightning": ZeroStrategy, "lightning_fabric": ZeroFabricStrategy}`` for the installed ones."""
+    out = {}
+    for package in packages:
+        source, mirror, renames = _STANDALONE[package]
+        if importlib.util.find_spec(package) is None:
+            continue
+        module = _mirror(source, mirror, renames)
+        out[package] = module.ZeroStrategy if package == "pytorch_lightning" else module.ZeroFabricStrategy
+    return out
+
+
+def register_strategies(packages: Optional[Iterable[str]] = None) -> None:
+    """Register the preset names with Lightning's strategy registries (idempotent).
+
+    ``packages``: any of ``"lightning"`` (Trainer and Fabric), ``"pytorch_lightning"``, ``"lightning_fabric"``;
+    None = every installed one.  A launcher that knows which one the script imports can skip the others.
+    """
+    packages = ("lightning", *_STANDALONE) if packages is None else tuple(packages)
+    unknown = [p for p in packages if p != "lightning" and p not in _STANDALONE]
+    if unknown:
+        raise ValueError(f"register_strategies: unknown package(s) {unknown}; choose from "
+                         f"{['lightning', *_STANDALONE]}")
+    if "lightning" in packages:
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        ZeroStrategy.register_strategies(StrategyRegistry)
+        ZeroFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    for package, cls in standalone_strategies([p for p in packages if p in _STANDALONE]).items():
+        registry_module = importlib.import_module(f"{package}.strategies")
+        registry = getattr(registry_module, "StrategyRegistry", None) or registry_module.STRATEGY_REGISTRY
+        cls.register_strategies(registry)
+
+
+register_strategies()

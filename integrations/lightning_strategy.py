@@ -1,0 +1,403 @@
+"""ZeRO for the Lightning Trainer: ``Trainer(strategy="zero3")`` or ``ZeroStrategy(config=zp.ZeroConfig(...))``.
+
+A thin adapter in the style of Lightning's ``ModelParallelStrategy``: the LightningModule is
+sharded in place together with its one optimizer by ``zp.setup`` (no wrapper module, no DDP,
+no ``_sync_module_states``: ``zp.setup`` broadcasts rank 0's weights); every step method runs
+through the module's ``__call__`` so that stage 3 gathers the root unit.  Presets, clipping,
+setup rules and the checkpoint layout live in ``_lightning_common.py``, shared with Fabric.
+
+Precision: Lightning's own plugin keeps the dtype side (``bf16-mixed`` autocast, ``*-true``
+casts); :class:`ZeroPrecision` wraps it to run the closure, clip the sharded gradients by
+their global norm, then step the engine.  ``16-mixed`` raises NotImplementedError.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
+from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+import zero_plugin as zp
+
+from . import _lightning_common as common
+
+__all__ = ["ZeroStrategy", "ZeroPrecision", "ZeroSummary", "ZeroModelSummary", "ZeroRichModelSummary"]
+
+log = logging.getLogger(__name__)
+
+# Lightning's plugins for the flags SUPPORTED_PRECISIONS lists; subclasses may change the step, so exact types.
+_WRAPPABLE = (Precision, DoublePrecision, HalfPrecision, MixedPrecision)
+
+
+class ZeroPrecision(Precision):
+    """Lightning's precision plugin for dtypes and autocast; zero_plugin for the step and clipping."""
+
+    def __init__(self, inner: Optional[Precision] = None) -> None:
+        inner = Precision() if inner is None else inner
+        if type(inner) not in _WRAPPABLE:
+            raise ValueError(f"ZeroStrategy: the precision plugin {type(inner).__name__} is not supported; use "
+                             f"Trainer(precision=...) with one of {', '.join(common.SUPPORTED_PRECISIONS)}")
+        self.precision = common.check_precision(str(inner.precision), getattr(inner, "scaler", None) is not None)
+        self.inner = inner
+
+    # -- dtypes: Lightning's plugin ------------------------------------------------------
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return self.inner.convert_module(module)
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        return self.inner.tensor_init_context()
+
+    def module_init_context(self) -> AbstractContextManager:
+        return self.inner.module_init_context()
+
+    def forward_context(self) -> AbstractContextManager:
+        return self.inner.forward_context()
+
+    def convert_input(self, data: Any) -> Any:
+        return self.inner.convert_input(data)
+
+    def convert_output(self, data: Any) -> Any:
+        return self.inner.convert_output(data)
+
+    # -- step and clipping: the engine -------------------------------------------------------
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Closure (forward + backward; reduction completes at the end of backward), clip, engine step."""
+        closure_result = closure()
+        self._after_closure(model, optimizer)
+        if isinstance(model, pl.LightningModule) and model.automatic_optimization and closure_result is None:
+            raise MisconfigurationException("ZeroStrategy: skipping backward by returning None from training_step is "
+                                            "not supported (every rank must take part in every step)")
+        return optimizer.step(**kwargs)
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        common.clip_grad_norm(optimizer, clip_val)
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        common.clip_grad_value(optimizer, clip_val)
+
+
+class ZeroStrategy(ParallelStrategy):
+    """ZeRO stages 0-3 (zero_plugin) for the Lightning Trainer.
+
+    Args:
+        config: a ``zp.ZeroConfig``, a preset name (``"zero1"``, ``"zero2"``, ``"zero2_offload"``, ``"zero3"``,
+            ``"zero3_offload"``), a dict of ZeroConfig fields, or None for ``ZeroConfig.from_env()``.
+        checkpoint: ``"sharded"`` (default): every rank writes its regions into a checkpoint directory
+            (``zp.save_checkpoint``); ``"full"``: rank 0 writes one Lightning-format file with the full state.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        config: Union[zp.ZeroConfig, str, Mapping, None] = None,
+        checkpoint: Literal["sharded", "full"] = "sharded",
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self.config = common.resolve_config(config)
+        self._checkpoint = common.check_checkpoint_mode(checkpoint)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+
+    # -- precision: always our wrapper ------------------------------------------------------------
+    @property
+    def precision_plugin(self) -> ZeroPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroPrecision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        if plugin is not None and not isinstance(plugin, ZeroPrecision):
+            plugin = ZeroPrecision(plugin)
+        self._precision_plugin = plugin
+
+    # -- processes -----------------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Read by the connector for custom strategies: turns on the DistributedSampler.
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True   # checkpoints are loaded into the sharded module and the ZeroOptimizer
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizer itself
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        self._process_group_backend = (self._process_group_backend
+                                       or _get_default_process_group_backend_for_device(self.root_device))
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=device_id)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # -- model and optimizer ---------------------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        _use_full_count_summaries(trainer)
+        module = self.lightning_module
+        if not common.is_set_up(module):
+            self.model = self.precision_plugin.convert_module(module)
+            self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            with common.full_parameters(module):   # configure_optimizers after an earlier setup
+                self.setup_optimizers(trainer)
+            self.optimizers = [common.shard(module, self.optimizers, self.config)]
+        else:
+            common.shard_for_inference(module, self.config)
+        self.model = module
+        self.setup_precision_plugin()
+
+    def model_to_device(self) -> None:
+        assert self.lightning_module is not None
+        common.move_to_device(self.lightning_module, self.root_device)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        with common.no_sync(self.lightning_module):
+            yield
+
+    def teardown(self) -> None:
+        # Unlike Strategy.teardown: no .cpu() of the module or optimizer, whose shards the engine owns.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # -- steps: through __call__, so stage 3 gathers the root unit ----------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._redirect("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._redirect("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._redirect("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._redirect("predict_step", *args, **kwargs)
+
+    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        return self._forward_redirection(module, module, method, *args, **kwargs)
+
+    # -- collectives ----------------------------------------------------------------------------------------
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- state and checkpoints ----------------------------------------------------------------------------
+    def _sharded_files(self) -> bool:
+        return common.uses_sharded_files(self._checkpoint)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Collective.  Full mode: the full state dict on rank 0 ({} elsewhere).  Sharded mode: {} (the
+        regions are written by save_checkpoint)."""
+        assert self.lightning_module is not None
+        if self._sharded_files() and common.is_set_up(self.lightning_module):
+            return {}
+        return common.full_model_state(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Collective.  Full mode: the consolidated state on rank 0 ({} elsewhere).  Sharded mode: {}."""
+        if self._sharded_files():
+            return {}
+        return common.full_optimizer_state(optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        if not self._sharded_files():
+            common.prepare_path(path, False, self.is_global_zero, self.barrier)
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported for sharded "
+                            "checkpoints; use ZeroStrategy(checkpoint='full')")
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        with_optimizer = "optimizer_states" in checkpoint and bool(self.optimizers)
+        common.save_sharded(path, self.lightning_module, self.optimizers[0] if with_optimizer else None, meta,
+                            is_rank0=self.is_global_zero, barrier=self.barrier,
+                            write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load into the sharded module (and, when fitting, the optimizer); return the rest for Lightning."""
+        module = self.lightning_module
+        assert module is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        fitting = module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        optimizer = self.optimizers[0] if fitting and self.optimizers else None
+        if common.is_sharded_checkpoint(path):
+            common.load_sharded(path, module, optimizer)
+            return self.checkpoint_io.load_checkpoint(path / common.META_FILE, weights_only=weights_only)
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        opt_states = checkpoint.get("optimizer_states") or [None]
+        common.load_full(checkpoint, module, optimizer, strict=module.strict_loading, optimizer_state=opt_states[0])
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass   # done in load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass   # done in load_checkpoint
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        common.register_presets(strategy_registry, cls)
+
+
+# -- ModelSummary with full parameter counts ----------------------------------------------------------------------
+def _full_numel(module: nn.Module) -> Callable[[nn.Parameter], int]:
+    engine = common.engine_or_none(module)
+    return engine.full_numel if engine is not None else (lambda p: p.numel())
+
+
+class _FullCountLayerSummary(LayerSummary):
+    def __init__(self, module: nn.Module, numel: Callable[[nn.Parameter], int]) -> None:
+        super().__init__(module)
+        self._numel = numel
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(self._numel(p) for p in self._module.parameters())
+
+
+class ZeroSummary(Summary):
+    """Lightning's ModelSummary, counting each stage-3 parameter at its full size, not its shard's."""
+
+    def __init__(self, model: "pl.LightningModule", max_depth: int = 1) -> None:
+        self._numel = _full_numel(model)
+        super().__init__(model, max_depth=max_depth)
+
+    def summarize(self) -> dict[str, LayerSummary]:
+        summary = OrderedDict((name, _FullCountLayerSummary(m, self._numel)) for name, m in self.named_modules)
+        if self._model.example_input_array is not None:
+            self._forward_example_input()
+        for layer in summary.values():
+            layer.detach_hook()
+        if self._max_depth >= 1:
+            for name in [k for k in summary if k.count(".") >= self._max_depth]:
+                del summary[name]
+        return summary
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(self._numel(p) for p in self._model.parameters())
+
+    @property
+    def trainable_parameters(self) -> int:
+        return sum(self._numel(p) for p in self._model.parameters() if p.requires_grad)
+
+
+class _FullCountSummaryMixin:
+    def _summary(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Summary:
+        return ZeroSummary(pl_module, max_depth=self._max_depth)
+
+
+class ZeroModelSummary(_FullCountSummaryMixin, ModelSummary):
+    """The ModelSummary callback with full parameter counts (installed automatically by ZeroStrategy)."""
+
+
+class ZeroRichModelSummary(_FullCountSummaryMixin, RichModelSummary):
+    """The RichModelSummary callback with full parameter counts (installed automatically by ZeroStrategy)."""
+
+
+def _use_full_count_summaries(trainer: "pl.Trainer") -> None:
+    """Swap Lightning's stock summary callbacks (its default included) for the full-count ones.
+
+    Lightning special-cases only DeepSpeed in ``ModelSummary._summary``; there is no strategy hook.
+    """
+    replacements = {ModelSummary: ZeroModelSummary, RichModelSummary: ZeroRichModelSummary}
+    for i, callback in enumerate(trainer.callbacks):
+        new_cls = replacements.get(type(callback))
+        if new_cls is not None:
+            trainer.callbacks[i] = new_cls(callback._max_depth, **callback._summarize_kwargs)

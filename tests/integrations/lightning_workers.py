@@ -1,0 +1,488 @@
+"""Functions that run inside the ranks of ``tests/integrations/test_lightning.py``.
+
+Two ways in:
+  * ``tests.harness`` pool workers (gloo already initialised): :func:`lightning_ranks` sets the
+    variables with which Lightning treats the processes as externally launched, so
+    ``Trainer(accelerator="cpu", devices=2, strategy=...)`` runs in the existing processes;
+  * ``python -m tests.integrations.lightning_workers resume ...``: a fresh script whose Trainer
+    starts its second rank itself (Lightning's subprocess launcher), for the new-process resume.
+
+Every worker returns plain Python / CPU tensors; rank 0 adds the full model state.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from tests import models
+
+LR = 1e-2
+PER_RANK_BATCH = 2
+ACCUM = 2
+CLIP = 1.0
+_QUIET = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
+
+
+# -- the LightningModule --------------------------------------------------------------------------
+def _lightning(package: str = "lightning.pytorch"):
+    """``lightning.pytorch`` or the standalone ``pytorch_lightning`` (distinct classes, same API)."""
+    import importlib
+
+    return importlib.import_module(package)
+
+
+def build_net(kind: str):
+    if kind == "llama":
+        return models.make_tiny_llama(layers=2)
+    if kind == "lora":
+        return models.make_tiny_llama_lora(layers=2)
+    raise ValueError(f"unknown model kind {kind!r}")
+
+
+def make_optimizer(params, lr: float = LR):
+    """AdamW: matrices (wd 0.1) and vectors (wd 0, lr / 2); LoRA has matrices only."""
+    params = [p for p in params if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1, "lr": lr},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": lr / 2}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
+
+
+@functools.cache
+def _module_class(package: str = "lightning.pytorch"):
+    pl = _lightning(package)
+
+    class TinyLlamaModule(pl.LightningModule):
+        """A tiny random Llama (or its LoRA variant) built in ``configure_model``, seeded."""
+
+        def __init__(self, kind: str = "llama") -> None:
+            super().__init__()
+            self.kind = kind
+            self.net = None
+            self.step_losses: list[float] = []
+            self.init_state: dict[str, torch.Tensor] = {}
+
+        def configure_model(self) -> None:
+            if self.net is not None:   # fit -> validate -> test -> predict call this again
+                return
+            self.net = build_net(self.kind)
+            self.init_state = {k: v.detach().clone() for k, v in self.state_dict().items()}
+
+        def training_step(self, batch, batch_idx):
+            loss = self.net(**batch).loss
+            self.step_losses.append(loss.detach().item())
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            loss = self.net(**batch).loss
+            self.log("val_loss", loss, sync_dist=True)
+            return loss
+
+        def test_step(self, batch, batch_idx):
+            loss = self.net(**batch).loss
+            self.log("test_loss", loss, sync_dist=True)
+            return loss
+
+        def predict_step(self, batch, batch_idx):
+            return self.net(**batch).logits.detach()
+
+        def configure_optimizers(self):
+            opt = make_optimizer(self.parameters())
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return TinyLlamaModule
+
+
+@functools.cache
+def _manual_module_class(package: str = "lightning.pytorch"):
+    class ManualTinyLlamaModule(_module_class(package)):
+        """Manual optimization: accumulation with toggle_model(sync_grad=...), clip_gradients, step."""
+
+        def __init__(self, kind: str) -> None:
+            super().__init__(kind)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt, sched = self.optimizers(), self.lr_schedulers()
+            loss = self.net(**batch).loss
+            self.step_losses.append(loss.detach().item())
+            last = (batch_idx + 1) % ACCUM == 0
+            with opt.toggle_model(sync_grad=last):
+                self.manual_backward(loss / ACCUM)
+            if last:
+                self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+
+    return ManualTinyLlamaModule
+
+
+def make_module(kind: str = "llama", package: str = "lightning.pytorch", manual: bool = False):
+    return (_manual_module_class if manual else _module_class)(package)(kind)
+
+
+def loader(micro_batches_per_rank: int, world_size: int = 2, seed: int = 0) -> DataLoader:
+    """Samples for ``micro_batches_per_rank`` micro-batches of PER_RANK_BATCH rows on every rank."""
+    globals_ = models.make_batches("llama", micro_batches_per_rank, world_size, PER_RANK_BATCH, seed=seed)
+    samples = [{k: v[i] for k, v in b.items()} for b in globals_ for i in range(b["input_ids"].shape[0])]
+    return DataLoader(samples, batch_size=PER_RANK_BATCH, shuffle=False)
+
+
+# -- running Lightning inside pool workers --------------------------------------------------------
+@contextlib.contextmanager
+def lightning_ranks() -> Iterator[None]:
+    """Let Lightning use this pool worker's process group as externally launched ranks; restore after."""
+    import zero_plugin.integrations.lightning  # noqa: F401  (registers zero1 ... zero3_offload)
+
+    saved = dict(os.environ)
+    os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0", WORLD_SIZE=str(dist.get_world_size()),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+    for name in _QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def resolve_strategy(name: str, package: str = "lightning.pytorch"):
+    """A registered name, or ``"<preset>:full"`` for ``ZeroStrategy(config=<preset>, checkpoint="full")``."""
+    if ":" in name:
+        from zero_plugin.integrations.lightning import ZeroStrategy, standalone_strategies
+
+        cls = ZeroStrategy if package == "lightning.pytorch" else standalone_strategies()[package]
+        preset, checkpoint = name.split(":")
+        return cls(config=preset, checkpoint=checkpoint)
+    return name
+
+
+def make_trainer(strategy: str, root: str, package: str = "lightning.pytorch", **kwargs: Any):
+    pl = _lightning(package)
+    options = dict(accelerator="cpu", devices=2, strategy=resolve_strategy(strategy, package), default_root_dir=root,
+                   logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, accumulate_grad_batches=ACCUM,
+                   gradient_clip_val=CLIP)
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+def full_state(trainer) -> dict:
+    """Collective: the LightningModule's full state dict on rank 0 (whatever the strategy), {} elsewhere."""
+    from zero_plugin.integrations import _lightning_common as common
+
+    module = trainer.lightning_module
+    if common.is_set_up(module):
+        return common.full_model_state(module)
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if dist.get_rank() == 0 else {}
+
+
+def _result(trainer, module, **extra) -> dict:
+    out = {"losses": list(module.step_losses), "state": full_state(trainer), **extra}
+    if dist.get_rank() == 0:
+        out["init"] = module.init_state
+    return out
+
+
+def fit_worker(kind: str, strategy: str, steps: int = 3, package: str = "lightning.pytorch", manual: bool = False,
+               **trainer_kwargs: Any) -> dict:
+    """``steps`` optimizer steps of ACCUM micro-batches, clipping at CLIP; losses and final weights."""
+    if manual:   # the module accumulates and clips itself
+        trainer_kwargs.update(accumulate_grad_batches=1, gradient_clip_val=None)
+    with lightning_ranks(), tempfile.TemporaryDirectory() as root:
+        module = make_module(kind, package, manual)
+        trainer = make_trainer(strategy, root, package, max_epochs=1, **trainer_kwargs)
+        try:
+            trainer.fit(module, loader(steps * ACCUM))
+        except NotImplementedError as exc:
+            return {"not_implemented": str(exc)}
+        return _result(trainer, module, global_step=trainer.global_step,
+                       strategy_class=f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__name__}")
+
+
+def fit_eval_worker(strategy: str) -> dict:
+    """fit -> validate -> test -> predict with one Trainer and one module, in one process."""
+    with lightning_ranks(), tempfile.TemporaryDirectory() as root:
+        module = make_module("llama")
+        trainer = make_trainer(strategy, root, max_epochs=1)
+        trainer.fit(module, loader(2 * ACCUM))
+        val = trainer.validate(module, loader(2, seed=1), verbose=False)
+        test = trainer.test(module, loader(2, seed=2), verbose=False)
+        preds = trainer.predict(module, loader(2, seed=3))
+        again = trainer.validate(module, loader(2, seed=1), verbose=False)
+        return _result(trainer, module, val=val, test=test, again=again,
+                       preds=[p.clone() for p in preds])
+
+
+def eval_first_worker(strategy: str) -> dict:
+    """validate before any fit (sharded for inference), then fit, then validate."""
+    with lightning_ranks(), tempfile.TemporaryDirectory() as root:
+        module = make_module("llama")
+        trainer = make_trainer(strategy, root, max_epochs=1)
+        before = trainer.validate(module, loader(2, seed=1), verbose=False)
+        trainer.fit(module, loader(2 * ACCUM))
+        after = trainer.validate(module, loader(2, seed=1), verbose=False)
+        return _result(trainer, module, before=before, after=after)
+
+
+def checkpoint_worker(strategy: str, ckpt_dir: str, epochs: int = 2, steps_per_epoch: int = 2) -> dict:
+    """An uninterrupted fit that saves a checkpoint at the end of every epoch (ModelCheckpoint)."""
+    pl = _lightning()
+    with lightning_ranks(), tempfile.TemporaryDirectory() as root:
+        module = make_module("llama")
+        saver = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", every_n_epochs=1,
+                                             save_top_k=-1)
+        trainer = make_trainer(strategy, root, max_epochs=epochs, callbacks=[saver], enable_checkpointing=True)
+        trainer.fit(module, loader(steps_per_epoch * ACCUM))
+        return _result(trainer, module, files=sorted(os.listdir(ckpt_dir)))
+
+
+def resume_run(strategy: str, ckpt_path: str, epochs: int = 2, steps_per_epoch: int = 2) -> dict:
+    """``trainer.fit(ckpt_path=...)`` in whatever processes run this (the subprocess script)."""
+    with tempfile.TemporaryDirectory() as root:
+        module = make_module("llama")
+        trainer = make_trainer(strategy, root, max_epochs=epochs)
+        trainer.fit(module, loader(steps_per_epoch * ACCUM), ckpt_path=ckpt_path)
+        return _result(trainer, module, global_step=trainer.global_step)
+
+
+@contextlib.contextmanager
+def sharded_checkpoints() -> Iterator[None]:
+    """Expose ``zero_plugin.checkpoint``'s verbs as ``zp.save_checkpoint`` / ``zp.load_checkpoint`` while the
+    package does not export them yet, so the sharded-directory path runs against the real implementation."""
+    import zero_plugin as zp
+    from zero_plugin import checkpoint
+
+    added = [name for name in ("save_checkpoint", "load_checkpoint") if not hasattr(zp, name)]
+    for name in added:
+        setattr(zp, name, getattr(checkpoint, name))
+    try:
+        yield
+    finally:
+        for name in added:
+            delattr(zp, name)
+
+
+def cross_stage_resume_worker(save_strategy: str, load_strategy: str, ckpt_dir: str) -> dict:
+    """Save sharded at one stage (ModelCheckpoint), resume at another in the same processes; and Fabric."""
+    with sharded_checkpoints():
+        full = checkpoint_worker(save_strategy, ckpt_dir)
+        with lightning_ranks():
+            resumed = resume_run(load_strategy, os.path.join(ckpt_dir, "epoch=0.ckpt"))
+        fabric = fabric_worker("llama", save_strategy, save=os.path.join(ckpt_dir, "fabric"))
+    return {"full": full, "resumed": resumed, "fabric": fabric,
+            "layout": sorted(os.listdir(os.path.join(ckpt_dir, "epoch=0.ckpt")))}
+
+
+def summary_worker(strategy: str) -> dict:
+    """ModelSummary's printed table and counts (full sizes expected at stage 3)."""
+    pl = _lightning()
+    with lightning_ranks(), tempfile.TemporaryDirectory() as root:
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: records.append(record.getMessage())
+        summary_logger = logging.getLogger("lightning.pytorch.callbacks.model_summary")
+        summary_logger.addHandler(handler)
+        summary_logger.setLevel(logging.INFO)
+        try:
+            module = make_module("llama")
+            trainer = make_trainer(strategy, root, max_steps=1, callbacks=[pl.callbacks.ModelSummary(max_depth=2)])
+            trainer.fit(module, loader(ACCUM))
+        finally:
+            summary_logger.removeHandler(handler)
+        from zero_plugin.integrations.lightning import ZeroSummary
+
+        summary = ZeroSummary(module, max_depth=2)
+        shard_numel = sum(p.numel() for p in module.parameters())
+        return {"log": "\n".join(records), "total": summary.total_parameters,
+                "trainable": summary.trainable_parameters, "layers": dict(zip(summary.layer_names,
+                                                                              summary.param_nums)),
+                "shard_numel": shard_numel, "callbacks": [type(c).__name__ for c in trainer.callbacks]}
+
+
+def env_strategy_worker() -> dict:
+    """PL_TRAINER_STRATEGY=zero3 switches a Trainer that does not pass strategy= itself; registered names."""
+    import lightning_fabric.strategies
+    import pytorch_lightning.strategies
+
+    import lightning.fabric.strategies
+    import lightning.pytorch.strategies
+
+    pl = _lightning()
+    with lightning_ranks():
+        from zero_plugin.integrations.lightning import register_strategies
+
+        register_strategies()   # idempotent: a second call (e.g. from a launcher) changes nothing
+        os.environ["PL_TRAINER_STRATEGY"] = "zero3"
+        trainer = pl.Trainer(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+        strategy = trainer.strategy
+        registries = {"lightning.pytorch": lightning.pytorch.strategies.StrategyRegistry,
+                      "pytorch_lightning": pytorch_lightning.strategies.StrategyRegistry,
+                      "lightning.fabric": lightning.fabric.strategies.STRATEGY_REGISTRY,
+                      "lightning_fabric": lightning_fabric.strategies.STRATEGY_REGISTRY}
+        names = {pkg: sorted(k for k in reg if k.startswith("zero")) for pkg, reg in registries.items()}
+        return {"type": type(strategy).__name__, "stage": getattr(getattr(strategy, "config", None), "stage", None),
+                "names": names}
+
+
+def errors_worker() -> dict:
+    """The messages of configurations the integration refuses."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from zero_plugin.integrations.lightning import ZeroPrecision, ZeroStrategy
+
+    out = {}
+    with lightning_ranks(), tempfile.TemporaryDirectory() as root:
+        try:
+            ZeroPrecision(MixedPrecision("16-mixed", "cpu"))
+        except NotImplementedError as exc:
+            out["fp16"] = str(exc)
+        try:
+            ZeroStrategy(config="zero4")
+        except ValueError as exc:
+            out["bad_preset"] = str(exc)
+        module = _two_optimizer_class()("llama")
+        try:
+            make_trainer("zero3", root, max_epochs=1, gradient_clip_val=None,
+                         accumulate_grad_batches=1).fit(module, loader(2))
+        except ValueError as exc:
+            out["two_optimizers"] = str(exc)
+    return out
+
+
+@functools.cache
+def _two_optimizer_class():
+    class TwoOptimizers(_module_class()):
+        def __init__(self, kind: str) -> None:
+            super().__init__(kind)
+            self.automatic_optimization = False
+
+        def configure_optimizers(self):
+            params = list(self.parameters())
+            return make_optimizer(params[:2]), make_optimizer(params[2:])
+
+    return TwoOptimizers
+
+
+# -- Fabric ----------------------------------------------------------------------------------------------
+def _fabric(strategy: str):
+    from lightning.fabric import Fabric
+
+    if ":" in strategy:
+        from zero_plugin.integrations.lightning import ZeroFabricStrategy
+
+        preset, checkpoint = strategy.split(":")
+        strategy = ZeroFabricStrategy(config=preset, checkpoint=checkpoint)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    return fabric
+
+
+def _fabric_train(fabric, model, opt, batches: list, losses: list, norms: list) -> None:
+    """The user's loop: accumulation under no_backward_sync, clip_gradients, step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(len(batches) // ACCUM):
+        for i in range(ACCUM):
+            micro = models.shard_batch(batches[step * ACCUM + i], rank, world)
+            with fabric.no_backward_sync(model, enabled=i < ACCUM - 1):
+                loss = model(**micro).loss
+                fabric.backward(loss / ACCUM)
+            losses.append(loss.item())
+        norms.append(float(fabric.clip_gradients(model, opt, max_norm=CLIP)))
+        opt.step()
+        opt.zero_grad()
+
+
+def fabric_inference_worker(strategy: str) -> dict:
+    """``setup_module`` (inference) then ``setup_optimizers`` (two-step setup), against joint ``setup``."""
+    with lightning_ranks():
+        fabric = _fabric(strategy)
+        batches = models.make_batches("llama", 2 * ACCUM, 2, PER_RANK_BATCH, seed=0)
+        first = models.shard_batch(batches[0], dist.get_rank(), dist.get_world_size())
+        with torch.no_grad():
+            want = build_net("llama")(**first).logits
+        model = fabric.setup_module(build_net("llama"))
+        with torch.no_grad():
+            got = model(**first).logits
+        out = {"logits_err": float((got - want).abs().max())}
+        # Two-step setup; one param group, since a sharded module's parameters are 1-D shards here.
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+        joint = build_net("llama")
+        joint_model, joint_opt = fabric.setup(joint, torch.optim.AdamW(joint.parameters(), lr=LR))
+        for m, o, key in ((model, opt, "two_step"), (joint_model, joint_opt, "joint")):
+            losses: list = []
+            _fabric_train(fabric, m, o, batches, losses, [])
+            out[key] = losses
+            out[key + "_state"] = _fabric_state(fabric, m)
+        return out
+
+
+def _fabric_state(fabric, model) -> dict:
+    """Collective under ZeRO; rank 0's full state dict (DDP: every rank has it, keep rank 0's)."""
+    state = fabric.strategy.get_module_state_dict(model._forward_module)
+    return state if dist.get_rank() == 0 else {}
+
+
+def fabric_worker(kind: str, strategy: str, steps: int = 3, save: str | None = None) -> dict:
+    """A Fabric loop; with ``save``, also fabric.save at the end and reload into fresh objects, then train on."""
+    with lightning_ranks():
+        fabric = _fabric(strategy)
+        net = build_net(kind)
+        init = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        model, opt = fabric.setup(net, make_optimizer(net.parameters()))
+        batches = models.make_batches("llama", 2 * steps * ACCUM, 2, PER_RANK_BATCH, seed=0)
+        losses, norms = [], []
+        _fabric_train(fabric, model, opt, batches[:steps * ACCUM], losses, norms)
+        out = {"init": init, "mid": _fabric_state(fabric, model), "losses": list(losses), "norms": list(norms)}
+        if save is None:
+            return out
+        fabric.save(save, {"model": model, "optimizer": opt, "step": steps})
+        _fabric_train(fabric, model, opt, batches[steps * ACCUM:], losses, norms)
+        out["final"] = _fabric_state(fabric, model)
+        fresh = build_net(kind)
+        model2, opt2 = fabric.setup(fresh, make_optimizer(fresh.parameters()))
+        state = {"model": model2, "optimizer": opt2, "step": 0}
+        remainder = fabric.load(save, state)
+        out["loaded_step"] = state["step"]
+        out["remainder"] = sorted(remainder)
+        losses2, norms2 = [], []
+        _fabric_train(fabric, model2, opt2, batches[steps * ACCUM:], losses2, norms2)
+        out.update(resumed=_fabric_state(fabric, model2), resumed_losses=losses2, all_losses=list(losses),
+                   is_dir=os.path.isdir(save))
+        return out
+
+
+# -- new processes: python -m tests.integrations.lightning_workers resume ... -------------------------------
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=["resume"])
+    parser.add_argument("--run", action="append", nargs=3, metavar=("STRATEGY", "CKPT", "OUT"), required=True,
+                        help="one resumed fit per --run, all in the same two new processes")
+    args = parser.parse_args(argv)
+    import zero_plugin.integrations.lightning  # noqa: F401  (registers the names in every rank)
+
+    torch.set_num_threads(1)
+    for name in _QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.simplefilter("ignore")
+    for strategy, ckpt, out in args.run:
+        result = resume_run(strategy, ckpt)
+        torch.save(result, f"{out}.rank{dist.get_rank()}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
