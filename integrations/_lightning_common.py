@@ -157,21 +157,7 @@ def shard_for_inference(module: nn.Module, config: zp.ZeroConfig) -> None:
 
 def rebind_optimizer(module: nn.Module, engine: Engine, optimizer: torch.optim.Optimizer) -> zp.ZeroOptimizer:
     """Wrap a fresh optimizer over an already sharded module (a second fit, or fit after validate)."""
-    from zero_plugin import _validate, api
-
-    rebind = getattr(api, "_rebind_optimizer", None)
-    if rebind is None:
-        raise RuntimeError("zero_plugin: this module is already sharded and this zero_plugin version cannot bind "
-                           "a new optimizer to it; build a fresh module for the new run")
-    trainable = _validate.trainable_parameters(module, optimizer)
-    mine = {id(s.param) for s in engine.slots}
-    if {id(p) for _, p in trainable} != mine:
-        raise ValueError("zero_plugin: the module is already sharded for a different set of trainable parameters "
-                         "than this optimizer's; build the optimizer over the same parameters (or a fresh module)")
-    rebind(optimizer, engine)
-    wrapped = zp.ZeroOptimizer(optimizer, engine)
-    engine.optimizer = wrapped
-    return wrapped
+    return zp.rebind_optimizer(module, optimizer)
 
 
 def _check_same_config(engine: Engine, config: zp.ZeroConfig) -> None:

@@ -1,5 +1,5 @@
 """zero_plugin: ZeRO-1/2/3 sharded data parallelism and CPU offload on torch.distributed."""
-from .api import clip_grad_norm_, gathered_parameters, no_sync, setup
+from .api import clip_grad_norm_, gathered_parameters, no_sync, rebind_optimizer, setup
 from .collectives import comm_stats, reset_comm_stats
 from .config import ZeroConfig
 from .memory import memory_report
@@ -12,6 +12,7 @@ __all__ = [
     "ZeroConfig",
     "ZeroOptimizer",
     "setup",
+    "rebind_optimizer",
     "clip_grad_norm_",
     "no_sync",
     "gathered_parameters",

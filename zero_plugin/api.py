@@ -18,7 +18,7 @@ from .optim.offload import use_fast_cpu_kernels
 from .optim.zero_optimizer import ZeroOptimizer
 from .stages import build_engine
 
-__all__ = ["setup", "clip_grad_norm_", "no_sync", "gathered_parameters"]
+__all__ = ["setup", "rebind_optimizer", "clip_grad_norm_", "no_sync", "gathered_parameters"]
 
 def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
           group: Any = None, *, param_source: Any = None) -> tuple[nn.Module, ZeroOptimizer]:
@@ -53,6 +53,28 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
     zero_optimizer = ZeroOptimizer(optimizer, engine)
     engine.optimizer = zero_optimizer
     return model, zero_optimizer
+
+
+def rebind_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> ZeroOptimizer:
+    """Give an already set-up model a new optimizer (e.g. a second ``fit``), over the same trainable parameters.
+
+    Not collective; state in ``optimizer`` (if any) is sliced to this rank's regions.
+    """
+    engine = engine_of(model, "rebind_optimizer")
+    if isinstance(optimizer, ZeroOptimizer):
+        raise ValueError("zp.rebind_optimizer: pass the plain torch optimizer, not a ZeroOptimizer")
+    trainable = _validate.trainable_parameters(model, optimizer)
+    wanted = {s.name for s in engine.slots}
+    got = {name for name, _ in trainable}
+    if wanted != got:
+        raise ValueError(f"zp.rebind_optimizer: the optimizer must train exactly the parameters set up with the "
+                         f"model; missing {sorted(wanted - got)[:3]}, extra {sorted(got - wanted)[:3]}")
+    _rebind_optimizer(optimizer, engine)
+    if engine.config.offload:
+        use_fast_cpu_kernels(optimizer)
+    zero_optimizer = ZeroOptimizer(optimizer, engine)
+    engine.optimizer = zero_optimizer
+    return zero_optimizer
 
 
 def _cast_inputs(dtype: torch.dtype, module: nn.Module, args, kwargs):

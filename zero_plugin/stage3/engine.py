@@ -196,12 +196,16 @@ class Stage3Engine(Engine):
             if want:
                 for n in names[id(sp.param)]:
                     out[n] = value
-        if want and keep is None:
-            param_ids = {id(p) for p in self.model.parameters()}
-            for k, v in self.model.state_dict(keep_vars=True).items():
-                if k not in out and id(v) not in param_ids:
-                    out[k] = v.detach().cpu().clone()
-        return out if want else {}
+        if not want:
+            return {}
+        ordered = {}
+        param_ids = {id(p) for p in self.model.parameters()}
+        for k, v in self.model.state_dict(keep_vars=True).items():   # model.state_dict() key order
+            if k in out:
+                ordered[k] = out[k]
+            elif keep is None and id(v) not in param_ids:
+                ordered[k] = v.detach().cpu().clone()
+        return ordered
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict, strict: bool = True):
