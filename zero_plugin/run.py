@@ -50,7 +50,8 @@ def install() -> None:
     """[Note: what zero_plugin.run patches]  In this process only, and nothing in torch:
       * ``accelerate.Accelerator`` and ``accelerate.accelerator.Accelerator`` -> zero_plugin's subclass;
       * once ``transformers.trainer`` is imported: its ``Accelerator`` name and five ``Trainer``
-        checkpoint methods (``zero_plugin/integrations/hf_trainer.py``, ``install``).
+        checkpoint methods (``zero_plugin/integrations/hf_trainer.py``, ``install``);
+      * once Lightning is imported: the zero strategy names are registered (nothing is patched).
     """
     import accelerate
     import accelerate.accelerator
@@ -61,6 +62,17 @@ def install() -> None:
     accelerate.Accelerator = Accelerator
     accelerate.accelerator.Accelerator = Accelerator
     _after_import("transformers.trainer", hf_trainer.install)
+    # Lightning: register the zero1..zero3_offload strategy names as soon as the script imports Lightning,
+    # so PL_TRAINER_STRATEGY=zero3 / LT_STRATEGY=zero3 switch an unmodified script.
+    for package in ("lightning", "pytorch_lightning", "lightning_fabric"):
+        _after_import(package, _lightning_registrar(package))
+
+
+def _lightning_registrar(package: str) -> Callable[[], None]:
+    def register() -> None:
+        from .integrations.lightning import register_strategies
+        register_strategies([package])
+    return register
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
