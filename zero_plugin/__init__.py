@@ -1,5 +1,6 @@
 """zero_plugin: ZeRO-1/2/3 sharded data parallelism and CPU offload on torch.distributed."""
 from .api import clip_grad_norm_, gathered_parameters, no_sync, rebind_optimizer, setup
+from .checkpoint import load_checkpoint, save_checkpoint
 from .collectives import comm_stats, reset_comm_stats
 from .config import ZeroConfig
 from .memory import memory_report
@@ -18,6 +19,7 @@ __all__ = [
     "gathered_parameters",
     "full_state_dict",
     "load_full_state_dict",
+    "save_checkpoint", "load_checkpoint",
     "memory_report",
     "comm_stats",
     "reset_comm_stats",

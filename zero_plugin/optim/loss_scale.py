@@ -46,8 +46,12 @@ class GradGuard:
     @torch.no_grad()
     def found_nonfinite(self) -> bool:
         """Collective: True if any rank holds an inf/NaN gradient."""
-        flag = torch.zeros(1, dtype=torch.float32)
-        for g in self.engine.owned_grads():
+        grads = self.engine.owned_grads()
+        device = grads[0].device if grads else torch.device("cpu")
+        if self.engine.comm.backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())   # NCCL reduces CUDA tensors only
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        for g in grads:
             if g.numel() and not torch.isfinite(g).all():
                 flag.fill_(1.0)
                 break
