@@ -361,7 +361,8 @@ def peft_adapter(directory: str) -> dict:
     from safetensors.torch import load_file
     saved = load_file(os.path.join(directory, "adapter_model.safetensors"))
     base = models.make_tiny_llama(layers=2)
-    reloaded = PeftModel.from_pretrained(base, directory)
     with torch.no_grad():
-        ref = reloaded(input_ids=ids).logits
-    return {"keys": sorted(saved), "max_diff": float((ref - logits).abs().max()), "equal": torch.equal(ref, logits)}
+        base_logits = base(input_ids=ids).logits
+        ref = PeftModel.from_pretrained(base, directory)(input_ids=ids).logits
+    return {"keys": sorted(saved), "max_diff": float((ref - logits).abs().max()), "equal": torch.equal(ref, logits),
+            "adapter_effect": float((ref - base_logits).abs().max())}
