@@ -1,0 +1,190 @@
+"""One-call GPU check (run by tests/gpu/run.sh on a lent GPU machine); writes one JSON of results.
+
+  1. NCCL, world size 1: stages 0-3 (and stage 3 + offload) match a single-GPU reference (float64 MLP).
+  2. Fake process group, N = 8: per-rank peak CUDA memory of a ~1B-parameter model for stages 0-3
+     against ``memory_report``'s theory.
+  3. A 13B-parameter Llama-shaped model (random init, materialised unit by unit from the meta device)
+     fine-tuned with LoRA under a 24 GiB cap (set_per_process_memory_fraction), stage 3 with parameter
+     and optimizer offload, bf16 compute: at least 2 steps.
+  4. Step time of stage 3 against torch FSDP2 (fully_shard) on the same ~1B model, world size 1.
+Each part is independent: a failure is recorded in the JSON and the next part runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+GiB = 2**30
+
+
+def _nccl_world1() -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+
+
+def part_parity() -> dict:
+    import zero_plugin as zp
+    from tests import models
+
+    _nccl_world1()
+    batches = [tuple(t.cuda() for t in b) for b in models.make_batches("mlp", 4, 1, 4)]
+    ref = models.make_odd_mlp().cuda()
+    ref_opt = models.two_group_adamw(ref)
+    for x, y in batches:
+        models.loss_fn(ref, (x, y)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    want = {k: v.detach().cpu() for k, v in ref.named_parameters()}
+    out = {}
+    for name, cfg in {"stage0": dict(stage=0), "stage1": dict(stage=1), "stage2": dict(stage=2),
+                      "stage3": dict(stage=3), "stage3_offload": dict(stage=3, offload_optimizer="cpu")}.items():
+        model = models.make_odd_mlp().cuda()
+        model, opt = zp.setup(model, models.two_group_adamw(model), zp.ZeroConfig(**cfg))
+        for x, y in batches:
+            models.loss_fn(model, (x, y)).backward()
+            opt.step()
+            opt.zero_grad()
+        got = zp.full_state_dict(model)
+        out[name] = max((got[k].double() - want[k].double()).abs().max().item() for k in want)
+    return {"max_abs_diff": out, "ok": all(v <= 1e-10 for v in out.values())}
+
+
+def _llama(hidden: int, layers: int, inter: int, heads: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512)
+    return cfg, (lambda: LlamaForCausalLM(cfg))
+
+
+def part_fake_pg_memory() -> dict:
+    import subprocess
+    import sys
+
+    out = {}
+    for stage in range(4):
+        code = (
+            "import json, torch, zero_plugin as zp\n"
+            "from tests.gpu.fake_pg import fake_world\n"
+            "from tests.gpu.check import _llama\n"
+            "from zero_plugin.materialize import empty_model, from_init_fn\n"
+            "torch.cuda.set_device(0)\n"
+            f"with fake_world(8):\n"
+            "    cfg, build = _llama(2048, 16, 5504, 16)\n"
+            "    model = empty_model(build)\n"
+            "    opt = torch.optim.AdamW(model.parameters())\n"
+            f"    model, opt = zp.setup(model, opt, zp.ZeroConfig(stage={stage}), param_source=from_init_fn(model._init_weights))\n"
+            "    model.cuda() if {stage} < 3 else None\n"
+            "    torch.cuda.reset_peak_memory_stats()\n"
+            "    ids = torch.randint(0, 32000, (1, 128), device='cuda')\n"
+            "    for _ in range(2):\n"
+            "        model(input_ids=ids, labels=ids).loss.backward(); opt.step(); opt.zero_grad()\n"
+            "    rep = zp.memory_report(model, opt)\n"
+            "    print('RESULT' + json.dumps({'peak': torch.cuda.max_memory_allocated(), 'theory': rep['theory']['total'], 'measured': rep['measured']['total']}))\n"
+        ).replace("{stage}", str(stage))
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400)
+        out[f"stage{stage}"] = (json.loads(res.stdout.split("RESULT", 1)[1]) if "RESULT" in res.stdout
+                                else {"error": res.stderr[-2000:]})
+    return out
+
+
+def part_13b_lora() -> dict:
+    import zero_plugin as zp
+    from peft import LoraConfig, get_peft_model
+    from zero_plugin.materialize import empty_model, from_init_fn
+
+    _nccl_world1()
+    torch.cuda.set_per_process_memory_fraction(24 * GiB / torch.cuda.get_device_properties(0).total_memory)
+    cfg, build = _llama(5120, 40, 13824, 40)
+    model = empty_model(build)
+    psi = sum(p.numel() for p in model.parameters())
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    t0 = time.time()
+    model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3, offload_params=True, offload_optimizer="cpu",
+                                                    param_dtype="bf16"),
+                          param_source=from_init_fn(model.base_model.model._init_weights))
+    setup_s = time.time() - t0
+    ids = torch.randint(0, 32000, (1, 128), device="cuda")
+    losses, times = [], []
+    for _ in range(2):
+        t = time.time()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        losses.append(loss.item())
+        times.append(time.time() - t)
+    return {"params": psi, "setup_s": setup_s, "step_s": times, "losses": losses,
+            "peak_cuda_gib": torch.cuda.max_memory_allocated() / GiB}
+
+
+def part_speed_vs_fsdp2(steps: int = 10) -> dict:
+    import zero_plugin as zp
+    from torch.distributed.fsdp import fully_shard
+
+    _nccl_world1()
+    cfg, build = _llama(2048, 16, 5504, 16)
+    ids = torch.randint(0, 32000, (4, 512), device="cuda")
+    result = {}
+    for name in ("fsdp2", "zp3", "fsdp2", "zp3"):
+        torch.manual_seed(0)
+        model = build().cuda().to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        if name == "fsdp2":
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        else:
+            model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3))
+        times = []
+        for i in range(steps + 2):
+            torch.cuda.synchronize()
+            t = time.time()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            if i >= 2:
+                times.append(time.time() - t)
+        result.setdefault(name, []).append(sorted(times)[len(times) // 2])
+        del model, opt
+        torch.cuda.empty_cache()
+    result["zp3_over_fsdp2"] = min(result["zp3"]) / min(result["fsdp2"])
+    return result
+
+
+PARTS = {"parity": part_parity, "fake_pg_memory": part_fake_pg_memory, "lora_13b": part_13b_lora,
+         "speed_vs_fsdp2": part_speed_vs_fsdp2}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/gpu_results.json")
+    ap.add_argument("--parts", nargs="*", default=list(PARTS))
+    args = ap.parse_args()
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    for name in args.parts:
+        t = time.time()
+        try:
+            results[name] = PARTS[name]()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()[-3000:]}
+        results[name + "_seconds"] = round(time.time() - t, 1)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+        print(name, json.dumps(results[name], default=str)[:800], flush=True)
+
+
+if __name__ == "__main__":
+    main()

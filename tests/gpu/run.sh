@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: installs the package into the machine's Python (torch is already
+# there), runs the CUDA checks, and writes $OUT/gpu_results.json (see tests/gpu/check.py).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1 OUT="${OUT:-.}"
+python3 -m pip install -q --no-deps -e . 2>/dev/null || export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
+timeout 470 python3 -m tests.gpu.check --out "$OUT/gpu_results.json" "$@"
