@@ -11,6 +11,7 @@ step is skipped, never silently applied.
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -45,16 +46,23 @@ class GradGuard:
 
     @torch.no_grad()
     def found_nonfinite(self) -> bool:
-        """Collective: True if any rank holds an inf/NaN gradient."""
+        """True if any rank holds an inf/NaN gradient (the same answer on every rank).
+
+        Free when ``clip_grad_norm_`` ran this step: its norm is global, so every rank decides alike
+        without communicating.  Otherwise one fp32 sum per gradient (a single read pass; an inf or NaN
+        anywhere makes the sum non-finite) and an all-reduce of one flag.
+        """
+        norm = getattr(self.engine, "step_grad_norm", None)
+        if norm is not None:
+            return not math.isfinite(norm)
         grads = self.engine.owned_grads()
         device = grads[0].device if grads else torch.device("cpu")
         if self.engine.comm.backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())   # NCCL reduces CUDA tensors only
         flag = torch.zeros(1, dtype=torch.float32, device=device)
-        for g in grads:
-            if g.numel() and not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
+        sums = [g.sum(dtype=torch.float32) for g in grads if g.numel()]
+        if sums and not math.isfinite(float(torch.stack(sums).sum())):
+            flag.fill_(1.0)
         self.engine.comm.all_reduce(flag, op="max", tag="nonfinite-check")
         return bool(flag.item())
 
@@ -62,7 +70,9 @@ class GradGuard:
         """Unscale, check every rank, update the scale; False means skip this step on every rank."""
         self.unscale()
         self._unscaled = False
-        if self.found_nonfinite():
+        nonfinite = self.found_nonfinite()
+        self.engine.step_grad_norm = None
+        if nonfinite:
             self.skipped_steps += 1
             self.clean_steps = 0
             if self.dynamic:

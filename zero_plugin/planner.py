@@ -1,0 +1,633 @@
+"""Memory planner: per-rank device and host bytes of a training step for each ZeRO stage.
+
+    import zero_plugin.planner as zpp
+    zpp.estimate("llama-7b", world_size=8, stage=3, param_dtype="bf16", batch=1, seq=2048)
+    plan = zpp.Planner("llama-7b", param_dtype="bf16", batch=1, seq=2048)   # one trace, many rows
+    plan.fit(world_size=8, gpu_mem=24 * 2**30, host_mem=128 * 2**30)
+
+A step's memory is replayed as a timeline, not summed from maxima (that overestimates by the size of
+whatever is gone when the other peaks):
+  * model states: ``memory.theory_bytes`` (ZeRO paper section 5, the same numbers ``zp.memory_report``
+    prints as theory).  Parameters and optimizer state live all step; gradients exist from the
+    backward that produces them to the ``zero_grad`` after the step;
+  * activations: one forward + backward traced on fake tensors (``planner_trace.py``);
+  * our transient buffers, replayed at the trace's events exactly as the engine allocates them:
+    stages 0-2: a buffer per gradient bucket (``grads/bucket.py``), all held until the end of backward,
+    then (stages 1-2) the all-gather of updated parameters after the step, every bucket at once;
+    stage 3: the root unit gathered for the whole step, each block gathered around its forward and
+    backward with ``prefetch_depth`` more in flight (input ``width+2`` and output ``N*(width+2)`` in
+    ``param_dtype``), reduce-scatter buffers ``N*(width+k)`` with at most 2 in flight (``stage3/``);
+  * the optimizer step: AdamW on one tensor at a time allocates two parameter-sized temporaries
+    (CPU default), ``foreach`` one list of all of them (CUDA default), the fused kernel none (offload).
+Allocator slack (memory the allocator holds beyond live tensors) is not part of the estimate; see
+``benchmarks/results/planner.md`` for how the prediction compares with the peak RSS of real runs.
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ._flat import ShardLayout
+from .config import ZeroConfig
+from .grads.bucket import plan_buckets
+from .memory import theory_bytes
+from .planner_trace import ParamInfo, Trace, trace_model
+
+__all__ = ["BUILTIN_MODELS", "Planner", "estimate", "resolve_model", "COST_MODEL"]
+
+BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=688, vocab_size=8000,
+                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, vocab_size=128256,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "llama-7b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, vocab_size=32000,
+                     num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False),
+    "llama-13b": dict(hidden_size=5120, num_hidden_layers=40, intermediate_size=13824, vocab_size=32000,
+                      num_attention_heads=40, num_key_value_heads=40, tie_word_embeddings=False),
+}
+
+# Relative step cost used by ``Planner.fit`` to rank settings that fit (lower is faster):
+# communication per step in units of Ψ (ZeRO paper section 7: 2Ψ for stages 0-2, 3Ψ for stage 3),
+# plus a penalty for host traffic and the CPU optimizer step (ZeRO-Offload moves Ψ/N gradients down and
+# Ψ/N parameters up each step over PCIe, and steps on the CPU; offloading parameters copies every
+# gathered shard in, twice per step).  Ties go to the lower stage: least sharding, fewest collectives.
+COST_MODEL = {"comm": {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}, "offload_optimizer": 1.5, "offload_params": 2.0}
+SYNTHETIC_BLOCKS = 32   # --params without a model: stage 3 assumes this many equal blocks, no root
+_MAX_INFLIGHT_REDUCES = 2   # stage3/hooks.py
+_GATHER_TAG = 2             # stage3/unit.py
+
+
+# -- model ------------------------------------------------------------------------------------------
+def resolve_model(spec: Any) -> nn.Module | int:
+    """An ``nn.Module`` (parameters on meta unless ``spec`` is one) or a parameter count."""
+    if isinstance(spec, nn.Module):
+        return spec
+    if isinstance(spec, bool) or (isinstance(spec, (int, float)) and spec <= 0):
+        raise ValueError(f"planner: a parameter count must be a positive number; got {spec!r}")
+    if isinstance(spec, (int, float)):
+        return int(spec)
+    return _meta_model(_load_config(spec) if isinstance(spec, (str, os.PathLike)) else spec)
+
+
+def _load_config(name: str | os.PathLike):
+    from transformers import AutoConfig, LlamaConfig
+
+    text = str(name)
+    if text in BUILTIN_MODELS:
+        return LlamaConfig(**BUILTIN_MODELS[text], max_position_embeddings=4096, use_cache=False)
+    if os.path.exists(text):
+        return AutoConfig.from_pretrained(text)
+    try:
+        return AutoConfig.from_pretrained(text, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        local_error = exc
+    if "/" in text and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""):
+        try:
+            return AutoConfig.from_pretrained(text)
+        except (OSError, ValueError) as exc:
+            local_error = exc
+    raise ValueError(f"planner: unknown model {text!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}), not a "
+                     f"local config file or folder, and not a Hugging Face model ('org/name') that could be "
+                     f"loaded ({type(local_error).__name__}: {str(local_error).splitlines()[0]})")
+
+
+def _meta_model(config) -> nn.Module:
+    from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
+
+    from .materialize import empty_model
+
+    if not isinstance(config, PretrainedConfig):
+        raise ValueError(f"planner: expected an nn.Module, a transformers config, a model name or path, or a "
+                         f"parameter count; got {type(config).__name__}")
+    try:
+        return empty_model(lambda: AutoModelForCausalLM.from_config(config))
+    except ValueError:   # not a causal LM architecture
+        return empty_model(lambda: AutoModel.from_config(config))
+
+
+def _hf_inputs(model: nn.Module, batch: int, seq: int) -> Callable[[], tuple[tuple, dict]]:
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None:
+        raise ValueError("planner: batch/seq activations need a transformers model (config.vocab_size) or "
+                         "inputs=: a callable returning (args, kwargs) for one forward")
+
+    def make() -> tuple[tuple, dict]:
+        ids = torch.randint(0, vocab, (batch, seq))
+        return (), {"input_ids": ids, "labels": ids, "use_cache": False}
+    return make
+
+
+def _default_loss(output) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is not None:
+        return loss
+    leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    return leaves[0].float().sum()
+
+
+# -- timeline -----------------------------------------------------------------------------------------
+class _Memory:
+    """Bytes by (place, category) as the step proceeds; keeps the device, host and combined peaks."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[tuple[str, str], float] = {}
+        self.acts = 0.0
+        self.phase = "forward"
+        self.peaks: dict[str, tuple[float, dict]] = {}
+
+    def add(self, place: str, category: str, nbytes: float) -> None:
+        self.bytes[(place, category)] = self.bytes.get((place, category), 0.0) + nbytes
+        self.check()
+
+    def check(self, acts: float | None = None) -> None:
+        acts = self.acts if acts is None else acts
+        device = acts + sum(v for (p, _), v in self.bytes.items() if p == "device")
+        host = sum(v for (p, _), v in self.bytes.items() if p == "host")
+        for name, value in (("device", device), ("host", host), ("total", device + host)):
+            if value > self.peaks.get(name, (-1.0, None))[0]:
+                self.peaks[name] = (value, {"phase": self.phase, "activations": acts, **self._by_category()})
+
+    def _by_category(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for (_, cat), v in self.bytes.items():
+            out[cat] = out.get(cat, 0.0) + v
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Setting:
+    stage: int
+    world_size: int
+    offload: bool
+    offload_params: bool
+    device: str
+    config: ZeroConfig
+
+
+class _Replay:
+    """Walks a trace's events, allocating and freeing what the engine would (see the module docstring)."""
+
+    def __init__(self, plan: "Planner", s: _Setting, theory: dict[str, float]) -> None:
+        self.plan, self.s, self.mem = plan, s, _Memory()
+        self.n = s.world_size
+        self.pb, self.rb, self.mb = plan.param_bytes, plan.reduce_bytes(s.config), plan.master_bytes
+        self.shard_is_master = plan.shard_is_master(s)
+        self.trainable = [i for i, p in enumerate(plan.params) if p.requires_grad and p.numel]
+        self.mem.add(self.place("params"), "params", theory["params"])
+        self.mem.add(self.place("optimizer"), "optimizer", theory["optimizer"])
+
+    def place(self, category: str) -> str:
+        s = self.s
+        if category == "params":
+            return "host" if s.offload_params else "device"
+        if category == "grad_shards":
+            return "host" if (s.offload_params and s.device == "cuda") else "device"
+        if category in ("optimizer", "master_grads"):
+            on_host = s.offload or (s.offload_params and s.device == "cuda")
+            return "host" if on_host else "device"
+        return "device"
+
+    def local(self, i: int) -> int:
+        return ShardLayout(self.plan.params[i].numel, self.n, 0).local_numel
+
+    def run(self) -> _Memory:
+        for ev in self.plan.trace.events:
+            kind = ev[0]
+            if kind == "seg":
+                self.mem.check(ev[1])
+                self.mem.acts = ev[2]
+            elif kind == "backward":
+                self.mem.phase = "backward"
+            elif kind == "end":
+                self.finish_backward()
+            else:
+                getattr(self, "on_" + kind)(*ev[1:])
+        self.step()
+        return self.mem
+
+    def on_grad(self, i: int) -> None:
+        self.mem.add("device", "grads", self.plan.params[i].numel * self.pb)
+
+    def on_fwd_pre(self, unit: int, in_backward: bool) -> None:
+        pass
+
+    on_fwd_post = on_bwd_pre = on_bwd_post = on_fwd_pre
+
+    def finish_backward(self) -> None:
+        pass
+
+    def step(self) -> None:
+        """before_step (master grads, non-finite check), the optimizer's temporaries, after_step."""
+        self.mem.phase = "step"
+        locals_ = [self.local(i) if self.s.stage else self.plan.params[i].numel for i in self.trainable] or [0]
+        if self.separate_masters():
+            self.mem.add(self.place("master_grads"), "step", sum(locals_) * self.mb)
+        self.mem.add("device", "step", max(locals_))            # torch.isfinite(grad), one at a time
+        self.mem.add("device", "step", -max(locals_))
+        temp = self.optimizer_temporaries(locals_)
+        self.mem.add(self.place("optimizer"), "step", temp)
+        self.mem.add(self.place("optimizer"), "step", -temp)
+        self.mem.bytes = {k: v for k, v in self.mem.bytes.items() if k[1] != "step"}
+        self.after_step()
+
+    def separate_masters(self) -> bool:
+        mixed = self.plan.mixed(self.s.config)
+        if self.s.stage == 3:
+            return not self.shard_is_master and (mixed or (self.s.offload and self.s.device == "cuda"))
+        return mixed or (self.s.offload and self.s.device == "cuda")
+
+    def optimizer_temporaries(self, locals_: list[int]) -> float:
+        if self.s.offload or (self.s.offload_params and self.s.device == "cuda"):
+            return 0.0                          # torch's fused CPU kernel (optim/offload.py)
+        if self.s.device == "cuda":
+            return sum(locals_) * self.mb       # foreach: one sqrt temporary per parameter, all at once
+        return 2.0 * max(locals_) * self.mb     # single tensor: sqrt and the division, per parameter
+
+    def after_step(self) -> None:
+        pass
+
+
+class _ReplicatedReplay(_Replay):
+    """Stages 0-2: full parameters; bucketed all-reduce (0) or reduce-scatter (1-2) of gradients."""
+
+    def __init__(self, plan: "Planner", s: _Setting, theory: dict[str, float]) -> None:
+        super().__init__(plan, s, theory)
+        self.sharded = s.stage > 0
+        self.buckets = self._buckets(sharded=self.sharded)
+        self.bucket_of = {i: b for b, (idx, _, _) in enumerate(self.buckets) for i in idx}
+        self.ready = [0] * len(self.buckets)
+        self.launched: set[int] = set()
+
+    def _buckets(self, sharded: bool) -> list[tuple[list[int], int, float]]:
+        """(param indices, width, collective buffer bytes) per bucket, as ``grads/bucket.py`` cuts them."""
+        slots = [SimpleNamespace(index=i, param=SimpleNamespace(numel=lambda i=i: self.plan.params[i].numel,
+                                                                element_size=lambda: self.pb),
+                                 layout=ShardLayout(self.plan.params[i].numel, self.n if sharded else 1, 0))
+                 for i in self.trainable]
+        out = []
+        for b in plan_buckets(slots, int(self.s.config.bucket_size_mb * 2**20), sharded=sharded):
+            k = len(b.slots)
+            nbytes = ((self.n + 1) * (b.width + k) if sharded else b.width + k) * self.rb
+            out.append(([slot.index for slot in b.slots], b.width, nbytes))
+        return out
+
+    def on_grad(self, i: int) -> None:
+        super().on_grad(i)
+        b = self.bucket_of[i]
+        self.ready[b] += 1
+        if self.ready[b] == len(self.buckets[b][0]):
+            self.launch(b)
+
+    def launch(self, b: int) -> None:
+        self.launched.add(b)
+        self.mem.add("device", "reduce_buffers", self.buckets[b][2])
+        if self.s.stage == 2:   # ZeRO-2: the full gradients go as soon as they are in the buffer
+            self.mem.add("device", "grads", -sum(self.plan.params[i].numel for i in self.buckets[b][0]) * self.pb)
+
+    def finish_backward(self) -> None:
+        for b in range(len(self.buckets)):
+            if b not in self.launched:
+                self.launch(b)
+        for idx, _, nbytes in self.buckets:
+            if self.s.stage == 2:
+                self.mem.add(self.place("grad_shards"), "grad_shards", sum(self.local(i) for i in idx) * self.pb)
+            self.mem.add("device", "reduce_buffers", -nbytes)
+
+    def after_step(self) -> None:
+        if self.s.stage == 2:
+            self.mem.bytes.pop((self.place("grad_shards"), "grad_shards"), None)
+        if self.s.stage in (1, 2) and self.n > 1:   # optim/param_sync.py: every bucket in flight at once
+            total = sum((self.n + 1) * width for _, width, _ in self._buckets(sharded=True))
+            self.mem.phase = "all-gather"
+            self.mem.add("device", "allgather_buffers", total * self.pb)
+
+
+class _Stage3Replay(_Replay):
+    """Stage 3: units gathered around their forward and backward, reduce-scattered when their grads are in."""
+
+    def __init__(self, plan: "Planner", s: _Setting, theory: dict[str, float]) -> None:
+        super().__init__(plan, s, theory)
+        self.order = plan.trace.forward_order
+        units = range(len(plan.trace.unit_names))
+        members = {u: [i for i, p in enumerate(plan.params) if p.unit == u and p.numel] for u in units}
+        train = {u: [i for i in members[u] if plan.params[i].requires_grad] for u in units}
+        self.n_train = {u: len(train[u]) for u in units}
+        self.full = {u: sum(plan.params[i].numel for i in members[u]) * self.pb for u in units}
+        self.gather_buf = {u: self._buffer(members[u], _GATHER_TAG, self.pb) for u in units}
+        self.reduce_buf = {u: self._buffer(train[u], len(train[u]), self.rb) for u in units}
+        grad_bytes = self.mb if self.shard_is_master else self.pb
+        self.shard_grads = {u: sum(self.local(i) for i in train[u]) * grad_bytes for u in units}
+        self.wrapped = {ev[1] for ev in plan.trace.events if ev[0] == "bwd_post"}
+        self.gathered: set[int] = set()
+        self.inflight: set[int] = set()
+        self.reduces: deque[int] = deque()
+        self.reduced: set[int] = set()
+        self.post: set[int] = set()
+        self.ready = {u: 0 for u in units}
+
+    def _buffer(self, idx: list[int], extra: int, nbytes: int) -> float:
+        """A unit's collective buffers: one side ``width + extra`` elements, the other ``N`` times that."""
+        if not idx:
+            return 0.0
+        width = sum(ShardLayout(self.plan.params[i].numel, self.n, 0).shard_numel for i in idx)
+        return (self.n + 1) * (width + extra) * nbytes
+
+    # -- gather / release (stage3/unit.py) -------------------------------------------------------
+    def ensure(self, u: int) -> None:
+        if u in self.gathered:
+            return
+        if u not in self.inflight:
+            self.mem.add("device", "gather_buffers", self.gather_buf[u])
+        self.inflight.discard(u)
+        self.mem.add("device", "gathered", self.full[u])          # to_unsharded while the buffer is alive
+        self.mem.add("device", "gather_buffers", -self.gather_buf[u])
+        self.gathered.add(u)
+
+    def prefetch(self, u: int, direction: int) -> None:
+        depth = self.s.config.prefetch_depth
+        if not depth or u not in self.order:
+            return
+        i = self.order.index(u)
+        span = self.order[i + 1: i + 1 + depth] if direction > 0 else list(reversed(self.order[max(0, i - depth): i]))
+        for v in span:
+            if v not in self.gathered and v not in self.inflight:
+                self.inflight.add(v)
+                self.mem.add("device", "gather_buffers", self.gather_buf[v])
+
+    def reshard(self, u: int) -> None:
+        if u in self.inflight:
+            self.ensure(u)
+        if u in self.gathered:
+            self.gathered.discard(u)
+            self.mem.add("device", "gathered", -self.full[u])
+
+    # -- hooks (stage3/hooks.py) -----------------------------------------------------------------
+    def on_fwd_pre(self, u: int, in_backward: bool) -> None:
+        self.ensure(u)
+        if not in_backward:
+            self.prefetch(u, +1)
+
+    def on_fwd_post(self, u: int, in_backward: bool) -> None:
+        if in_backward or not self.s.config.reshard_after_forward:
+            return
+        for v in ([w for w in self.gathered | self.inflight if w != 0] if u == 0 else [u]):
+            self.reshard(v)
+
+    def on_bwd_pre(self, u: int, in_backward: bool) -> None:
+        self.ensure(u)
+        self.prefetch(u, -1)
+
+    def on_bwd_post(self, u: int, in_backward: bool) -> None:
+        self.post.add(u)
+        if u in self.reduced or not self.n_train[u]:
+            self.reshard(u)
+
+    def on_grad(self, i: int) -> None:
+        super().on_grad(i)
+        u = self.plan.params[i].unit
+        self.ready[u] += 1
+        if self.ready[u] == self.n_train[u] and u not in self.reduced:
+            self.launch(u)
+            if u != 0 and (u in self.post or u not in self.wrapped):
+                self.reshard(u)
+
+    def launch(self, u: int) -> None:
+        self.reduced.add(u)
+        self.mem.add("device", "reduce_buffers", self.reduce_buf[u])
+        members = [i for i, p in enumerate(self.plan.params) if p.unit == u and p.requires_grad and p.numel]
+        self.mem.add("device", "grads", -sum(self.plan.params[i].numel for i in members) * self.pb)
+        self.reduces.append(u)
+        while len(self.reduces) > _MAX_INFLIGHT_REDUCES:
+            self.complete(self.reduces.popleft())
+
+    def complete(self, u: int) -> None:
+        self.mem.add(self.place("grad_shards"), "grad_shards", self.shard_grads[u])
+        self.mem.add("device", "reduce_buffers", -self.reduce_buf[u])
+
+    def finish_backward(self) -> None:
+        for u in sorted(self.n_train):
+            if self.n_train[u] and u not in self.reduced:
+                self.launch(u)
+        while self.reduces:
+            self.complete(self.reduces.popleft())
+        for u in list(self.gathered | self.inflight):
+            self.reshard(u)
+
+    def after_step(self) -> None:
+        self.mem.bytes.pop((self.place("grad_shards"), "grad_shards"), None)
+
+
+# -- planner ------------------------------------------------------------------------------------------
+SETTINGS = ((0, False, False), (1, False, False), (2, False, False), (3, False, False),
+            (1, True, False), (2, True, False), (3, True, False), (3, True, True))
+"""(stage, offload_optimizer, offload_params) rows of a plan."""
+
+
+class Planner:
+    """One model and one activation trace, planned for any stage, world size and offload setting.
+
+    ``model``: an ``nn.Module`` (any device; meta is fine), a transformers config, a built-in name
+    (``BUILTIN_MODELS``), a config path or Hub id, or a parameter count (no structure: stage 3 assumes
+    ``SYNTHETIC_BLOCKS`` equal blocks, no activations).  ``batch``/``seq``: per-rank micro-batch for the
+    activation trace (transformers causal LMs; other models pass ``inputs`` and ``loss_fn``).
+    ``config``: the rest of ``ZeroConfig`` (bucket size, prefetch depth, units, reduce dtype).
+    ``device``: "cuda" (the default planning target) or "cpu" (what a CPU-only run does: offload copies
+    nothing and the optimizer steps one tensor at a time).
+    """
+
+    def __init__(self, model: Any, *, param_dtype: torch.dtype | str | None = None, batch: int | None = None,
+                 seq: int | None = None, checkpointing: bool = False, config: ZeroConfig | None = None,
+                 device: str = "cuda", state_per_param: int = 2, inputs: Callable | None = None,
+                 loss_fn: Callable | None = None) -> None:
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"planner: device must be 'cuda' or 'cpu'; got {device!r}")
+        if (batch is None) != (seq is None) or any(v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                                                                      or v < 1) for v in (batch, seq)):
+            raise ValueError(f"planner: batch and seq must be given together, as ints >= 1; got batch={batch!r}, "
+                             f"seq={seq!r}")
+        config = config or ZeroConfig()
+        self.config = config.replace(param_dtype=param_dtype) if param_dtype is not None else config
+        self.device, self.state_per_param = device, state_per_param
+        self.batch, self.seq, self.checkpointing = batch, seq, checkpointing
+        resolved = resolve_model(model)
+        if isinstance(resolved, int):
+            self.model, self.model_dtype = None, torch.float32
+            self.trace = _synthetic_trace(resolved)
+        else:
+            self.model = resolved
+            self.model_dtype = next((p.dtype for p in resolved.parameters() if p.is_floating_point()), torch.float32)
+            self.trace = self._trace(inputs, loss_fn)
+        self.params: list[ParamInfo] = self.trace.params
+
+    def _trace(self, inputs: Callable | None, loss_fn: Callable | None) -> Trace:
+        from .stage3.policy import assign_units
+
+        model = self.model
+        modules, owner = assign_units(model, self.config)
+        make = inputs or _hf_inputs(model, self.batch or 1, self.seq or 1)
+        was_training = model.training
+        model.train()
+        try:
+            with _checkpointing(model, self.checkpointing):
+                trace = trace_model(model, [m for _, m in modules], owner, [n for n, _ in modules], make,
+                                    param_dtype=self.config.param_dtype, loss_fn=loss_fn or _default_loss)
+        finally:
+            model.train(was_training)
+        if self.batch is None and inputs is None:   # structure only: no activations were asked for
+            trace.events = [("seg", 0, 0) if ev[0] == "seg" else ev for ev in trace.events]
+            trace.saved_bytes = trace.forward_bytes = trace.peak_bytes = 0
+        return trace
+
+    # -- sizes ------------------------------------------------------------------------------------
+    @property
+    def counts(self) -> dict[str, int]:
+        trainable = sum(p.numel for p in self.params if p.requires_grad)
+        total = sum(p.numel for p in self.params)
+        return {"total": total, "trainable": trainable, "frozen": total - trainable}
+
+    @property
+    def param_bytes(self) -> int:
+        return (self.config.param_dtype or self.model_dtype).itemsize
+
+    def mixed(self, config: ZeroConfig | None = None) -> bool:
+        cfg = config or self.config   # as memory.py decides it
+        return cfg.param_dtype is not None and cfg.param_dtype != cfg.master_dtype
+
+    @property
+    def master_bytes(self) -> int:
+        return self.config.master_dtype.itemsize if self.mixed() else self.param_bytes
+
+    def reduce_bytes(self, config: ZeroConfig) -> int:
+        dtype = config.effective_reduce_dtype
+        return dtype.itemsize if dtype is not None else self.param_bytes
+
+    def shard_is_master(self, s: _Setting) -> bool:
+        """Stage 3 keeps one fp32 shard as parameter and master unless offload moves masters off the device."""
+        return s.stage == 3 and self.mixed() and not (s.offload and s.device == "cuda")
+
+    def theory(self, s: _Setting) -> dict[str, float]:
+        c = self.counts
+        return theory_bytes(stage=s.stage, world_size=s.world_size, trainable=c["trainable"], frozen=c["frozen"],
+                            param_bytes=self.param_bytes, master_bytes=self.master_bytes,
+                            state_per_param=self.state_per_param, mixed=self.mixed(),
+                            shard_is_master=self.shard_is_master(s))
+
+    # -- estimates ----------------------------------------------------------------------------------
+    def setting(self, world_size: int, stage: int, offload: bool | str = False,
+                offload_params: bool = False) -> _Setting:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"planner: world_size must be an int >= 1; got {world_size!r}")
+        config = self.config.replace(stage=stage, offload_optimizer=offload, offload_params=offload_params)
+        return _Setting(config.stage, world_size, config.offload, config.offload_params, self.device, config)
+
+    def estimate(self, world_size: int, stage: int, *, offload: bool | str = False,
+                 offload_params: bool = False) -> dict[str, Any]:
+        """Per-rank bytes for one setting; see the module docstring for what each part counts."""
+        s = self.setting(world_size, stage, offload, offload_params)
+        theory = self.theory(s)
+        replay = (_Stage3Replay if s.stage == 3 else _ReplicatedReplay)(self, s, theory)
+        mem = replay.run()
+        return _result(self, s, theory, replay, mem)
+
+    def rows(self, world_size: int, settings=SETTINGS) -> list[dict[str, Any]]:
+        return [self.estimate(world_size, st, offload=off, offload_params=op) for st, off, op in settings]
+
+    def fit(self, world_size: int, gpu_mem: float, host_mem: float, *, margin: float = 0.1,
+            ranks_per_host: int | None = None, settings=SETTINGS) -> dict[str, Any]:
+        """Which settings fit ``gpu_mem`` per device and ``host_mem`` per machine, ranked by ``COST_MODEL``.
+
+        ``margin``: fraction of each memory kept free (CUDA context, allocator fragmentation, the
+        process itself).  ``ranks_per_host``: ranks sharing one machine's host memory (default min(N, 8)).
+        """
+        per_host = ranks_per_host or min(world_size, 8)
+        rows = []
+        for r in self.rows(world_size, settings):
+            device_ok = r["peak"]["device"] <= gpu_mem * (1 - margin)
+            host_ok = r["peak"]["host"] * per_host <= host_mem * (1 - margin)
+            rows.append({**r, "fits": device_ok and host_ok, "device_ok": device_ok, "host_ok": host_ok,
+                         "cost": cost(r["stage"], r["offload"], r["offload_params"])})
+        ranked = sorted(rows, key=lambda r: (not r["fits"], r["cost"], r["stage"]))
+        best = ranked[0] if ranked and ranked[0]["fits"] else None
+        return {"world_size": world_size, "gpu_mem": gpu_mem, "host_mem": host_mem, "margin": margin,
+                "ranks_per_host": per_host, "rows": ranked, "best": best}
+
+
+def cost(stage: int, offload: bool, offload_params: bool) -> float:
+    """Relative step cost of a setting (``COST_MODEL``)."""
+    return (COST_MODEL["comm"][stage] + COST_MODEL["offload_optimizer"] * offload
+            + COST_MODEL["offload_params"] * offload_params)
+
+
+def _result(plan: Planner, s: _Setting, theory: dict[str, float], replay: _Replay, mem: _Memory) -> dict:
+    device_peak, at = mem.peaks["device"]
+    grads = at.get("grads", 0.0) + at.get("grad_shards", 0.0)
+    transient = {k: at.get(k, 0.0) for k in ("gathered", "gather_buffers", "reduce_buffers", "allgather_buffers",
+                                            "step")}
+    transient["total"] = sum(transient.values())
+    placed = {"device": 0.0, "host": 0.0}
+    for cat in ("params", "grads", "optimizer"):
+        placed[replay.place("grad_shards" if cat == "grads" and s.stage >= 2 else cat)] += theory[cat]
+    return {
+        "stage": s.stage, "world_size": s.world_size, "offload": s.offload, "offload_params": s.offload_params,
+        "device": s.device, "param_dtype": str(plan.config.param_dtype or plan.model_dtype).replace("torch.", ""),
+        "params": plan.counts, "model_states": theory, "placement": placed,
+        "activations": {"saved": plan.trace.saved_bytes, "end_of_forward": plan.trace.forward_bytes,
+                        "peak": plan.trace.peak_bytes, "at_peak": at["activations"]},
+        "at_peak": {"phase": at["phase"], "params": at.get("params", 0.0), "optimizer": at.get("optimizer", 0.0),
+                    "grads": grads, "transient": transient, "activations": at["activations"]},
+        "peak": {"device": device_peak, "host": mem.peaks["host"][0], "total": mem.peaks["total"][0],
+                 "phase": at["phase"]},
+    }
+
+
+def estimate(model_or_config: Any, world_size: int, stage: int, *, param_dtype: torch.dtype | str | None = None,
+             offload: bool | str = False, batch: int | None = None, seq: int | None = None,
+             checkpointing: bool = False, offload_params: bool = False, device: str = "cuda",
+             config: ZeroConfig | None = None) -> dict[str, Any]:
+    """Per-rank memory of one training step; see :class:`Planner` (which reuses one trace for many rows)."""
+    plan = Planner(model_or_config, param_dtype=param_dtype, batch=batch, seq=seq, checkpointing=checkpointing,
+                   config=config, device=device)
+    return plan.estimate(world_size, stage, offload=offload, offload_params=offload_params)
+
+
+class _checkpointing:
+    """Activation checkpointing of a transformers model's blocks for the duration of the trace."""
+
+    def __init__(self, model: nn.Module, enabled: bool) -> None:
+        self.model, self.enabled = model, enabled
+        prefix = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+        self.enable = getattr(model, f"{prefix}_checkpointing_enable", None)
+        self.disable = getattr(model, f"{prefix}_checkpointing_disable", None)
+
+    def __enter__(self) -> None:
+        if not self.enabled:
+            return
+        if self.enable is None:
+            raise ValueError("planner: checkpointing=True needs a transformers model "
+                             "(activation_checkpointing_enable); checkpoint other models' blocks yourself")
+        self.enable({"use_reentrant": False})
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.disable()
+
+
+def _synthetic_trace(numel: int) -> Trace:
+    """A parameter count as ``SYNTHETIC_BLOCKS`` equal blocks run in order (no root, no activations)."""
+    sizes = [numel // SYNTHETIC_BLOCKS + (u < numel % SYNTHETIC_BLOCKS) for u in range(SYNTHETIC_BLOCKS)]
+    params = [ParamInfo(f"block{u}", n, True, u + 1) for u, n in enumerate(sizes)]
+    events: list[tuple] = [("fwd_pre", 0, False)]
+    for u in range(1, SYNTHETIC_BLOCKS + 1):
+        events += [("fwd_pre", u, False), ("fwd_post", u, False)]
+    events += [("fwd_post", 0, False), ("backward",), ("bwd_pre", 0, True)]
+    for u in range(SYNTHETIC_BLOCKS, 0, -1):
+        events += [("bwd_pre", u, True), ("grad", u - 1), ("bwd_post", u, True)]
+    events.append(("end",))
+    names = ["<root>"] + [f"block{u}" for u in range(SYNTHETIC_BLOCKS)]
+    return Trace(params=params, unit_names=names, events=events)

@@ -1,0 +1,233 @@
+"""One forward + backward on fake tensors, recorded as a timeline for the memory planner.
+
+[Note: fake trace]
+The model runs once under ``FakeTensorMode`` (shapes and dtypes, no data, no memory), with a
+``TorchDispatchMode`` above it that sees every op's outputs.  Each output's storage is counted once
+while any tensor referencing it lives: tensors are fake (a Python subclass), so their Python objects
+live exactly as long as their ``TensorImpl`` (autograd's saved variables included) and a
+``weakref.finalize`` on each marks the release.  Storages of parameters, buffers and inputs are never
+counted.  When a parameter's gradient is accumulated its bytes leave the activation count: what
+happens to them (kept, bucketed, reduce-scattered) depends on the stage, which the planner replays.
+
+The timeline is a list of events: ``("seg", peak, end)`` summarises the activation bytes between two
+structural events (their maximum and final value); the others mark where the engine acts:
+``("fwd_pre"|"fwd_post"|"bwd_pre"|"bwd_post", unit, in_backward)``, ``("grad", param_index)``,
+``("backward",)`` and ``("end",)``.  The trace does not depend on the stage or world size, so one trace
+serves every row of a plan.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["ParamInfo", "Trace", "trace_model"]
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    name: str
+    numel: int
+    requires_grad: bool
+    unit: int            # stage-3 unit index (0 = root)
+
+
+@dataclass(slots=True)
+class Trace:
+    params: list[ParamInfo]
+    unit_names: list[str]
+    events: list[tuple] = field(default_factory=list)
+    saved_bytes: int = 0        # distinct storages saved for backward (saved_tensors_hooks), end of forward
+    forward_bytes: int = 0      # activation bytes alive at the end of forward (what backward starts from)
+    peak_bytes: int = 0         # peak activation bytes over forward + backward
+
+    @property
+    def forward_order(self) -> list[int]:
+        """Units (not the root) in the order their first forward ran."""
+        order: list[int] = []
+        for ev in self.events:
+            if ev[0] == "fwd_pre" and ev[1] != 0 and not ev[2] and ev[1] not in order:
+                order.append(ev[1])
+        return order
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Entry:
+    __slots__ = ("nbytes", "refs")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.refs = nbytes, 0
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Activation bytes alive, segmented at structural events (see [Note: fake trace])."""
+
+    def __init__(self, external: set[int]) -> None:
+        super().__init__()
+        self.external = external
+        self.live: dict[int, _Entry] = {}
+        self.cur = self.seg_max = self.peak = 0
+        self.events: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        key = _key(t)
+        if key in self.external:
+            return
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = _Entry(t.untyped_storage().nbytes())
+            self._add(entry.nbytes)
+        entry.refs += 1
+        weakref.finalize(t, self._release, key, entry)
+
+    def _release(self, key: int, entry: _Entry) -> None:
+        entry.refs -= 1
+        if entry.refs == 0 and self.live.get(key) is entry:
+            del self.live[key]
+            self._add(-entry.nbytes)
+
+    def _add(self, nbytes: int) -> None:
+        self.cur += nbytes
+        self.seg_max = max(self.seg_max, self.cur)
+        self.peak = max(self.peak, self.cur)
+
+    def take(self, t: torch.Tensor, nbytes: int) -> None:
+        """``nbytes`` of ``t``'s storage now belong to the engine (a parameter's gradient)."""
+        entry = self.live.get(_key(t))
+        if entry is not None:
+            moved = min(nbytes, entry.nbytes)
+            entry.nbytes -= moved
+            self.cur -= moved
+
+    def mark(self, *event: Any) -> None:
+        self.events.append(("seg", self.seg_max, self.cur))
+        self.events.append(event)
+        self.seg_max = self.cur
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Hooks:
+    """The engine's hook points (stage3/hooks.py), recording events instead of gathering."""
+
+    def __init__(self, live: _LiveBytes, units: list[nn.Module], fake_params: list[torch.Tensor]) -> None:
+        self.live = live
+        self.handles: list = []
+        for index, module in enumerate(units):
+            self.handles.append(module.register_forward_pre_hook(functools.partial(self.pre_forward, index),
+                                                                 with_kwargs=True))
+            self.handles.append(module.register_forward_hook(functools.partial(self.post_forward, index)))
+        for i, p in enumerate(fake_params):
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(functools.partial(self.on_grad, i)))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def pre_forward(self, unit: int, module, args, kwargs):
+        self.live.mark("fwd_pre", unit, _in_backward())
+        if unit and torch.is_grad_enabled():
+            for t in pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(functools.partial(self._grad_event, "bwd_post", unit))
+        return None
+
+    def post_forward(self, unit: int, module, args, output):
+        self.live.mark("fwd_post", unit, _in_backward())
+        if torch.is_grad_enabled():
+            for t in pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(functools.partial(self._grad_event, "bwd_pre", unit))
+        return None
+
+    def _grad_event(self, kind: str, unit: int, grad: torch.Tensor) -> None:
+        self.live.mark(kind, unit, True)
+
+    def on_grad(self, index: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        self.live.take(grad, grad.numel() * grad.element_size())
+        self.live.mark("grad", index)
+
+
+class _SavedBytes:
+    """Distinct non-parameter storages autograd saves for backward (saved_tensors_hooks)."""
+
+    def __init__(self, external: set[int]) -> None:
+        self.external, self.seen, self.total = external, set(), 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _key(t)
+        if key not in self.external and key not in self.seen:
+            self.seen.add(key)
+            self.total += t.untyped_storage().nbytes()
+        return t
+
+
+def fake_parameters(model: nn.Module, mode, param_dtype: torch.dtype | None) -> tuple[dict, dict]:
+    """Fake stand-ins for the model's parameters (cast to ``param_dtype``) and buffers."""
+    def fake_like(t: torch.Tensor, dtype: torch.dtype, requires_grad: bool) -> torch.Tensor:
+        with mode:
+            out = torch.empty(t.shape, dtype=dtype, device="cpu")
+        return out.requires_grad_(requires_grad)
+
+    params = {n: fake_like(p, param_dtype if (param_dtype and p.is_floating_point()) else p.dtype, p.requires_grad)
+              for n, p in model.named_parameters()}
+    buffers = {n: fake_like(b, b.dtype, False) for n, b in model.named_buffers()}
+    return params, buffers
+
+
+def trace_model(model: nn.Module, units: list[nn.Module], owner: dict[int, int], unit_names: list[str],
+                make_inputs: Callable[[], tuple[tuple, dict]], *, param_dtype: torch.dtype | None,
+                loss_fn: Callable[[Any], torch.Tensor]) -> Trace:
+    """Run one forward + backward of ``model`` on fake tensors and return its timeline.
+
+    ``units[0]`` is the model (the root unit); ``owner`` maps id(param) -> unit index.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    named = list(model.named_parameters())
+    infos = [ParamInfo(n, p.numel(), p.requires_grad, owner.get(id(p), 0)) for n, p in named]
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fparams, fbuffers = fake_parameters(model, mode, param_dtype)
+    with mode:
+        args, kwargs = make_inputs()
+    external = {_key(t) for t in [*fparams.values(), *fbuffers.values()]}
+    external |= {_key(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    live = _LiveBytes(external)
+    saved = _SavedBytes(external)
+    hooks = _Hooks(live, units, list(fparams.values()))
+    try:
+        # The fake tensors stand in for the parameters until backward is done: activation
+        # checkpointing re-runs the forward inside backward.
+        with mode, live, _reparametrize_module(model, {**fparams, **fbuffers}, tie_weights=True):
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                loss = loss_fn(model(*args, **kwargs))
+            forward_bytes = live.cur
+            live.mark("backward")
+            loss.backward()
+            del loss
+            live.mark("end")
+    finally:
+        hooks.remove()
+    return Trace(params=infos, unit_names=unit_names, events=live.events, saved_bytes=saved.total,
+                 forward_bytes=forward_bytes, peak_bytes=live.peak)
