@@ -23,7 +23,10 @@ test: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VPY) -m torch.distributed.run --nproc-per-node 2 examples/quickstart.py --stage 3
 
+# DeepSpeed must be built against the torch already installed (no build isolation, no CUDA ops),
+# otherwise pip pulls a multi-GB CUDA torch into its build environment.
 bench: $(STAMP)
+	DS_BUILD_OPS=0 $(VPY) -m pip install -q --no-build-isolation deepspeed==0.19.8
 	$(VPY) -m pip install -q -e '.[bench]'
 	$(VPY) -m benchmarks.compare --size small --world-size 2
 
