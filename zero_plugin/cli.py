@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-
-from .memory import theory_bytes
+from pathlib import Path
 
 __all__ = ["main"]
 
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_DTYPES = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}
+_GIB = 2**30
+_PLOT_WORLD_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+_SIZE_UNITS = {"": _GIB, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+               "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
 
 
 def _parse_count(text: str) -> int:
@@ -20,28 +25,190 @@ def _parse_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"--params must be a count like 7e9, 1.3B or 350M; got {text!r}") from None
 
 
-def _count_from_model(name_or_path: str) -> int:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _parse_bytes(text: str) -> float:
+    """``24GiB``, ``80G`` (binary), ``24GB`` (decimal), ``512MiB``; a bare number is GiB."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a memory size like 24GiB, 80G, 40GB or 512MiB; got {text!r}")
+    return float(m.group(1)) * _SIZE_UNITS[unit]
 
-    from .materialize import empty_model
 
-    cfg = AutoConfig.from_pretrained(name_or_path)
-    model = empty_model(lambda: AutoModelForCausalLM.from_config(cfg))
-    return sum(p.numel() for p in model.parameters())
+def _settings(args: argparse.Namespace, fit: bool) -> list[tuple[int, bool, bool]]:
+    """Rows: stages 0-3 without and 1-3 with optimizer offload (``--offload`` narrows), plus
+    parameter offload at stage 3 with ``--offload-params`` (always considered by ``--fit``)."""
+    from .planner import SETTINGS
+
+    rows = [s for s in SETTINGS if not s[2]]
+    if args.offload != "both":
+        rows = [s for s in rows if s[1] == (args.offload == "cpu")]
+    if args.offload_params or fit:
+        rows += [(3, args.offload != "none", True)] + ([(3, False, True)] if fit and args.offload == "both" else [])
+    return rows
+
+
+def _planner(args: argparse.Namespace):
+    from .config import ZeroConfig
+    from .planner import Planner
+
+    if args.params is not None and (args.batch is not None or args.checkpointing):
+        raise ValueError("--batch/--seq/--checkpointing need --model: activations come from tracing the model")
+    config = ZeroConfig(bucket_size_mb=args.bucket_size_mb, prefetch_depth=args.prefetch_depth)
+    return Planner(args.params if args.params is not None else args.model, param_dtype=_DTYPES[args.dtype],
+                   batch=args.batch, seq=args.seq, checkpointing=args.checkpointing, config=config,
+                   device=args.device)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / _GIB:8.2f}"
+
+
+def _offload_name(row: dict) -> str:
+    return {(False, False): "-", (True, False): "optim", (True, True): "optim+params",
+            (False, True): "params"}[(row["offload"], row["offload_params"])]
+
+
+def _header(plan, args: argparse.Namespace) -> list[str]:
+    c = plan.counts
+    what = args.model if args.model is not None else "a parameter count (no structure: stage 3 assumes 32 blocks)"
+    lines = [f"model {what}: {c['total'] / 1e9:.3f}B parameters ({c['trainable'] / 1e9:.3f}B trainable); "
+             f"{args.dtype} parameters{', fp32 master' if args.dtype != 'fp32' else ''}, AdamW; "
+             f"world size {args.world_size}; device {args.device}"]
+    if args.batch is not None:
+        t = plan.trace
+        lines.append(f"activations for batch {args.batch} x {args.seq} per rank"
+                     f"{' with checkpointing' if args.checkpointing else ''}: saved for backward "
+                     f"{t.saved_bytes / _GIB:.2f} GiB, peak during forward+backward {t.peak_bytes / _GIB:.2f} GiB")
+    else:
+        lines.append("activations: not estimated (give --model with --batch and --seq)")
+    return lines
+
+
+def _table(rows: list[dict]) -> list[str]:
+    head = (f"{'stage':>5} {'offload':>12} | {'params':>8} {'grads':>8} {'optim':>8} {'states':>8} | "
+            f"{'grads':>8} {'buffers':>8} {'acts':>8} | {'device':>8} {'host':>8}  phase")
+    lines = [f"{'':>18} | {'model states, GiB (ZeRO paper)':^35} | {'at the device peak, GiB':^26} | "
+             f"{'peak per rank, GiB':^17}", head, "-" * len(head)]
+    for r in rows:
+        t, at = r["model_states"], r["at_peak"]
+        lines.append(f"{r['stage']:>5} {_offload_name(r):>12} | {_gib(t['params'])} {_gib(t['grads'])} "
+                     f"{_gib(t['optimizer'])} {_gib(t['total'])} | {_gib(at['grads'])} "
+                     f"{_gib(at['transient']['total'])} {_gib(at['activations'])} | {_gib(r['peak']['device'])} "
+                     f"{_gib(r['peak']['host'])}  {r['peak']['phase']}")
+    lines.append("device peak = parameters + optimizer state on the device + the gradients, buffers (gathered "
+                 "units, collective buffers, optimizer temporaries) and activations alive at that moment")
+    return lines
+
+
+def _fit_lines(result: dict) -> list[str]:
+    from .planner import COST_MODEL
+
+    lines = [f"fit: {result['world_size']} ranks, {result['gpu_mem'] / _GIB:.2f} GiB per device, "
+             f"{result['host_mem'] / _GIB:.2f} GiB host per machine shared by {result['ranks_per_host']} ranks, "
+             f"{result['margin']:.0%} kept free",
+             f"{'stage':>5} {'offload':>12} | {'device GiB':>10} {'host GiB/machine':>16} | {'fits':>4} {'cost':>5}"]
+    for r in result["rows"]:
+        host = r["peak"]["host"] * result["ranks_per_host"]
+        lines.append(f"{r['stage']:>5} {_offload_name(r):>12} | {r['peak']['device'] / _GIB:>10.2f} "
+                     f"{host / _GIB:>16.2f} | {'yes' if r['fits'] else 'no':>4} {r['cost']:>5.1f}")
+    lines.append(f"cost: per-step communication in Ψ ({COST_MODEL['comm'][0]:g} for stages 0-2, "
+                 f"{COST_MODEL['comm'][3]:g} for stage 3) + {COST_MODEL['offload_optimizer']:g} for optimizer "
+                 f"offload + {COST_MODEL['offload_params']:g} for parameter offload; ties go to the lower stage")
+    best = result["best"]
+    if best is None:
+        lines.append("nothing fits: try --checkpointing, a smaller --batch, more ranks or --offload-params")
+    else:
+        extra = {(True, False): ', offload_optimizer="cpu"', (True, True): ', offload_optimizer="cpu", '
+                 'offload_params=True', (False, True): ", offload_params=True"}.get(
+                     (best["offload"], best["offload_params"]), "")
+        lines.append(f"best: ZeroConfig(stage={best['stage']}{extra}): {best['peak']['device'] / _GIB:.2f} GiB "
+                     f"per device, cost {best['cost']:g}")
+    return lines
+
+
+def _plot(plan, args: argparse.Namespace, settings) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib, which is not installed: pip install matplotlib "
+                         "(or pip install 'zero-plugin[bench]')") from None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for stage, offload, offload_params in settings:
+        ys = [plan.estimate(n, stage, offload=offload, offload_params=offload_params)["peak"]["device"] / _GIB
+              for n in _PLOT_WORLD_SIZES]
+        label = f"stage {stage}" + {(True, False): " + offload", (True, True): " + offload + params",
+                                    (False, True): " + params offload"}.get((offload, offload_params), "")
+        ax.plot(_PLOT_WORLD_SIZES, ys, marker="o", linestyle="--" if offload else "-", label=label)
+    if args.gpu_mem:
+        ax.axhline(args.gpu_mem / _GIB, color="grey", linewidth=1, label="--gpu-mem")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(_PLOT_WORLD_SIZES, [str(n) for n in _PLOT_WORLD_SIZES])
+    ax.set_xlabel("world size (ranks)")
+    ax.set_ylabel("peak device memory per rank (GiB)")
+    ax.set_title(f"{args.model or f'{args.params:.3g} parameters'}, {args.dtype}"
+                 + (f", batch {args.batch} x {args.seq}" if args.batch else ""))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.plot)
+    plt.close(fig)
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    psi = args.params if args.params is not None else _count_from_model(args.model)
-    pb = _DTYPE_BYTES[args.dtype]
-    mixed = pb < 4
-    print(f"model states per rank for {psi / 1e9:.3f}B parameters, {args.dtype}, AdamW, world size {args.world_size}")
-    print(f"{'stage':>5} | {'params GiB':>10} | {'grads GiB':>9} | {'optim GiB':>9} | {'total GiB':>9}")
-    for stage in range(4):
-        t = theory_bytes(stage=stage, world_size=args.world_size, trainable=psi, frozen=0, param_bytes=pb,
-                         master_bytes=4, state_per_param=2, mixed=mixed)
-        g = {k: v / 2**30 for k, v in t.items()}
-        print(f"{stage:>5} | {g['params']:>10.2f} | {g['grads']:>9.2f} | {g['optimizer']:>9.2f} | {g['total']:>9.2f}")
-    return 0
+    if args.fit and args.gpu_mem is None:
+        print("zero-plugin estimate: error: --fit needs --gpu-mem (e.g. --gpu-mem 24GiB)", file=sys.stderr)
+        return 2
+    try:
+        plan = _planner(args)
+        settings = _settings(args, fit=args.fit)
+        rows = plan.rows(args.world_size, settings)
+        print("\n".join(_header(plan, args) + [""] + _table(rows)))
+        status = 0
+        if args.fit:
+            result = plan.fit(args.world_size, args.gpu_mem, args.host_mem, margin=args.margin,
+                              ranks_per_host=args.ranks_per_host, settings=settings)
+            print("\n" + "\n".join(_fit_lines(result)))
+            status = 0 if result["best"] is not None else 1
+        if args.plot is not None:
+            _plot(plan, args, settings)
+            print(f"\nplot written to {args.plot}")
+        return status
+    except ValueError as exc:
+        print(f"zero-plugin estimate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _add_estimate(sub) -> None:
+    est = sub.add_parser("estimate", help="memory per rank by stage and offload; --fit: which settings fit",
+                         description="Per-rank device and host memory of one training step (model states, our "
+                                     "buffers, activations) for stages 0-3 with and without offload.")
+    src = est.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=_parse_count, help="parameter count, e.g. 7B (model states and buffers only)")
+    src.add_argument("--model", help="built-in name (tiny-llama, llama-1b, llama-7b, llama-13b), a transformers "
+                                     "config file or folder, or a Hub id (org/name)")
+    est.add_argument("--world-size", type=int, default=8, help="ranks (default 8)")
+    est.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
+                     help="parameter dtype in forward/backward; bf16/fp16 keep fp32 masters (default bf16)")
+    est.add_argument("--offload", choices=["none", "cpu", "both"], default="both",
+                     help="rows without (none) or with (cpu) optimizer offload, or both (default)")
+    est.add_argument("--offload-params", action="store_true", help="add stage 3 with parameters offloaded")
+    est.add_argument("--batch", type=int, help="sequences per rank (with --seq: activations)")
+    est.add_argument("--seq", type=int, help="tokens per sequence")
+    est.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block")
+    est.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="what the ranks compute on")
+    est.add_argument("--bucket-size-mb", type=float, default=25.0, help="ZeroConfig.bucket_size_mb (default 25)")
+    est.add_argument("--prefetch-depth", type=int, default=1, help="ZeroConfig.prefetch_depth (default 1)")
+    est.add_argument("--fit", action="store_true", help="which settings fit --gpu-mem/--host-mem, and the fastest "
+                                                      "(exit status 1 when none fits)")
+    est.add_argument("--gpu-mem", type=_parse_bytes, help="memory per device, e.g. 24GiB")
+    est.add_argument("--host-mem", type=_parse_bytes, default=_parse_bytes("128GiB"),
+                     help="host memory per machine (default 128GiB)")
+    est.add_argument("--ranks-per-host", type=int, default=None, help="ranks sharing a machine (default min(N, 8))")
+    est.add_argument("--margin", type=float, default=0.1, help="fraction of each memory kept free (default 0.1)")
+    est.add_argument("--plot", type=Path, help="draw peak device memory per rank against world size 1..64 (PNG)")
+    est.set_defaults(run=_estimate)
 
 
 def _not_yet(what: str):
@@ -60,13 +227,7 @@ def _launch(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="zero-plugin", description="ZeRO sharded data parallelism tools")
     sub = ap.add_subparsers(dest="command", required=True)
-    est = sub.add_parser("estimate", help="memory per rank by stage")
-    src = est.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", type=_parse_count, help="parameter count, e.g. 7B")
-    src.add_argument("--model", help="a transformers config name or local path")
-    est.add_argument("--world-size", type=int, default=8)
-    est.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="bf16")
-    est.set_defaults(run=_estimate)
+    _add_estimate(sub)
     # Every launch option is parsed by Accelerate's own parser in zero_plugin.run.launch (imported
     # only when launching); prefix_chars="\0" keeps argparse from reading any of them here.
     launch = sub.add_parser("launch", help="run an Accelerate / transformers.Trainer script under a ZeRO stage",

@@ -24,7 +24,6 @@ Allocator slack (memory the allocator holds beyond live tensors) is not part of 
 """
 from __future__ import annotations
 
-import os
 from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -37,20 +36,10 @@ from ._flat import ShardLayout
 from .config import ZeroConfig
 from .grads.bucket import plan_buckets
 from .memory import theory_bytes
-from .planner_trace import ParamInfo, Trace, trace_model
+from .planner_trace import (BUILTIN_MODELS, SYNTHETIC_BLOCKS, ParamInfo, Trace, checkpointing, default_loss,
+                            hf_inputs, resolve_model, synthetic_trace, trace_model)
 
-__all__ = ["BUILTIN_MODELS", "Planner", "estimate", "resolve_model", "COST_MODEL"]
-
-BUILTIN_MODELS: dict[str, dict[str, Any]] = {
-    "tiny-llama": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=688, vocab_size=8000,
-                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
-    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, vocab_size=128256,
-                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
-    "llama-7b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, vocab_size=32000,
-                     num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False),
-    "llama-13b": dict(hidden_size=5120, num_hidden_layers=40, intermediate_size=13824, vocab_size=32000,
-                      num_attention_heads=40, num_key_value_heads=40, tie_word_embeddings=False),
-}
+__all__ = ["BUILTIN_MODELS", "COST_MODEL", "SETTINGS", "SYNTHETIC_BLOCKS", "Planner", "cost", "estimate", "resolve_model"]
 
 # Relative step cost used by ``Planner.fit`` to rank settings that fit (lower is faster):
 # communication per step in units of Ψ (ZeRO paper section 7: 2Ψ for stages 0-2, 3Ψ for stage 3),
@@ -58,77 +47,8 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
 # Ψ/N parameters up each step over PCIe, and steps on the CPU; offloading parameters copies every
 # gathered shard in, twice per step).  Ties go to the lower stage: least sharding, fewest collectives.
 COST_MODEL = {"comm": {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}, "offload_optimizer": 1.5, "offload_params": 2.0}
-SYNTHETIC_BLOCKS = 32   # --params without a model: stage 3 assumes this many equal blocks, no root
 _MAX_INFLIGHT_REDUCES = 2   # stage3/hooks.py
 _GATHER_TAG = 2             # stage3/unit.py
-
-
-# -- model ------------------------------------------------------------------------------------------
-def resolve_model(spec: Any) -> nn.Module | int:
-    """An ``nn.Module`` (parameters on meta unless ``spec`` is one) or a parameter count."""
-    if isinstance(spec, nn.Module):
-        return spec
-    if isinstance(spec, bool) or (isinstance(spec, (int, float)) and spec <= 0):
-        raise ValueError(f"planner: a parameter count must be a positive number; got {spec!r}")
-    if isinstance(spec, (int, float)):
-        return int(spec)
-    return _meta_model(_load_config(spec) if isinstance(spec, (str, os.PathLike)) else spec)
-
-
-def _load_config(name: str | os.PathLike):
-    from transformers import AutoConfig, LlamaConfig
-
-    text = str(name)
-    if text in BUILTIN_MODELS:
-        return LlamaConfig(**BUILTIN_MODELS[text], max_position_embeddings=4096, use_cache=False)
-    if os.path.exists(text):
-        return AutoConfig.from_pretrained(text)
-    try:
-        return AutoConfig.from_pretrained(text, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        local_error = exc
-    if "/" in text and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""):
-        try:
-            return AutoConfig.from_pretrained(text)
-        except (OSError, ValueError) as exc:
-            local_error = exc
-    raise ValueError(f"planner: unknown model {text!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}), not a "
-                     f"local config file or folder, and not a Hugging Face model ('org/name') that could be "
-                     f"loaded ({type(local_error).__name__}: {str(local_error).splitlines()[0]})")
-
-
-def _meta_model(config) -> nn.Module:
-    from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
-
-    from .materialize import empty_model
-
-    if not isinstance(config, PretrainedConfig):
-        raise ValueError(f"planner: expected an nn.Module, a transformers config, a model name or path, or a "
-                         f"parameter count; got {type(config).__name__}")
-    try:
-        return empty_model(lambda: AutoModelForCausalLM.from_config(config))
-    except ValueError:   # not a causal LM architecture
-        return empty_model(lambda: AutoModel.from_config(config))
-
-
-def _hf_inputs(model: nn.Module, batch: int, seq: int) -> Callable[[], tuple[tuple, dict]]:
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is None:
-        raise ValueError("planner: batch/seq activations need a transformers model (config.vocab_size) or "
-                         "inputs=: a callable returning (args, kwargs) for one forward")
-
-    def make() -> tuple[tuple, dict]:
-        ids = torch.randint(0, vocab, (batch, seq))
-        return (), {"input_ids": ids, "labels": ids, "use_cache": False}
-    return make
-
-
-def _default_loss(output) -> torch.Tensor:
-    loss = getattr(output, "loss", None)
-    if loss is not None:
-        return loss
-    leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-    return leaves[0].float().sum()
 
 
 # -- timeline -----------------------------------------------------------------------------------------
@@ -214,6 +134,16 @@ class _Replay:
     def on_grad(self, i: int) -> None:
         self.mem.add("device", "grads", self.plan.params[i].numel * self.pb)
 
+    def collective(self, temporary: float) -> None:
+        """[Note: gloo temporaries] On CPU (gloo, torch 2.13) ``all_gather_into_tensor`` stages its output
+        and ``reduce_scatter_tensor`` its input in a temporary of the same size (``N`` x the shard side,
+        measured with the RSS of 2 and 4 ranks); ``all_reduce`` and ``broadcast`` work in place.  The
+        temporary lives while gloo's worker thread runs the collective: counted at the launch, then
+        freed.  NCCL needs none."""
+        if self.s.device == "cpu" and temporary:
+            self.mem.add("device", "collective_temp", temporary)
+            self.mem.add("device", "collective_temp", -temporary)
+
     def on_fwd_pre(self, unit: int, in_backward: bool) -> None:
         pass
 
@@ -289,6 +219,8 @@ class _ReplicatedReplay(_Replay):
         self.mem.add("device", "reduce_buffers", self.buckets[b][2])
         if self.s.stage == 2:   # ZeRO-2: the full gradients go as soon as they are in the buffer
             self.mem.add("device", "grads", -sum(self.plan.params[i].numel for i in self.buckets[b][0]) * self.pb)
+        if self.sharded:
+            self.collective(self.buckets[b][2] * self.n / (self.n + 1))
 
     def finish_backward(self) -> None:
         for b in range(len(self.buckets)):
@@ -303,9 +235,10 @@ class _ReplicatedReplay(_Replay):
         if self.s.stage == 2:
             self.mem.bytes.pop((self.place("grad_shards"), "grad_shards"), None)
         if self.s.stage in (1, 2) and self.n > 1:   # optim/param_sync.py: every bucket in flight at once
-            total = sum((self.n + 1) * width for _, width, _ in self._buckets(sharded=True))
             self.mem.phase = "all-gather"
-            self.mem.add("device", "allgather_buffers", total * self.pb)
+            for _, width, _ in self._buckets(sharded=True):
+                self.mem.add("device", "allgather_buffers", (self.n + 1) * width * self.pb)
+                self.collective(self.n * width * self.pb)
 
 
 class _Stage3Replay(_Replay):
@@ -344,6 +277,7 @@ class _Stage3Replay(_Replay):
             return
         if u not in self.inflight:
             self.mem.add("device", "gather_buffers", self.gather_buf[u])
+            self.collective(self.gather_buf[u] * self.n / (self.n + 1))
         self.inflight.discard(u)
         self.mem.add("device", "gathered", self.full[u])          # to_unsharded while the buffer is alive
         self.mem.add("device", "gather_buffers", -self.gather_buf[u])
@@ -359,6 +293,7 @@ class _Stage3Replay(_Replay):
             if v not in self.gathered and v not in self.inflight:
                 self.inflight.add(v)
                 self.mem.add("device", "gather_buffers", self.gather_buf[v])
+                self.collective(self.gather_buf[v] * self.n / (self.n + 1))
 
     def reshard(self, u: int) -> None:
         if u in self.inflight:
@@ -402,6 +337,7 @@ class _Stage3Replay(_Replay):
         self.mem.add("device", "reduce_buffers", self.reduce_buf[u])
         members = [i for i, p in enumerate(self.plan.params) if p.unit == u and p.requires_grad and p.numel]
         self.mem.add("device", "grads", -sum(self.plan.params[i].numel for i in members) * self.pb)
+        self.collective(self.reduce_buf[u] * self.n / (self.n + 1))
         self.reduces.append(u)
         while len(self.reduces) > _MAX_INFLIGHT_REDUCES:
             self.complete(self.reduces.popleft())
@@ -458,7 +394,7 @@ class Planner:
         resolved = resolve_model(model)
         if isinstance(resolved, int):
             self.model, self.model_dtype = None, torch.float32
-            self.trace = _synthetic_trace(resolved)
+            self.trace = synthetic_trace(resolved)
         else:
             self.model = resolved
             self.model_dtype = next((p.dtype for p in resolved.parameters() if p.is_floating_point()), torch.float32)
@@ -470,13 +406,13 @@ class Planner:
 
         model = self.model
         modules, owner = assign_units(model, self.config)
-        make = inputs or _hf_inputs(model, self.batch or 1, self.seq or 1)
+        make = inputs or hf_inputs(model, self.batch or 1, self.seq or 1)
         was_training = model.training
         model.train()
         try:
-            with _checkpointing(model, self.checkpointing):
+            with checkpointing(model, self.checkpointing):
                 trace = trace_model(model, [m for _, m in modules], owner, [n for n, _ in modules], make,
-                                    param_dtype=self.config.param_dtype, loss_fn=loss_fn or _default_loss)
+                                    param_dtype=self.config.param_dtype, loss_fn=loss_fn or default_loss)
         finally:
             model.train(was_training)
         if self.batch is None and inputs is None:   # structure only: no activations were asked for
@@ -568,7 +504,7 @@ def _result(plan: Planner, s: _Setting, theory: dict[str, float], replay: _Repla
     device_peak, at = mem.peaks["device"]
     grads = at.get("grads", 0.0) + at.get("grad_shards", 0.0)
     transient = {k: at.get(k, 0.0) for k in ("gathered", "gather_buffers", "reduce_buffers", "allgather_buffers",
-                                            "step")}
+                                            "collective_temp", "step")}
     transient["total"] = sum(transient.values())
     placed = {"device": 0.0, "host": 0.0}
     for cat in ("params", "grads", "optimizer"):
@@ -594,40 +530,3 @@ def estimate(model_or_config: Any, world_size: int, stage: int, *, param_dtype: 
     plan = Planner(model_or_config, param_dtype=param_dtype, batch=batch, seq=seq, checkpointing=checkpointing,
                    config=config, device=device)
     return plan.estimate(world_size, stage, offload=offload, offload_params=offload_params)
-
-
-class _checkpointing:
-    """Activation checkpointing of a transformers model's blocks for the duration of the trace."""
-
-    def __init__(self, model: nn.Module, enabled: bool) -> None:
-        self.model, self.enabled = model, enabled
-        prefix = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
-        self.enable = getattr(model, f"{prefix}_checkpointing_enable", None)
-        self.disable = getattr(model, f"{prefix}_checkpointing_disable", None)
-
-    def __enter__(self) -> None:
-        if not self.enabled:
-            return
-        if self.enable is None:
-            raise ValueError("planner: checkpointing=True needs a transformers model "
-                             "(activation_checkpointing_enable); checkpoint other models' blocks yourself")
-        self.enable({"use_reentrant": False})
-
-    def __exit__(self, *exc) -> None:
-        if self.enabled:
-            self.disable()
-
-
-def _synthetic_trace(numel: int) -> Trace:
-    """A parameter count as ``SYNTHETIC_BLOCKS`` equal blocks run in order (no root, no activations)."""
-    sizes = [numel // SYNTHETIC_BLOCKS + (u < numel % SYNTHETIC_BLOCKS) for u in range(SYNTHETIC_BLOCKS)]
-    params = [ParamInfo(f"block{u}", n, True, u + 1) for u, n in enumerate(sizes)]
-    events: list[tuple] = [("fwd_pre", 0, False)]
-    for u in range(1, SYNTHETIC_BLOCKS + 1):
-        events += [("fwd_pre", u, False), ("fwd_post", u, False)]
-    events += [("fwd_post", 0, False), ("backward",), ("bwd_pre", 0, True)]
-    for u in range(SYNTHETIC_BLOCKS, 0, -1):
-        events += [("bwd_pre", u, True), ("grad", u - 1), ("bwd_post", u, True)]
-    events.append(("end",))
-    names = ["<root>"] + [f"block{u}" for u in range(SYNTHETIC_BLOCKS)]
-    return Trace(params=params, unit_names=names, events=events)

@@ -17,7 +17,10 @@ serves every row of a plan.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -28,7 +31,20 @@ from torch.utils import _pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ParamInfo", "Trace", "trace_model"]
+__all__ = ["BUILTIN_MODELS", "SYNTHETIC_BLOCKS", "ParamInfo", "Trace", "checkpointing", "default_loss", "hf_inputs",
+           "resolve_model", "synthetic_trace", "trace_model"]
+
+BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=688, vocab_size=8000,
+                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, vocab_size=128256,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "llama-7b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, vocab_size=32000,
+                     num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False),
+    "llama-13b": dict(hidden_size=5120, num_hidden_layers=40, intermediate_size=13824, vocab_size=32000,
+                      num_attention_heads=40, num_key_value_heads=40, tie_word_embeddings=False),
+}
+SYNTHETIC_BLOCKS = 32   # a bare parameter count: stage 3 assumes this many equal blocks, no root
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +96,8 @@ class _LiveBytes(TorchDispatchMode):
         self.events: list[tuple] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].dtype == torch.bool:
+            return True   # see [Note: eager masks]
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -196,6 +214,25 @@ def fake_parameters(model: nn.Module, mode, param_dtype: torch.dtype | None) -> 
     return params, buffers
 
 
+@contextlib.contextmanager
+def _eager_masks():
+    """[Note: eager masks] transformers takes fake tensors for compiler tracing and then skips its
+    data-dependent shortcuts: it builds an explicit causal mask, and with a mask SDPA repeats grouped
+    key/value heads, none of which an eager training step does.  During the trace fake tensors count as
+    eager, and their boolean data checks (``mask.all()``) answer True: no padding, no packed sequences,
+    as in the random-token batch being planned."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "is_tracing"):
+        yield
+        return
+    original = masking.is_tracing
+    masking.is_tracing = lambda tensor=None: torch.compiler.is_compiling()
+    try:
+        yield
+    finally:
+        masking.is_tracing = original
+
+
 def trace_model(model: nn.Module, units: list[nn.Module], owner: dict[int, int], unit_names: list[str],
                 make_inputs: Callable[[], tuple[tuple, dict]], *, param_dtype: torch.dtype | None,
                 loss_fn: Callable[[Any], torch.Tensor]) -> Trace:
@@ -219,7 +256,7 @@ def trace_model(model: nn.Module, units: list[nn.Module], owner: dict[int, int],
     try:
         # The fake tensors stand in for the parameters until backward is done: activation
         # checkpointing re-runs the forward inside backward.
-        with mode, live, _reparametrize_module(model, {**fparams, **fbuffers}, tie_weights=True):
+        with mode, live, _eager_masks(), _reparametrize_module(model, {**fparams, **fbuffers}, tie_weights=True):
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 loss = loss_fn(model(*args, **kwargs))
             forward_bytes = live.cur
@@ -231,3 +268,108 @@ def trace_model(model: nn.Module, units: list[nn.Module], owner: dict[int, int],
         hooks.remove()
     return Trace(params=infos, unit_names=unit_names, events=live.events, saved_bytes=saved.total,
                  forward_bytes=forward_bytes, peak_bytes=live.peak)
+
+
+# -- model ------------------------------------------------------------------------------------------
+def resolve_model(spec: Any) -> nn.Module | int:
+    """An ``nn.Module`` (parameters on meta unless ``spec`` is one) or a parameter count."""
+    if isinstance(spec, nn.Module):
+        return spec
+    if isinstance(spec, bool) or (isinstance(spec, (int, float)) and spec <= 0):
+        raise ValueError(f"planner: a parameter count must be a positive number; got {spec!r}")
+    if isinstance(spec, (int, float)):
+        return int(spec)
+    return _meta_model(_load_config(spec) if isinstance(spec, (str, os.PathLike)) else spec)
+
+
+def _load_config(name: str | os.PathLike):
+    from transformers import AutoConfig, LlamaConfig
+
+    text = str(name)
+    if text in BUILTIN_MODELS:
+        return LlamaConfig(**BUILTIN_MODELS[text], max_position_embeddings=4096, use_cache=False)
+    if os.path.exists(text):
+        return AutoConfig.from_pretrained(text)
+    try:
+        return AutoConfig.from_pretrained(text, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        local_error = exc
+    if "/" in text and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", ""):
+        try:
+            return AutoConfig.from_pretrained(text)
+        except (OSError, ValueError) as exc:
+            local_error = exc
+    raise ValueError(f"planner: unknown model {text!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}), not a "
+                     f"local config file or folder, and not a Hugging Face model ('org/name') that could be "
+                     f"loaded ({type(local_error).__name__}: {str(local_error).splitlines()[0]})")
+
+
+def _meta_model(config) -> nn.Module:
+    from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
+
+    from .materialize import empty_model
+
+    if not isinstance(config, PretrainedConfig):
+        raise ValueError(f"planner: expected an nn.Module, a transformers config, a model name or path, or a "
+                         f"parameter count; got {type(config).__name__}")
+    try:
+        return empty_model(lambda: AutoModelForCausalLM.from_config(config))
+    except ValueError:   # not a causal LM architecture
+        return empty_model(lambda: AutoModel.from_config(config))
+
+
+def hf_inputs(model: nn.Module, batch: int, seq: int) -> Callable[[], tuple[tuple, dict]]:
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None:
+        raise ValueError("planner: batch/seq activations need a transformers model (config.vocab_size) or "
+                         "inputs=: a callable returning (args, kwargs) for one forward")
+
+    def make() -> tuple[tuple, dict]:
+        ids = torch.randint(0, vocab, (batch, seq))
+        return (), {"input_ids": ids, "labels": ids, "use_cache": False}
+    return make
+
+
+def default_loss(output) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is not None:
+        return loss
+    leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    return leaves[0].float().sum()
+
+
+class checkpointing:
+    """Activation checkpointing of a transformers model's blocks for the duration of the trace."""
+
+    def __init__(self, model: nn.Module, enabled: bool) -> None:
+        self.model, self.enabled = model, enabled
+        prefix = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+        self.enable = getattr(model, f"{prefix}_checkpointing_enable", None)
+        self.disable = getattr(model, f"{prefix}_checkpointing_disable", None)
+
+    def __enter__(self) -> None:
+        if not self.enabled:
+            return
+        if self.enable is None:
+            raise ValueError("planner: checkpointing=True needs a transformers model "
+                             "(activation_checkpointing_enable); checkpoint other models' blocks yourself")
+        self.enable({"use_reentrant": False})
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.disable()
+
+
+def synthetic_trace(numel: int) -> Trace:
+    """A parameter count as ``SYNTHETIC_BLOCKS`` equal blocks run in order (no root, no activations)."""
+    sizes = [numel // SYNTHETIC_BLOCKS + (u < numel % SYNTHETIC_BLOCKS) for u in range(SYNTHETIC_BLOCKS)]
+    params = [ParamInfo(f"block{u}", n, True, u + 1) for u, n in enumerate(sizes)]
+    events: list[tuple] = [("fwd_pre", 0, False)]
+    for u in range(1, SYNTHETIC_BLOCKS + 1):
+        events += [("fwd_pre", u, False), ("fwd_post", u, False)]
+    events += [("fwd_post", 0, False), ("backward",), ("bwd_pre", 0, True)]
+    for u in range(SYNTHETIC_BLOCKS, 0, -1):
+        events += [("bwd_pre", u, True), ("grad", u - 1), ("bwd_post", u, True)]
+    events.append(("end",))
+    names = ["<root>"] + [f"block{u}" for u in range(SYNTHETIC_BLOCKS)]
+    return Trace(params=params, unit_names=names, events=events)

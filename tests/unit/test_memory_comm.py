@@ -134,7 +134,13 @@ def test_every_collective_goes_through_the_counter(stage, world_size):
         where = f"stage {stage}, N={world_size}, rank {rank}"
         assert {"_ALL_GATHER", "_REDUCE_SCATTER", "all_reduce", "barrier"} <= set(r["wrapped"]), where
         counted = {k: v["calls"] for k, v in kinds(r["stats"]).items()}
-        assert _spy_by_kind(r["spy"]) == counted, f"{where}: spies {r['spy']} vs comm_stats {counted}"
+        # On gloo a reduce-scatter is issued as an in-place all-reduce (collectives.py, same wire traffic):
+        # each logical reduce_scatter shows up as one torch all_reduce call.
+        physical = dict(counted)
+        moved = physical.pop("reduce_scatter", 0)
+        if moved:
+            physical["all_reduce"] = physical.get("all_reduce", 0) + moved
+        assert _spy_by_kind(r["spy"]) == physical, f"{where}: spies {r['spy']} vs comm_stats {counted}"
         step_kinds = {"reduce_scatter", "all_gather"} if stage else {"all_reduce"}
         assert step_kinds <= set(counted), where
 
@@ -143,4 +149,6 @@ def test_counter_check_catches_a_bypass():
     """Control: one raw torch.distributed.all_reduce is seen by the spies and missing from comm_stats()."""
     for r in run_ranks(2, workers.spy_worker, 2, False, bypass=True):
         spied = _spy_by_kind(r["spy"])
-        assert spied["all_reduce"] == r["stats"]["all_reduce"]["calls"] + 1
+        stats = r["stats"]
+        logical = stats.get("all_reduce", {}).get("calls", 0) + stats.get("reduce_scatter", {}).get("calls", 0)
+        assert spied["all_reduce"] == logical + 1   # gloo issues reduce-scatters as all-reduces

@@ -35,6 +35,8 @@ from .bucket import Bucket, plan_buckets
 
 __all__ = ["AllReduceReducer", "ReduceScatterReducer", "GradReducer"]
 
+_MAX_INFLIGHT = 2   # buckets whose collective may be pending at once during backward
+
 
 class GradReducer:
     """Shared hook and bucket bookkeeping; subclasses define launch and completion."""
@@ -52,6 +54,7 @@ class GradReducer:
         self.require_sync = True
         self._callback_queued = False
         self._handles: list = []
+        self._inflight: list[Bucket] = []
 
     # -- hooks --------------------------------------------------------------
     def register(self, root: nn.Module) -> None:
@@ -93,6 +96,9 @@ class GradReducer:
         bucket.ready.add(index)
         if len(bucket.ready) == len(bucket.slots):
             self._launch(bucket)
+            self._inflight.append(bucket)
+            while len(self._inflight) > _MAX_INFLIGHT:   # free buffers as we go, not all at the end
+                self._finish_bucket(self._inflight.pop(0))
 
     def _late_gradient(self, bucket: Bucket, index: int) -> None:
         raise RuntimeError(
@@ -110,10 +116,19 @@ class GradReducer:
             if not bucket.launched:
                 self._launch(bucket)
         for bucket in self.buckets:
-            if bucket.work is not None:
-                self.comm.wait(bucket.work, "gradient reduction")
-            self._complete(bucket)
+            if bucket.launched:
+                self._finish_bucket(bucket)
+        for bucket in self.buckets:
             bucket.reset()
+        self._inflight.clear()
+
+    def _finish_bucket(self, bucket: Bucket) -> None:
+        if bucket.work is None:   # already completed early
+            return
+        self.comm.wait(bucket.work, "gradient reduction")
+        bucket.work = None
+        self._complete(bucket)
+        bucket.buffer = bucket.output = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -224,8 +239,7 @@ class ReduceScatterReducer(GradReducer):
         super().finish()
         for bucket in late:   # rare path: reduce the extra contributions once more
             self._launch(bucket)
-            self.comm.wait(bucket.work, "gradient reduction")
-            self._complete(bucket)
+            self._finish_bucket(bucket)
             bucket.reset()
         self._late.clear()
 
@@ -249,6 +263,7 @@ class ReduceScatterReducer(GradReducer):
             return
         current = self.owned.get(id(p))
         if current is None:
-            self.owned[id(p)] = reduced.to(p.dtype, copy=True)
+            # a view of the bucket's output (its storage is exactly the bucket's shards): no copy
+            self.owned[id(p)] = reduced if reduced.dtype == p.dtype else reduced.to(p.dtype)
         else:
             current.add_(reduced.to(current.dtype))

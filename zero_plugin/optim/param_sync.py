@@ -1,7 +1,7 @@
 """After the optimizer step of stages 1-2: all-gather every rank's updated region.
 
 Pipeline per bucket: ``copy_in (own region) -> all_gather (async) -> wait -> copy_out``.
-All buckets are launched before the first wait so copies overlap communication.
+At most two buckets are in flight, so copies overlap communication while buffers stay bounded.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from .master import MasterParam
 
 __all__ = ["ParamAllGather"]
 
+_MAX_INFLIGHT = 2
+
 
 class ParamAllGather:
     def __init__(self, slots: list[MasterParam], comm: Comm, bucket_bytes: int) -> None:
@@ -24,17 +26,27 @@ class ParamAllGather:
     def run(self) -> None:
         if self.comm.world_size == 1:
             return   # the masters are the parameters' own (only) region
-        n = self.comm.world_size
-        inflight = []
+        inflight: list = []
         for bucket in self.buckets:
-            p0 = bucket.slots[0].param
-            inp = torch.zeros(bucket.width, dtype=p0.dtype, device=p0.device)
-            for slot, off in zip(bucket.slots, bucket.offsets):
-                inp[off: off + slot.layout.local_numel].copy_(slot.local.reshape(-1))
-            out = torch.empty(n * bucket.width, dtype=inp.dtype, device=inp.device)
-            inflight.append((bucket, out, self.comm.all_gather(out, inp, async_op=True)))
-        for bucket, out, work in inflight:
-            self.comm.wait(work, "parameter all-gather after the step")
-            rows = out.view(n, bucket.width)
-            for slot, off in zip(bucket.slots, bucket.offsets):
-                copy_from_rows(slot.param.data.view(-1), rows[:, off: off + slot.layout.shard_numel], slot.layout)
+            inflight.append(self._launch(bucket))
+            if len(inflight) > _MAX_INFLIGHT:   # bounded: at most this many output buffers alive
+                self._complete(*inflight.pop(0))
+        for item in inflight:
+            self._complete(*item)
+
+    def _launch(self, bucket):
+        p0 = bucket.slots[0].param
+        inp = torch.empty(bucket.width, dtype=p0.dtype, device=p0.device)
+        for slot, off in zip(bucket.slots, bucket.offsets):
+            n_local = slot.layout.local_numel
+            inp[off: off + n_local].copy_(slot.local.reshape(-1))
+            inp[off + n_local: off + slot.layout.shard_numel].zero_()   # padding only
+        out = torch.empty(self.comm.world_size * bucket.width, dtype=inp.dtype, device=inp.device)
+        return bucket, out, self.comm.all_gather(out, inp, async_op=True)
+
+    def _complete(self, bucket, out, work) -> None:
+        self.comm.wait(work, "parameter all-gather after the step")
+        rows = out.view(self.comm.world_size, bucket.width)
+        for slot, off in zip(bucket.slots, bucket.offsets):
+            copy_from_rows(slot.param.data.view(-1), rows[:, off: off + slot.layout.shard_numel], slot.layout,
+                           skip_rank=self.comm.rank)   # our own region is already up to date
