@@ -61,6 +61,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--profile", action="store_true", help="time the engine's internal phases (small overhead)")
     p.add_argument("--out", type=Path, default=None, help="report path (default benchmarks/results/<size>-ws<N>.md)")
+    p.add_argument("--render", type=Path, default=None, metavar="JSON",
+                   help="only re-render the report from a saved <report>.json (no training)")
     args = p.parse_args(argv)
     quick = args.size == "smoke"   # a quick check: under ~2 minutes on 2 cores
     args.steps = args.steps if args.steps is not None else (5 if quick else 10)
@@ -92,10 +94,9 @@ def _header(args: argparse.Namespace, threads: int, rss_method: str, wall: float
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+def _run(args: argparse.Namespace, variants: list[str]) -> dict:
+    """Spawn the ranks; returns what the report is made from (also saved as JSON)."""
     threads = max(1, _cores() // args.world_size)
-    variants = list(dict.fromkeys(args.variants))
     with tempfile.TemporaryDirectory(prefix="zp-bench-") as tmp:
         cfg = RunConfig(size=args.size, world_size=args.world_size, variants=tuple(variants), steps=args.steps,
                         warmup=args.warmup, rounds=args.rounds, batch=args.batch, seq=args.seq, seed=args.seed,
@@ -104,11 +105,24 @@ def main(argv: list[str] | None = None) -> int:
         mp.spawn(worker, args=(cfg,), nprocs=args.world_size, join=True)
         wall = time.perf_counter() - t0
         dumps = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world_size)]
-    records = [rec for d in dumps for rec in d["records"]]
-    rows, skipped = summarise(records, variants, args.world_size)
-    text = markdown(rows, skipped, _header(args, threads, dumps[0]["rss_method"], wall, load_before))
+    return {"variants": variants, "world_size": args.world_size,
+            "header": _header(args, threads, dumps[0]["rss_method"], wall, load_before),
+            "records": [rec for d in dumps for rec in d["records"]]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.render is not None:
+        out = args.out or args.render.with_suffix(".md")
+        raw = json.loads(args.render.read_text())
+    else:
+        out = args.out or RESULTS / f"{args.size}-ws{args.world_size}.md"
+        raw = _run(args, list(dict.fromkeys(args.variants)))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(raw))
+    rows, skipped = summarise(raw["records"], raw["variants"], raw["world_size"])
+    text = markdown(rows, skipped, raw["header"])
     print(text)
-    out = args.out or RESULTS / f"{args.size}-ws{args.world_size}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     png = bar_chart(rows, out.with_suffix(".png")) if rows else None

@@ -15,7 +15,6 @@ import ctypes
 import gc
 import os
 import threading
-import time
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
@@ -84,36 +83,53 @@ def _reset_hwm() -> bool:
 
 
 class RssPeak:
-    """Peak RSS increase over a region: ``start()`` ... ``stop() -> bytes`` (see [Note: peak RSS])."""
+    """Peak RSS increase over a region: ``start()`` ... ``stop() -> bytes`` (see [Note: peak RSS]).
+
+    ``checkpoint()`` closes a window inside the region (e.g. one training phase) and returns that
+    window's peak above the start; the region's peak still covers every window.
+    """
 
     method = "VmHWM reset via /proc/self/clear_refs"
 
     def __init__(self) -> None:
-        self._base = 0
-        self._peak = 0
+        self._base = self._max = self._sampled = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     def start(self) -> None:
-        self._base = _rss_bytes()
+        self._base = self._max = self._sampled = _rss_bytes()
         if _reset_hwm():
             return
         RssPeak.method = "sampling /proc/self/statm every 2 ms"
-        self._peak, self._stop = self._base, threading.Event()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
         while not self._stop.wait(0.002):
-            self._peak = max(self._peak, _rss_bytes())
+            self._sampled = max(self._sampled, _rss_bytes())
+
+    def _window_peak(self) -> int:
+        if self._thread is None:
+            return max(_hwm_bytes(), _rss_bytes())
+        return max(self._sampled, _rss_bytes())
+
+    def checkpoint(self) -> int:
+        peak = self._window_peak()
+        self._max = max(self._max, peak)
+        if self._thread is None:
+            _reset_hwm()
+        else:
+            self._sampled = _rss_bytes()
+        return peak - self._base
 
     def stop(self) -> int:
-        if self._thread is None:
-            return max(_hwm_bytes(), _rss_bytes()) - self._base
-        self._stop.set()
-        self._thread.join()
-        self._thread = None
-        return max(self._peak, _rss_bytes()) - self._base
+        self._max = max(self._max, self._window_peak())
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        return self._max - self._base
 
 
 class TorchCommCounter:
@@ -162,9 +178,3 @@ class TorchCommCounter:
             return fn(*args, **kwargs)
         return counted
 
-
-@contextmanager
-def timer(store: list[float]) -> Iterator[None]:
-    t0 = time.perf_counter()
-    yield
-    store.append(time.perf_counter() - t0)

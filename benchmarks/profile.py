@@ -4,7 +4,7 @@ Only instance attributes are replaced (nothing global), so other variants run
 untouched.  For zero_plugin the engine's pieces are timed: gradient copy-in and
 launch (inside backward hooks), the end-of-backward flush, the wait on each
 collective, the wrapped optimizer's own ``step`` (the Adam math), and the
-parameter all-gather after the step.  Times are summed per timed step.
+parameter all-gather after the step.  Wall and process-CPU times are summed per timed step.
 """
 from __future__ import annotations
 
@@ -15,45 +15,60 @@ from collections import defaultdict
 __all__ = ["PhaseProfiler"]
 
 
+class _Clock:
+    """Wall and process-CPU time of one region (CPU: all threads of this process, gloo's included)."""
+
+    __slots__ = ("wall", "cpu")
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def elapsed(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
 class _TimedWork:
     def __init__(self, work, profiler: "PhaseProfiler", label: str) -> None:
         self._work, self._profiler, self._label = work, profiler, label
 
     def wait(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        clock = _Clock()
         try:
             return self._work.wait(*args, **kwargs)
         finally:
-            self._profiler.add(self._label, time.perf_counter() - t0)
+            self._profiler.add(self._label, clock.elapsed())
 
 
 class PhaseProfiler:
     def __init__(self, variant) -> None:
-        self.totals: dict[str, float] = defaultdict(float)
+        self.totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         if hasattr(variant, "zp"):
             self._instrument_zero_plugin(variant)
         else:
             self._instrument_torch(variant)
 
-    def add(self, label: str, seconds: float) -> None:
-        self.totals[label] += seconds
+    def add(self, label: str, elapsed: tuple[float, float]) -> None:
+        total = self.totals[label]
+        total[0] += elapsed[0]
+        total[1] += elapsed[1]
 
     def reset(self) -> None:
         self.totals.clear()
 
-    def per_step(self, steps: int) -> dict[str, float]:
-        return {k: v / steps for k, v in self.totals.items()}
+    def per_step(self, steps: int) -> dict[str, list[float]]:
+        """label -> [wall s, CPU s] per timed step."""
+        return {k: [wall / steps, cpu / steps] for k, (wall, cpu) in self.totals.items()}
 
     def _time(self, obj, method: str, label: str) -> None:
         fn = getattr(obj, method)
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            clock = _Clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.add(label, time.perf_counter() - t0)
+                self.add(label, clock.elapsed())
 
         setattr(obj, method, timed)
 
@@ -62,9 +77,9 @@ class PhaseProfiler:
 
         @functools.wraps(fn)
         def issued(*args, **kwargs):
-            t0 = time.perf_counter()
+            clock = _Clock()
             work = fn(*args, **kwargs)
-            self.add(f"{method} issue", time.perf_counter() - t0)
+            self.add(f"{method} issue", clock.elapsed())
             return _TimedWork(work, self, f"{method} wait") if work is not None else None
 
         setattr(comm, method, issued)
@@ -79,6 +94,8 @@ class PhaseProfiler:
         for method in ("all_reduce", "reduce_scatter", "all_gather"):
             self._time_waits(engine.comm, method)
         self._time(engine, "before_step", "before_step (set master grads)")
+        self._time_if(getattr(variant.optimizer, "guard", None), "should_step",
+                      "non-finite guard (isfinite pass + all-reduce)")
         self._time(variant.optimizer.inner, "step", "inner optimizer step (Adam math)")
         self._time(engine, "after_step", "after_step (write-back + param all-gather)")
         reducer = getattr(engine, "reducer", None)          # stages 0-2

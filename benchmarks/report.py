@@ -32,8 +32,11 @@ def _summarise_one(recs: list[dict], world_size: int) -> dict:
     reported = [r["state"].get("zp_reported_total") for r in last]
     row = {
         "step": statistics.median(_per_step_max(recs, "total")),
+        "best": min(_per_step_max(recs, "total")),
         "cpu": statistics.median(_per_step_max(recs, "cpu")),
         "phases": {k: statistics.median(_per_step_max(recs, k)) for k in _PHASES},
+        "cpu_phases": {k: statistics.median(_per_step_max(recs, f"cpu_{k}")) for k in _PHASES
+                       if f"cpu_{k}" in recs[0]["times"]},
         "psi": psi, "stage": stage, "state": state,
         "state_theory": theory_state_bytes(stage, psi, world_size),
         "state_mismatch": any(x is not None and x != r["state"]["total"] for x, r in zip(reported, last)),
@@ -45,6 +48,8 @@ def _summarise_one(recs: list[dict], world_size: int) -> dict:
     }
     if "profile" in rank0:
         row["profile"] = rank0["profile"]
+        row["rss_phases"] = {"setup (build + wrap)": max(r.get("rss_setup", 0) for r in recs),
+                             **{k: max(max(r["times"][f"rss_{k}"]) for r in recs) for k in _PHASES}}
     return row
 
 
@@ -71,17 +76,20 @@ def _num(x, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
+def _ratio(rows: dict, name: str, key: str) -> str:
+    ref = rows.get("ddp", {}).get(key)
+    return f"{rows[name][key] / ref:.3f}" if ref else "n/a"
+
+
 def _main_table(rows: dict) -> list[str]:
-    ddp, ddp_cpu = rows.get("ddp", {}).get("step"), rows.get("ddp", {}).get("cpu")
-    lines = ["| variant | step (s) | ×DDP | CPU s / step | CPU ×DDP | model states / rank (MiB) | ×ZeRO theory | peak RSS Δ (MiB) "
+    lines = ["| variant | step (s) | ×DDP | best step ×DDP | CPU s / step | CPU ×DDP | model states / rank (MiB) | ×ZeRO theory | peak RSS Δ (MiB) "
              "| comm / step / rank (Ψ·4 B) | max abs Δθ vs DDP | ‖θ−θ_DDP‖/‖θ_DDP−θ₀‖ |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        ratio = f"{r['step'] / ddp:.3f}" if ddp else "n/a"
-        cpu_ratio = f"{r['cpu'] / ddp_cpu:.3f}" if ddp_cpu else "n/a"
+        ratio, best, cpu_ratio = (_ratio(rows, name, k) for k in ("step", "best", "cpu"))
         mark = " ⚠" if r["state_mismatch"] else ""
         lines.append(
-            f"| {name} | {r['step']:.3f} | {ratio} | {r['cpu']:.3f} | {cpu_ratio} | {r['state'] / MIB:.1f}{mark} | {r['state'] / r['state_theory']:.3f} "
+            f"| {name} | {r['step']:.3f} | {ratio} | {best} | {r['cpu']:.3f} | {cpu_ratio} | {r['state'] / MIB:.1f}{mark} | {r['state'] / r['state_theory']:.3f} "
             f"| {r['rss'] / MIB:.0f} | {_comm_text(r['comm'])} | {_num(r['max_abs_diff'], '.2e')} "
             f"| {_num(r['rel_diff'], '.2e')} |")
     return lines
@@ -91,9 +99,9 @@ def _phase_table(rows: dict) -> list[str]:
     lines = ["| variant | forward | backward (incl. grad reduction wait) | optimizer.step | zero_grad | total |",
              "|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        p = r["phases"]
-        cells = " | ".join(f"{p[k] * 1e3:.0f}" for k in _PHASES)
-        lines.append(f"| {name} | {cells} | {r['step'] * 1e3:.0f} |")
+        wall, cpu = r["phases"], r.get("cpu_phases", {})
+        cells = [f"{wall[k] * 1e3:.0f}" + (f" / {cpu[k] * 1e3:.0f}" if k in cpu else "") for k in _PHASES]
+        lines.append(f"| {name} | {' | '.join(cells)} | {r['step'] * 1e3:.0f} / {r['cpu'] * 1e3:.0f} |")
     return lines
 
 
@@ -101,9 +109,14 @@ def _profile_lines(rows: dict) -> list[str]:
     out = []
     for name, r in rows.items():
         if r.get("profile"):
-            out += ["", f"`{name}` (rank 0, ms per timed step):", ""]
-            out += [f"- {k}: {v * 1e3:.1f}" for k, v in sorted(r["profile"].items(), key=lambda kv: -kv[1])]
-    return (["", "## Profile (--profile)"] + out) if out else []
+            out += ["", f"`{name}` (rank 0, ms per timed step, wall / process CPU):", ""]
+            ranked = sorted(r["profile"].items(), key=lambda kv: -kv[1][0])
+            out += [f"- {k}: {wall * 1e3:.1f} / {cpu * 1e3:.1f}" for k, (wall, cpu) in ranked]
+            peaks = ", ".join(f"{k} {v / MIB:.0f}" for k, v in r.get("rss_phases", {}).items())
+            out += ["", f"peak RSS above the pre-build baseline, MiB (max over ranks and steps): {peaks}"]
+    note = ("Nested labels overlap (e.g. `finish` contains the waits and copy-out); CPU time counts every "
+            "thread of the process, so it includes gloo's own threads working during the region.")
+    return (["", "## Profile (--profile)", "", note] + out) if out else []
 
 
 def markdown(rows: dict, skipped: dict, header: dict) -> str:
@@ -112,7 +125,7 @@ def markdown(rows: dict, skipped: dict, header: dict) -> str:
     lines += [f"- {k}: {v}" for k, v in header.items()]
     lines += [f"- Ψ (parameters): {psi:,} ({psi * 4 / MIB:.1f} MiB in fp32)", ""]
     lines += _main_table(rows)
-    lines += ["", "Median phase times (ms; per step, slowest rank):", ""] + _phase_table(rows)
+    lines += ["", "Median phase times, ms per step, wall / process CPU (slowest rank):", ""] + _phase_table(rows)
     if skipped:
         lines += ["", "Skipped:"] + [f"- `{k}`: {v}" for k, v in skipped.items()]
     lines += _profile_lines(rows)
@@ -122,7 +135,9 @@ def markdown(rows: dict, skipped: dict, header: dict) -> str:
 
 _DEFINITIONS = [
     "- step: median over all timed steps of all rounds of the slowest rank's forward + backward + "
-    "optimizer.step + zero_grad; ×DDP divides by DDP's median from the same run. CPU s / step: the same "
+    "optimizer.step + zero_grad; ×DDP divides by DDP's median from the same run. best step: the fastest such "
+    "step, each variant's own (other jobs only slow steps down, but one lucky quiet step skews it). "
+    "CPU s / step: the same "
     "median of the process CPU time (all threads, `time.process_time`), which other jobs on the machine "
     "disturb far less than wall time; compare the load averages in the header.",
     "- model states: distinct `untyped_storage().nbytes()` of parameters, gradients and optimizer state "
@@ -134,13 +149,14 @@ _DEFINITIONS = [
     "- comm: logical bytes per timed step on rank 0 (ZeRO paper counting: all-reduce 2n, reduce-scatter n "
     "inputs, all-gather n outputs, broadcast n) / (4Ψ). DDP: counting wrapper around the standard Python "
     "`allreduce_hook`; ZeroRedundancyOptimizer / FSDP2: counting wrappers around `torch.distributed` "
-    "broadcast / all-gather / reduce-scatter; zero_plugin: `zp.comm_stats()`.",
+    "broadcast / all-gather / reduce-scatter; zero_plugin: `zp.comm_stats()`. Stage-3 engines land below "
+    "3Ψ because the root unit (embeddings, final norm, LM head) stays gathered from forward to backward.",
     "- Δθ: final parameters vs DDP's in the same round (same data, same init), max over ranks and rounds.",
 ]
 
 
 def bar_chart(rows: dict, path: Path) -> Path | None:
-    """Step time ×DDP and model states ×theory; silently skipped without matplotlib."""
+    """Step time and CPU time ×DDP, and model states; silently skipped without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -148,15 +164,19 @@ def bar_chart(rows: dict, path: Path) -> Path | None:
     except ImportError:
         return None
     names = list(rows)
-    ddp = rows.get("ddp", {}).get("step") or 1.0
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    axes[0].bar(names, [rows[n]["step"] / ddp for n in names])
+    ddp = rows.get("ddp", {})
+    x = range(len(names))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for offset, key, label in ((-0.2, "step", "wall"), (0.2, "cpu", "process CPU")):
+        ref = ddp.get(key) or 1.0
+        axes[0].bar([i + offset for i in x], [rows[n][key] / ref for n in names], width=0.4, label=label)
     axes[0].axhline(1.0, color="k", lw=0.8)
-    axes[0].set_title("step time ×DDP")
+    axes[0].set_title("step time ×DDP (median)")
+    axes[0].legend()
     axes[1].bar(names, [rows[n]["state"] / MIB for n in names])
     axes[1].set_title("model states / rank (MiB)")
     for ax in axes:
-        ax.tick_params(axis="x", rotation=45)
+        ax.set_xticks(list(x), names, rotation=45, ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +95,9 @@ def _run_variant(name: str, rnd: int, cfg: RunConfig, rank: int, ref):
         return {"variant": name, "round": rnd, "rank": rank, "skipped": str(exc)}, ref
     profiler = _profiler(variant) if cfg.profile else None
     rec = {"variant": name, "round": rnd, "rank": rank, "psi": psi, "theory_stage": variant.theory_stage}
-    rec.update(_train(variant, batches, cfg, profiler))
+    if profiler is not None:
+        rec["rss_setup"] = rss.checkpoint()
+    rec.update(_train(variant, batches, cfg, profiler, rss if profiler is not None else None))
     rec["rss_delta"] = rss.stop()
     if profiler is not None:
         rec["profile"] = profiler.per_step(cfg.steps)
@@ -111,8 +114,8 @@ def _profiler(variant):
     return PhaseProfiler(variant)
 
 
-def _train(variant, batches: list[torch.Tensor], cfg: RunConfig, profiler) -> dict:
-    times = {k: [] for k in (*PHASES, "total", "cpu")}
+def _train(variant, batches: list[torch.Tensor], cfg: RunConfig, profiler, rss: RssPeak | None) -> dict:
+    times: dict[str, list[float]] = defaultdict(list)
     losses, state = [], {}
     with variant.counting():
         for step, ids in enumerate(batches):
@@ -122,7 +125,7 @@ def _train(variant, batches: list[torch.Tensor], cfg: RunConfig, profiler) -> di
                 if profiler is not None:
                     profiler.reset()
             measure = step == cfg.warmup   # >= 1 step done: optimizer state exists
-            durations, loss, state_now = _one_step(variant, ids, measure)
+            durations, loss, state_now = _one_step(variant, ids, measure, rss)
             state = state_now if measure else state
             losses.append(loss)
             if step >= cfg.warmup:
@@ -133,26 +136,33 @@ def _train(variant, batches: list[torch.Tensor], cfg: RunConfig, profiler) -> di
             "loss_first": losses[0], "loss_last": losses[-1]}
 
 
-def _one_step(variant, ids: torch.Tensor, measure: bool) -> tuple[dict[str, float], float, dict]:
-    """forward, backward, step, zero_grad; model states measured (untimed) between backward and step.
+def _one_step(variant, ids: torch.Tensor, measure: bool,
+              rss: RssPeak | None) -> tuple[dict[str, float], float, dict]:
+    """forward, backward, step, zero_grad, each timed in wall and process-CPU seconds.
 
-    ``cpu`` is this process's CPU time (all its threads) for the step: unlike wall time it barely
-    moves when other jobs share the machine.
+    CPU time counts all threads of this process (gloo's included); unlike wall time it barely
+    moves when other jobs share the cores.  Model states are measured, untimed, before the step.
+    With ``rss`` (--profile), ``rss_<phase>`` is the phase's peak RSS above the variant's baseline.
     """
-    c0, t0 = time.process_time(), time.perf_counter()
-    loss = variant.loss(ids)
-    t1 = time.perf_counter()
-    loss.backward()
-    t2, c2 = time.perf_counter(), time.process_time()
-    state = _measure_state(variant) if measure else {}
-    c2b, t2b = time.process_time(), time.perf_counter()
-    variant.optimizer.step()
-    t3 = time.perf_counter()
-    variant.optimizer.zero_grad()
-    t4, c4 = time.perf_counter(), time.process_time()
-    phases = dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2b, t4 - t3)))
-    phases.update(total=sum(phases.values()), cpu=(c2 - c0) + (c4 - c2b))
-    return phases, float(loss.detach()), state
+    box: dict = {}
+    actions = {
+        "forward": lambda: box.setdefault("loss", variant.loss(ids)),
+        "backward": lambda: box["loss"].backward(),
+        "step": lambda: variant.optimizer.step(),
+        "zero_grad": lambda: variant.optimizer.zero_grad(),
+    }
+    out, state = {}, {}
+    for phase in PHASES:
+        if phase == "step" and measure:
+            state = _measure_state(variant)
+        c0, t0 = time.process_time(), time.perf_counter()
+        actions[phase]()
+        out[phase], out[f"cpu_{phase}"] = time.perf_counter() - t0, time.process_time() - c0
+        if rss is not None:
+            out[f"rss_{phase}"] = rss.checkpoint()
+    out["total"] = sum(out[p] for p in PHASES)
+    out["cpu"] = sum(out[f"cpu_{p}"] for p in PHASES)
+    return out, float(box["loss"].detach()), state
 
 
 def _measure_state(variant) -> dict:
