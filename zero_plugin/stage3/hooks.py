@@ -59,15 +59,20 @@ class Stage3Runtime:
         self._late: list[Unit] = []
         self._callback_queued = False
         self.require_sync = True
+        self._root_depth = 0
         self._handles: list = []
 
     # -- registration -----------------------------------------------------------
     def register(self) -> None:
+        for m in self._root_entries():
+            self._handles.append(m.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._root_post, always_call=True))
         for unit in self.units:
             m = unit.module
-            self._handles.append(m.register_forward_pre_hook(functools.partial(self.pre_forward, unit),
-                                                             with_kwargs=True))
-            self._handles.append(m.register_forward_hook(functools.partial(self.post_forward, unit)))
+            if unit is not self.root:
+                self._handles.append(m.register_forward_pre_hook(functools.partial(self.pre_forward, unit),
+                                                                 with_kwargs=True))
+                self._handles.append(m.register_forward_hook(functools.partial(self.post_forward, unit)))
             for sp in unit.trainable:
                 self._handles.append(sp.param.register_post_accumulate_grad_hook(
                     WeakHook(self.post_accumulate, unit)))
@@ -76,6 +81,29 @@ class Stage3Runtime:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    # -- root entry points ----------------------------------------------------------
+    def _root_entries(self) -> list:
+        """[Note: root entries] The set-up module, plus every inner module a caller may enter directly
+        (transformers models with ``generate``: a PEFT or Lightning wrapper's ``generate`` calls the inner
+        model's forward, bypassing the wrapper's hooks).  Nested entries count once (``_root_depth``)."""
+        top = self.root.module
+        return [top] + [m for m in top.modules() if m is not top and callable(getattr(m, "generate", None))]
+
+    def _root_pre(self, module, args, kwargs):
+        self._root_depth += 1
+        if self._root_depth == 1:
+            return self.pre_forward(self.root, module, args, kwargs)
+        self._ensure_unsharded(self.root)
+        return args, kwargs
+
+    def _root_post(self, module, args, output):
+        self._root_depth = max(0, self._root_depth - 1)
+        if self._root_depth == 0:
+            return self.post_forward(self.root, module, args, output)
+        if torch.is_grad_enabled():
+            self._hook_outputs(self.root, output)
+        return None
 
     # -- forward ------------------------------------------------------------------
     def pre_forward(self, unit: Unit, module, args, kwargs):
