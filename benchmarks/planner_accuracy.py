@@ -61,12 +61,17 @@ def _tiny_llama():
     return LlamaForCausalLM(cfg).float().train()
 
 
-def _train(model, optimizer, vocab: int, job: dict, rank: int, steps: int) -> None:
+def _train(model, optimizer, vocab: int, job: dict, rank: int, steps: int) -> list[float]:
+    """Training steps; returns each step's process CPU seconds (steadier than wall time on a shared machine)."""
+    cpu = []
     for step in range(steps):
         ids = make_batch(vocab, job["batch"], job["seq"], 0, rank, step)
+        t0 = time.process_time()
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        cpu.append(time.process_time() - t0)
+    return cpu
 
 
 def _setup(model, job: dict):
@@ -98,11 +103,12 @@ def _rank_main(rank: int, world: int, port: int, job: dict, out_dir: str) -> Non
         peak.start()
         _train(model, optimizer, SIZES[job["size"]].vocab, job, rank, 1)
         first = peak.checkpoint() + after_setup
-        _train(model, optimizer, SIZES[job["size"]].vocab, job, rank, job["steps"] - 1)
+        cpu = _train(model, optimizer, SIZES[job["size"]].vocab, job, rank, job["steps"] - 1)
         steady = peak.stop() + after_setup
         report = zp.memory_report(model, optimizer)
         record = {"rank": rank, "baseline": baseline, "after_setup": after_setup, "first_step": first,
                   "peak": max(first, steady), "later_steps": steady, "rss_method": RssPeak.method,
+                  "step_cpu_s": sorted(cpu)[len(cpu) // 2] if cpu else None,
                   "theory": report["theory"]["total"], "measured_states": report["measured"]["total"]}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
         dist.barrier()
@@ -171,14 +177,6 @@ def _jobs(args: argparse.Namespace) -> list[dict]:
     return jobs
 
 
-def _row(job: dict, ranks: list[dict], pred: dict) -> dict:
-    rank0 = ranks[0]
-    return {"job": job, "ranks": ranks, "predicted": pred["peak"]["total"], "phase": pred["peak"]["phase"],
-            "at_peak": pred["at_peak"], "states": pred["model_states"]["total"], "psi": pred["params"]["total"],
-            "activations": pred["activations"], "measured": rank0["peak"],
-            "measured_max": max(r["peak"] for r in ranks)}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.planner_accuracy", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["smoke", "small"])
@@ -191,24 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allocator", choices=["exact", "default", "both"], default="both",
                    help="see [Note: allocator modes]")
     p.add_argument("--out", type=Path, default=RESULTS / "planner.md")
-    p.add_argument("--render", type=Path, default=None, metavar="JSON", help="only re-render a saved run")
+    p.add_argument("--render", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="only re-render saved measurements (predictions are recomputed with the current planner)")
     args = p.parse_args(argv)
     if args.render is not None:
-        data = json.loads(args.render.read_text())
+        runs = [json.loads(path.read_text()) for path in args.render]
+        data = {**runs[0], "measurements": [m for run in runs for m in run["measurements"]]}
     else:
-        data = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "rows": [],
-                "load_before": os.getloadavg()}
-        cache: dict = {}
-        scratch = Path(os.environ.get("TMPDIR", "/tmp"), f"planner-accuracy-{os.getpid()}")
-        for job in _jobs(args):
-            t0 = time.perf_counter()
-            ranks = measure(job, scratch)
-            row = _row(job, ranks, predict(job, cache))
-            data["rows"].append(row)
-            print(f"[planner] {job['size']:>6} {job['allocator']:>7} {job['config']} N={job['world_size']}: predicted "
-                  f"{row['predicted'] / _MIB:8.1f} MiB, measured {row['measured'] / _MIB:8.1f} MiB "
-                  f"({_error(row):+.1%}) in {time.perf_counter() - t0:.0f} s", flush=True)
-        data["load_after"] = os.getloadavg()
+        data = _run(args)
         args.out.with_suffix(".json").write_text(json.dumps(data, indent=1))
     text = render(data)
     args.out.write_text(text)
@@ -216,24 +204,57 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _error(row: dict) -> float:
-    return row["predicted"] / row["measured"] - 1
+def _run(args: argparse.Namespace) -> dict:
+    data = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "measurements": [],
+            "load_before": os.getloadavg(), "argv": sys.argv[1:]}
+    cache: dict = {}
+    scratch = Path(os.environ.get("TMPDIR", "/tmp"), f"planner-accuracy-{os.getpid()}")
+    for job in _jobs(args):
+        t0 = time.perf_counter()
+        ranks = measure(job, scratch)
+        data["measurements"].append({"job": job, "ranks": ranks})
+        predicted = predict(job, cache)["peak"]["total"]
+        print(f"[planner] {job['size']:>6} {job['allocator']:>7} {job['config']} N={job['world_size']}: predicted "
+              f"{predicted / _MIB:8.1f} MiB, measured {ranks[0]['peak'] / _MIB:8.1f} MiB "
+              f"({predicted / ranks[0]['peak'] - 1:+.1%}) in {time.perf_counter() - t0:.0f} s", flush=True)
+    data["load_after"] = os.getloadavg()
+    return data
 
 
 def render(data: dict) -> str:
-    from .report import markdown  # noqa: F401  (same folder conventions; rendering is local here)
+    """Markdown tables: the planner against the exact and the default allocators."""
+    cache: dict = {}
+    rows = []
+    for m in data["measurements"]:
+        pred = predict(m["job"], cache)
+        rows.append({**m, "pred": pred, "measured": m["ranks"][0]["peak"],
+                     "measured_max": max(r["peak"] for r in m["ranks"])})
+    lines = []
+    for allocator in ("exact", "default"):
+        chosen = [r for r in rows if r["job"]["allocator"] == allocator]
+        if chosen:
+            lines += _table(allocator, chosen) + [""]
+    return "\n".join(lines)
 
-    lines = ["| size | Ψ | stage | N | predicted MiB | measured MiB (rank 0 / max) | error | phase | acts | grads | buffers |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in data["rows"]:
-        job, at = row["job"], row["at_peak"]
-        cfg = job["config"]
-        stage = f"{cfg['stage']}" + (" +offload" if cfg.get("offload_optimizer") == "cpu" else "")
-        lines.append(f"| {job['size']} | {row['psi'] / 1e6:.1f}M | {stage} | {job['world_size']} | "
-                     f"{row['predicted'] / _MIB:.1f} | {row['measured'] / _MIB:.1f} / {row['measured_max'] / _MIB:.1f} | "
-                     f"{_error(row):+.1%} | {row['phase']} | {at['activations'] / _MIB:.1f} | {at['grads'] / _MIB:.1f} | "
-                     f"{at['transient']['total'] / _MIB:.1f} |")
-    return "\n".join(lines) + "\n"
+
+def _stage_name(job: dict) -> str:
+    return f"{job['config']['stage']}" + (" +offload" if job["config"].get("offload_optimizer") == "cpu" else "")
+
+
+def _table(allocator: str, rows: list[dict]) -> list[str]:
+    lines = [f"allocator: {allocator}", "",
+             "| size | Ψ | stage | N | predicted MiB | measured MiB, rank 0 / max | error | phase of peak | "
+             "params+optim | grads | buffers | acts |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        job, pred = r["job"], r["pred"]
+        at = pred["at_peak"]
+        error = pred["peak"]["total"] / r["measured"] - 1
+        lines.append(f"| {job['size']} | {pred['params']['total'] / 1e6:.1f}M | {_stage_name(job)} | "
+                     f"{job['world_size']} | {pred['peak']['total'] / _MIB:.1f} | {r['measured'] / _MIB:.1f} / "
+                     f"{r['measured_max'] / _MIB:.1f} | {error:+.1%} | {pred['peak']['phase']} | "
+                     f"{(at['params'] + at['optimizer']) / _MIB:.1f} | {at['grads'] / _MIB:.1f} | "
+                     f"{at['transient']['total'] / _MIB:.1f} | {at['activations'] / _MIB:.1f} |")
+    return lines
 
 
 if __name__ == "__main__":

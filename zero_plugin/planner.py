@@ -12,8 +12,8 @@ whatever is gone when the other peaks):
     backward that produces them to the ``zero_grad`` after the step;
   * activations: one forward + backward traced on fake tensors (``planner_trace.py``);
   * our transient buffers, replayed at the trace's events exactly as the engine allocates them:
-    stages 0-2: a buffer per gradient bucket (``grads/bucket.py``), all held until the end of backward,
-    then (stages 1-2) the all-gather of updated parameters after the step, every bucket at once;
+    stages 0-2: a buffer per gradient bucket (``grads/bucket.py``), at most 2 buckets pending, then
+    (stages 1-2) the all-gather of updated parameters after the step, at most 2 buckets at once;
     stage 3: the root unit gathered for the whole step, each block gathered around its forward and
     backward with ``prefetch_depth`` more in flight (input ``width+2`` and output ``N*(width+2)`` in
     ``param_dtype``), reduce-scatter buffers ``N*(width+k)`` with at most 2 in flight (``stage3/``);
@@ -47,6 +47,7 @@ __all__ = ["BUILTIN_MODELS", "COST_MODEL", "SETTINGS", "SYNTHETIC_BLOCKS", "Plan
 # Ψ/N parameters up each step over PCIe, and steps on the CPU; offloading parameters copies every
 # gathered shard in, twice per step).  Ties go to the lower stage: least sharding, fewest collectives.
 COST_MODEL = {"comm": {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}, "offload_optimizer": 1.5, "offload_params": 2.0}
+_MAX_INFLIGHT = 2           # grads/reducer.py, optim/param_sync.py: bucket collectives pending at once
 _MAX_INFLIGHT_REDUCES = 2   # stage3/hooks.py
 _GATHER_TAG = 2             # stage3/unit.py
 
@@ -134,15 +135,28 @@ class _Replay:
     def on_grad(self, i: int) -> None:
         self.mem.add("device", "grads", self.plan.params[i].numel * self.pb)
 
-    def collective(self, temporary: float) -> None:
-        """[Note: gloo temporaries] On CPU (gloo, torch 2.13) ``all_gather_into_tensor`` stages its output
-        and ``reduce_scatter_tensor`` its input in a temporary of the same size (``N`` x the shard side,
-        measured with the RSS of 2 and 4 ranks); ``all_reduce`` and ``broadcast`` work in place.  The
-        temporary lives while gloo's worker thread runs the collective: counted at the launch, then
-        freed.  NCCL needs none."""
-        if self.s.device == "cpu" and temporary:
-            self.mem.add("device", "collective_temp", temporary)
-            self.mem.add("device", "collective_temp", -temporary)
+    # [Note: collective buffers] When the bytes of a collective count (measured with the RSS of 2 and
+    # 4 gloo ranks, torch 2.13):
+    #   * all-gather: input and output at the launch; on CPU gloo also stages the output in a temporary
+    #     of its size until the collective completes (counted until our wait);
+    #   * reduce-scatter: the input at the launch; the output when written: on CUDA at the launch (the
+    #     allocation), on CPU at our wait (``Comm`` issues it on gloo as an in-place all-reduce and copies
+    #     this rank's row out in the wait);
+    #   * all-reduce: in place.
+    def gather_launch(self, category: str, inp: float, out: float) -> float:
+        """Allocate an all-gather's buffers; returns the temporary to release at completion."""
+        temp = out if self.s.device == "cpu" else 0.0
+        self.mem.add("device", category, inp + out)
+        self.mem.add("device", "collective_temp", temp)
+        return temp
+
+    def gather_complete(self, temp: float) -> None:
+        self.mem.add("device", "collective_temp", -temp)
+
+    def reduce_output(self, category: str, out: float, at_launch: bool) -> None:
+        """Count a reduce-scatter's output where it becomes memory (see [Note: collective buffers])."""
+        if at_launch == (self.s.device == "cuda"):
+            self.mem.add("device", category, out)
 
     def on_fwd_pre(self, unit: int, in_backward: bool) -> None:
         pass
@@ -158,8 +172,6 @@ class _Replay:
         locals_ = [self.local(i) if self.s.stage else self.plan.params[i].numel for i in self.trainable] or [0]
         if self.separate_masters():
             self.mem.add(self.place("master_grads"), "step", sum(locals_) * self.mb)
-        self.mem.add("device", "step", max(locals_))            # torch.isfinite(grad), one at a time
-        self.mem.add("device", "step", -max(locals_))
         temp = self.optimizer_temporaries(locals_)
         self.mem.add(self.place("optimizer"), "step", temp)
         self.mem.add(self.place("optimizer"), "step", -temp)
@@ -184,28 +196,31 @@ class _Replay:
 
 
 class _ReplicatedReplay(_Replay):
-    """Stages 0-2: full parameters; bucketed all-reduce (0) or reduce-scatter (1-2) of gradients."""
+    """Stages 0-2 (``grads/reducer.py``, ``optim/param_sync.py``): full parameters; gradients bucketed and
+    all-reduced (0) or reduce-scattered (1-2), at most ``_MAX_INFLIGHT`` buckets pending."""
 
     def __init__(self, plan: "Planner", s: _Setting, theory: dict[str, float]) -> None:
         super().__init__(plan, s, theory)
         self.sharded = s.stage > 0
-        self.buckets = self._buckets(sharded=self.sharded)
+        self.buckets = self._buckets()
         self.bucket_of = {i: b for b, (idx, _, _) in enumerate(self.buckets) for i in idx}
         self.ready = [0] * len(self.buckets)
         self.launched: set[int] = set()
+        self.inflight: list[int] = []
 
-    def _buckets(self, sharded: bool) -> list[tuple[list[int], int, float]]:
-        """(param indices, width, collective buffer bytes) per bucket, as ``grads/bucket.py`` cuts them."""
+    def _buckets(self) -> list[tuple[list[int], int, int]]:
+        """(param indices, width, flags) per bucket, cut as ``grads/bucket.py`` cuts them."""
         slots = [SimpleNamespace(index=i, param=SimpleNamespace(numel=lambda i=i: self.plan.params[i].numel,
                                                                 element_size=lambda: self.pb),
-                                 layout=ShardLayout(self.plan.params[i].numel, self.n if sharded else 1, 0))
+                                 layout=ShardLayout(self.plan.params[i].numel, self.n if self.sharded else 1, 0))
                  for i in self.trainable]
-        out = []
-        for b in plan_buckets(slots, int(self.s.config.bucket_size_mb * 2**20), sharded=sharded):
-            k = len(b.slots)
-            nbytes = ((self.n + 1) * (b.width + k) if sharded else b.width + k) * self.rb
-            out.append(([slot.index for slot in b.slots], b.width, nbytes))
-        return out
+        return [([slot.index for slot in b.slots], b.width, len(b.slots))
+                for b in plan_buckets(slots, int(self.s.config.bucket_size_mb * 2**20), sharded=self.sharded)]
+
+    def buffer_bytes(self, b: int) -> tuple[float, float]:
+        """(input, output) bytes of bucket ``b``'s collective: all-reduce in place, reduce-scatter N:1."""
+        _, width, k = self.buckets[b]
+        return ((self.n if self.sharded else 1) * (width + k) * self.rb, (width + k) * self.rb if self.sharded else 0)
 
     def on_grad(self, i: int) -> None:
         super().on_grad(i)
@@ -213,32 +228,49 @@ class _ReplicatedReplay(_Replay):
         self.ready[b] += 1
         if self.ready[b] == len(self.buckets[b][0]):
             self.launch(b)
+            self.inflight.append(b)
+            while len(self.inflight) > _MAX_INFLIGHT:
+                self.complete(self.inflight.pop(0))
 
     def launch(self, b: int) -> None:
         self.launched.add(b)
-        self.mem.add("device", "reduce_buffers", self.buckets[b][2])
+        inp, out = self.buffer_bytes(b)
+        self.mem.add("device", "reduce_buffers", inp)
         if self.s.stage == 2:   # ZeRO-2: the full gradients go as soon as they are in the buffer
             self.mem.add("device", "grads", -sum(self.plan.params[i].numel for i in self.buckets[b][0]) * self.pb)
-        if self.sharded:
-            self.collective(self.buckets[b][2] * self.n / (self.n + 1))
+        self.reduce_output("reduce_buffers", out, at_launch=True)
+
+    def complete(self, b: int) -> None:
+        inp, out = self.buffer_bytes(b)
+        self.reduce_output("reduce_buffers", out, at_launch=False)
+        if self.s.stage == 2:   # the owned shards are views of the bucket's output (or a cast copy of it)
+            same = self.rb == self.pb
+            shards = out if same else sum(self.local(i) for i in self.buckets[b][0]) * self.pb
+            self.mem.add(self.place("grad_shards"), "grad_shards", shards)
+        self.mem.add("device", "reduce_buffers", -(inp + out))
 
     def finish_backward(self) -> None:
         for b in range(len(self.buckets)):
             if b not in self.launched:
                 self.launch(b)
-        for idx, _, nbytes in self.buckets:
-            if self.s.stage == 2:
-                self.mem.add(self.place("grad_shards"), "grad_shards", sum(self.local(i) for i in idx) * self.pb)
-            self.mem.add("device", "reduce_buffers", -nbytes)
+                self.inflight.append(b)
+        for b in sorted(self.inflight):
+            self.complete(b)
+        self.inflight.clear()
 
     def after_step(self) -> None:
         if self.s.stage == 2:
             self.mem.bytes.pop((self.place("grad_shards"), "grad_shards"), None)
-        if self.s.stage in (1, 2) and self.n > 1:   # optim/param_sync.py: every bucket in flight at once
+        if self.s.stage in (1, 2) and self.n > 1:   # at most _MAX_INFLIGHT buckets gathered at once
             self.mem.phase = "all-gather"
-            for _, width, _ in self._buckets(sharded=True):
-                self.mem.add("device", "allgather_buffers", (self.n + 1) * width * self.pb)
-                self.collective(self.n * width * self.pb)
+            pending: list[tuple[float, float]] = []
+            for _, width, _ in self.buckets:
+                inp, out = width * self.pb, self.n * width * self.pb
+                pending.append((inp + out, self.gather_launch("allgather_buffers", inp, out)))
+                if len(pending) > _MAX_INFLIGHT:
+                    buffers, temp = pending.pop(0)
+                    self.gather_complete(temp)
+                    self.mem.add("device", "allgather_buffers", -buffers)
 
 
 class _Stage3Replay(_Replay):
@@ -252,35 +284,34 @@ class _Stage3Replay(_Replay):
         train = {u: [i for i in members[u] if plan.params[i].requires_grad] for u in units}
         self.n_train = {u: len(train[u]) for u in units}
         self.full = {u: sum(plan.params[i].numel for i in members[u]) * self.pb for u in units}
-        self.gather_buf = {u: self._buffer(members[u], _GATHER_TAG, self.pb) for u in units}
-        self.reduce_buf = {u: self._buffer(train[u], len(train[u]), self.rb) for u in units}
+        self.gather_buf = {u: self._width(members[u], _GATHER_TAG) * self.pb for u in units}      # per rank
+        self.reduce_buf = {u: self._width(train[u], len(train[u])) * self.rb for u in units}    # per rank
         grad_bytes = self.mb if self.shard_is_master else self.pb
         self.shard_grads = {u: sum(self.local(i) for i in train[u]) * grad_bytes for u in units}
         self.wrapped = {ev[1] for ev in plan.trace.events if ev[0] == "bwd_post"}
         self.gathered: set[int] = set()
-        self.inflight: set[int] = set()
+        self.inflight: dict[int, float] = {}     # unit -> its gather's temporary
         self.reduces: deque[int] = deque()
         self.reduced: set[int] = set()
         self.post: set[int] = set()
         self.ready = {u: 0 for u in units}
 
-    def _buffer(self, idx: list[int], extra: int, nbytes: int) -> float:
-        """A unit's collective buffers: one side ``width + extra`` elements, the other ``N`` times that."""
-        if not idx:
-            return 0.0
-        width = sum(ShardLayout(self.plan.params[i].numel, self.n, 0).shard_numel for i in idx)
-        return (self.n + 1) * (width + extra) * nbytes
+    def _width(self, idx: list[int], extra: int) -> int:
+        """Elements per rank in a unit's collective (``stage3/unit.py``): padded shards plus the extras."""
+        return sum(ShardLayout(self.plan.params[i].numel, self.n, 0).shard_numel for i in idx) + extra if idx else 0
 
     # -- gather / release (stage3/unit.py) -------------------------------------------------------
+    def gather(self, u: int) -> None:
+        self.inflight[u] = self.gather_launch("gather_buffers", self.gather_buf[u], self.n * self.gather_buf[u])
+
     def ensure(self, u: int) -> None:
         if u in self.gathered:
             return
         if u not in self.inflight:
-            self.mem.add("device", "gather_buffers", self.gather_buf[u])
-            self.collective(self.gather_buf[u] * self.n / (self.n + 1))
-        self.inflight.discard(u)
-        self.mem.add("device", "gathered", self.full[u])          # to_unsharded while the buffer is alive
-        self.mem.add("device", "gather_buffers", -self.gather_buf[u])
+            self.gather(u)
+        self.gather_complete(self.inflight.pop(u))
+        self.mem.add("device", "gathered", self.full[u])          # to_unsharded while the buffers are alive
+        self.mem.add("device", "gather_buffers", -(self.n + 1) * self.gather_buf[u])
         self.gathered.add(u)
 
     def prefetch(self, u: int, direction: int) -> None:
@@ -291,9 +322,7 @@ class _Stage3Replay(_Replay):
         span = self.order[i + 1: i + 1 + depth] if direction > 0 else list(reversed(self.order[max(0, i - depth): i]))
         for v in span:
             if v not in self.gathered and v not in self.inflight:
-                self.inflight.add(v)
-                self.mem.add("device", "gather_buffers", self.gather_buf[v])
-                self.collective(self.gather_buf[v] * self.n / (self.n + 1))
+                self.gather(v)
 
     def reshard(self, u: int) -> None:
         if u in self.inflight:
@@ -311,7 +340,7 @@ class _Stage3Replay(_Replay):
     def on_fwd_post(self, u: int, in_backward: bool) -> None:
         if in_backward or not self.s.config.reshard_after_forward:
             return
-        for v in ([w for w in self.gathered | self.inflight if w != 0] if u == 0 else [u]):
+        for v in ([w for w in self.gathered | set(self.inflight) if w != 0] if u == 0 else [u]):
             self.reshard(v)
 
     def on_bwd_pre(self, u: int, in_backward: bool) -> None:
@@ -334,17 +363,18 @@ class _Stage3Replay(_Replay):
 
     def launch(self, u: int) -> None:
         self.reduced.add(u)
-        self.mem.add("device", "reduce_buffers", self.reduce_buf[u])
+        self.mem.add("device", "reduce_buffers", self.n * self.reduce_buf[u])
         members = [i for i, p in enumerate(self.plan.params) if p.unit == u and p.requires_grad and p.numel]
         self.mem.add("device", "grads", -sum(self.plan.params[i].numel for i in members) * self.pb)
-        self.collective(self.reduce_buf[u] * self.n / (self.n + 1))
+        self.reduce_output("reduce_buffers", self.reduce_buf[u], at_launch=True)
         self.reduces.append(u)
         while len(self.reduces) > _MAX_INFLIGHT_REDUCES:
             self.complete(self.reduces.popleft())
 
     def complete(self, u: int) -> None:
+        self.reduce_output("reduce_buffers", self.reduce_buf[u], at_launch=False)
         self.mem.add(self.place("grad_shards"), "grad_shards", self.shard_grads[u])
-        self.mem.add("device", "reduce_buffers", -self.reduce_buf[u])
+        self.mem.add("device", "reduce_buffers", -(self.n + 1) * self.reduce_buf[u])
 
     def finish_backward(self) -> None:
         for u in sorted(self.n_train):
@@ -352,7 +382,7 @@ class _Stage3Replay(_Replay):
                 self.launch(u)
         while self.reduces:
             self.complete(self.reduces.popleft())
-        for u in list(self.gathered | self.inflight):
+        for u in list(self.gathered | set(self.inflight)):
             self.reshard(u)
 
     def after_step(self) -> None:
