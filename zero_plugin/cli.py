@@ -59,8 +59,10 @@ def _planner(args: argparse.Namespace):
                    device=args.device)
 
 
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / _GIB:8.2f}"
+def _unit(rows: list[dict]) -> tuple[str, float]:
+    """GiB, or MiB when every peak is under 1 GiB."""
+    big = max((max(r["peak"]["device"], r["peak"]["host"]) for r in rows), default=0)
+    return ("GiB", _GIB) if big >= _GIB else ("MiB", 2**20)
 
 
 def _offload_name(row: dict) -> str:
@@ -85,18 +87,25 @@ def _header(plan, args: argparse.Namespace) -> list[str]:
 
 
 def _table(rows: list[dict]) -> list[str]:
+    name, scale = _unit(rows)
     head = (f"{'stage':>5} {'offload':>12} | {'params':>8} {'grads':>8} {'optim':>8} {'states':>8} | "
             f"{'grads':>8} {'buffers':>8} {'acts':>8} | {'device':>8} {'host':>8}  phase")
-    lines = [f"{'':>18} | {'model states, GiB (ZeRO paper)':^35} | {'at the device peak, GiB':^26} | "
-             f"{'peak per rank, GiB':^17}", head, "-" * len(head)]
+    lines = [f"{'':>18} | {f'model states, {name} (ZeRO paper)':^35} | {f'at the peak, {name}':^26} | "
+             f"{f'peak per rank, {name}':^17}", head, "-" * len(head)]
     for r in rows:
         t, at = r["model_states"], r["at_peak"]
-        lines.append(f"{r['stage']:>5} {_offload_name(r):>12} | {_gib(t['params'])} {_gib(t['grads'])} "
-                     f"{_gib(t['optimizer'])} {_gib(t['total'])} | {_gib(at['grads'])} "
-                     f"{_gib(at['transient']['total'])} {_gib(at['activations'])} | {_gib(r['peak']['device'])} "
-                     f"{_gib(r['peak']['host'])}  {r['peak']['phase']}")
-    lines.append("device peak = parameters + optimizer state on the device + the gradients, buffers (gathered "
-                 "units, collective buffers, optimizer temporaries) and activations alive at that moment")
+        cells = [t["params"], t["grads"], t["optimizer"], t["total"], at["grads"], at["transient"]["total"],
+                 at["activations"], r["peak"]["device"], r["peak"]["host"]]
+        v = [f"{c / scale:8.2f}" for c in cells]
+        lines.append(f"{r['stage']:>5} {_offload_name(r):>12} | {' '.join(v[:4])} | {' '.join(v[4:7])} | "
+                     f"{' '.join(v[7:])}  {r['peak']['phase']}")
+    lines.append("peak = parameters + optimizer state + the gradients, buffers (gathered units, collective "
+                 "buffers, optimizer temporaries) and activations alive at that moment (live tensor bytes)")
+    if rows and rows[0]["device"] == "cpu":
+        slack = rows[0]["activations"]["peak"]
+        lines.append(f"cpu: device and host are one memory (per rank: device + host); glibc's default malloc keeps "
+                     f"freed blocks: expect about {slack / scale:.2f} {name} (one activation peak) more RSS, or run "
+                     "with MALLOC_MMAP_THRESHOLD_=131072 (see zero_plugin/planner.py, [Note: glibc slack])")
     return lines
 
 

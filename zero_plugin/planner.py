@@ -19,8 +19,13 @@ whatever is gone when the other peaks):
     ``param_dtype``), reduce-scatter buffers ``N*(width+k)`` with at most 2 in flight (``stage3/``);
   * the optimizer step: AdamW on one tensor at a time allocates two parameter-sized temporaries
     (CPU default), ``foreach`` one list of all of them (CUDA default), the fused kernel none (offload).
-Allocator slack (memory the allocator holds beyond live tensors) is not part of the estimate; see
-``benchmarks/results/planner.md`` for how the prediction compares with the peak RSS of real runs.
+The estimate counts live tensor bytes: what ``torch.cuda.max_memory_allocated`` reports on a GPU, and
+the peak RSS of a CPU run whose allocator returns freed blocks (``benchmarks/planner_accuracy.py``,
+"exact" allocator).  [Note: glibc slack] With glibc's default malloc, freed blocks up to 32 MiB stay
+in the heap (its mmap threshold rises to the largest block freed), so a CPU run's peak RSS is higher:
+``rss_glibc`` (device "cpu" only) adds one activation peak, the documented slack term that the runs
+in ``benchmarks/results/planner.md`` support (the heap keeps the freed blocks of one step's
+activations; see the numbers there for how well it holds).
 """
 from __future__ import annotations
 
@@ -167,7 +172,8 @@ class _Replay:
         pass
 
     def step(self) -> None:
-        """before_step (master grads, non-finite check), the optimizer's temporaries, after_step."""
+        """before_step (gradients copied to separate masters), the optimizer's temporaries, after_step.
+        The non-finite check allocates nothing that counts (one fp32 sum per gradient)."""
         self.mem.phase = "step"
         locals_ = [self.local(i) if self.s.stage else self.plan.params[i].numel for i in self.trainable] or [0]
         if self.separate_masters():
@@ -179,17 +185,20 @@ class _Replay:
         self.after_step()
 
     def separate_masters(self) -> bool:
-        mixed = self.plan.mixed(self.s.config)
+        mixed = self.plan.mixed
         if self.s.stage == 3:
             return not self.shard_is_master and (mixed or (self.s.offload and self.s.device == "cuda"))
         return mixed or (self.s.offload and self.s.device == "cuda")
 
     def optimizer_temporaries(self, locals_: list[int]) -> float:
-        if self.s.offload or (self.s.offload_params and self.s.device == "cuda"):
-            return 0.0                          # torch's fused CPU kernel (optim/offload.py)
-        if self.s.device == "cuda":
-            return sum(locals_) * self.mb       # foreach: one sqrt temporary per parameter, all at once
-        return 2.0 * max(locals_) * self.mb     # single tensor: sqrt and the division, per parameter
+        """AdamW's temporaries: the fused CPU kernel (offload, optim/offload.py) needs none; torch's default
+        on CUDA (foreach) one sqrt per parameter, all at once; on CPU (one tensor at a time) the sqrt and
+        the division of the largest parameter."""
+        if self.s.offload:
+            return 0.0
+        if self.s.device == "cuda" and not self.s.offload_params:
+            return sum(locals_) * self.mb
+        return 2.0 * max(locals_) * self.mb
 
     def after_step(self) -> None:
         pass
@@ -430,6 +439,10 @@ class Planner:
             self.model_dtype = next((p.dtype for p in resolved.parameters() if p.is_floating_point()), torch.float32)
             self.trace = self._trace(inputs, loss_fn)
         self.params: list[ParamInfo] = self.trace.params
+        cfg = self.config   # precision as memory.py decides it
+        self.mixed = cfg.param_dtype is not None and cfg.param_dtype != cfg.master_dtype
+        self.param_bytes = (cfg.param_dtype or self.model_dtype).itemsize
+        self.master_bytes = cfg.master_dtype.itemsize if self.mixed else self.param_bytes
 
     def _trace(self, inputs: Callable | None, loss_fn: Callable | None) -> Trace:
         from .stage3.policy import assign_units
@@ -457,31 +470,19 @@ class Planner:
         total = sum(p.numel for p in self.params)
         return {"total": total, "trainable": trainable, "frozen": total - trainable}
 
-    @property
-    def param_bytes(self) -> int:
-        return (self.config.param_dtype or self.model_dtype).itemsize
-
-    def mixed(self, config: ZeroConfig | None = None) -> bool:
-        cfg = config or self.config   # as memory.py decides it
-        return cfg.param_dtype is not None and cfg.param_dtype != cfg.master_dtype
-
-    @property
-    def master_bytes(self) -> int:
-        return self.config.master_dtype.itemsize if self.mixed() else self.param_bytes
-
     def reduce_bytes(self, config: ZeroConfig) -> int:
         dtype = config.effective_reduce_dtype
         return dtype.itemsize if dtype is not None else self.param_bytes
 
     def shard_is_master(self, s: _Setting) -> bool:
         """Stage 3 keeps one fp32 shard as parameter and master unless offload moves masters off the device."""
-        return s.stage == 3 and self.mixed() and not (s.offload and s.device == "cuda")
+        return s.stage == 3 and self.mixed and not (s.offload and s.device == "cuda")
 
     def theory(self, s: _Setting) -> dict[str, float]:
         c = self.counts
         return theory_bytes(stage=s.stage, world_size=s.world_size, trainable=c["trainable"], frozen=c["frozen"],
                             param_bytes=self.param_bytes, master_bytes=self.master_bytes,
-                            state_per_param=self.state_per_param, mixed=self.mixed(),
+                            state_per_param=self.state_per_param, mixed=self.mixed,
                             shard_is_master=self.shard_is_master(s))
 
     # -- estimates ----------------------------------------------------------------------------------
@@ -531,7 +532,9 @@ def cost(stage: int, offload: bool, offload_params: bool) -> float:
 
 
 def _result(plan: Planner, s: _Setting, theory: dict[str, float], replay: _Replay, mem: _Memory) -> dict:
-    device_peak, at = mem.peaks["device"]
+    """The result dict; ``at_peak`` breaks down the device peak (CUDA) or the one-memory peak (CPU)."""
+    device_peak = mem.peaks["device"][0]
+    at = mem.peaks["total" if s.device == "cpu" else "device"][1]
     grads = at.get("grads", 0.0) + at.get("grad_shards", 0.0)
     transient = {k: at.get(k, 0.0) for k in ("gathered", "gather_buffers", "reduce_buffers", "allgather_buffers",
                                             "collective_temp", "step")}
@@ -549,6 +552,7 @@ def _result(plan: Planner, s: _Setting, theory: dict[str, float], replay: _Repla
                     "grads": grads, "transient": transient, "activations": at["activations"]},
         "peak": {"device": device_peak, "host": mem.peaks["host"][0], "total": mem.peaks["total"][0],
                  "phase": at["phase"]},
+        **({"rss_glibc": mem.peaks["total"][0] + plan.trace.peak_bytes} if s.device == "cpu" else {}),
     }
 
 

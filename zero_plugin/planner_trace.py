@@ -1,4 +1,8 @@
-"""One forward + backward on fake tensors, recorded as a timeline for the memory planner.
+"""What the memory planner traces, and the trace: one forward + backward on fake tensors as a timeline.
+
+Models come from ``resolve_model``: an ``nn.Module``, a transformers config, a built-in name
+(``BUILTIN_MODELS``), a config file/folder or Hub id (built on the meta device), or a bare parameter
+count (``synthetic_trace``: equal blocks, no activations).
 
 [Note: fake trace]
 The model runs once under ``FakeTensorMode`` (shapes and dtypes, no data, no memory), with a
@@ -201,7 +205,7 @@ class _SavedBytes:
         return t
 
 
-def fake_parameters(model: nn.Module, mode, param_dtype: torch.dtype | None) -> tuple[dict, dict]:
+def _fake_parameters(model: nn.Module, mode, param_dtype: torch.dtype | None) -> tuple[dict, dict]:
     """Fake stand-ins for the model's parameters (cast to ``param_dtype``) and buffers."""
     def fake_like(t: torch.Tensor, dtype: torch.dtype, requires_grad: bool) -> torch.Tensor:
         with mode:
@@ -245,7 +249,7 @@ def trace_model(model: nn.Module, units: list[nn.Module], owner: dict[int, int],
     named = list(model.named_parameters())
     infos = [ParamInfo(n, p.numel(), p.requires_grad, owner.get(id(p), 0)) for n, p in named]
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    fparams, fbuffers = fake_parameters(model, mode, param_dtype)
+    fparams, fbuffers = _fake_parameters(model, mode, param_dtype)
     with mode:
         args, kwargs = make_inputs()
     external = {_key(t) for t in [*fparams.values(), *fbuffers.values()]}
@@ -305,6 +309,8 @@ def _load_config(name: str | os.PathLike):
 
 
 def _meta_model(config) -> nn.Module:
+    """The model of a transformers config on the meta device, in fp32 whatever ``config.dtype`` says:
+    the plan's precision is ``param_dtype`` over fp32 masters, not the dtype a checkpoint was saved in."""
     from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
 
     from .materialize import empty_model
@@ -313,9 +319,10 @@ def _meta_model(config) -> nn.Module:
         raise ValueError(f"planner: expected an nn.Module, a transformers config, a model name or path, or a "
                          f"parameter count; got {type(config).__name__}")
     try:
-        return empty_model(lambda: AutoModelForCausalLM.from_config(config))
+        model = empty_model(lambda: AutoModelForCausalLM.from_config(config))
     except ValueError:   # not a causal LM architecture
-        return empty_model(lambda: AutoModel.from_config(config))
+        model = empty_model(lambda: AutoModel.from_config(config))
+    return model.float()
 
 
 def hf_inputs(model: nn.Module, batch: int, seq: int) -> Callable[[], tuple[tuple, dict]]:
