@@ -181,6 +181,13 @@ def test_stage3_transient_counts_root_and_prefetched_blocks():
     assert r["peak"]["total"] >= r["model_states"]["params"] + r["model_states"]["optimizer"]
 
 
+def test_cpu_estimate_documents_glibc_slack():
+    plan = zpp.Planner(_tiny_llama(), batch=2, seq=16, device="cpu")
+    r = plan.estimate(2, 2)
+    assert r["rss_glibc"] == r["peak"]["total"] + plan.trace.peak_bytes
+    assert "rss_glibc" not in zpp.Planner(_tiny_llama(), batch=2, seq=16).estimate(2, 2)
+
+
 # -- CLI -------------------------------------------------------------------------------------------------
 def test_cli_table(capsys):
     assert main(["estimate", "--model", "tiny-llama", "--world-size", "2", "--batch", "2", "--seq", "16"]) == 0
