@@ -206,10 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.render is not None:
         runs = [json.loads(path.read_text()) for path in args.render]
-        data = {**runs[0], "measurements": [m for run in runs for m in run["measurements"]]}
+        data = {"runs": [h for run in runs for h in run.get("runs") or [{k: v for k, v in run.items()
+                                                                         if k != "measurements"}]],
+                "measurements": [m for run in runs for m in run["measurements"]]}
+        if args.out.suffix == ".md":
+            args.out.with_suffix(".json").write_text(json.dumps(data, indent=1))
     else:
-        data = _run(args)
-        args.out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+        run = _run(args)
+        args.out.with_suffix(".json").write_text(json.dumps(run, indent=1))
+        data = {"runs": [{k: v for k, v in run.items() if k != "measurements"}], "measurements": run["measurements"]}
     text = render(data)
     args.out.write_text(text)
     print(text)
@@ -246,17 +251,58 @@ def render(data: dict) -> str:
         rows.append({**m, "pred": pred, "measured": m["ranks"][0]["peak"],
                      "measured_max": max(r["peak"] for r in m["ranks"])})
     engines = sorted({r.get("engine", "?") for r in rows})
-    load = " / ".join(f"{x:.1f}" for x in data.get("load_before", [])) or "?"
-    lines = ["# Memory planner against measured peak RSS", "",
-             f"Run {data.get('started', '?')}, `python -m benchmarks.planner_accuracy {' '.join(data.get('argv', []))}`"
-             f", load average before {load} on {os.cpu_count()} cores; engine sources {', '.join(engines)} "
-             f"(sha256 of zero_plugin/ minus the planner; the planner now replays {engine_fingerprint()}"
-             + ("" if engines == [engine_fingerprint()] else ": DIFFERENT, re-measure") + ").", "", _ABOUT, ""]
+    lines = ["# Memory planner against measured peak RSS", ""]
+    for run in data["runs"]:
+        load = " / ".join(f"{x:.1f}" for x in run.get("load_before", [])) or "?"
+        lines.append(f"- {run.get('started', '?')}: `python -m benchmarks.planner_accuracy "
+                     f"{' '.join(run.get('argv', []))}`, load average before {load} ({os.cpu_count()} cores)")
+    lines += ["", f"Engine sources measured: {', '.join(engines)} (sha256 of `zero_plugin/` without the planner); "
+                  f"the planner replays {engine_fingerprint()}"
+                  + ("." if engines == [engine_fingerprint()] else ": DIFFERENT, re-measure."), "", _ABOUT, ""]
     for allocator in ("exact", "default"):
         chosen = [r for r in rows if r["job"]["allocator"] == allocator]
         if chosen:
             lines += [f"## Allocator: {allocator}", ""] + _table(allocator, chosen) + [""]
-    return "\n".join(lines + [_FINDINGS])
+    return "\n".join(lines + [_cpu_cost(rows), "", _slack_summary(rows), "", _FINDINGS])
+
+
+def _pairs(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """Rows of the same configuration, by allocator."""
+    out: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        key = (r["job"]["size"], r["job"]["world_size"], json.dumps(r["job"]["config"], sort_keys=True))
+        out.setdefault(key, {})[r["job"]["allocator"]] = r
+    return out
+
+
+def _slack_summary(rows: list[dict]) -> str:
+    """Default-allocator RSS above the exact one, in activation peaks, per model size; spread over ranks."""
+    by_size: dict[str, list[float]] = {}
+    spread: dict[str, list[float]] = {"exact": [], "default": []}
+    for (size, _, _), pair in _pairs(rows).items():
+        if "exact" in pair and "default" in pair:
+            acts = pair["exact"]["pred"]["activations"]["peak"]
+            by_size.setdefault(size, []).append((pair["default"]["measured"] - pair["exact"]["measured"]) / acts)
+            for allocator in spread:
+                peaks = [r["peak"] for r in pair[allocator]["ranks"]]
+                spread[allocator].append(max(peaks) / min(peaks) - 1)
+    if not by_size:
+        return ""
+    sizes = "; ".join(f"{size} {min(v):.2f}-{max(v):.2f}" for size, v in by_size.items())
+    return (f"Default-allocator RSS above the exact allocator's, in activation peaks of the same run: {sizes}. "
+            f"The ranks of one run differ in peak RSS by up to {max(spread['default']):.0%} with the default "
+            f"allocator, {max(spread['exact']):.1%} with the exact one.")
+
+
+def _cpu_cost(rows: list[dict]) -> str:
+    """Median ratio of step CPU time, exact over default allocator, over the configurations run in both."""
+    cpu = {k: {a: r["ranks"][0].get("step_cpu_s") for a, r in v.items()} for k, v in _pairs(rows).items()}
+    ratios = sorted(v["exact"] / v["default"] for v in cpu.values() if v.get("exact") and v.get("default"))
+    if not ratios:
+        return ""
+    return (f"Step CPU time with the exact allocator over the default: median {ratios[len(ratios) // 2]:.2f}x "
+            f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)} configurations; every freed block "
+            "goes back to the kernel and every new one is page-faulted in again).")
 
 
 _ABOUT = """\
@@ -283,24 +329,27 @@ _FINDINGS = """\
 
 - **gloo temporaries** (2 and 4 ranks, torch 2.13, 32 MiB tensors, outputs pre-touched): the peak RSS
   rises by the output's size during `all_gather_into_tensor` and by the input's size during
-  `reduce_scatter_tensor`; `all_reduce` and `broadcast` add nothing. `Comm` now issues sum
-  reduce-scatters on gloo as in-place all-reduces, so only all-gathers (stage 1-2 parameter sync,
-  stage-3 unit gathers) carry the temporary. The planner counts it until our wait.
-- **Output pages count when written**: the reduce-scatter output (`torch.empty`) only becomes resident
-  when `Comm` copies this rank's row into it at the wait; counting it at the launch overestimated
-  stage 1 by 3-4%.
-- **Peak phase**: with these small models the peak is the start of backward (logits, log-softmax and
-  its gradient: 4 x 128 x 32000 fp32 values each) for stages 0, 2 and 3, and the parameter all-gather
-  after the step for stage 1 (full gradients + the all-gather buffers of up to 3 buckets + gloo's
-  temporary).
+  `reduce_scatter_tensor`; `all_reduce` and `broadcast` add nothing. `Comm` issues sum reduce-scatters
+  on gloo as in-place all-reduces, so only all-gathers (stage 1-2 parameter sync after the step,
+  stage-3 unit gathers) carry the temporary; the planner counts it until our wait.
+- **Pages count when written**: a reduce-scatter's output (`torch.empty`) becomes resident when `Comm`
+  copies this rank's row into it at the wait, not at the launch (counting it at the launch
+  overestimated stage 1 by 3-4%). On CUDA the allocation is what counts, so there it is at the launch.
+- **"At most 2 in flight" is 3 at its peak**: the gradient reducer and the parameter all-gather launch
+  the next bucket before completing the oldest, so three buckets' buffers coexist for a moment.
+- **Where the peak falls**: at the start of backward (logits, log-softmax and its gradient) for stages
+  0, 2 and 3 with these models; for stage 1 at the parameter all-gather after the step, where the full
+  gradients (freed only by `zero_grad`) meet up to three buckets' all-gather buffers and gloo's
+  temporary.
 - **Allocator slack** (default mode): glibc's mmap threshold rises to the largest block freed (up to
-  32 MiB), after which activation- and bucket-sized blocks come from the heap and the heap does not
-  shrink below long-lived blocks allocated later (the optimizer state, created in the first step); MKL
-  keeps its gemm packing buffers (about 11 MiB here) and each gloo thread keeps its arena. Measured RSS
-  exceeds live bytes by 0.65-0.95 activation peaks for the 58M model and by 0.8-2.4 for the 5.7M model,
-  and differs between the ranks of one run by up to 30%: no simple term fits that to 10%. One
-  activation peak is the documented slack; for the numbers to match the plan on CPU, run with
-  `MALLOC_MMAP_THRESHOLD_=131072` (what the exact mode does)."""
+  32 MiB); from then on activation- and bucket-sized blocks come from the heap, which does not shrink
+  below blocks allocated later (the optimizer state, created in the first step). MKL keeps its gemm
+  packing buffers (about 11 MiB here) and every gloo thread its own arena. The excess over live bytes
+  is roughly one activation peak for the larger models and up to about two for the 5.7M model, where
+  those fixed per-process caches weigh more, and it differs between the ranks of one run (numbers
+  above). No simple term reproduces that to 10%; `rss_glibc` (live peak + one activation peak) is the
+  documented estimate, and a CPU run that must match the plan can set `MALLOC_MMAP_THRESHOLD_=131072`
+  at the CPU cost above."""
 
 
 def _stage_name(job: dict) -> str:
@@ -312,9 +361,10 @@ def _table(allocator: str, rows: list[dict]) -> list[str]:
     peak plus the documented slack term, see [Note: glibc slack] in zero_plugin/planner.py)."""
     key = "rss_glibc" if allocator == "default" else "total"
     head = "predicted + slack MiB" if allocator == "default" else "predicted MiB"
-    lines = [f"allocator: **{allocator}** (compared with `{key}`)", "",
+    lines = [f"Compared with `{key}`.", "",
              f"| size | Ψ | stage | N | {head} | measured MiB, rank 0 / max | error | live peak MiB | phase | "
-             "params+optim | grads | buffers | acts | step CPU s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "params+optim | grads | buffers | acts | step CPU s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     errors = []
     for r in rows:
         job, pred = r["job"], r["pred"]

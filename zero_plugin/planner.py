@@ -35,7 +35,6 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from ._flat import ShardLayout
 from .config import ZeroConfig
@@ -44,7 +43,8 @@ from .memory import theory_bytes
 from .planner_trace import (BUILTIN_MODELS, SYNTHETIC_BLOCKS, ParamInfo, Trace, checkpointing, default_loss,
                             hf_inputs, resolve_model, synthetic_trace, trace_model)
 
-__all__ = ["BUILTIN_MODELS", "COST_MODEL", "SETTINGS", "SYNTHETIC_BLOCKS", "Planner", "cost", "estimate", "resolve_model"]
+__all__ = ["BUILTIN_MODELS", "COST_MODEL", "SETTINGS", "SYNTHETIC_BLOCKS", "Planner", "cost", "estimate",
+           "resolve_model"]
 
 # Relative step cost used by ``Planner.fit`` to rank settings that fit (lower is faster):
 # communication per step in units of Ψ (ZeRO paper section 7: 2Ψ for stages 0-2, 3Ψ for stage 3),
@@ -77,12 +77,14 @@ class _Memory:
         host = sum(v for (p, _), v in self.bytes.items() if p == "host")
         for name, value in (("device", device), ("host", host), ("total", device + host)):
             if value > self.peaks.get(name, (-1.0, None))[0]:
-                self.peaks[name] = (value, {"phase": self.phase, "activations": acts, **self._by_category()})
+                self.peaks[name] = (value, {"phase": self.phase, "activations": acts, "bytes": dict(self.bytes)})
 
-    def _by_category(self) -> dict[str, float]:
+    @staticmethod
+    def by_category(snapshot: dict, places: tuple[str, ...]) -> dict[str, float]:
         out: dict[str, float] = {}
-        for (_, cat), v in self.bytes.items():
-            out[cat] = out.get(cat, 0.0) + v
+        for (place, cat), v in snapshot["bytes"].items():
+            if place in places:
+                out[cat] = out.get(cat, 0.0) + v
         return out
 
 
@@ -512,6 +514,10 @@ class Planner:
         ``margin``: fraction of each memory kept free (CUDA context, allocator fragmentation, the
         process itself).  ``ranks_per_host``: ranks sharing one machine's host memory (default min(N, 8)).
         """
+        if not 0 <= margin < 1:
+            raise ValueError(f"planner: margin must be a fraction in [0, 1); got {margin!r}")
+        if ranks_per_host is not None and (not isinstance(ranks_per_host, int) or ranks_per_host < 1):
+            raise ValueError(f"planner: ranks_per_host must be an int >= 1; got {ranks_per_host!r}")
         per_host = ranks_per_host or min(world_size, 8)
         rows = []
         for r in self.rows(world_size, settings):
@@ -534,7 +540,8 @@ def cost(stage: int, offload: bool, offload_params: bool) -> float:
 def _result(plan: Planner, s: _Setting, theory: dict[str, float], replay: _Replay, mem: _Memory) -> dict:
     """The result dict; ``at_peak`` breaks down the device peak (CUDA) or the one-memory peak (CPU)."""
     device_peak = mem.peaks["device"][0]
-    at = mem.peaks["total" if s.device == "cpu" else "device"][1]
+    snapshot = mem.peaks["total" if s.device == "cpu" else "device"][1]
+    at = mem.by_category(snapshot, ("device", "host") if s.device == "cpu" else ("device",))
     grads = at.get("grads", 0.0) + at.get("grad_shards", 0.0)
     transient = {k: at.get(k, 0.0) for k in ("gathered", "gather_buffers", "reduce_buffers", "allgather_buffers",
                                             "collective_temp", "step")}
@@ -547,11 +554,11 @@ def _result(plan: Planner, s: _Setting, theory: dict[str, float], replay: _Repla
         "device": s.device, "param_dtype": str(plan.config.param_dtype or plan.model_dtype).replace("torch.", ""),
         "params": plan.counts, "model_states": theory, "placement": placed,
         "activations": {"saved": plan.trace.saved_bytes, "end_of_forward": plan.trace.forward_bytes,
-                        "peak": plan.trace.peak_bytes, "at_peak": at["activations"]},
-        "at_peak": {"phase": at["phase"], "params": at.get("params", 0.0), "optimizer": at.get("optimizer", 0.0),
-                    "grads": grads, "transient": transient, "activations": at["activations"]},
+                        "peak": plan.trace.peak_bytes, "at_peak": snapshot["activations"]},
+        "at_peak": {"phase": snapshot["phase"], "params": at.get("params", 0.0), "optimizer": at.get("optimizer", 0.0),
+                    "grads": grads, "transient": transient, "activations": snapshot["activations"]},
         "peak": {"device": device_peak, "host": mem.peaks["host"][0], "total": mem.peaks["total"][0],
-                 "phase": at["phase"]},
+                 "phase": snapshot["phase"]},
         **({"rss_glibc": mem.peaks["total"][0] + plan.trace.peak_bytes} if s.device == "cpu" else {}),
     }
 

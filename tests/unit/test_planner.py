@@ -181,6 +181,17 @@ def test_stage3_transient_counts_root_and_prefetched_blocks():
     assert r["peak"]["total"] >= r["model_states"]["params"] + r["model_states"]["optimizer"]
 
 
+def test_any_module_with_inputs_and_units_from_no_split_modules():
+    from tests.models import make_odd_mlp
+
+    plan = zpp.Planner(make_odd_mlp(torch.float32), inputs=lambda: ((torch.randn(8, 7),), {}), device="cpu")
+    assert plan.trace.unit_names == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+    assert plan.trace.saved_bytes > 0
+    rows = [plan.estimate(3, stage) for stage in range(4)]
+    assert all(r["peak"]["total"] >= r["model_states"]["params"] + r["model_states"]["optimizer"] for r in rows)
+    assert rows[3]["at_peak"]["transient"]["gathered"] > 0
+
+
 def test_cpu_estimate_documents_glibc_slack():
     plan = zpp.Planner(_tiny_llama(), batch=2, seq=16, device="cpu")
     r = plan.estimate(2, 2)
@@ -261,10 +272,12 @@ def test_cli_plot_draws_every_row_over_world_sizes(capsys, monkeypatch, tmp_path
 
 # -- against measurement ---------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_prediction_within_10_percent_of_measured_rss(stage, tmp_path):
     """Small case of benchmarks/planner_accuracy.py: 2 gloo ranks, the 5.7M-parameter model, allocators
-    configured so RSS follows live tensors ([Note: allocator modes] there)."""
+    configured so RSS follows live tensors ([Note: allocator modes] there).  Stage 1 peaks in the
+    parameter all-gather after the step (buckets, gloo's temporary), stage 3 at the start of backward
+    with the root unit gathered."""
     from benchmarks.planner_accuracy import measure, predict
 
     job = {"size": "smoke", "world_size": 2, "batch": 4, "seq": 128, "steps": 3, "config": {"stage": stage},
