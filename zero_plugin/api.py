@@ -15,6 +15,7 @@ from .config import ZeroConfig
 from .engine import engine_of, register_engine
 from .optim.clip import clip_owned_grads
 from .optim.offload import use_fast_cpu_kernels
+from .optim.state import region_of
 from .optim.zero_optimizer import ZeroOptimizer
 from .stages import build_engine
 
@@ -95,18 +96,10 @@ def _rebind_optimizer(optimizer: torch.optim.Optimizer, engine) -> None:
             slot = by_param[id(p)]
             masters.append(slot.master)
             if p in old_state:
-                new_state[slot.master] = {k: _region(v, slot) for k, v in old_state[p].items()}
+                new_state[slot.master] = {k: region_of(v, slot) for k, v in old_state[p].items()}
         group["params"] = masters
     optimizer.state.clear()
     optimizer.state.update(new_state)
-
-
-def _region(value: Any, slot) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == slot.layout.numel:
-        lo, hi = slot.layout.bounds()
-        return value.detach().reshape(-1)[lo:hi].clone().view_as(slot.master) if slot.master.dim() == 1 \
-            else value.detach().clone()
-    return value
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -36,17 +36,12 @@ class BufferSync:
     def _after_forward(self, module: nn.Module, args, output) -> None:
         if not module.training:
             return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in self.buffers:
-            by_dtype.setdefault(b.dtype, []).append(b)
-        for group in by_dtype.values():
-            flat = torch.cat([b.reshape(-1) for b in group])
-            self.comm.all_reduce(flat, tag="running statistics")
-            flat.div_(self.comm.world_size)
-            offset = 0
-            for b in group:
-                b.data.copy_(flat[offset: offset + b.numel()].view_as(b))   # .data: autograd saved them, unused in backward
-                offset += b.numel()
+        # Coalesced writes go through .data: autograd saved these buffers but does not use them in backward.
+        self.comm.coalesced(self.buffers, self._average)
+
+    def _average(self, flat: torch.Tensor) -> None:
+        self.comm.all_reduce(flat, tag="running statistics")
+        flat.div_(self.comm.world_size)
 
     def remove(self) -> None:
         if self.handle is not None:

@@ -171,6 +171,21 @@ class Comm:
         if self.world_size > 1:
             dist.broadcast(tensor, src=self.global_rank(src), group=self.group)
 
+    @torch.no_grad()
+    def coalesced(self, tensors: list[torch.Tensor], op) -> None:
+        """Run ``op(flat)`` (an in-place collective) once per dtype over the concatenation of ``tensors``,
+        then copy the result back; writes go through ``.data`` so autograd's version counters stay put."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            op(flat)
+            offset = 0
+            for t in group:
+                t.data.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+
     # -- object collectives (setup-time checks, not per step) -------------
     def all_gather_object(self, obj: Any) -> list[Any]:
         _record("all_gather_object", 0)

@@ -59,6 +59,8 @@ class Engine:
         self.comm = comm
         self.slots = slots
         self._master_names = {id(s.master): s.name for s in slots}
+        # Global grad norm of this step, set by clip_grad_norm_ and consumed by the step's inf/NaN check.
+        self.step_grad_norm: float | None = None
 
     # -- step ---------------------------------------------------------------
     def before_step(self) -> None:

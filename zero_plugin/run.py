@@ -134,11 +134,25 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [target, *script_args]
     if is_module:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
-        return
-    if not os.path.isfile(target):
-        raise SystemExit(f"zero_plugin.run: no such script: {target!r}")
-    sys.path[0] = os.path.dirname(os.path.abspath(target))   # as `python script.py` would
-    runpy.run_path(target, run_name="__main__")
+    else:
+        if not os.path.isfile(target):
+            raise SystemExit(f"zero_plugin.run: no such script: {target!r}")
+        sys.path[0] = os.path.dirname(os.path.abspath(target))   # as `python script.py` would
+        runpy.run_path(target, run_name="__main__")
+    _shut_down_process_group()
+
+
+def _shut_down_process_group() -> None:
+    """Destroy the default process group the script left behind (Trainer and Accelerate scripts rarely do).
+
+    Without it, a rank that finishes while another still works (rank 0 saving or evaluating alone) exits
+    with gloo's worker threads alive, and the C++ runtime aborts at interpreter exit ("terminate called
+    without an active exception"), turning a successful run into exit code -6.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # -- parent -----------------------------------------------------------------------------------------

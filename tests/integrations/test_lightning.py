@@ -64,21 +64,11 @@ def _has_sharded_checkpoints() -> bool:
     return hasattr(zp, "save_checkpoint") and hasattr(zp, "load_checkpoint")
 
 
-def _not_implemented_or(result: list) -> str | None:
-    messages = {r.get("not_implemented") for r in result}
-    assert len(messages) == 1, f"ranks disagree: {messages}"
-    return messages.pop()
-
-
 # -- Trainer ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["llama", "lora"])
 @pytest.mark.parametrize("strategy", STAGES + OFFLOAD)
 def test_trainer_matches_ddp(kind, strategy):
     result = trainer_run(kind, strategy)
-    message = _not_implemented_or(result)
-    if message is not None:
-        assert strategy in OFFLOAD and "offload" in message.lower(), message
-        pytest.xfail(f"offload not implemented yet: {message}")
     assert result[0]["global_step"] == 3
     assert_parity(result, trainer_run(kind, "ddp"))
 

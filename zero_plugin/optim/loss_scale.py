@@ -52,7 +52,7 @@ class GradGuard:
         without communicating.  Otherwise one fp32 sum per gradient (a single read pass; an inf or NaN
         anywhere makes the sum non-finite) and an all-reduce of one flag.
         """
-        norm = getattr(self.engine, "step_grad_norm", None)
+        norm = self.engine.step_grad_norm
         if norm is not None:
             return not math.isfinite(norm)
         grads = self.engine.owned_grads()

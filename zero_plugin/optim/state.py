@@ -13,7 +13,7 @@ import torch
 
 from ..optim.master import MasterParam
 
-__all__ = ["consolidate_optimizer_state", "shard_optimizer_state", "gather_full"]
+__all__ = ["consolidate_optimizer_state", "shard_optimizer_state", "gather_full", "region_of"]
 
 
 def _ordered_slots(opt: Any) -> list[MasterParam]:
@@ -99,14 +99,18 @@ def shard_optimizer_state(opt: Any, full_sd: dict) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _slice_value(key: str, value: Any, slot: MasterParam) -> Any:
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+def region_of(value: Any, slot: MasterParam) -> Any:
+    """This rank's region of a parameter-shaped state tensor (a copy shaped like the master); else ``value``."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.numel() != slot.layout.numel:
         return value
-    if value.numel() != slot.layout.numel:
+    lo, hi = slot.layout.bounds()
+    return value.detach().reshape(-1)[lo:hi].clone().view_as(slot.master)
+
+
+def _slice_value(key: str, value: Any, slot: MasterParam) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() != slot.layout.numel:
         raise ValueError(
             f"ZeroOptimizer.load_state_dict: state {key!r} of parameter {slot.name!r} has {value.numel()} "
             f"elements, the parameter has {slot.layout.numel}"
         )
-    lo, hi = slot.layout.bounds()
-    region = value.reshape(-1)[lo:hi].clone()
-    return region.view_as(slot.master) if slot.master.dim() != 1 else region
+    return region_of(value, slot)

@@ -105,8 +105,8 @@ def _shard_one(p: nn.Parameter, name: str, full: torch.Tensor, comm: Comm, confi
 
 @torch.no_grad()
 def _broadcast_buffers(model: nn.Module, comm: Comm) -> None:
-    for b in model.buffers():
-        comm.broadcast(b, src=0)
+    if comm.world_size > 1:
+        comm.coalesced(list(model.buffers()), lambda flat: comm.broadcast(flat, src=0))
 
 
 class Stage3Engine(Engine):
