@@ -44,27 +44,90 @@ def memory_worker(stage: int, offload: bool, param_dtype: str | None) -> dict:
     return zp.memory_report(model, opt)
 
 
-def bf16_reference(kind: str, batches: list, steps: int, accum: int) -> dict:
-    """Single process: bf16 compute, fp32 master weights, same loop as the distributed run."""
+# Where a bf16 run (param_dtype=bf16, reduce_dtype=fp32) holds its gradients, by stage. Stages 1-2: each
+# rank accumulates its micro-batches in the bf16 ``param.grad`` (no_sync) and the fp32 average is written
+# back into a bf16 gradient (grads/reducer.py, ``ReduceScatterReducer._store``), which the clip scales in
+# bf16. Stage 3 reduces every micro-batch and accumulates into the fp32 shard gradient
+# (stage3/param.py, ``accumulate_grad``).
+GRAD_DTYPE = {1: torch.bfloat16, 2: torch.bfloat16, 3: torch.float32}
+
+
+def bf16_split_reference(kind: str, batches: list, world: int, steps: int, accum: int,
+                         grad_dtype: torch.dtype) -> dict:
+    """Single process doing what bf16 data parallelism over ``world`` ranks means, rounding where the ranks do.
+
+    Each rank's share of each micro-batch (``models.shard_batch``, the ranks' split and mean-loss
+    normalisation) gives a bf16 gradient of ``loss / accum``; the shares' gradients are summed in fp32
+    and divided by ``world`` (reduce_dtype=fp32), with the micro-batches accumulated in ``grad_dtype``
+    (see ``GRAD_DTYPE``); the global-norm clip at 1.0 and fused AdamW (the offload kernel) step fp32
+    masters, which are cast back to the bf16 model. ``world=1`` is one pass over the global batch.
+
+    Call it through a one-rank worker: the ranks run one intra-op thread, and LayerNorm's CPU
+    backward splits its weight-gradient sum over threads, so bf16 gradients depend on the count.
+    """
     master = build(kind)
     opt = W.build_optimizer(master)
+    for group in opt.param_groups:   # as ``use_fast_cpu_kernels`` does for the offloaded run
+        group["fused"], group["foreach"] = True, False
     model = build(kind).to(torch.bfloat16)
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
+        micro_batches = batches[step * accum:(step + 1) * accum]
+        shares = [_share_grads(model, micro_batches, rank, world, accum) for rank in range(world)]
+        losses.append(sum(loss for loss, _ in shares) / world)   # as the test averages the ranks' losses
+        grads = _average(grad_dtype, [g for _, g in shares], world)
+        norms.append(_clip_like_engine(grads, 1.0))
+        for m, g in zip(master.parameters(), grads):
+            m.grad = g.float()
+        opt.step()
+        opt.zero_grad()
         with torch.no_grad():
             for p, m in zip(model.parameters(), master.parameters()):
                 p.copy_(m)
-        total = 0.0
-        for micro in batches[step * accum:(step + 1) * accum]:
-            x, y = micro
-            loss = models.loss_fn(model, (x.to(torch.bfloat16), y.to(torch.bfloat16)))
-            (loss / accum).backward()
-            total += loss.item() / accum
-        for p, m in zip(model.parameters(), master.parameters()):
-            m.grad = p.grad.float() if p.grad is not None else None
-            p.grad = None
-        torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return {"losses": losses, "params": {n: p.detach().double() for n, p in master.named_parameters()}}
+    return {"losses": losses, "clip_norms": norms,
+            "params": {n: p.detach().double() for n, p in master.named_parameters()}}
+
+
+def _share_grads(model, micro_batches: list, rank: int, world: int, accum: int) -> tuple[float, list]:
+    """One rank's step loss (as ``W._train`` sums it) and its bf16 gradients, per micro-batch."""
+    step_loss, per_micro = 0.0, []
+    for micro in micro_batches:
+        x, target = models.shard_batch(micro, rank, world)
+        value = models.loss_fn(model, (x.to(torch.bfloat16), target))   # inputs cast, target kept (as zp.setup)
+        (value / accum).backward()
+        step_loss += value.item() / accum
+        per_micro.append([p.grad for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    return step_loss, per_micro
+
+
+def _average(grad_dtype: torch.dtype, grads: list, world: int) -> list[torch.Tensor]:
+    """``grads[rank][micro][i]`` -> the averaged gradient i, held in ``grad_dtype``."""
+    if grad_dtype == torch.float32:   # stage 3: average each micro-batch, accumulate the averages in fp32
+        return _sum_each([_mean_over_ranks([g[m] for g in grads], world) for m in range(len(grads[0]))])
+    local = [_sum_each(per_micro) for per_micro in grads]   # no_sync: each rank accumulates in bf16
+    return [g.to(grad_dtype) for g in _mean_over_ranks(local, world)]
+
+
+def _mean_over_ranks(per_rank: list, world: int) -> list[torch.Tensor]:
+    """Sum over ranks in fp32, then divide by ``world`` (the engine's fp32 reduce, then ``div_``)."""
+    return [t / world for t in _sum_each([[t.float() for t in grads] for grads in per_rank])]
+
+
+def _sum_each(lists: list) -> list[torch.Tensor]:
+    """Elementwise sum of lists of tensors, left to right, in their own dtype."""
+    out = [t.clone() for t in lists[0]]
+    for ts in lists[1:]:
+        out = [a + b for a, b in zip(out, ts)]
+    return out
+
+
+@torch.no_grad()
+def _clip_like_engine(grads: list[torch.Tensor], max_norm: float) -> float:
+    """As ``zero_plugin/optim/clip.py``: fp64 norm, scaled in the gradients' dtype only when over."""
+    total = sum((g.double().norm(2) ** 2 for g in grads), torch.zeros((), dtype=torch.float64)) ** 0.5
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return float(total)
