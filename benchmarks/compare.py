@@ -1,4 +1,4 @@
-"""Compare zero_plugin with torch DDP, ZeroRedundancyOptimizer and FSDP2 in one multi-process run.
+"""Compare zero_plugin with torch DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed in one multi-process run.
 
     python -m benchmarks.compare --size small --world-size 2
     python -m benchmarks.compare --size smoke --variants ddp zp1 zp2 --profile
@@ -64,7 +64,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--render", type=Path, default=None, metavar="JSON",
                    help="only re-render the report from a saved <report>.json (no training)")
     args = p.parse_args(argv)
-    quick = args.size == "smoke"   # a quick check: under ~2 minutes on 2 cores
+    quick = args.size == "smoke"   # a quick check: under ~3 minutes on 2 cores
     args.steps = args.steps if args.steps is not None else (5 if quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (2 if quick else 3)
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1 or args.world_size < 1:
@@ -97,6 +97,9 @@ def _header(args: argparse.Namespace, threads: int, rss_method: str, wall: float
 def _run(args: argparse.Namespace, variants: list[str]) -> dict:
     """Spawn the ranks; returns what the report is made from (also saved as JSON)."""
     threads = max(1, _cores() // args.world_size)
+    if any(v.startswith("ds") for v in variants):
+        # read by deepspeed at its first import, in the spawned ranks (which inherit it)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     with tempfile.TemporaryDirectory(prefix="zp-bench-") as tmp:
         cfg = RunConfig(size=args.size, world_size=args.world_size, variants=tuple(variants), steps=args.steps,
                         warmup=args.warmup, rounds=args.rounds, batch=args.batch, seq=args.seq, seed=args.seed,

@@ -111,7 +111,8 @@ class PhaseProfiler:
 
     def _instrument_torch(self, variant) -> None:
         opt = variant.optimizer
-        inner = getattr(opt, "optim", None)
-        if inner is not None:   # ZeroRedundancyOptimizer: its local optimizer is the Adam math
+        # ZeroRedundancyOptimizer's `optim` / DeepSpeed's ZeRO optimizer's `optimizer`: the Adam math
+        inner = getattr(opt, "optim", None) or getattr(opt, "optimizer", None)
+        if inner is not None:
             self._time(inner, "step", "inner optimizer step (Adam math)")
         self._time(opt, "step", "optimizer.step (total)")

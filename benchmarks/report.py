@@ -135,13 +135,16 @@ def markdown(rows: dict, skipped: dict, header: dict) -> str:
 
 _DEFINITIONS = [
     "- step: median over all timed steps of all rounds of the slowest rank's forward + backward + "
-    "optimizer.step + zero_grad; ×DDP divides by DDP's median from the same run. best step: the fastest such "
+    "optimizer.step + zero_grad (DeepSpeed: `engine.backward`, `engine.step`, which also zeroes the gradients); "
+    "×DDP divides by DDP's median from the same run. best step: the fastest such "
     "step, each variant's own (other jobs only slow steps down, but one lucky quiet step skews it). "
     "CPU s / step: the same "
     "median of the process CPU time (all threads, `time.process_time`), which other jobs on the machine "
     "disturb far less than wall time; compare the load averages in the header.",
     "- model states: distinct `untyped_storage().nbytes()` of parameters, gradients and optimizer state "
-    "(FSDP2: DTensor local tensors; zero_plugin: also the engine's gradient shards and masters), after the first "
+    "(FSDP2: DTensor local tensors; zero_plugin: also the engine's gradient shards and masters; DeepSpeed: every "
+    "tensor reachable from its ZeRO optimizer (gradient partitions, fp32 master partitions, Adam moments, offload "
+    "buffers) except its gradient-reduction bucket buffers `ipg_buckets`), after the first "
     "timed backward, before its step (untimed); largest rank, last round. ZeRO theory: 16Ψ / 8Ψ+8Ψ/N / 4Ψ+12Ψ/N / "
     "16Ψ/N. ⚠ = differs from `zp.memory_report`.",
     "- peak RSS Δ: kernel VmHWM (reset per variant) minus VmRSS before the model was built; freed memory is "
@@ -149,8 +152,10 @@ _DEFINITIONS = [
     "- comm: logical bytes per timed step on rank 0 (ZeRO paper counting: all-reduce 2n, reduce-scatter n "
     "inputs, all-gather n outputs, broadcast n) / (4Ψ). DDP: counting wrapper around the standard Python "
     "`allreduce_hook`; ZeroRedundancyOptimizer / FSDP2: counting wrappers around `torch.distributed` "
-    "broadcast / all-gather / reduce-scatter; zero_plugin: `zp.comm_stats()`. Stage-3 engines land below "
-    "3Ψ because the root unit (embeddings, final norm, LM head) stays gathered from forward to backward.",
+    "broadcast / all-gather / reduce-scatter; zero_plugin: `zp.comm_stats()`; DeepSpeed: counting wrappers on "
+    "its communication backend (`deepspeed.comm`), which every DeepSpeed collective passes (reduce: n). Stage-3 "
+    "engines land below 3Ψ because the root unit (embeddings, final norm, LM head) stays gathered from forward "
+    "to backward; DeepSpeed's stage 3 by default keeps all parameters gathered that long for models this small.",
     "- Δθ: final parameters vs DDP's in the same round (same data, same init), max over ranks and rounds.",
 ]
 

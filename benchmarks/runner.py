@@ -89,7 +89,7 @@ def _run_variant(name: str, rnd: int, cfg: RunConfig, rank: int, ref):
     raw = build_model(cfg.size, cfg.seed)
     psi = sum(p.numel() for p in raw.parameters())
     try:
-        variant = make_variant(name, raw, cfg.lr)
+        variant = make_variant(name, raw, cfg.lr, cfg.batch)
     except SkipVariant as exc:
         rss.stop()
         return {"variant": name, "round": rnd, "rank": rank, "skipped": str(exc)}, ref
@@ -147,9 +147,9 @@ def _one_step(variant, ids: torch.Tensor, measure: bool,
     box: dict = {}
     actions = {
         "forward": lambda: box.setdefault("loss", variant.loss(ids)),
-        "backward": lambda: box["loss"].backward(),
-        "step": lambda: variant.optimizer.step(),
-        "zero_grad": lambda: variant.optimizer.zero_grad(),
+        "backward": lambda: variant.backward(box["loss"]),
+        "step": variant.step,
+        "zero_grad": variant.zero_grad,
     }
     out, state = {}, {}
     for phase in PHASES:

@@ -1,8 +1,8 @@
 """The contenders.  Each wraps a freshly built model and exposes the same measuring surface.
 
 A variant is built once per round from an identical model; the runner calls
-``loss(ids)`` / ``optimizer`` in the training loop and the methods below to
-measure.  Every method that communicates is called on all ranks in the same order.
+``loss(ids)``, ``backward(loss)``, ``step()`` and ``zero_grad()`` in the training loop
+and the methods below to measure.  Every method that communicates is called on all ranks in the same order.
 """
 from __future__ import annotations
 
@@ -31,15 +31,25 @@ class Variant:
 
     theory_stage = 0   # which ZeRO memory formula applies
 
-    def __init__(self, raw: nn.Module, lr: float) -> None:
+    def __init__(self, raw: nn.Module, lr: float, batch: int) -> None:
         self.raw = raw
         self.lr = lr
+        self.batch = batch   # sequences per rank per step
         self.counter = TorchCommCounter()
         self.module: nn.Module = raw
         self.optimizer: torch.optim.Optimizer | None = None
 
     def loss(self, ids: torch.Tensor) -> torch.Tensor:
         return self.module(input_ids=ids, labels=ids).loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
@@ -71,8 +81,8 @@ class Variant:
 class DDPVariant(Variant):
     """torch DDP; its all-reduce is counted by the standard Python all-reduce comm hook."""
 
-    def __init__(self, raw: nn.Module, lr: float) -> None:
-        super().__init__(raw, lr)
+    def __init__(self, raw: nn.Module, lr: float, batch: int) -> None:
+        super().__init__(raw, lr, batch)
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -112,8 +122,8 @@ class FSDP2Variant(Variant):
     theory_stage = 3
     _mesh = None
 
-    def __init__(self, raw: nn.Module, lr: float) -> None:
-        super().__init__(raw, lr)
+    def __init__(self, raw: nn.Module, lr: float, batch: int) -> None:
+        super().__init__(raw, lr, batch)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -135,8 +145,8 @@ class FSDP2Variant(Variant):
 class ZeroPluginVariant(Variant):
     """zero_plugin at one stage; collectives counted by ``zp.comm_stats()``."""
 
-    def __init__(self, raw: nn.Module, lr: float, stage: int, offload: bool) -> None:
-        super().__init__(raw, lr)
+    def __init__(self, raw: nn.Module, lr: float, batch: int, stage: int, offload: bool) -> None:
+        super().__init__(raw, lr, batch)
         import zero_plugin as zp
 
         self.zp = zp
@@ -186,7 +196,15 @@ class ZeroPluginVariant(Variant):
 
 
 def _zp(stage: int, offload: bool = False):
-    return lambda raw, lr: ZeroPluginVariant(raw, lr, stage, offload)
+    return lambda raw, lr, batch: ZeroPluginVariant(raw, lr, batch, stage, offload)
+
+
+def _ds(stage: int, offload: bool = False):
+    def make(raw: nn.Module, lr: float, batch: int) -> Variant:
+        from .deepspeed_variant import DeepSpeedVariant   # imports this module: load it lazily
+
+        return DeepSpeedVariant(raw, lr, batch, stage, offload)
+    return make
 
 
 VARIANTS = {
@@ -199,11 +217,18 @@ VARIANTS = {
     "zp2_offload": _zp(2, offload=True),
     "zp3": _zp(3),
     "zp3_offload": _zp(3, offload=True),
+    "ds1": _ds(1),
+    "ds2": _ds(2),
+    "ds3": _ds(3),
+    "ds2_offload": _ds(2, offload=True),
+    "ds3_offload": _ds(3, offload=True),
 }
-DEFAULT_VARIANTS = ("ddp", "zero_redundancy", "fsdp2", "zp0", "zp1", "zp2", "zp3")
+# The DeepSpeed variants are skipped (with a note in the report) where deepspeed is not installed.
+DEFAULT_VARIANTS = ("ddp", "zero_redundancy", "fsdp2", "zp0", "zp1", "zp2", "zp3",
+                    "ds1", "ds2", "ds3", "ds2_offload", "ds3_offload")
 
 
-def make_variant(name: str, raw: nn.Module, lr: float) -> Variant:
+def make_variant(name: str, raw: nn.Module, lr: float, batch: int) -> Variant:
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
-    return VARIANTS[name](raw, lr)
+    return VARIANTS[name](raw, lr, batch)
