@@ -32,6 +32,7 @@ def _cases(numel: int, n: int) -> dict:
                                                                                        async_op=True),
         "all_gather_single (1/N in, full out)": lambda: dist.all_gather_single(gathered, shard, async_op=True),
         "broadcast (full)": lambda: dist.broadcast(full, src=0, async_op=True),
+        "reduce to one rank (full)": lambda: dist.reduce(full, dst=0, async_op=True),
     }
 
 

@@ -16,6 +16,7 @@ wire; the logical count is what we hold against theory.
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import defaultdict, deque
 from datetime import timedelta
@@ -35,11 +36,35 @@ class _Counter:
 
 
 # torch >= 2.13 renamed the tensor collectives; older releases only have the old names.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_REDUCE_SCATTER_NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+_ALL_GATHER = getattr(dist, _ALL_GATHER_NAME)
+_REDUCE_SCATTER = getattr(dist, _REDUCE_SCATTER_NAME)
 
 _LOCK = threading.Lock()
 _STATS: dict[str, _Counter] = defaultdict(_Counter)
+
+
+_PHYSICAL: dict[str, int] = defaultdict(int)
+
+
+def _issued(name: str) -> None:
+    """Count one torch.distributed call by the function's name (tests compare with spies on torch)."""
+    with _LOCK:
+        _PHYSICAL[name] += 1
+
+
+def physical_calls() -> dict[str, int]:
+    """torch.distributed calls issued since the last :func:`reset_physical_calls`, by function name.
+    Logical collectives (``comm_stats``) may be issued as several calls, e.g. an in-place region
+    gather as one broadcast per region."""
+    with _LOCK:
+        return dict(_PHYSICAL)
+
+
+def reset_physical_calls() -> None:
+    with _LOCK:
+        _PHYSICAL.clear()
 
 
 def _record(kind: str, nbytes: int) -> None:
@@ -63,6 +88,7 @@ def comm_stats() -> dict[str, dict[str, int]]:
 def reset_comm_stats() -> None:
     with _LOCK:
         _STATS.clear()
+        _PHYSICAL.clear()
 
 
 class _DoneWork:
@@ -81,6 +107,19 @@ class _RowWork:
     def wait(self, timeout=None) -> bool:
         ok = self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
         self.output.copy_(self.row)
+        return ok
+
+
+class _Works:
+    """Several async collectives waited on as one."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self, timeout=None) -> bool:
+        ok = True
+        for w in self.works:
+            ok = (w.wait() if timeout is None else w.wait(timeout=timeout)) and ok
         return ok
 
 
@@ -103,6 +142,9 @@ class Comm:
             self.backend = dist.get_backend(group)
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
+        # [Note: in-place region gather]; ZERO_PLUGIN_BUFFERED_COLLECTIVES=1 forces the buffered (NCCL)
+        # layout on gloo too, which is how the CPU tests cover it.
+        self._in_place = self.backend == "gloo" and os.environ.get("ZERO_PLUGIN_BUFFERED_COLLECTIVES", "0") != "1"
 
     # -- waiting ------------------------------------------------------------
     def wait(self, work, what: str = "collective") -> None:
@@ -130,6 +172,7 @@ class Comm:
         self._note("all_reduce", tag, tensor.numel())
         if self.world_size == 1:
             return _DoneWork() if async_op else None
+        _issued("all_reduce")
         return dist.all_reduce(tensor, op=_reduce_op(op, self.backend), group=self.group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False,
@@ -144,6 +187,7 @@ class Comm:
         if self.backend == "gloo" and op == "sum":
             # gloo sends a reduce-scatter as a full all-reduce anyway, and issuing its reduce-scatter costs
             # far more CPU than an in-place all-reduce (benchmarks/collectives.py): reduce in place, keep our row.
+            _issued("all_reduce")
             work = dist.all_reduce(input, group=self.group, async_op=True)
             row = input.view(self.world_size, -1)[self.rank]
             pending = _RowWork(work, output, row)
@@ -151,6 +195,7 @@ class Comm:
                 return pending
             pending.wait()
             return None
+        _issued(_REDUCE_SCATTER_NAME)
         return _REDUCE_SCATTER(
             output, input, op=_reduce_op(op, self.backend), group=self.group, async_op=async_op
         )
@@ -164,11 +209,70 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _DoneWork() if async_op else None
+        _issued(_ALL_GATHER_NAME)
         return _ALL_GATHER(output, input, group=self.group, async_op=async_op)
+
+    @property
+    def gathers_regions_in_place(self) -> bool:
+        """[Note: in-place region gather] On gloo an all-gather copies twice (into gloo's own flat
+        temporary, then into the output) and needs a rank-major buffer filled and emptied by the caller;
+        broadcasting each rank's region straight into the destination tensors moves the same bytes with
+        no copy and no temporary.  NCCL keeps the all-gather (one launch instead of N per tensor)."""
+        return self._in_place
+
+    def gather_regions(self, regions: list[list[torch.Tensor]], async_op: bool = False, tag: str = ""):
+        """All-gather in place: ``regions[r]`` are contiguous views (the same shapes on every rank) that
+        rank ``r`` holds up to date; afterwards every rank's views hold rank r's values.  Counted as an
+        all-gather of the regions' total size.  Only where :attr:`gathers_regions_in_place`."""
+        assert len(regions) == self.world_size, "gather_regions: one list of regions per rank"
+        numel = sum(t.numel() for views in regions for t in views)
+        nbytes = sum(t.numel() * t.element_size() for views in regions for t in views)
+        _record("all_gather", nbytes)
+        self._note("all_gather", tag, numel)
+        works = []
+        if self.world_size > 1:
+            for r, views in enumerate(regions):
+                src = self.global_rank(r)
+                for t in views:
+                    if t.numel():
+                        _issued("broadcast")
+                        works.append(dist.broadcast(t, src=src, group=self.group, async_op=True))
+        pending = _Works(works)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
+
+    def reduce_in_place(self, tensors: list[torch.Tensor], flags: torch.Tensor | None = None,
+                        async_op: bool = False, tag: str = ""):
+        """Sum each tensor over the ranks, in place, where the caller then keeps only its own region:
+        a reduce-scatter without the rank-major copy-in and copy-out, counted as one (logical bytes of
+        the inputs).  On gloo, which sends a reduce-scatter as a full all-reduce anyway, the wire
+        traffic is the same.  ``flags`` (small, e.g. "has a gradient" per tensor) is all-reduced along
+        and counted as an all-reduce.  Only where :attr:`gathers_regions_in_place`."""
+        _record("reduce_scatter", sum(t.numel() * t.element_size() for t in tensors))
+        self._note("reduce_scatter", tag, sum(t.numel() for t in tensors))
+        if flags is not None:
+            _record("all_reduce", 2 * flags.numel() * flags.element_size())
+        works = []
+        if self.world_size > 1:
+            for t in tensors:
+                if t.numel():
+                    _issued("all_reduce")
+                    works.append(dist.all_reduce(t, group=self.group, async_op=True))
+            if flags is not None:
+                _issued("all_reduce")
+                works.append(dist.all_reduce(flags, group=self.group, async_op=True))
+        pending = _Works(works)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         _record("broadcast", tensor.numel() * tensor.element_size())
         if self.world_size > 1:
+            _issued("broadcast")
             dist.broadcast(tensor, src=self.global_rank(src), group=self.group)
 
     @torch.no_grad()
@@ -192,6 +296,7 @@ class Comm:
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
+        _issued("all_gather_object")
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
@@ -200,11 +305,13 @@ class Comm:
         if self.world_size == 1:
             return obj
         box = [obj]
+        _issued("broadcast_object_list")
         dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
         return box[0]
 
     def barrier(self) -> None:
         if self.world_size > 1:
+            _issued("barrier")
             dist.barrier(group=self.group)
 
     def global_rank(self, group_rank: int) -> int:

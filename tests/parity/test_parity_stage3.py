@@ -83,12 +83,25 @@ def check_shards_tile(results: list[dict], full: dict, what: str) -> None:
         assert torch.equal(joined, value.reshape(-1)), f"{what}: {name} shards differ from the gathered values"
 
 
+BUFFERED_CASES = [("mlp", 2), ("mlp", 3), ("llama", 2)]
+
+
 @pytest.mark.parametrize("kind,world_size", CASES, ids=[f"{k}-ws{w}" for k, w in CASES])
 def test_stage3_parity_with_reference(kind, world_size):
+    check_stage3_parity(kind, world_size)
+
+
+@pytest.mark.parametrize("kind,world_size", BUFFERED_CASES, ids=[f"{k}-ws{w}" for k, w in BUFFERED_CASES])
+def test_stage3_parity_buffered_layout(kind, world_size):
+    """The rank-major buffered gathers and reduce-scatters NCCL uses, forced on gloo (collectives.py)."""
+    check_stage3_parity(kind, world_size, buffered=True)
+
+
+def check_stage3_parity(kind: str, world_size: int, buffered: bool = False) -> None:
     base = workers.base_kind(kind)
     ref = reference(base)
     results = run_ranks(world_size, workers.parity_worker, kind, global_batches(base), STEPS, ACCUM,
-                        MAX_NORM[base])
+                        MAX_NORM[base], buffered=buffered)
     rel = 1e-10 if base == "mlp" else 1e-4
     global_losses = torch.tensor([r["losses"] for r in results], dtype=torch.float64).mean(0).tolist()
     assert_rel_close(global_losses, ref["losses"], rel, "per-step global loss")

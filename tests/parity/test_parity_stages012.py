@@ -62,9 +62,10 @@ def reference(kind: str, use_scheduler: bool = False, steps: int = STEPS) -> dic
     return out
 
 
-def run_parity(kind: str, stage: int, world_size: int, use_scheduler: bool = False) -> list[dict]:
+def run_parity(kind: str, stage: int, world_size: int, use_scheduler: bool = False,
+               buffered: bool = False) -> list[dict]:
     return run_ranks(world_size, workers.parity_worker, kind, stage, global_batches(kind), STEPS, ACCUM,
-                     MAX_NORM[kind], use_scheduler=use_scheduler)
+                     MAX_NORM[kind], use_scheduler=use_scheduler, buffered=buffered)
 
 
 def assert_rel_close(got, want, rel: float, what: str) -> None:
@@ -118,6 +119,18 @@ def check_optimizer_state(kind: str, results: list[dict], ref: dict) -> None:
 def test_parity_with_reference(kind, stage, world_size):
     ref = reference(kind)
     results = run_parity(kind, stage, world_size)
+    check_against_reference(kind, results, ref)
+    check_optimizer_state(kind, results, ref)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("kind", ["mlp", "llama"])
+def test_parity_buffered_layout(kind, stage, world_size):
+    """The rank-major buffered collectives NCCL uses (padded reduce-scatter and all-gather buffers),
+    forced on gloo, which otherwise reduces and gathers in place (collectives.py)."""
+    ref = reference(kind)
+    results = run_parity(kind, stage, world_size, buffered=True)
     check_against_reference(kind, results, ref)
     check_optimizer_state(kind, results, ref)
 

@@ -85,9 +85,13 @@ def _params(model) -> dict[str, torch.Tensor]:
 
 
 def parity_worker(kind: str, stage: int, batches: list, steps: int, accum: int, max_norm: float,
-                  use_scheduler: bool = False) -> dict:
-    """Train through zero_plugin; rank 0 also returns the full model and optimizer state dicts."""
-    model, opt = _setup(kind, stage)
+                  use_scheduler: bool = False, buffered: bool = False) -> dict:
+    """Train through zero_plugin; rank 0 also returns the full model and optimizer state dicts.
+    ``buffered``: the rank-major collective layout NCCL uses, forced on gloo (collectives.py)."""
+    from tests.unit.memory_comm_workers import collectives_layout
+
+    with collectives_layout(buffered):
+        model, opt = _setup(kind, stage)
     scheduler = build_scheduler(opt) if use_scheduler else None
     out = _train(model, opt, batches, steps, accum, max_norm, scheduler)
     out["params"] = _params(model)   # stages 0-2: every rank holds the full, re-gathered parameters

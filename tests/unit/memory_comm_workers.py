@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 import threading
 import warnings
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zero_plugin as zp
+from zero_plugin import collectives
 from zero_plugin.engine import engine_of
 
 # Odd sizes (padding on 2-4 ranks) and ~295k parameters, so padding is negligible next to Ψ.
@@ -95,6 +97,28 @@ def _live_tensor_bytes(baseline: list[torch.Tensor]) -> int:
     return _unique_bytes(t for t in _all_live_tensors() if _storage_key(t) not in exclude)
 
 
+def _unexplained(baseline: list[torch.Tensor], model, opt) -> list[str]:
+    """Live tensors outside the baseline and outside the independent count (diagnostics for a failure)."""
+    known = {_storage_key(t) for t in baseline}
+    for p in model.parameters():
+        known.add(_storage_key(p))
+        if p.grad is not None:
+            known.add(_storage_key(p.grad))
+    for group in opt.param_groups:
+        for p in group["params"]:
+            known.add(_storage_key(p))
+    for state in opt.state.values():
+        known.update(_storage_key(v) for v in state.values() if isinstance(v, torch.Tensor))
+    known.update(_storage_key(t) for t in engine_of(model, "x").model_state_tensors()["grads"])
+    out = []
+    for t in _all_live_tensors():
+        if _storage_key(t) not in known and t.untyped_storage().nbytes() > 4096:
+            refs = [type(r).__name__ for r in gc.get_referrers(t)][:8]
+            out.append(f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes()} B, referrers {refs}")
+            known.add(_storage_key(t))
+    return out
+
+
 def memory_worker(stage: int, mixed: bool) -> dict:
     """Report after step, zero_grad, backward (optimizer state exists; stage 2 holds its grad shards)."""
     baseline = _all_live_tensors()
@@ -108,14 +132,16 @@ def memory_worker(stage: int, mixed: bool) -> dict:
         "report": report,
         "independent": independent_count(model, opt),
         "live": _live_tensor_bytes(baseline),
+        "unexplained": _unexplained(baseline, model, opt),
         "full_grads": sum(p.grad is not None for p in model.parameters()),
     }
 
 
 
-def comm_worker(stage: int, mixed: bool, bucket_size_mb: float) -> dict:
+def comm_worker(stage: int, mixed: bool, bucket_size_mb: float, buffered: bool = False) -> dict:
     """comm_stats() after each phase of one accumulation step: no_sync backward, backward, clip, step."""
-    model, opt = _setup(stage, mixed, bucket_size_mb=bucket_size_mb)
+    with collectives_layout(buffered):
+        model, opt = _setup(stage, mixed, bucket_size_mb=bucket_size_mb)
     zp.reset_comm_stats()
     phases = {}
     with zp.no_sync(model):
@@ -211,14 +237,29 @@ class _CollectiveSpy:
             self.remove()
 
 
-def spy_worker(stage: int, mixed: bool, bypass: bool = False) -> dict:
+@contextlib.contextmanager
+def collectives_layout(buffered: bool):
+    """[Note: in-place region gather] in zero_plugin/collectives.py: gloo gathers and reduces in place
+    unless ZERO_PLUGIN_BUFFERED_COLLECTIVES=1 selects the rank-major buffered layout NCCL uses."""
+    previous = os.environ.get("ZERO_PLUGIN_BUFFERED_COLLECTIVES")
+    os.environ["ZERO_PLUGIN_BUFFERED_COLLECTIVES"] = "1" if buffered else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("ZERO_PLUGIN_BUFFERED_COLLECTIVES")
+        else:
+            os.environ["ZERO_PLUGIN_BUFFERED_COLLECTIVES"] = previous
+
+
+def spy_worker(stage: int, mixed: bool, bypass: bool = False, buffered: bool = False) -> dict:
     """Setup, an accumulation step and the state verbs, with every torch.distributed collective counted.
 
     ``bypass=True`` adds one raw ``torch.distributed`` all-reduce, which the spy must see and
     ``comm_stats()`` must not (the check's own control).
     """
     spy = _CollectiveSpy()
-    with spy.active():
+    with collectives_layout(buffered), spy.active():
         zp.reset_comm_stats()
         model, opt = _setup(stage, mixed, bucket_size_mb=0.25)
         with zp.no_sync(model):
@@ -236,5 +277,6 @@ def spy_worker(stage: int, mixed: bool, bypass: bool = False) -> dict:
         if bypass:
             dist.all_reduce(torch.zeros(1))
         stats = zp.comm_stats()
+        physical = collectives.physical_calls()
         wrapped = sorted({attr for _, attr, _ in spy._undo})
-    return {"spy": dict(spy.counts), "stats": stats, "wrapped": wrapped}
+    return {"spy": dict(spy.counts), "stats": stats, "physical": physical, "wrapped": wrapped}

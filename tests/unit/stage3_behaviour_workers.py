@@ -448,13 +448,24 @@ def memory_worker(kind: str) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # communication volume
 
-def _unit_bytes(unit, trainable_only: bool) -> int:
+def _unit_bytes(unit, trainable_only: bool, padded: bool = True) -> int:
     sps = unit.trainable if trainable_only else unit.params
-    return sum(sp.layout.padded_numel * sp.unsharded.element_size() for sp in sps)
+    return sum((sp.layout.padded_numel if padded else sp.layout.numel) * sp.unsharded.element_size() for sp in sps)
 
 
-def comm_worker(kind: str, steps: int = 2) -> dict:
-    """Logical bytes per step (forward + backward + step) against the unit structure."""
+def comm_worker(kind: str, steps: int = 2, buffered: bool = False) -> dict:
+    """Logical bytes per step (forward + backward + step) against the unit structure.
+
+    ``buffered``: the rank-major layout NCCL uses (forced on gloo); otherwise gloo's in-place layout,
+    where a gather is a tag exchange plus in-place broadcasts of exact regions and a reduction sums
+    the gradients in place, its has-gradient flags in a float32 all-reduce of their own."""
+    from tests.unit.memory_comm_workers import collectives_layout
+
+    with collectives_layout(buffered):
+        return _comm_worker(kind, steps, buffered)
+
+
+def _comm_worker(kind: str, steps: int, buffered: bool) -> dict:
     _, world = _rank_world()
     if kind == "llama":
         batches = models.make_batches("llama", steps + 1, world, per_rank_batch=2, seed=10)
@@ -472,16 +483,22 @@ def comm_worker(kind: str, steps: int = 2) -> dict:
     gathered = [u for u in engine.units if any(sp.layout.numel for sp in u.params)]   # one collective each
     reduced = [u for u in engine.units if any(sp.layout.numel for sp in u.trainable)]
     elem = next(iter(engine.sharded.values())).unsharded.element_size()
+    gathers = 2 * len([u for u in gathered if u is not root]) + (root in gathered)
     payload = {
         # root: once per step (kept from forward into backward); blocks: forward + backward
-        "all_gather": {"calls": 2 * len([u for u in gathered if u is not root]) + (root in gathered),
-                       "bytes": _unit_bytes(root, False) + 2 * sum(_unit_bytes(u, False) for u in blocks)},
-        "reduce_scatter": {"calls": len(reduced), "bytes": sum(_unit_bytes(u, True) for u in engine.units)},
+        "all_gather": {"calls": gathers * (1 if buffered else 2),   # in place: the tag exchange goes first
+                       "bytes": _unit_bytes(root, False, buffered)
+                       + 2 * sum(_unit_bytes(u, False, buffered) for u in blocks)},
+        "reduce_scatter": {"calls": len(reduced), "bytes": sum(_unit_bytes(u, True, buffered) for u in engine.units)},
+        # the step's one "some rank has inf/NaN" flag (optim/loss_scale.py, 4 bytes counted twice); in place
+        # also one float32 has-gradient flag per trainable parameter of every reduced unit
+        "all_reduce": {"calls": 1 + (0 if buffered else len(reduced)),
+                       "bytes": 8 + (0 if buffered else sum(2 * 4 * len(u.trainable) for u in reduced))},
     }
     # Collectives may carry a few metadata elements per rank besides the payload (a unit tag, one
     # has-gradient flag per parameter); at most (parameters in the unit + 4) elements per rank.
     metadata_bound = {
-        "all_gather": sum((2 - (u is root)) * world * (len(u.params) + 4) * elem for u in gathered),
+        "all_gather": sum((2 - (u is root)) * world * (len(u.params) + 4) * max(elem, 4) for u in gathered),
         "reduce_scatter": sum(world * (len(u.trainable) + 4) * elem for u in reduced),
     }
     per_step = {k: {"calls": v["calls"] / steps, "bytes": v["bytes"] / steps} for k, v in stats.items()}
@@ -489,7 +506,7 @@ def comm_worker(kind: str, steps: int = 2) -> dict:
             "psi": sum(sp.layout.numel for sp in engine.sharded.values()),
             "padded": sum(sp.layout.padded_numel for sp in engine.sharded.values()),
             "padding_bound": (world - 1) * len(engine.sharded) * elem,   # bytes, per pass over every parameter
-            "root_padded_bytes": _unit_bytes(root, False)}
+            "root_padded_bytes": _unit_bytes(root, False, buffered)}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -210,6 +210,9 @@ class ReduceScatterReducer(GradReducer):
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
+        if self.comm.gathers_regions_in_place:
+            self._launch_in_place(bucket)
+            return
         n = self.comm.world_size
         param0 = bucket.slots[0].param
         k = len(bucket.slots)
@@ -224,6 +227,24 @@ class ReduceScatterReducer(GradReducer):
         out = torch.empty(bucket.width + k, dtype=buf.dtype, device=buf.device)
         bucket.buffer, bucket.output, bucket.launched = buf, out, True
         bucket.work = self.comm.reduce_scatter(out, buf.view(-1), async_op=True)
+
+    def _launch_in_place(self, bucket: Bucket) -> None:
+        """gloo: sum the full gradients in place, no rank-major copy ([Note: in-place region gather]
+        in collectives.py); each rank then keeps its own region.  The flags ride along."""
+        dtype = self._buffer_dtype(bucket)
+        grads, present = [], []
+        for slot in bucket.slots:
+            grad = slot.param.grad
+            present.append(float(grad is not None))
+            if grad is None:
+                grad = torch.zeros(slot.layout.numel, dtype=dtype, device=slot.param.device)
+            flat = grad.reshape(-1)
+            grads.append(flat if flat.dtype == dtype else flat.to(dtype))
+            if not self.keep_full_grad:
+                slot.param.grad = None   # ZeRO-2: the full gradient lives only until its reduction completes
+        flags = torch.tensor(present, dtype=torch.float32)
+        bucket.buffer, bucket.output, bucket.launched = grads, flags, True
+        bucket.work = self.comm.reduce_in_place(grads, flags, async_op=True)
 
     def _late_gradient(self, bucket: Bucket, index: int) -> None:
         if self.keep_full_grad:
@@ -245,6 +266,13 @@ class ReduceScatterReducer(GradReducer):
 
     @torch.no_grad()
     def _complete(self, bucket: Bucket) -> None:
+        if isinstance(bucket.buffer, list):   # reduced in place; bucket.output holds the flags
+            n = self.comm.world_size
+            for slot, grad, has_grad in zip(bucket.slots, bucket.buffer, bucket.output.tolist()):
+                if has_grad:
+                    region = slot.layout.local_view(grad).div_(n)
+                    self._store(slot, region if self.keep_full_grad else region.clone())
+            return
         out = bucket.output
         present = out[bucket.width:].tolist()
         out.div_(self.comm.world_size)
@@ -258,7 +286,8 @@ class ReduceScatterReducer(GradReducer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             region = slot.layout.local_view(p.grad)
-            region.copy_(reduced)
+            if region.data_ptr() != reduced.data_ptr():   # reduced in place into p.grad: already there
+                region.copy_(reduced)
             self.owned[id(p)] = region
             return
         current = self.owned.get(id(p))

@@ -2,6 +2,8 @@
 
 Pipeline per bucket: ``copy_in (own region) -> all_gather (async) -> wait -> copy_out``.
 At most two buckets are in flight, so copies overlap communication while buffers stay bounded.
+On gloo every rank's region is instead broadcast straight into the parameters (no buffer, no copy;
+[Note: in-place region gather] in ``collectives.py``).
 """
 from __future__ import annotations
 
@@ -20,12 +22,16 @@ _MAX_INFLIGHT = 2
 class ParamAllGather:
     def __init__(self, slots: list[MasterParam], comm: Comm, bucket_bytes: int) -> None:
         self.comm = comm
+        self.slots = slots
         self.buckets = plan_buckets(slots, bucket_bytes, sharded=True)
 
     @torch.no_grad()
     def run(self) -> None:
         if self.comm.world_size == 1:
             return   # the masters are the parameters' own (only) region
+        if self.comm.gathers_regions_in_place:
+            self._run_in_place()
+            return
         inflight: list = []
         for bucket in self.buckets:
             inflight.append(self._launch(bucket))
@@ -33,6 +39,16 @@ class ParamAllGather:
                 self._complete(*inflight.pop(0))
         for item in inflight:
             self._complete(*item)
+
+    def _run_in_place(self) -> None:
+        regions: list[list[torch.Tensor]] = [[] for _ in range(self.comm.world_size)]
+        for slot in self.slots:
+            flat = slot.param.data.view(-1)
+            for r, views in enumerate(regions):
+                lo, hi = slot.layout.bounds(r)
+                views.append(flat[lo:hi])
+        self.comm.wait(self.comm.gather_regions(regions, async_op=True, tag="parameters after the step"),
+                       "parameter all-gather after the step")
 
     def _launch(self, bucket):
         p0 = bucket.slots[0].param

@@ -24,6 +24,7 @@ from ..optim.state import gather_full
 from .hooks import Stage3Runtime
 from .param import ShardedParam, ShardedState
 from .policy import assign_units
+from .pool import BufferPool
 from .unit import Unit
 
 __all__ = ["Stage3Engine", "build_stage3_engine"]
@@ -46,7 +47,8 @@ def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Paramete
             sharded[id(p)] = sp
             per_unit[index].append(sp)
     _broadcast_buffers(model, comm)
-    units = [Unit(i, name, module, per_unit[i], comm, config.effective_reduce_dtype)
+    pool = BufferPool()   # one for all units: [Note: buffer reuse]
+    units = [Unit(i, name, module, per_unit[i], comm, config.effective_reduce_dtype, pool)
              for i, (name, module) in enumerate(modules)]
     slots = [_master_for(sharded[id(p)], names[id(p)], config) for _, p in trainable]
     return Stage3Engine(model, config, comm, slots, units, sharded)

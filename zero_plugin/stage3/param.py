@@ -61,6 +61,20 @@ class ShardedParam:
         self.param.data = self.unsharded
         self.state = ShardedState.UNSHARDED
 
+    def open_unsharded(self) -> torch.Tensor:
+        """In-place gather, first half: allocate the full tensor, write this rank's region into it and
+        return its flat view; other ranks' regions are filled by the caller's collective, then
+        :meth:`expose` makes it the parameter's data."""
+        assert self.state is ShardedState.SHARDED, f"{self.name}: open_unsharded from {self.state}"
+        self.unsharded.untyped_storage().resize_(self.layout.numel * self.unsharded.element_size())
+        flat = self.unsharded.data.view(-1)
+        self.layout.local_view(flat).copy_(self.local)
+        return flat
+
+    def expose(self) -> None:
+        self.param.data = self.unsharded
+        self.state = ShardedState.UNSHARDED
+
     def to_sharded(self) -> None:
         assert self.state is ShardedState.UNSHARDED, f"{self.name}: to_sharded from {self.state}"
         self.param.data = self.local

@@ -5,6 +5,13 @@ Default: one unit per instance of the model's ``_no_split_modules`` classes
 wraps the transformers model).  Parameters outside every unit, and
 parameters shared by modules of different units (tied embedding and LM
 head), belong to the root unit, which is gathered for the whole forward.
+
+[Note: leaf units] With the default policy, a module outside every block whose own parameters
+hold at least ``LEAF_UNIT_MIN_NUMEL`` elements, none shared with another module, becomes a unit
+of its own (an untied ``embed_tokens`` or ``lm_head``): it is gathered only around its own
+forward and backward instead of for the whole step.  A 32k-vocabulary embedding is as large as
+several decoder layers, so keeping it and the LM head in the root unit would hold them
+unsharded through every layer's forward and backward.  Tied weights stay in the root unit.
 """
 from __future__ import annotations
 
@@ -12,7 +19,9 @@ from torch import nn
 
 from ..config import ZeroConfig
 
-__all__ = ["assign_units"]
+__all__ = ["assign_units", "LEAF_UNIT_MIN_NUMEL"]
+
+LEAF_UNIT_MIN_NUMEL = 1 << 20   # see [Note: leaf units]
 
 
 def _no_split_names(model: nn.Module) -> set[str]:
@@ -62,4 +71,26 @@ def assign_units(model: nn.Module, config: ZeroConfig) -> tuple[list[tuple[str, 
             visit(child, qual, index)
 
     visit(model, "", 0)
+    if config.unit_policy is None and not config.unit_classes:
+        _split_leaf_units(model, units, owner)
     return units, owner
+
+
+def _split_leaf_units(model: nn.Module, units: list[tuple[str, nn.Module]], owner: dict[int, int]) -> None:
+    """[Note: leaf units] Large root-owned modules become units of their own."""
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    inside = {id(m) for _, unit_module in units[1:] for m in unit_module.modules()}
+    heads = {id(m) for _, m in units[1:]}
+    for name, module in model.named_modules():
+        if module is model or id(module) in inside or any(id(m) in heads for m in module.modules()):
+            continue
+        own = [p for p in module.parameters(recurse=False) if p is not None]
+        if not own or any(owner.get(id(p)) != 0 or users[id(p)] > 1 for p in own):
+            continue
+        if sum(p.numel() for p in own) >= LEAF_UNIT_MIN_NUMEL:
+            units.append((name, module))
+            for p in own:
+                owner[id(p)] = len(units) - 1

@@ -16,6 +16,7 @@ from torch import nn
 from .._flat import copy_padded_rows
 from ..collectives import Comm
 from .param import ShardedParam, ShardedState
+from .pool import BufferPool
 
 __all__ = ["Unit", "BackwardState"]
 
@@ -37,12 +38,12 @@ class _Pending:
     width: int
     output: torch.Tensor
     work: Any
-    buffer: torch.Tensor | None = None
+    buffer: Any = None   # input buffer, or the full gradients reduced in place
 
 
 class Unit:
     def __init__(self, index: int, name: str, module: nn.Module, params: list[ShardedParam],
-                 comm: Comm, reduce_dtype: torch.dtype | None) -> None:
+                 comm: Comm, reduce_dtype: torch.dtype | None, pool: BufferPool | None = None) -> None:
         self.index = index
         self.name = name
         self.module = module
@@ -50,6 +51,7 @@ class Unit:
         self.trainable = [sp for sp in params if sp.param.requires_grad]
         self.comm = comm
         self.reduce_dtype = reduce_dtype
+        self.pool = pool if pool is not None else BufferPool()   # [Note: buffer reuse]
         self.state = ShardedState.SHARDED
         self.backward_state = BackwardState.IDLE
         self.ready: set[int] = set()          # id(param) of trainable params whose grad is final
@@ -71,31 +73,59 @@ class Unit:
             if not async_op:
                 self.wait_unshard()
             return
+        if self.comm.gathers_regions_in_place:
+            self._gather_in_place()
+        else:
+            self._gather_buffered()
+        if not async_op:
+            self.wait_unshard()
+
+    def _gather_in_place(self) -> None:
+        """gloo: every rank's region is broadcast straight into the unsharded tensors ([Note: in-place
+        region gather] in collectives.py); the unit's tag goes first in a tiny all-gather."""
+        self._precheck_order()
+        regions: list[list[torch.Tensor]] = [[] for _ in range(self.comm.world_size)]
+        opened = []
+        for sp in self.params:
+            if sp.layout.numel:
+                flat = sp.open_unsharded()
+                opened.append(sp)
+                for r, views in enumerate(regions):
+                    lo, hi = sp.layout.bounds(r)
+                    views.append(flat[lo:hi])
+        work = self.comm.gather_regions(regions, async_op=True, tag=self.name)
+        self._gather.append(_Pending(opened, [], 0, None, work))
+
+    def _gather_buffered(self) -> None:
         n = self.comm.world_size
         if self.comm.history is not None:
             self._precheck_order()
         for dtype, group in _by_dtype(self.params, lambda sp: sp.unsharded.dtype).items():
             offsets, width = _offsets(group)
             device = group[0].unsharded.device
-            inp = torch.empty(width + _TAG, dtype=dtype, device=device)
+            inp = self.pool.take(width + _TAG, dtype, device)
             for sp, off in zip(group, offsets):
                 sp.copy_local_into(inp[off: off + sp.layout.shard_numel])
             inp[width:] = torch.tensor(self._tag(), dtype=dtype)
-            out = torch.empty(n * (width + _TAG), dtype=dtype, device=device)
+            out = self.pool.take(n * (width + _TAG), dtype, device)
             work = self.comm.all_gather(out, inp, async_op=True, tag=self.name)
             self._gather.append(_Pending(group, offsets, width, out, work, inp))
-        if not async_op:
-            self.wait_unshard()
 
     @torch.no_grad()
     def wait_unshard(self) -> None:
         pending, self._gather = self._gather, []
         for p in pending:
             self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
+            if p.output is None:   # gathered in place
+                for sp in p.params:
+                    sp.expose()
+                continue
             rows = p.output.view(self.comm.world_size, p.width + _TAG)
             self._check_tags(rows[:, p.width:])
             for sp, off in zip(p.params, p.offsets):
                 sp.to_unsharded(rows[:, off: off + sp.layout.shard_numel])
+            self.pool.give(p.buffer)
+            self.pool.give(p.output)
         for sp in self.params:   # zero-size parameters take part in no collective
             if sp.layout.numel == 0 and sp.state is ShardedState.SHARDED:
                 sp.to_unsharded(torch.empty(self.comm.world_size, 0, dtype=sp.unsharded.dtype))
@@ -149,32 +179,62 @@ class Unit:
     def reduce_grads(self) -> list[_Pending]:
         """Launch the reduce-scatter of this unit's full grads (missing ones count as zeros)."""
         self.reduced = True
+        if self.comm.gathers_regions_in_place:
+            return self._reduce_in_place()
         n = self.comm.world_size
         launched = []
         grad_dtype = lambda sp: self.reduce_dtype or sp.unsharded.dtype  # noqa: E731
         for dtype, group in _by_dtype(self.trainable, grad_dtype).items():
             offsets, width = _offsets(group)
             k = len(group)
-            buf = torch.empty(n, width + k, dtype=dtype, device=group[0].unsharded.device)
+            buf = self.pool.take(n * (width + k), dtype, group[0].unsharded.device).view(n, width + k)
             for i, (sp, off) in enumerate(zip(group, offsets)):
                 grad = sp.param.grad
                 copy_padded_rows(buf[:, off: off + sp.layout.shard_numel],
                                  None if grad is None else grad.reshape(-1), sp.layout)
                 buf[:, width + i] = float(grad is not None)   # see [Note: unused parameters] in grads/reducer.py
                 sp.param.grad = None
-            out = torch.empty(width + k, dtype=dtype, device=buf.device)
+            out = self.pool.take(width + k, dtype, buf.device)
             work = self.comm.reduce_scatter(out, buf.view(-1), async_op=True, tag=self.name)
             launched.append(_Pending(group, offsets, width, out, work, buf))
+        return launched
+
+    def _reduce_in_place(self) -> list[_Pending]:
+        """gloo: sum every full gradient in place (no rank-major buffer) and keep this rank's region;
+        one small all-reduce carries the "has a gradient" flags."""
+        launched = []
+        grad_dtype = lambda sp: self.reduce_dtype or sp.unsharded.dtype  # noqa: E731
+        for dtype, group in _by_dtype(self.trainable, grad_dtype).items():
+            grads, present = [], []
+            for sp in group:
+                grad = sp.param.grad
+                present.append(float(grad is not None))
+                if grad is None:
+                    grad = torch.zeros(sp.layout.numel, dtype=dtype, device=sp.unsharded.device)
+                grads.append(grad.reshape(-1).to(dtype))
+                sp.param.grad = None
+            flags = torch.tensor(present, dtype=torch.float32)
+            work = self.comm.reduce_in_place(grads, flags, async_op=True, tag=self.name)
+            launched.append(_Pending(group, [], 0, flags, work, grads))
         return launched
 
     @torch.no_grad()
     def complete_reduce(self, pending: _Pending) -> None:
         self.comm.wait(pending.work, f"reduce-scatter of unit {self.name!r}")
+        if isinstance(pending.buffer, list):   # reduced in place: pending.output holds the flags
+            n = self.comm.world_size
+            for sp, grad, has_grad in zip(pending.params, pending.buffer, pending.output.tolist()):
+                if has_grad:
+                    region = sp.layout.local_view(grad)
+                    sp.accumulate_grad(region.div_(n))
+            return
         present = pending.output[pending.width:].tolist()
         pending.output.div_(self.comm.world_size)
         for sp, off, has_grad in zip(pending.params, pending.offsets, present):
             if has_grad:
                 sp.accumulate_grad(pending.output[off: off + sp.layout.local_numel])
+        self.pool.give(pending.buffer)
+        self.pool.give(pending.output)
 
     def reset_backward(self) -> None:
         self.ready.clear()
