@@ -483,12 +483,14 @@ def _comm_worker(kind: str, steps: int, buffered: bool) -> dict:
     gathered = [u for u in engine.units if any(sp.layout.numel for sp in u.params)]   # one collective each
     reduced = [u for u in engine.units if any(sp.layout.numel for sp in u.trainable)]
     elem = next(iter(engine.sharded.values())).unsharded.element_size()
-    gathers = 2 * len([u for u in gathered if u is not root]) + (root in gathered)
+    # root and the last unit of the forward order: once per step (kept from forward into backward,
+    # [Note: last unit kept] in hooks.py); every other block: forward + backward
+    kept = {id(root), id(engine.runtime.forward_order[-1])}
+    times = {id(u): 1 if id(u) in kept else 2 for u in engine.units}
+    gathers = sum(times[id(u)] for u in gathered)
     payload = {
-        # root: once per step (kept from forward into backward); blocks: forward + backward
         "all_gather": {"calls": gathers * (1 if buffered else 2),   # in place: the tag exchange goes first
-                       "bytes": _unit_bytes(root, False, buffered)
-                       + 2 * sum(_unit_bytes(u, False, buffered) for u in blocks)},
+                       "bytes": sum(times[id(u)] * _unit_bytes(u, False, buffered) for u in engine.units)},
         "reduce_scatter": {"calls": len(reduced), "bytes": sum(_unit_bytes(u, True, buffered) for u in engine.units)},
         # the step's one "some rank has inf/NaN" flag (optim/loss_scale.py, 4 bytes counted twice); in place
         # also one float32 has-gradient flag per trainable parameter of every reduced unit
@@ -498,7 +500,7 @@ def _comm_worker(kind: str, steps: int, buffered: bool) -> dict:
     # Collectives may carry a few metadata elements per rank besides the payload (a unit tag, one
     # has-gradient flag per parameter); at most (parameters in the unit + 4) elements per rank.
     metadata_bound = {
-        "all_gather": sum((2 - (u is root)) * world * (len(u.params) + 4) * max(elem, 4) for u in gathered),
+        "all_gather": sum(times[id(u)] * world * (len(u.params) + 4) * max(elem, 4) for u in gathered),
         "reduce_scatter": sum(world * (len(u.trainable) + 4) * elem for u in reduced),
     }
     per_step = {k: {"calls": v["calls"] / steps, "bytes": v["bytes"] / steps} for k, v in stats.items()}
@@ -506,7 +508,7 @@ def _comm_worker(kind: str, steps: int, buffered: bool) -> dict:
             "psi": sum(sp.layout.numel for sp in engine.sharded.values()),
             "padded": sum(sp.layout.padded_numel for sp in engine.sharded.values()),
             "padding_bound": (world - 1) * len(engine.sharded) * elem,   # bytes, per pass over every parameter
-            "root_padded_bytes": _unit_bytes(root, False, buffered)}
+            "root_padded_bytes": sum(_unit_bytes(u, False, buffered) for u in engine.units if id(u) in kept)}
 
 
 # ---------------------------------------------------------------------------------------------------------------

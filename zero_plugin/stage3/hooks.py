@@ -21,6 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .._hooks import WeakHook
+from ..hostmem import trim_host_heap
 from .param import ShardedState
 from .unit import BackwardState, Unit
 
@@ -48,8 +49,10 @@ class _PostBackward(torch.autograd.Function):
 
 
 class Stage3Runtime:
-    def __init__(self, units: list[Unit], prefetch_depth: int, reshard_after_forward: bool) -> None:
+    def __init__(self, units: list[Unit], prefetch_depth: int, reshard_after_forward: bool,
+                 trim_heap: bool = False) -> None:
         self.units = units
+        self.trim_heap = trim_heap   # [Note: heap trimming] in hostmem.py (CPU only)
         self.root = units[0]
         self.prefetch_depth = prefetch_depth
         self.reshard_after_forward = reshard_after_forward
@@ -130,13 +133,21 @@ class Stage3Runtime:
             self.forward_order = list(self._recording)
             for other in self.units[1:]:
                 if other.state is ShardedState.UNSHARDED or other.gathering:
-                    if not grad or self.reshard_after_forward:
+                    if not grad or (self.reshard_after_forward and not self._kept_for_backward(other)):
                         other.reshard()
             if not grad:
                 self.root.reshard()
-        elif self.reshard_after_forward or not grad:
+            if self.trim_heap:
+                trim_host_heap()
+        elif not grad or (self.reshard_after_forward and not self._kept_for_backward(unit)):
             unit.reshard()
         return None
+
+    def _kept_for_backward(self, unit: Unit) -> bool:
+        """[Note: last unit kept] The last unit of the recorded forward order (an LM head) is the first
+        one backward needs: releasing it after forward and gathering it again right away would only
+        add a gather; it stays unsharded, as the root does, until its gradients are reduced."""
+        return bool(self.forward_order) and unit is self.forward_order[-1]
 
     def _hook_inputs(self, unit: Unit, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -206,6 +217,8 @@ class Stage3Runtime:
         for unit in self.units:
             unit.reshard()
             unit.reset_backward()
+        if self.trim_heap:
+            trim_host_heap()
 
     def drain(self) -> None:
         while self._inflight:

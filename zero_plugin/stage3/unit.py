@@ -82,8 +82,17 @@ class Unit:
 
     def _gather_in_place(self) -> None:
         """gloo: every rank's region is broadcast straight into the unsharded tensors ([Note: in-place
-        region gather] in collectives.py); the unit's tag goes first in a tiny all-gather."""
-        self._precheck_order()
+        region gather] in collectives.py).  The unit's tag goes first, in a tiny async all-gather that
+        completes before the broadcasts (gloo runs a group's collectives in order) and is checked before
+        them at the wait, so a rank that gathers another unit raises [Note: collective order]'s error
+        instead of exposing mixed weights; a blocking check here would wait for the previous prefetch.
+        Units of different sizes cannot be paired by gloo (it may abort the process): debug_collectives
+        adds the blocking check before the payload, which names the unit on every rank."""
+        if self.comm.history is not None:
+            self._precheck_order()
+        tag = torch.tensor(self._tag(), dtype=torch.float32)
+        tags = torch.empty(self.comm.world_size * _TAG, dtype=torch.float32)
+        tag_work = self.comm.all_gather(tags, tag, async_op=True, tag=f"order check {self.name}")
         regions: list[list[torch.Tensor]] = [[] for _ in range(self.comm.world_size)]
         opened = []
         for sp in self.params:
@@ -94,7 +103,7 @@ class Unit:
                     lo, hi = sp.layout.bounds(r)
                     views.append(flat[lo:hi])
         work = self.comm.gather_regions(regions, async_op=True, tag=self.name)
-        self._gather.append(_Pending(opened, [], 0, None, work))
+        self._gather.append(_Pending(opened, [], 0, None, work, (tag_work, tags)))
 
     def _gather_buffered(self) -> None:
         n = self.comm.world_size
@@ -115,11 +124,15 @@ class Unit:
     def wait_unshard(self) -> None:
         pending, self._gather = self._gather, []
         for p in pending:
-            self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
-            if p.output is None:   # gathered in place
+            if p.output is None:   # gathered in place: the tags first, then the regions
+                tag_work, tags = p.buffer
+                self.comm.wait(tag_work, f"order check of unit {self.name!r}")
+                self._check_tags(tags.view(self.comm.world_size, _TAG))
+                self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
                 for sp in p.params:
                     sp.expose()
                 continue
+            self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
             rows = p.output.view(self.comm.world_size, p.width + _TAG)
             self._check_tags(rows[:, p.width:])
             for sp, off in zip(p.params, p.offsets):
