@@ -224,7 +224,7 @@ VARIANTS = {
     "ds3_offload": _ds(3, offload=True),
 }
 # The DeepSpeed variants are skipped (with a note in the report) where deepspeed is not installed.
-DEFAULT_VARIANTS = ("ddp", "zero_redundancy", "fsdp2", "zp0", "zp1", "zp2", "zp3",
+DEFAULT_VARIANTS = ("ddp", "zero_redundancy", "fsdp2", "zp0", "zp1", "zp2", "zp3", "zp2_offload", "zp3_offload",
                     "ds1", "ds2", "ds3", "ds2_offload", "ds3_offload")
 
 
