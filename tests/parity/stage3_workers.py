@@ -88,19 +88,21 @@ def train_loop(model, opt, batches: list, steps: int, accum: int, max_norm: floa
 
 
 def parity_worker(kind: str, batches: list, steps: int, accum: int, max_norm: float, prefetch_depth: int = 1,
-                  reshard_after_forward: bool = True, buffered: bool = False) -> dict:
+                  reshard_after_forward: bool = True, buffered: bool = False, persistence_threshold: int = 0) -> dict:
     """Train at stage 3; return losses, clip norms, this rank's shards and (rank 0) the full state dict.
     ``buffered``: the rank-major collective layout NCCL uses, forced on gloo (collectives.py)."""
     from tests.unit.memory_comm_workers import collectives_layout
 
     model = build_model(kind)
-    config = zp.ZeroConfig(stage=3, prefetch_depth=prefetch_depth, reshard_after_forward=reshard_after_forward)
+    config = zp.ZeroConfig(stage=3, prefetch_depth=prefetch_depth, reshard_after_forward=reshard_after_forward,
+                           persistence_threshold=persistence_threshold)
     with collectives_layout(buffered):
         model, opt = zp.setup(model, build_optimizer(model), config)
     out = train_loop(model, opt, batches, steps, accum, max_norm)
     out["shards"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     from zero_plugin.engine import engine_of
     out["unsharded_units_after"] = [u.name for u in engine_of(model, "test").unsharded_units()]
+    out["root_params"] = sorted(sp.name for sp in engine_of(model, "test").units[0].params)
     out["full_state_dict"] = zp.full_state_dict(model)
     out["checkpointing"] = _checkpointing(model)
     return out

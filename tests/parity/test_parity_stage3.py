@@ -97,11 +97,23 @@ def test_stage3_parity_buffered_layout(kind, world_size):
     check_stage3_parity(kind, world_size, buffered=True)
 
 
-def check_stage3_parity(kind: str, world_size: int, buffered: bool = False) -> None:
+@pytest.mark.parametrize("kind,world_size", [("mlp", 2), ("llama", 3)])
+def test_stage3_parity_with_persistent_small_parameters(kind, world_size):
+    """persistence_threshold: parameters with at most that many elements (biases, norm weights) join the
+    root unit ([Note: persistent parameters] in stage3/policy.py); training is unchanged."""
+    results = check_stage3_parity(kind, world_size, persistence_threshold=1000)
+    model = workers.build_model(kind)
+    small = sorted(n for n, p in model.named_parameters() if p.numel() <= 1000)
+    assert small, "the model must have small parameters for this test to mean anything"
+    for r in results:
+        assert set(small) <= set(r["root_params"]), (small, r["root_params"])
+
+
+def check_stage3_parity(kind: str, world_size: int, buffered: bool = False, persistence_threshold: int = 0):
     base = workers.base_kind(kind)
     ref = reference(base)
     results = run_ranks(world_size, workers.parity_worker, kind, global_batches(base), STEPS, ACCUM,
-                        MAX_NORM[base], buffered=buffered)
+                        MAX_NORM[base], buffered=buffered, persistence_threshold=persistence_threshold)
     rel = 1e-10 if base == "mlp" else 1e-4
     global_losses = torch.tensor([r["losses"] for r in results], dtype=torch.float64).mean(0).tolist()
     assert_rel_close(global_losses, ref["losses"], rel, "per-step global loss")
@@ -115,6 +127,7 @@ def check_stage3_parity(kind: str, world_size: int, buffered: bool = False) -> N
     assert_params_match(base, full, ref, "full_state_dict on rank 0")
     assert all(r["full_state_dict"] == {} for r in results[1:]), "full_state_dict must be {} off rank 0"
     check_shards_tile(results, full, kind)
+    return results
 
 
 def test_reference_clip_bites_on_some_steps():

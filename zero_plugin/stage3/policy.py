@@ -12,6 +12,13 @@ of its own (an untied ``embed_tokens`` or ``lm_head``): it is gathered only arou
 forward and backward instead of for the whole step.  A 32k-vocabulary embedding is as large as
 several decoder layers, so keeping it and the LM head in the root unit would hold them
 unsharded through every layer's forward and backward.  Tied weights stay in the root unit.
+
+[Note: persistent parameters] ``persistence_threshold`` > 0: every parameter with at most that many
+elements (norm weights, biases) belongs to the root unit, whatever block it sits in.  Their shards
+and optimizer state stay partitioned, but they are gathered once per step in one batched gather
+(with the root, kept from forward into backward) instead of once per block per pass: fewer, larger
+collectives for a memory cost of at most ``threshold`` elements per such parameter held unsharded
+during the step (e.g. 2 norm weights x hidden per decoder layer).
 """
 from __future__ import annotations
 
@@ -73,6 +80,10 @@ def assign_units(model: nn.Module, config: ZeroConfig) -> tuple[list[tuple[str, 
     visit(model, "", 0)
     if config.unit_policy is None and not config.unit_classes:
         _split_leaf_units(model, units, owner)
+    if config.persistence_threshold:
+        for p in model.parameters():   # [Note: persistent parameters]
+            if p.numel() <= config.persistence_threshold:
+                owner[id(p)] = 0
     return units, owner
 
 
