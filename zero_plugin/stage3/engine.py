@@ -32,9 +32,6 @@ __all__ = ["Stage3Engine", "build_stage3_engine"]
 
 def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig,
                         comm: Comm, param_source: ParamSource | None = None) -> "Stage3Engine":
-    if config.persistence_threshold:
-        raise NotImplementedError("ZeroConfig.persistence_threshold > 0 is not implemented yet (issue: Core engine "
-                                  "II: ZeRO-3 parameter sharding)")
     modules, owner = assign_units(model, config)
     names = {id(p): n for n, p in model.named_parameters()}
     sharded: dict[int, ShardedParam] = {}
