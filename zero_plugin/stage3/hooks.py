@@ -141,6 +141,8 @@ class Stage3Runtime:
                 trim_host_heap()
         elif not grad or (self.reshard_after_forward and not self._kept_for_backward(unit)):
             unit.reshard()
+            if self.trim_heap and grad:
+                trim_host_heap()   # the activations kept for backward grow around freed units
         return None
 
     def _kept_for_backward(self, unit: Unit) -> bool:
