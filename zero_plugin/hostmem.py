@@ -7,8 +7,10 @@ more than the live bytes: measured on the 120M-parameter benchmark model (2 rank
 increase was 2036 MiB with the default allocator against 1288 MiB with every block mmapped
 (``MALLOC_MMAP_THRESHOLD_=131072``), while DDP's was 3095 / 2615 MiB.  ``malloc_trim(0)`` returns
 the free pages of every arena (``madvise(MADV_DONTNEED)`` on free chunks, not only the heap top);
-the stage-3 runtime calls it once at the end of each forward and backward, where a unit's worth of
-freed memory has just been released, so the next phase re-faults only what it really uses.  A
+the stage-3 runtime calls it after each unit's release in forward (the activations kept for backward
+would otherwise grow around the freed units) and at the end of each forward and backward, so the next
+phase re-faults only what it really uses.  After that change the peak RSS increase of stage 3 was
+0.58x DDP's at 35M and 0.57x at 58M parameters, with the step time 0.91-1.10x DDP's.  A
 no-op where glibc is not the allocator (macOS, musl) and on CUDA devices (the caching allocator
 manages device memory; host buffers there are pinned and reused).
 """
