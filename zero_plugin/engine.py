@@ -66,13 +66,24 @@ class Engine:
     def before_step(self) -> None:
         for slot in self.slots:
             slot.set_grad(self.owned_grad(slot))
-        synchronize_copies([s.master for s in self.slots if not s.is_identity])
+        self.wait_for_host_copies()
 
     def after_step(self) -> None:
         for slot in self.slots:
             slot.write_back()
             if not slot.is_identity:
                 slot.master.grad = None
+
+    @property
+    def compute_device(self) -> torch.device:
+        """Where forward and backward run; host copies issued there are waited for before a CPU step."""
+        return next((s.param.device for s in self.slots), torch.device("cpu"))
+
+    def wait_for_host_copies(self) -> None:
+        """With offload, once before the step reads the host gradients ([Note: asynchronous host copies]
+        in optim/offload.py); without offload nothing was copied and the device queue is left running."""
+        if self.config.offload or self.config.offload_params:
+            synchronize_copies(self.compute_device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         raise NotImplementedError

@@ -1,6 +1,8 @@
 """One-call GPU check (run by tests/gpu/run.sh on a lent GPU machine); writes one JSON of results.
 
   1. NCCL, world size 1: stages 0-3 (and stage 3 + offload) match a single-GPU reference (float64 MLP).
+  1b. Stage-3 side streams (tests/gpu/overlap.py): the prefetched all-gather of unit i+1 overlaps unit i's
+     compute, the control without side streams does not, and per-step peak memory is identical and bounded.
   2. Fake process group, N = 8: per-rank peak CUDA memory of a ~1B-parameter model for stages 0-3
      against ``memory_report``'s theory.
   3. A 13B-parameter Llama-shaped model (random init, materialised unit by unit from the meta device)
@@ -164,7 +166,13 @@ def part_speed_vs_fsdp2(steps: int = 10) -> dict:
     return result
 
 
-PARTS = {"parity": part_parity, "fake_pg_memory": part_fake_pg_memory, "lora_13b": part_13b_lora,
+def part_overlap() -> dict:
+    from tests.gpu.overlap import part_overlap as run
+
+    return run()
+
+
+PARTS = {"parity": part_parity, "overlap": part_overlap, "fake_pg_memory": part_fake_pg_memory, "lora_13b": part_13b_lora,
          "speed_vs_fsdp2": part_speed_vs_fsdp2}
 
 

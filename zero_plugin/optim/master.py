@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .._flat import ShardLayout
-from .offload import pin
+from .offload import pin, to_device, to_host
 
 __all__ = ["MasterParam"]
 
@@ -26,7 +26,7 @@ __all__ = ["MasterParam"]
 class MasterParam:
     """One trainable parameter as the optimizer sees it on this rank."""
 
-    __slots__ = ("name", "param", "layout", "local", "master", "separate")
+    __slots__ = ("name", "param", "layout", "local", "master", "separate", "host_grad")
 
     def __init__(self, name: str, param: nn.Parameter, layout: ShardLayout, local: torch.Tensor,
                  master_dtype: torch.dtype | None, source: torch.Tensor | None = None,
@@ -38,6 +38,7 @@ class MasterParam:
         dtype = master_dtype or local.dtype
         device = master_device or local.device
         self.separate = dtype != local.dtype or device != local.device
+        self.host_grad: torch.Tensor | None = None   # pinned, allocated at the first offloaded gradient
         if self.separate:
             # ``source``: the region before the parameter was cast down, so no precision is lost.
             init = local if source is None else source
@@ -58,6 +59,10 @@ class MasterParam:
             return  # autograd/reducer already left the reduced grad in param.grad
         if grad is None:
             self.master.grad = None
+        elif grad.device != self.master.device:   # offload: [Note: asynchronous host copies] in offload.py
+            if self.host_grad is None:
+                self.host_grad = pin(torch.empty(self.master.shape, dtype=self.master.dtype, device=self.master.device))
+            self.master.grad = to_host(self.host_grad, grad)
         elif self.separate or grad.dtype != self.master.dtype:
             self.master.grad = grad.to(device=self.master.device, dtype=self.master.dtype,
                                        non_blocking=True)
@@ -68,7 +73,7 @@ class MasterParam:
     def write_back(self) -> None:
         """After a step: copy an fp32 master into the (lower precision) parameter region."""
         if self.separate:
-            self.local.copy_(self.master, non_blocking=True)
+            to_device(self.local, self.master)
 
     @torch.no_grad()
     def refresh_from_param(self) -> None:

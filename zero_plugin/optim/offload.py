@@ -6,12 +6,23 @@
 Masters and all optimizer state live on the host (pinned when CUDA is present, so the copies are
 asynchronous).  On a CPU-only machine the host *is* the device: no copy is made that would do nothing,
 and offload only changes which kernel steps (torch's fused CPU kernels, see ``use_fast_cpu_kernels``).
+
+[Note: asynchronous host copies]
+Every copy between host and device is ``non_blocking`` from or into pinned memory (``to_host``,
+``to_device``), so the host goes on issuing work while the copy engine runs.  A device->host copy is
+complete only when the stream that issued it has passed it: the engine calls ``synchronize_copies``
+once, after the last gradient copy and before the CPU optimizer reads anything (``before_step``).
+Host->device copies (the updated master written back) need no wait: later device work on the same
+stream, or on a side stream that waits for it ([Note: side streams] in ``zero_plugin/streams.py``),
+is ordered after them, and the host writes those masters again only after the next
+``synchronize_copies``.  Dtype casts happen on the device (a host-side cast of a pinned tensor would
+produce pageable memory, which the copy engine cannot read asynchronously).
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["HOST", "host_for", "pin", "use_fast_cpu_kernels", "synchronize_copies"]
+__all__ = ["HOST", "host_for", "pin", "to_host", "to_device", "use_fast_cpu_kernels", "synchronize_copies"]
 
 HOST = torch.device("cpu")
 
@@ -44,7 +55,22 @@ def use_fast_cpu_kernels(optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
-def synchronize_copies(tensors) -> None:
-    """Wait for non-blocking device->host copies before the CPU step reads them."""
-    if torch.cuda.is_available() and any(t.device.type == "cuda" for t in tensors):
-        torch.cuda.current_stream().synchronize()
+def to_host(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Copy ``src`` into the (pinned) host tensor ``dst`` without blocking; a cast runs on ``src``'s device
+    ([Note: asynchronous host copies]).  Complete after :func:`synchronize_copies`."""
+    return dst.copy_(src.reshape(dst.shape), non_blocking=True)
+
+
+def to_device(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Copy ``src`` into ``dst`` without blocking the host; from a pinned host tensor of another dtype the
+    raw bytes move first and the cast runs on the device ([Note: asynchronous host copies])."""
+    if src.device != dst.device and src.dtype != dst.dtype:
+        src = src.to(dst.device, non_blocking=True)
+    return dst.copy_(src.reshape(dst.shape), non_blocking=True)
+
+
+def synchronize_copies(device: torch.device) -> None:
+    """Wait for the non-blocking device->host copies issued so far on ``device``'s current stream (and on
+    the side streams it waited for) before the CPU step reads them.  Nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

@@ -19,8 +19,9 @@ from ..collectives import Comm
 from ..config import ZeroConfig
 from ..engine import Engine
 from ..optim.master import MasterParam
-from ..optim.offload import host_for, synchronize_copies
+from ..optim.offload import host_for
 from ..optim.state import gather_full
+from ..streams import StreamSet, streams_for
 from .hooks import Stage3Runtime
 from .param import ShardedParam, ShardedState
 from .policy import assign_units
@@ -45,7 +46,8 @@ def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Paramete
             per_unit[index].append(sp)
     _broadcast_buffers(model, comm)
     pool = BufferPool()   # one for all units: [Note: buffer reuse]
-    units = [Unit(i, name, module, per_unit[i], comm, config.effective_reduce_dtype, pool)
+    streams = streams_for(compute_device(comm))   # [Note: side streams]; no-op on CPU
+    units = [Unit(i, name, module, per_unit[i], comm, config.effective_reduce_dtype, pool, streams)
              for i, (name, module) in enumerate(modules)]
     slots = [_master_for(sharded[id(p)], names[id(p)], config) for _, p in trainable]
     return Stage3Engine(model, config, comm, slots, units, sharded)
@@ -122,6 +124,16 @@ class Stage3Engine(Engine):
         self.runtime.register()
         _mark_for_synced_generate(model, comm)
 
+    @property
+    def compute_device(self) -> torch.device:
+        return compute_device(self.comm)
+
+    def set_streams(self, streams: StreamSet) -> None:
+        """Replace every unit's side streams, between steps ([Note: side streams] in streams.py): tests
+        substitute a recording fake, or ``NO_STREAMS`` to run everything on the compute stream."""
+        for unit in self.units:
+            unit.streams = streams
+
     # -- step ---------------------------------------------------------------------
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
         return self.sharded[id(slot.param)].sharded_grad
@@ -133,7 +145,7 @@ class Stage3Engine(Engine):
                 slot.param.grad = grad
             else:
                 slot.set_grad(grad)
-        synchronize_copies([s.master for s in self.slots if not s.is_identity])
+        self.wait_for_host_copies()
 
     def after_step(self) -> None:
         for slot in self.slots:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .._flat import ShardLayout, copy_from_rows
-from ..optim.offload import pin
+from ..optim.offload import pin, to_device
 
 __all__ = ["ShardedParam", "ShardedState"]
 
@@ -86,8 +86,9 @@ class ShardedParam:
 
     # -- data movement ----------------------------------------------------------
     def copy_local_into(self, dst: torch.Tensor) -> None:
-        """Copy-in for the all-gather: the local shard (cast to the compute dtype) into ``dst``."""
-        dst[: self.local.numel()].copy_(self.local)
+        """Copy-in for the all-gather: the local shard (cast to the compute dtype) into ``dst``; from the
+        host (offload_params) without blocking ([Note: asynchronous host copies] in optim/offload.py)."""
+        to_device(dst[: self.local.numel()], self.local)
         if self.local.numel() < dst.numel():
             dst[self.local.numel():].zero_()
 
@@ -98,6 +99,9 @@ class ShardedParam:
 
     def accumulate_grad(self, reduced: torch.Tensor) -> None:
         if self.sharded_grad is None:
-            self.sharded_grad = reduced.to(device=self.local.device, dtype=self.local.dtype, copy=True)
-        else:
+            # To the host (offload_params): non-blocking into pinned memory, complete after the engine's
+            # synchronize_copies ([Note: asynchronous host copies] in optim/offload.py).
+            self.sharded_grad = reduced.to(device=self.local.device, dtype=self.local.dtype, copy=True,
+                                           non_blocking=True)
+        else:   # accumulation on the host reads the copy at once: a blocking copy
             self.sharded_grad.add_(reduced.to(device=self.local.device, dtype=self.local.dtype))

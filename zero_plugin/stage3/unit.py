@@ -3,6 +3,9 @@
 Pipelines (one collective per dtype present in the unit):
   unshard:      copy_in (local shards) -> all_gather (async) -> [wait] -> copy_out (to_unsharded)
   reduce_grads: copy_in (full grads, padded) -> reduce_scatter (async) -> [wait] -> accumulate shard grads
+In the buffered layout (NCCL) each pipeline runs on a side stream ([Note: side streams] in
+``zero_plugin/streams.py``); the compute stream waits for it only before the result is used, and buffers
+go back to the pool (and full gradients are let go) only after that wait.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from torch import nn
 
 from .._flat import copy_padded_rows
 from ..collectives import Comm
+from ..streams import NO_STREAMS, StreamSet
 from .param import ShardedParam, ShardedState
 from .pool import BufferPool
 
@@ -39,11 +43,13 @@ class _Pending:
     output: torch.Tensor
     work: Any
     buffer: Any = None   # input buffer, or the full gradients reduced in place
+    sources: list | None = None   # full gradients a side stream reads: alive until the compute stream waited
 
 
 class Unit:
     def __init__(self, index: int, name: str, module: nn.Module, params: list[ShardedParam],
-                 comm: Comm, reduce_dtype: torch.dtype | None, pool: BufferPool | None = None) -> None:
+                 comm: Comm, reduce_dtype: torch.dtype | None, pool: BufferPool | None = None,
+                 streams: StreamSet = NO_STREAMS) -> None:
         self.index = index
         self.name = name
         self.module = module
@@ -52,6 +58,7 @@ class Unit:
         self.comm = comm
         self.reduce_dtype = reduce_dtype
         self.pool = pool if pool is not None else BufferPool()   # [Note: buffer reuse]
+        self.streams = streams   # [Note: side streams]
         self.state = ShardedState.SHARDED
         self.backward_state = BackwardState.IDLE
         self.ready: set[int] = set()          # id(param) of trainable params whose grad is final
@@ -109,40 +116,54 @@ class Unit:
         n = self.comm.world_size
         if self.comm.history is not None:
             self._precheck_order()
-        for dtype, group in _by_dtype(self.params, lambda sp: sp.unsharded.dtype).items():
-            offsets, width = _offsets(group)
-            device = group[0].unsharded.device
-            inp = self.pool.take(width + _TAG, dtype, device)
-            for sp, off in zip(group, offsets):
-                sp.copy_local_into(inp[off: off + sp.layout.shard_numel])
-            inp[width:] = torch.tensor(self._tag(), dtype=dtype)
-            out = self.pool.take(n * (width + _TAG), dtype, device)
-            work = self.comm.all_gather(out, inp, async_op=True, tag=self.name)
-            self._gather.append(_Pending(group, offsets, width, out, work, inp))
+        with self.streams.gather():   # after the compute stream's writes to the shards (the last step)
+            for dtype, group in _by_dtype(self.params, lambda sp: sp.unsharded.dtype).items():
+                offsets, width = _offsets(group)
+                device = group[0].unsharded.device
+                inp = self.pool.take(width + _TAG, dtype, device)
+                for sp, off in zip(group, offsets):
+                    sp.copy_local_into(inp[off: off + sp.layout.shard_numel])
+                inp[width:] = torch.tensor(self._tag(), dtype=dtype)
+                out = self.pool.take(n * (width + _TAG), dtype, device)
+                work = self.comm.all_gather(out, inp, async_op=True, tag=self.name)
+                self._gather.append(_Pending(group, offsets, width, out, work, inp))
 
     @torch.no_grad()
     def wait_unshard(self) -> None:
         pending, self._gather = self._gather, []
-        for p in pending:
-            if p.output is None:   # gathered in place: the tags first, then the regions
-                tag_work, tags = p.buffer
-                self.comm.wait(tag_work, f"order check of unit {self.name!r}")
-                self._check_tags(tags.view(self.comm.world_size, _TAG))
-                self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
-                for sp in p.params:
-                    sp.expose()
-                continue
-            self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
-            rows = p.output.view(self.comm.world_size, p.width + _TAG)
-            self._check_tags(rows[:, p.width:])
-            for sp, off in zip(p.params, p.offsets):
-                sp.to_unsharded(rows[:, off: off + sp.layout.shard_numel])
-            self.pool.give(p.buffer)
-            self.pool.give(p.output)
+        if pending and pending[0].output is None:
+            self._expose_in_place(pending[0])
+        elif pending:
+            self._copy_out(pending)
         for sp in self.params:   # zero-size parameters take part in no collective
             if sp.layout.numel == 0 and sp.state is ShardedState.SHARDED:
                 sp.to_unsharded(torch.empty(self.comm.world_size, 0, dtype=sp.unsharded.dtype))
         self.state = ShardedState.UNSHARDED
+
+    def _expose_in_place(self, p: _Pending) -> None:
+        """Gathered in place (gloo): the tags first, then the regions."""
+        tag_work, tags = p.buffer
+        self.comm.wait(tag_work, f"order check of unit {self.name!r}")
+        self._check_tags(tags.view(self.comm.world_size, _TAG))
+        self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
+        for sp in p.params:
+            sp.expose()
+
+    def _copy_out(self, pending: list[_Pending]) -> None:
+        """Buffered layout: copy-out on the gather stream, then the compute stream waits for it before the
+        parameters are used; buffers return to the pool only after that wait ([Note: side streams])."""
+        with self.streams.gather():
+            for p in pending:
+                self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
+                rows = p.output.view(self.comm.world_size, p.width + _TAG)
+                self._check_tags(rows[:, p.width:])
+                for sp, off in zip(p.params, p.offsets):
+                    sp.to_unsharded(rows[:, off: off + sp.layout.shard_numel])
+            copied = self.streams.record()
+        self.streams.wait(copied)
+        for p in pending:
+            self.pool.give(p.buffer)
+            self.pool.give(p.output)
 
     def _tag(self) -> tuple[int, int]:
         # Exact in every float dtype (values <= 129), unique per unit index.
@@ -194,23 +215,32 @@ class Unit:
         self.reduced = True
         if self.comm.gathers_regions_in_place:
             return self._reduce_in_place()
-        n = self.comm.world_size
         launched = []
         grad_dtype = lambda sp: self.reduce_dtype or sp.unsharded.dtype  # noqa: E731
-        for dtype, group in _by_dtype(self.trainable, grad_dtype).items():
-            offsets, width = _offsets(group)
-            k = len(group)
-            buf = self.pool.take(n * (width + k), dtype, group[0].unsharded.device).view(n, width + k)
-            for i, (sp, off) in enumerate(zip(group, offsets)):
-                grad = sp.param.grad
-                copy_padded_rows(buf[:, off: off + sp.layout.shard_numel],
-                                 None if grad is None else grad.reshape(-1), sp.layout)
-                buf[:, width + i] = float(grad is not None)   # see [Note: unused parameters] in grads/reducer.py
-                sp.param.grad = None
-            out = self.pool.take(width + k, dtype, buf.device)
-            work = self.comm.reduce_scatter(out, buf.view(-1), async_op=True, tag=self.name)
-            launched.append(_Pending(group, offsets, width, out, work, buf))
+        with self.streams.reduce():   # after the compute stream's backward wrote the gradients
+            for dtype, group in _by_dtype(self.trainable, grad_dtype).items():
+                launched.append(self._launch_reduce_scatter(dtype, group))
         return launched
+
+    def _launch_reduce_scatter(self, dtype: torch.dtype, group: list[ShardedParam]) -> _Pending:
+        n = self.comm.world_size
+        offsets, width = _offsets(group)
+        k = len(group)
+        buf = self.pool.take(n * (width + k), dtype, group[0].unsharded.device).view(n, width + k)
+        sources = []
+        for i, (sp, off) in enumerate(zip(group, offsets)):
+            grad = sp.param.grad
+            copy_padded_rows(buf[:, off: off + sp.layout.shard_numel],
+                             None if grad is None else grad.reshape(-1), sp.layout)
+            buf[:, width + i] = float(grad is not None)   # see [Note: unused parameters] in grads/reducer.py
+            if grad is not None:
+                sources.append(grad)
+            sp.param.grad = None
+        out = self.pool.take(width + k, dtype, buf.device)
+        work = self.comm.reduce_scatter(out, buf.view(-1), async_op=True, tag=self.name)
+        # The reduce stream may still be reading the gradients: they stay referenced until the compute
+        # stream waited for it (complete_reduce), or the allocator could hand their memory to new work.
+        return _Pending(group, offsets, width, out, work, buf, sources if self.streams.overlaps else None)
 
     def _reduce_in_place(self) -> list[_Pending]:
         """gloo: sum every full gradient in place (no rank-major buffer) and keep this rank's region;
@@ -233,19 +263,25 @@ class Unit:
 
     @torch.no_grad()
     def complete_reduce(self, pending: _Pending) -> None:
-        self.comm.wait(pending.work, f"reduce-scatter of unit {self.name!r}")
+        what = f"reduce-scatter of unit {self.name!r}"
         if isinstance(pending.buffer, list):   # reduced in place: pending.output holds the flags
+            self.comm.wait(pending.work, what)
             n = self.comm.world_size
             for sp, grad, has_grad in zip(pending.params, pending.buffer, pending.output.tolist()):
                 if has_grad:
                     region = sp.layout.local_view(grad)
                     sp.accumulate_grad(region.div_(n))
             return
-        present = pending.output[pending.width:].tolist()
-        pending.output.div_(self.comm.world_size)
-        for sp, off, has_grad in zip(pending.params, pending.offsets, present):
-            if has_grad:
-                sp.accumulate_grad(pending.output[off: off + sp.layout.local_numel])
+        with self.streams.reduce():   # waiting here makes the reduce stream (not compute) wait for NCCL
+            self.comm.wait(pending.work, what)
+            present = pending.output[pending.width:].tolist()
+            pending.output.div_(self.comm.world_size)
+            for sp, off, has_grad in zip(pending.params, pending.offsets, present):
+                if has_grad:
+                    sp.accumulate_grad(pending.output[off: off + sp.layout.local_numel])
+            reduced = self.streams.record()
+        self.streams.wait(reduced)   # [Note: side streams]: only now may the memory be reused
+        pending.sources = None
         self.pool.give(pending.buffer)
         self.pool.give(pending.output)
 
