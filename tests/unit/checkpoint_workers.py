@@ -259,7 +259,23 @@ def _corruptions(good: str, root: str, sentinel: str) -> dict[str, str]:
     make("pickle_as_shard", lambda d: _replace_and_reseal(d, rank_file(0, 2), evil))
     make("torch_save_as_shard", lambda d: _replace_and_reseal(d, rank_file(1, 2), _torch_save_bytes({"w": Evil(sentinel)})))
     make("pickle_as_index", lambda d: _replace_and_reseal(d, ckpt_format.INDEX, evil))
+    make("wrong_shape", lambda d: _reshape_last_state(os.path.join(d, rank_file(1, 2)), d))
     return cases
+
+
+def _reshape_last_state(path: str, directory: str) -> None:
+    """Rewrite a rank file as valid safetensors whose last optimizer-state tensor has one element too many,
+    and reseal the manifest: only the header check of the load's plan phase can catch it, after every
+    parameter has been planned."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    key = sorted(k for k in tensors if k.startswith("o/") and tensors[k].dim() == 1)[-1]
+    tensors[key] = torch.cat([tensors[key], tensors[key][:1]])
+    _replace_and_reseal(directory, os.path.basename(path), save(tensors, metadata=metadata))
 
 
 class _WiderHead(models.OddMLP):
@@ -302,7 +318,30 @@ def bad_input(stage: int, root: str, sentinel: str) -> dict:
         errors[case] = _try_load(good, other, other_opt)
         errors[case + "_unchanged"] = all(torch.equal(v, full_params(other)[k]) for k, v in other_before.items())
     after = {"params": full_params(model), "opt": full_optimizer_state(model, opt)}
-    return {"errors": errors, "before": before, "after": after, "sentinel_exists": os.path.exists(sentinel)}
+    in_place = _loads_in_place(good, model, opt)
+    return {"errors": errors, "before": before, "after": after, "sentinel_exists": os.path.exists(sentinel),
+            "in_place": in_place}
+
+
+def _storage(model, opt) -> dict:
+    engine = engine_of(model, "test")
+    out = {f"param {n}": p.data_ptr() for n, p in model.named_parameters()}
+    for p, sp in (getattr(engine, "sharded", None) or {}).items():
+        out[f"shard {sp.name}"] = sp.local.data_ptr()
+    for slot in engine.slots:
+        out[f"master {slot.name}"] = slot.master.data_ptr()
+        for key, value in opt.inner.state.get(slot.master, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                out[f"state {slot.name}/{key}"] = value.data_ptr()
+    return out
+
+
+def _loads_in_place(good: str, model, opt) -> dict:
+    """A good load into a trained model writes into the tensors already there ([Note: loading in place])."""
+    storage = _storage(model, opt)
+    load_checkpoint(good, model, opt)
+    after = _storage(model, opt)
+    return {"moved": sorted(k for k in storage if after.get(k) != storage[k]), "checked": len(storage)}
 
 
 # -- crash safety (a plain subprocess, one rank, no process group) ------------------------------------------

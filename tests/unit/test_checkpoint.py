@@ -172,6 +172,7 @@ EXPECTED = {
     "pickle_as_shard": ("rank-00000-of-00002.safetensors", "not a valid safetensors file"),
     "torch_save_as_shard": ("rank-00001-of-00002.safetensors", "not a valid safetensors file"),
     "pickle_as_index": ("index.json", "cannot read checkpoint index"),
+    "wrong_shape": ("rank-00001-of-00002.safetensors", "has shape"),
     "wider_head": ("shape mismatch for 'head.weight': checkpoint has (13, 15), the model has (15, 15)",
                    "'head.bias'"),
     "extra_param": ("missing parameters (in the model, not in the checkpoint): ['extra_bias']", "different model"),
@@ -193,6 +194,7 @@ def test_bad_checkpoints_fail_clearly_and_change_nothing(stage, tmp_path):
         assert_params_equal(r["before"]["params"], r["after"]["params"])
         assert_opt_equal(r["before"]["opt"], r["after"]["opt"])
         assert not r["sentinel_exists"]
+        assert r["in_place"]["checked"] > 0 and r["in_place"]["moved"] == [], r["in_place"]
     assert not os.path.exists(sentinel), "a planted pickle was executed"
     # The payload is live: unpickling it would have run code.
     pickle.loads(pickle.dumps(w.Evil(str(tmp_path / "control"))))

@@ -1,10 +1,23 @@
-"""``zp.load_checkpoint``: verify everything, read this rank's slices into temporaries, then copy in.
+"""``zp.load_checkpoint``: check everything, then read this rank's slices straight into the model.
 
 Phases (each one collective, so a failure on any rank raises on every rank):
 manifest and file sizes -> sha256 (files split round-robin over the ranks) ->
-index.json -> match against the model and optimizer -> read the slices this
-rank needs -> copy in.  Nothing in the model or optimizer changes before the
-last phase, so every error leaves them untouched.
+index.json -> match against the model and optimizer -> plan: every stored piece
+this rank needs is located and its header checked (key, shape, dtype), small
+values are read -> read in.
+
+[Note: loading in place]
+Nothing in the model or optimizer changes before the last phase, so every
+error the checks can find -- a truncated, corrupted (sha256), incomplete or
+mismatched checkpoint -- leaves them untouched.  The last phase then reads each
+stored piece straight into its destination: the parameter (or stage-3 shard),
+the fp32 master, and the optimizer's existing state tensors where they have the
+right shape and dtype (new ones otherwise).  So a load needs no second copy of
+the model state: a 1B-parameter stage-3 rank (6 GB of parameters and AdamW
+state) would otherwise need 12 GB while loading.  What the checks cannot see is
+an I/O error part-way through that last phase (a disk failing under the read):
+it raises, and the model may then be partly loaded; load again.  With
+``verify=False`` changed data bytes are not detected at all (headers still are).
 """
 from __future__ import annotations
 
@@ -39,9 +52,9 @@ def load(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | No
     index = on_every_rank(comm, lambda: _index(path, files, views, engine, inner))
     with contextlib.ExitStack() as stack:
         reader = _Reader(path, index["files"], stack)
-        staged = on_every_rank(comm, lambda: _stage(reader, index, engine, views, inner))
-    _copy_in(staged, inner)
-    return staged.extra
+        plan = on_every_rank(comm, lambda: _plan(reader, index, engine, views, inner))
+        on_every_rank(comm, lambda: _read_in(plan, reader, inner))
+    return plan.extra
 
 
 def _files_to_verify(names: list[str], rank: int, world: int) -> list[str]:
@@ -86,17 +99,17 @@ class _Reader:
                 raise CheckpointError(f"checkpoint file {full} is not a valid safetensors file: {exc}") from exc
             self.keys[i] = set(self.handles[i].keys())
         if key is not None and key not in self.keys[i]:
-            raise CheckpointError(f"{self._where(i, key)} is missing")
+            raise CheckpointError(f"{self.where(i, key)} is missing")
         return self.handles[i]
 
-    def _where(self, i: int, key: str) -> str:
+    def where(self, i: int, key: str) -> str:
         return f"tensor {key!r} in checkpoint file {os.path.join(self.directory, self.files[i])}"
 
     def slice(self, i: int, key: str, length: int, dtype: torch.dtype):
         piece = self.handle(i, key).get_slice(key)
         shape, stored = list(piece.get_shape()), piece.get_dtype()
         if shape != [length] or stored != fmt.safetensors_code(dtype):
-            raise CheckpointError(f"{self._where(i, key)} has shape {shape} and dtype {stored}, the index says "
+            raise CheckpointError(f"{self.where(i, key)} has shape {shape} and dtype {stored}, the index says "
                                   f"[{length}] and {fmt.safetensors_code(dtype)}")
         return piece
 
@@ -106,50 +119,74 @@ class _Reader:
     def metadata(self, i: int) -> dict[str, str]:
         return self.handle(i).metadata() or {}
 
-    def read_range(self, key: str, shards: list, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of a flattened tensor stored as ``shards`` ``[[file, s_lo, s_hi], ...]``."""
-        out = torch.empty(hi - lo, dtype=dtype)
-        for i, s_lo, s_hi in shards:
-            a, b = max(lo, s_lo), min(hi, s_hi)
-            if a < b:
-                out[a - lo:b - lo] = self.slice(i, key, s_hi - s_lo, dtype)[a - s_lo:b - s_lo]
-        return out
+
+@dataclass(slots=True)
+class _Region:
+    """Where the elements ``[lo, hi)`` of one stored flat tensor come from: ``pieces`` are
+    ``(file, key, s_lo, a, b)`` -- elements ``[a, b)`` are ``[a - s_lo, b - s_lo)`` of that stored piece."""
+
+    lo: int
+    hi: int
+    pieces: list[tuple[int, str, int, int, int]]
 
 
 @dataclass(slots=True)
-class _Staged:
-    params: list[tuple[ParamView, torch.Tensor, int]] = field(default_factory=list)
+class _Plan:
+    """Everything a load reads, checked against the files' headers before anything is changed.
+    Large tensors are only described (``_Region``); small values (buffers, scalars, ``extra``,
+    RNG states) are read here."""
+
+    params: list[tuple[ParamView, _Region]] = field(default_factory=list)
     buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     optimizer: dict | None = None
     extra: Any = None
     rng: dict | None = None
 
 
-def _stage(reader: _Reader, index: dict, engine, views: list[ParamView], inner) -> _Staged:
-    staged = _Staged()
+def _plan(reader: _Reader, index: dict, engine, views: list[ParamView], inner) -> _Plan:
+    plan = _Plan()
     for view in views:
         entry = index["params"][view.name]
         lo, hi = load_range(view)
-        values = reader.read_range(f"p/{view.name}", entry["shards"], lo, hi, fmt.dtype_from_name(entry["dtype"]))
-        staged.params.append((view, values, lo))
+        plan.params.append((view, _region(reader, f"p/{view.name}", entry["shards"], lo, hi,
+                                          fmt.dtype_from_name(entry["dtype"]))))
     for name, buf in persistent_buffers(engine.model):
         value = reader.tensor(0, f"b/{name}")
-        staged.buffers.append((buf, value.reshape(buf.shape)))
+        if value.numel() != buf.numel():
+            raise CheckpointError(f"{reader.where(0, f'b/{name}')} has {value.numel()} elements, the model's buffer "
+                                  f"{name!r} has {buf.numel()}")
+        plan.buffers.append((buf, value.reshape(buf.shape)))
     rank0 = lambda key: reader.tensor(0, key)   # noqa: E731 - tensors referenced by the index live in rank 0's file
     if inner is not None:
-        staged.optimizer = _stage_optimizer(reader, index, engine, views, inner, rank0)
-    staged.extra = _decode(index.get("extra"), rank0, "extra")
-    staged.extra = {} if staged.extra is None else staged.extra
+        plan.optimizer = _plan_optimizer(reader, index, engine, views, inner, rank0)
+    plan.extra = _decode(index.get("extra"), rank0, "extra")
+    plan.extra = {} if plan.extra is None else plan.extra
     rank, world = engine.comm.rank, engine.comm.world_size
     if index["world_size"] == world:
         rng = reader.metadata(rank).get("rng")
         if rng is not None:
-            staged.rng = _decode(json.loads(rng), lambda key: reader.tensor(rank, key), "rng state")
-    return staged
+            plan.rng = _decode(json.loads(rng), lambda key: reader.tensor(rank, key), "rng state")
+    return plan
 
 
-def _stage_optimizer(reader: _Reader, index: dict, engine, views, inner, rank0) -> dict:
-    """The wrapped optimizer's state dict for this rank's masters, in its own parameter order."""
+def _region(reader: _Reader, key: str, shards: list, lo: int, hi: int, dtype: torch.dtype) -> _Region:
+    """Check every stored piece overlapping ``[lo, hi)`` (present, right shape and dtype) and describe the reads."""
+    pieces, covered = [], 0
+    for i, s_lo, s_hi in shards:
+        a, b = max(lo, s_lo), min(hi, s_hi)
+        if a < b:
+            reader.slice(i, key, s_hi - s_lo, dtype)
+            pieces.append((i, key, s_lo, a, b))
+            covered += b - a
+    if covered != hi - lo:
+        raise CheckpointError(f"checkpoint index: the shards of {key!r} cover {covered} of the elements "
+                              f"[{lo}, {hi}) this rank needs")
+    return _Region(lo, hi, pieces)
+
+
+def _plan_optimizer(reader: _Reader, index: dict, engine, views, inner, rank0) -> dict:
+    """The wrapped optimizer's state dict for this rank's masters, in its own parameter order; large
+    state tensors are ``(region, dtype, shape)`` placeholders until :func:`_read_in`."""
     saved = index["optimizer"]
     by_name = {v.name: v for v in views}
     state, groups, pos = {}, [], 0
@@ -158,25 +195,32 @@ def _stage_optimizer(reader: _Reader, index: dict, engine, views, inner, rank0) 
         groups.append({**hyper, "params": list(range(pos, pos + len(group["params"])))})
         for master in group["params"]:
             name = engine.name_of_master(master)
-            entry = _stage_state(reader, index, by_name[name], saved["state"].get(name, {}), rank0)
+            entry = _plan_state(reader, index, by_name[name], saved["state"].get(name, {}), rank0)
             if entry:
                 state[pos] = entry
             pos += 1
     return {"state": state, "param_groups": groups}
 
 
-def _stage_state(reader: _Reader, index: dict, view: ParamView, saved: dict, rank0) -> dict:
+def _plan_state(reader: _Reader, index: dict, view: ParamView, saved: dict, rank0) -> dict:
     entry = {}
     shards = index["params"][view.name]["shards"]
     lo, hi = view.slot.layout.bounds()
     for key, spec in saved.items():
         if "region" in spec:
             dtype = fmt.dtype_from_name(spec["region"])
-            region = reader.read_range(f"o/{view.name}/{key}", shards, lo, hi, dtype)
-            entry[key] = region.reshape(view.slot.master.shape)
+            entry[key] = _StateRegion(_region(reader, f"o/{view.name}/{key}", shards, lo, hi, dtype), dtype,
+                                      tuple(view.slot.master.shape))
         else:
             entry[key] = _decode(spec["value"], rank0, f"optimizer state {key!r} of {view.name!r}")
     return entry
+
+
+@dataclass(slots=True)
+class _StateRegion:
+    region: _Region
+    dtype: torch.dtype
+    shape: tuple
 
 
 def _decode(value: Any, tensor, what: str) -> Any:
@@ -188,14 +232,54 @@ def _decode(value: Any, tensor, what: str) -> Any:
         raise CheckpointError(f"checkpoint index: malformed {what}: {exc}") from exc
 
 
-# -- copying in ------------------------------------------------------------------------
+# -- reading in -----------------------------------------------------------------------
 @torch.no_grad()
-def _copy_in(staged: _Staged, inner) -> None:
-    for view, values, lo in staged.params:
-        copy_param_in(view, values, lo)
-    for buf, value in staged.buffers:
+def _read_in(plan: _Plan, reader: _Reader, inner) -> None:
+    """Read every planned region straight into the model and optimizer, one stored piece at a time
+    ([Note: loading in place])."""
+    for view, region in plan.params:
+        for piece, a, b in _pieces(reader, region):
+            copy_param_in(view, piece, a - region.lo, a)
+    for buf, value in plan.buffers:
         buf.copy_(value)
-    if staged.optimizer is not None:
-        inner.load_state_dict(staged.optimizer)
-    if staged.rng is not None:
-        restore_rng(staged.rng)
+    if plan.optimizer is not None:
+        live = _live_state(inner)
+        for pos, entry in plan.optimizer["state"].items():
+            for key, value in list(entry.items()):
+                if isinstance(value, _StateRegion):
+                    entry[key] = _fill(reader, value, live.get((pos, key)))
+        inner.load_state_dict(plan.optimizer)
+    if plan.rng is not None:
+        restore_rng(plan.rng)
+
+
+def _pieces(reader: _Reader, region: _Region):
+    for i, key, s_lo, a, b in region.pieces:
+        yield reader.handle(i).get_slice(key)[a - s_lo:b - s_lo], a, b
+
+
+def _live_state(inner) -> dict:
+    """``{(position, key): tensor}`` of the optimizer's current state, to be overwritten in place."""
+    live, pos = {}, 0
+    for group in inner.param_groups:
+        for p in group["params"]:
+            for key, value in inner.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    live[(pos, key)] = value
+            pos += 1
+    return live
+
+
+def _fill(reader: _Reader, spec: _StateRegion, current: torch.Tensor | None) -> torch.Tensor:
+    """The state tensor ``spec`` describes: read into ``current`` when it can hold it, else into a new tensor."""
+    fits = (current is not None and current.dtype == spec.dtype and tuple(current.shape) == spec.shape
+            and current.is_contiguous())
+    out = current if fits else torch.empty(spec.shape, dtype=spec.dtype, device=_state_device(current))
+    flat = out.view(-1)
+    for piece, a, b in _pieces(reader, spec.region):
+        flat[a - spec.region.lo:b - spec.region.lo].copy_(piece)
+    return out
+
+
+def _state_device(current: torch.Tensor | None) -> torch.device:
+    return current.device if current is not None else torch.device("cpu")

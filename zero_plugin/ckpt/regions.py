@@ -114,16 +114,18 @@ def load_range(view: ParamView) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def copy_param_in(view: ParamView, values: torch.Tensor, lo: int) -> None:
-    """Write the values read for :func:`load_range` (starting at flat index ``lo``) into the model."""
-    if view.sharded is not None:
-        view.sharded.local.copy_(values)
-    else:
-        view.param.data.view(-1).copy_(values)
+def copy_param_in(view: ParamView, values: torch.Tensor, at: int, flat_start: int) -> None:
+    """Write ``values``, the elements ``[flat_start, flat_start + len)`` of the flattened parameter, into the
+    model at offset ``at`` of this rank's :func:`load_range`, and into the overlapping part of the master."""
+    n = values.numel()
+    target = view.sharded.local if view.sharded is not None else view.param.data
+    target.view(-1)[at:at + n].copy_(values)
     master = view.separate_master
     if master is not None:   # from the stored values, not the (possibly lower precision) parameter
         m_lo, m_hi = view.slot.layout.bounds()
-        master.view(-1).copy_(values[m_lo - lo:m_hi - lo])
+        a, b = max(flat_start, m_lo), min(flat_start + n, m_hi)
+        if a < b:
+            master.view(-1)[a - m_lo:b - m_lo].copy_(values[a - flat_start:b - flat_start])
 
 
 def check_loadable(engine) -> None:
