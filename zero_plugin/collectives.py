@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "comm_stats", "reset_comm_stats", "world_comm"]
+__all__ = ["Comm", "comm_stats", "regions_in_place", "reset_comm_stats", "world_comm"]
 
 
 @dataclass(slots=True)
@@ -123,6 +123,13 @@ class _Works:
         return ok
 
 
+def regions_in_place(backend: str) -> bool:
+    """Whether ``Comm`` on ``backend`` gathers and reduces regions in place ([Note: in-place region
+    gather]): gloo, unless ZERO_PLUGIN_BUFFERED_COLLECTIVES=1 forces the buffered (NCCL) layout, which is
+    how the CPU tests cover it.  The memory planner asks the same question."""
+    return backend == "gloo" and os.environ.get("ZERO_PLUGIN_BUFFERED_COLLECTIVES", "0") != "1"
+
+
 class Comm:
     """Collectives over one process group.  ``group=None`` means the default group.
 
@@ -144,7 +151,7 @@ class Comm:
             self.rank, self.world_size, self.backend = 0, 1, "none"
         # [Note: in-place region gather]; ZERO_PLUGIN_BUFFERED_COLLECTIVES=1 forces the buffered (NCCL)
         # layout on gloo too, which is how the CPU tests cover it.
-        self._in_place = self.backend == "gloo" and os.environ.get("ZERO_PLUGIN_BUFFERED_COLLECTIVES", "0") != "1"
+        self._in_place = regions_in_place(self.backend)
 
     # -- waiting ------------------------------------------------------------
     def wait(self, work, what: str = "collective") -> None:

@@ -11,12 +11,19 @@ whatever is gone when the other peaks):
     prints as theory).  Parameters and optimizer state live all step; gradients exist from the
     backward that produces them to the ``zero_grad`` after the step;
   * activations: one forward + backward traced on fake tensors (``planner_trace.py``);
-  * our transient buffers, replayed at the trace's events exactly as the engine allocates them:
+  * our transient buffers, replayed at the trace's events exactly as the engine allocates them, in
+    the layout ``Comm`` uses on the planned backend ([Note: in-place region gather] in
+    ``collectives.py``; device "cpu" plans gloo, "cuda" NCCL):
     stages 0-2: a buffer per gradient bucket (``grads/bucket.py``), at most 2 buckets pending, then
-    (stages 1-2) the all-gather of updated parameters after the step, at most 2 buckets at once;
-    stage 3: the root unit gathered for the whole step, each block gathered around its forward and
-    backward with ``prefetch_depth`` more in flight (input ``width+2`` and output ``N*(width+2)`` in
-    ``param_dtype``), reduce-scatter buffers ``N*(width+k)`` with at most 2 in flight (``stage3/``);
+    (stages 1-2) the all-gather of updated parameters after the step, at most 2 buckets at once; in
+    place (stages 1-2 on gloo) no bucket buffer (the gradients themselves are summed, or a copy in the
+    reduce dtype), stage 2's region copied out at completion, and no buffer for the parameter gather;
+    stage 3: the root unit gathered for the whole step and the last unit of the forward order from its
+    forward through its backward ([Note: last unit kept]), each other unit gathered around its forward
+    and backward with ``prefetch_depth`` more in flight; buffered (NCCL): input ``width+2`` and output
+    ``N*(width+2)`` in ``param_dtype``, reduce-scatter buffers ``N*(width+k)``; in place (gloo): the full
+    tensors from the launch and no buffers, gradients kept whole until their reduction completes;
+    at most 2 reductions in flight (``stage3/``);
   * the optimizer step: AdamW on one tensor at a time allocates two parameter-sized temporaries
     (CPU default), ``foreach`` one list of all of them (CUDA default), the fused kernel none (offload).
 The estimate counts live tensor bytes: what ``torch.cuda.max_memory_allocated`` reports on a GPU, and
@@ -38,6 +45,7 @@ import torch
 
 from ._flat import ShardLayout
 from .config import ZeroConfig
+from .collectives import regions_in_place
 from .grads.bucket import plan_buckets
 from .memory import theory_bytes
 from .planner_trace import (BUILTIN_MODELS, SYNTHETIC_BLOCKS, ParamInfo, Trace, checkpointing, default_loss,
@@ -96,6 +104,7 @@ class _Setting:
     offload_params: bool
     device: str
     config: ZeroConfig
+    in_place: bool    # regions gathered and reduced in place (gloo, [Note: in-place region gather])
 
 
 class _Replay:
@@ -213,6 +222,7 @@ class _ReplicatedReplay(_Replay):
     def __init__(self, plan: "Planner", s: _Setting, theory: dict[str, float]) -> None:
         super().__init__(plan, s, theory)
         self.sharded = s.stage > 0
+        self.in_place = s.in_place and self.sharded   # stage 0 all-reduces a flat bucket on every backend
         self.buckets = self._buckets()
         self.bucket_of = {i: b for b, (idx, _, _) in enumerate(self.buckets) for i in idx}
         self.ready = [0] * len(self.buckets)
@@ -243,8 +253,17 @@ class _ReplicatedReplay(_Replay):
             while len(self.inflight) > _MAX_INFLIGHT:
                 self.complete(self.inflight.pop(0))
 
+    def bucket_numel(self, b: int) -> int:
+        return sum(self.plan.params[i].numel for i in self.buckets[b][0])
+
     def launch(self, b: int) -> None:
         self.launched.add(b)
+        if self.in_place:   # grads/reducer.py ``_launch_in_place``: the gradients themselves are summed
+            if self.rb != self.pb:   # ... or a copy in the reduce dtype, the gradient itself freed (stage 2)
+                self.mem.add("device", "reduce_buffers", self.bucket_numel(b) * self.rb)
+                if self.s.stage == 2:
+                    self.mem.add("device", "grads", -self.bucket_numel(b) * self.pb)
+            return
         inp, out = self.buffer_bytes(b)
         self.mem.add("device", "reduce_buffers", inp)
         if self.s.stage == 2:   # ZeRO-2: the full gradients go as soon as they are in the buffer
@@ -252,6 +271,15 @@ class _ReplicatedReplay(_Replay):
         self.reduce_output("reduce_buffers", out, at_launch=True)
 
     def complete(self, b: int) -> None:
+        if self.in_place:   # stage 2 keeps a copy of its region; the full gradients go with the bucket
+            if self.s.stage == 2:
+                self.mem.add(self.place("grad_shards"), "grad_shards",
+                             sum(self.local(i) for i in self.buckets[b][0]) * self.pb)
+                if self.rb == self.pb:
+                    self.mem.add("device", "grads", -self.bucket_numel(b) * self.pb)
+            if self.rb != self.pb:
+                self.mem.add("device", "reduce_buffers", -self.bucket_numel(b) * self.rb)
+            return
         inp, out = self.buffer_bytes(b)
         self.reduce_output("reduce_buffers", out, at_launch=False)
         if self.s.stage == 2:   # the owned shards are views of the bucket's output (or a cast copy of it)
@@ -272,7 +300,7 @@ class _ReplicatedReplay(_Replay):
     def after_step(self) -> None:
         if self.s.stage == 2:
             self.mem.bytes.pop((self.place("grad_shards"), "grad_shards"), None)
-        if self.s.stage in (1, 2) and self.n > 1:   # at most _MAX_INFLIGHT buckets gathered at once
+        if self.s.stage in (1, 2) and self.n > 1 and not self.in_place:   # at most _MAX_INFLIGHT at once
             self.mem.phase = "all-gather"
             pending: list[tuple[float, float]] = []
             for _, width, _ in self.buckets:
@@ -313,6 +341,10 @@ class _Stage3Replay(_Replay):
 
     # -- gather / release (stage3/unit.py) -------------------------------------------------------
     def gather(self, u: int) -> None:
+        if self.s.in_place:   # the full tensors are allocated at the launch and broadcast into
+            self.inflight[u] = 0.0
+            self.mem.add("device", "gathered", self.full[u])
+            return
         self.inflight[u] = self.gather_launch("gather_buffers", self.gather_buf[u], self.n * self.gather_buf[u])
 
     def ensure(self, u: int) -> None:
@@ -320,7 +352,11 @@ class _Stage3Replay(_Replay):
             return
         if u not in self.inflight:
             self.gather(u)
-        self.gather_complete(self.inflight.pop(u))
+        temp = self.inflight.pop(u)
+        if self.s.in_place:
+            self.gathered.add(u)
+            return
+        self.gather_complete(temp)
         self.mem.add("device", "gathered", self.full[u])          # to_unsharded while the buffers are alive
         self.mem.add("device", "gather_buffers", -(self.n + 1) * self.gather_buf[u])
         self.gathered.add(u)
@@ -349,9 +385,13 @@ class _Stage3Replay(_Replay):
             self.prefetch(u, +1)
 
     def on_fwd_post(self, u: int, in_backward: bool) -> None:
+        """Reshard after forward, except the root and the last unit of the forward order, which backward
+        needs first ([Note: last unit kept] in stage3/hooks.py)."""
         if in_backward or not self.s.config.reshard_after_forward:
             return
-        for v in ([w for w in self.gathered | set(self.inflight) if w != 0] if u == 0 else [u]):
+        kept = {0, self.order[-1]} if self.order else {0}
+        for v in ([w for w in self.gathered | set(self.inflight) if w not in kept] if u == 0 else
+                  [] if u in kept else [u]):
             self.reshard(v)
 
     def on_bwd_pre(self, u: int, in_backward: bool) -> None:
@@ -372,17 +412,31 @@ class _Stage3Replay(_Replay):
             if u != 0 and (u in self.post or u not in self.wrapped):
                 self.reshard(u)
 
+    def grad_numel(self, u: int) -> int:
+        return sum(p.numel for p in self.plan.params if p.unit == u and p.requires_grad and p.numel)
+
     def launch(self, u: int) -> None:
         self.reduced.add(u)
-        self.mem.add("device", "reduce_buffers", self.n * self.reduce_buf[u])
-        members = [i for i, p in enumerate(self.plan.params) if p.unit == u and p.requires_grad and p.numel]
-        self.mem.add("device", "grads", -sum(self.plan.params[i].numel for i in members) * self.pb)
-        self.reduce_output("reduce_buffers", self.reduce_buf[u], at_launch=True)
+        if self.s.in_place:   # stage3/unit.py ``_reduce_in_place``: the gradients (or a reduce-dtype copy)
+            if self.rb != self.pb:
+                self.mem.add("device", "reduce_buffers", self.grad_numel(u) * self.rb)
+                self.mem.add("device", "grads", -self.grad_numel(u) * self.pb)
+        else:
+            self.mem.add("device", "reduce_buffers", self.n * self.reduce_buf[u])
+            self.mem.add("device", "grads", -self.grad_numel(u) * self.pb)
+            self.reduce_output("reduce_buffers", self.reduce_buf[u], at_launch=True)
         self.reduces.append(u)
         while len(self.reduces) > _MAX_INFLIGHT_REDUCES:
             self.complete(self.reduces.popleft())
 
     def complete(self, u: int) -> None:
+        if self.s.in_place:   # this rank's region is copied out, then the full gradients go
+            self.mem.add(self.place("grad_shards"), "grad_shards", self.shard_grads[u])
+            if self.rb != self.pb:
+                self.mem.add("device", "reduce_buffers", -self.grad_numel(u) * self.rb)
+            else:
+                self.mem.add("device", "grads", -self.grad_numel(u) * self.pb)
+            return
         self.reduce_output("reduce_buffers", self.reduce_buf[u], at_launch=False)
         self.mem.add(self.place("grad_shards"), "grad_shards", self.shard_grads[u])
         self.mem.add("device", "reduce_buffers", -(self.n + 1) * self.reduce_buf[u])
@@ -493,7 +547,8 @@ class Planner:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"planner: world_size must be an int >= 1; got {world_size!r}")
         config = self.config.replace(stage=stage, offload_optimizer=offload, offload_params=offload_params)
-        return _Setting(config.stage, world_size, config.offload, config.offload_params, self.device, config)
+        return _Setting(config.stage, world_size, config.offload, config.offload_params, self.device, config,
+                        in_place=self.device == "cpu" and regions_in_place("gloo"))
 
     def estimate(self, world_size: int, stage: int, *, offload: bool | str = False,
                  offload_params: bool = False) -> dict[str, Any]:
