@@ -14,8 +14,19 @@ Variants (same hyper-parameters: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_d
 Layouts: ``flat`` is one 1-D fp32 parameter of N elements; ``list`` is N elements as 4096x4096
 tensors (plus one 4096xk tensor and a 1-D tail for the remainder).
 
+[Note: same memory]
+By default every variant steps the *same* parameter, gradient and optimizer-state tensors: the first
+variant's warm-up step allocates exp_avg / exp_avg_sq, every other optimizer's state is pointed at them
+(with the same step count), and the variants then take turns, one step each, the order rotated every
+step.  The kernels are memory-bound from about 10M parameters, and separately allocated copies of the
+same 16 bytes/param run measurably apart (up to ~10% in either direction between runs, with the same
+kernel: page placement and the arrays' relative alignment), which is larger than the differences being
+measured.  Shared tensors remove that, and let 500M run step-interleaved (8 GB instead of 8 GB per
+variant).  The values drift apart from any single optimizer's trajectory; only time is measured here
+(the numerical check below uses separate tensors).
+
 [Note: timing protocol]
-Every variant starts from the same seeded parameters and gradients.  The first step (which allocates
+With ``--no-same-memory`` every variant starts from the same seeded parameters and gradients.  The first step (which allocates
 the optimizer state) is a warm-up and is not timed.  When all variants fit in memory at once
 (``--resident-fraction`` of available RAM), they are built together and timed one step at a time,
 round-robin, with the order rotated every round.  Otherwise (500M fp32 x AdamW is 8 GB per variant)
@@ -67,6 +78,9 @@ def _parse(argv=None) -> argparse.Namespace:
                    help="build all variants at once when their state fits in this fraction of available RAM")
     p.add_argument("--check-size", type=int, default=3_000_017,
                    help="elements for the 3-step numerical check (0 to skip)")
+    p.add_argument("--same-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="every variant steps the same tensors ([Note: same memory]); --no-same-memory gives "
+                        "each its own (built together when they fit, else one at a time)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown report ('-' for none)")
     return p.parse_args(argv)
 
@@ -213,7 +227,27 @@ def numerical_check(n: int, layout: str, variants: list[str]) -> dict[str, tuple
 
 # --------------------------------------------------------------------------- throughput
 
+def _share_state(opts: dict, params: list) -> None:
+    """[Note: same memory] Point every optimizer's state at the first one's exp_avg / exp_avg_sq, so all
+    variants step over the very same parameter, gradient and state tensors."""
+    import torch
+    first = next(iter(opts.values()))
+    for v, opt in opts.items():
+        if opt is first:
+            continue
+        for p in params:
+            src = first.state[p]
+            step = src["step"]
+            steps = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+            state = opt.state[p]
+            state.clear()
+            state["step"] = steps if v == "DeepSpeedCPUAdam" else torch.tensor(float(steps))
+            state["exp_avg"], state["exp_avg_sq"] = src["exp_avg"], src["exp_avg_sq"]
+
+
 def bench_size(n: int, layout: str, variants: list[str], args) -> dict:
+    if args.same_memory:
+        return _bench_same_memory(n, layout, variants, args)
     per_variant_bytes = 16 * n  # param + grad + exp_avg + exp_avg_sq, fp32
     avail = _available_bytes()
     resident = avail > 0 and len(variants) * per_variant_bytes * 1.25 <= args.resident_fraction * avail
@@ -256,6 +290,33 @@ def bench_size(n: int, layout: str, variants: list[str], args) -> dict:
                     _release()
     return {"times": times, "errors": errors, "resident": resident,
             "mode": "resident, step-interleaved" if resident else "one variant at a time, round-interleaved"}
+
+
+def _bench_same_memory(n: int, layout: str, variants: list[str], args) -> dict:
+    """Every variant steps the same tensors ([Note: same memory]), one step at a time, round-robin with the
+    order rotated every step: what differs between variants is only the kernel."""
+    params = _make_params(n, layout, seed=0)
+    opts, errors = {}, {}
+    for v in variants:
+        try:
+            opts[v] = _make_optimizer(v, params)
+        except Exception as e:  # noqa: BLE001
+            errors[v] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    live = list(opts)
+    if live:
+        opts[live[0]].step()   # warm-up: allocates the state every variant then shares
+        _share_state(opts, params)
+        for v in live[1:]:
+            opts[v].step()     # each kernel's own warm-up, untimed
+    times: dict[str, list] = {v: [[] for _ in range(args.rounds)] for v in live}
+    for r in range(args.rounds):
+        for k in range(args.repeats):
+            shift = (r * args.repeats + k) % max(len(live), 1)
+            for v in live[shift:] + live[:shift]:
+                times[v][r].append(_timed_step(opts[v]))
+    del opts, params
+    _release()
+    return {"times": times, "errors": errors, "resident": True, "mode": "same tensors, step-interleaved"}
 
 
 def paired_ratio(ref: list[list[tuple[float, float]]], other: list[list[tuple[float, float]]], resident: bool) -> float:
