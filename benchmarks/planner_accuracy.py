@@ -327,28 +327,32 @@ Two allocator modes ([Note: allocator modes] in the script):
 _FINDINGS = """\
 ## What the measurements taught the planner
 
-- **gloo temporaries** (2 and 4 ranks, torch 2.13, 32 MiB tensors, outputs pre-touched): the peak RSS
-  rises by the output's size during `all_gather_into_tensor` and by the input's size during
-  `reduce_scatter_tensor`; `all_reduce` and `broadcast` add nothing. `Comm` issues sum reduce-scatters
-  on gloo as in-place all-reduces, so only all-gathers (stage 1-2 parameter sync after the step,
-  stage-3 unit gathers) carry the temporary; the planner counts it until our wait.
-- **Pages count when written**: a reduce-scatter's output (`torch.empty`) becomes resident when `Comm`
-  copies this rank's row into it at the wait, not at the launch (counting it at the launch
-  overestimated stage 1 by 3-4%). On CUDA the allocation is what counts, so there it is at the launch.
-- **"At most 2 in flight" is 3 at its peak**: the gradient reducer and the parameter all-gather launch
-  the next bucket before completing the oldest, so three buckets' buffers coexist for a moment.
-- **Where the peak falls**: at the start of backward (logits, log-softmax and its gradient) for stages
-  0, 2 and 3 with these models; for stage 1 at the parameter all-gather after the step, where the full
-  gradients (freed only by `zero_grad`) meet up to three buckets' all-gather buffers and gloo's
-  temporary.
+- **In-place collectives on gloo** ([Note: in-place region gather] in `zero_plugin/collectives.py`): the
+  stage 1-2 parameter sync after the step and every stage-3 unit gather broadcast each rank's region
+  straight into the parameters, and gradients are summed in place, so on CPU there are no bucket or
+  gather buffers left to count (the table's *buffers* column at stages 1-2 is 0; at stage 3 it is the
+  gathered units). Before that engine change stage 1 peaked at the parameter all-gather after the
+  step (the full gradients with up to three buckets' all-gather buffers and gloo's temporary of the
+  output's size); the planner still replays that buffered layout for NCCL (device "cuda") and for
+  `ZERO_PLUGIN_BUFFERED_COLLECTIVES=1`.
+- **gloo temporaries** (2 and 4 ranks, torch 2.13, 32 MiB tensors): `all_gather_into_tensor` adds the
+  output's size to the peak RSS and `reduce_scatter_tensor` the input's; `all_reduce` and `broadcast`,
+  the only collectives the in-place layout issues, add nothing.
+- **Pages count when written**: a tensor from `torch.empty` becomes resident when written, so on CPU a
+  buffer counts at its first write, on CUDA at its allocation.
+- **What stays gathered at stage 3**: the root unit for the whole step and the last unit of the
+  forward order (the LM head) from its forward through its backward ([Note: last unit kept]).
+- **Where the peak falls**: at the start of backward (logits, log-softmax and its gradient) for most
+  rows; for the 120M model at stages 0-1 in the optimizer step, where the full gradients meet the
+  for-loop AdamW's temporaries (two parameter-sized tensors of the largest parameter).
 - **Allocator slack** (default mode): glibc's mmap threshold rises to the largest block freed (up to
   32 MiB); from then on activation- and bucket-sized blocks come from the heap, which does not shrink
-  below blocks allocated later (the optimizer state, created in the first step). MKL keeps its gemm
-  packing buffers (about 11 MiB here) and every gloo thread its own arena. The excess over live bytes
-  is roughly one activation peak for the larger models and up to about two for the 5.7M model, where
-  those fixed per-process caches weigh more, and it differs between the ranks of one run (numbers
-  above). No simple term reproduces that to 10%; `rss_glibc` (live peak + one activation peak) is the
-  documented estimate, and a CPU run that must match the plan can set `MALLOC_MMAP_THRESHOLD_=131072`
+  below blocks allocated later. MKL keeps its gemm packing buffers and every gloo thread its own
+  arena. The excess over live bytes (summary above) is 0.3-0.9 activation peaks at stages 0-2 and
+  smaller at stage 3, whose hooks trim the heap after each unit's reshard on CPU ([Note: heap
+  trimming] in `zero_plugin/hostmem.py`); it differs between the ranks of one run. `rss_glibc` (live
+  peak + one activation peak) is an upper estimate for it, loose at stage 3; the 10% bar applies to
+  the exact allocator, and a CPU run that must match the plan can set `MALLOC_MMAP_THRESHOLD_=131072`
   at the CPU cost above."""
 
 
