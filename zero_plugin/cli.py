@@ -1,4 +1,4 @@
-"""``zero-plugin`` command line: ``estimate``, ``launch`` (see ``run.py``); ``consolidate`` with its issue."""
+"""``zero-plugin`` command line: ``estimate``, ``launch`` (see ``run.py``), ``consolidate`` (see ``ckpt/consolidate.py``)."""
 from __future__ import annotations
 
 import argparse
@@ -220,11 +220,44 @@ def _add_estimate(sub) -> None:
     est.set_defaults(run=_estimate)
 
 
-def _not_yet(what: str):
-    def run(args: argparse.Namespace) -> int:
-        print(f"zero-plugin {what}: not implemented yet", file=sys.stderr)
+def _add_consolidate(sub) -> None:
+    p = sub.add_parser("consolidate", help="a sharded zp.save_checkpoint folder to safetensors or a save_pretrained "
+                                           "folder (offline, one process, streaming)",
+                       description="Write a sharded checkpoint as standard files, one tensor at a time (see "
+                                   "zero_plugin/ckpt/consolidate.py). --format hf writes what save_pretrained "
+                                   "writes: config.json + weights, or for a PEFT model only the adapter "
+                                   "(adapter_model.safetensors + adapter_config.json).")
+    p.add_argument("checkpoint", help="folder written by zp.save_checkpoint")
+    p.add_argument("out", help="new folder to create (must not exist, or be empty)")
+    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating-point tensors")
+    p.add_argument("--max-shard-size", type=_parse_bytes, default=None, metavar="SIZE",
+                   help="largest output file, like 5GB (the default) or 500MiB")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint's files")
+    p.set_defaults(run=_consolidate)
+
+
+def _torch_dtype(name: str | None):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name] if name else None
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from .ckpt.consolidate import DEFAULT_MAX_SHARD_BYTES, consolidate
+    from .ckpt.format import CheckpointError
+
+    try:
+        written = consolidate(args.checkpoint, args.out, format=args.format,
+                              dtype=_torch_dtype(args.dtype),
+                              max_shard_bytes=int(args.max_shard_size or DEFAULT_MAX_SHARD_BYTES),
+                              verify=not args.no_verify)
+    except (CheckpointError, OSError) as exc:
+        print(f"zero-plugin consolidate: error: {exc}", file=sys.stderr)
         return 2
-    return run
+    for path in written:
+        print(path)
+    return 0
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -243,8 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                             add_help=False, prefix_chars="\0")
     launch.add_argument("argv", nargs=argparse.REMAINDER)
     launch.set_defaults(run=_launch)
-    for name in ("consolidate",):
-        sub.add_parser(name, help="(coming)").set_defaults(run=_not_yet(name))
+    _add_consolidate(sub)
     args = ap.parse_args(argv)
     return args.run(args)
 

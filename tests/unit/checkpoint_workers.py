@@ -392,6 +392,7 @@ def peft_adapter(directory: str) -> dict:
         opt.step()
         opt.zero_grad()
     save_peft_adapter(model, directory)
+    save_checkpoint(directory + "-ckpt", model, opt)
     ids = data[0]["input_ids"]
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -405,3 +406,23 @@ def peft_adapter(directory: str) -> dict:
         ref = PeftModel.from_pretrained(base, directory)(input_ids=ids).logits
     return {"keys": sorted(saved), "max_diff": float((ref - logits).abs().max()), "equal": torch.equal(ref, logits),
             "adapter_effect": float((ref - base_logits).abs().max())}
+
+
+# -- offline export (zero-plugin consolidate) -----------------------------------------------------------------
+def hf_export_source(path: str, stage: int, config: dict) -> dict:
+    """Train the tiny Llama 2 steps at ``stage``, save a checkpoint; rank 0 returns the full fp32 state and
+    the logits of the first batch (the reference the consolidated folder must reproduce)."""
+    model = models.make_tiny_llama(layers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=stage, **config))
+    rank, world = _rank_world()
+    data = models.make_batches("llama", 2, world_size=world, per_rank_batch=2, seed=0)
+    for batch in data:
+        models.loss_fn(model, models.shard_batch(batch, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(path, model, opt)
+    state = zp.full_state_dict(model, rank0_only=False)
+    with torch.no_grad():
+        logits = model(input_ids=data[0]["input_ids"]).logits
+    return {"state": state, "logits": logits, "ids": data[0]["input_ids"]} if rank == 0 else {}

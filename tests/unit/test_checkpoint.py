@@ -245,3 +245,95 @@ def test_peft_adapter_from_stage3_loads_unsharded(tmp_path):
     assert result["keys"] and all("lora_" in k for k in result["keys"])
     assert result["equal"], f"logits differ by up to {result['max_diff']}"
     assert result["adapter_effect"] > 1e-4, "the trained adapter should change the base model's logits"
+    # Offline: the stage-3 checkpoint consolidated with --format hf is the same adapter, byte for byte.
+    from safetensors.torch import load_file
+    from zero_plugin.cli import main
+
+    out = tmp_path / "adapter-offline"
+    assert main(["consolidate", str(tmp_path / "adapter-ckpt"), str(out), "--format", "hf"]) == 0
+    assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
+    live, offline = (load_file(str(d / "adapter_model.safetensors")) for d in (tmp_path / "adapter", out))
+    assert sorted(offline) == result["keys"] and all(torch.equal(live[k], offline[k]) for k in live)
+    from peft import PeftConfig
+    assert PeftConfig.from_pretrained(str(out)).to_dict() == PeftConfig.from_pretrained(str(tmp_path / "adapter")).to_dict()
+
+
+@pytest.mark.parametrize("stage,config", [(3, {}), (1, {"param_dtype": "bf16"})])
+def test_consolidate_to_hf_folder_loads_with_from_pretrained(stage, config, tmp_path):
+    """Stage 3 (and stage 1 with bf16 compute, fp32 masters), 2 ranks: ``zero-plugin consolidate --format hf``
+    gives a folder ``from_pretrained`` loads into the same fp32 weights, bitwise (and, in fp32, the same
+    logits to 1e-5: the loaded model may pick another attention kernel);
+    several shards with an index when --max-shard-size is small; --dtype bf16 casts."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    from zero_plugin.cli import main
+
+    ckpt = str(tmp_path / "ckpt")
+    ref = run_ranks(2, w.hf_export_source, ckpt, stage, config, timeout=180)[0]
+    out = tmp_path / "hf"
+    assert main(["consolidate", ckpt, str(out), "--format", "hf", "--max-shard-size", "40KiB"]) == 0
+    files = sorted(os.listdir(out))
+    assert "config.json" in files and "model.safetensors.index.json" in files
+    assert len([f for f in files if f.startswith("model-")]) > 2
+    loaded = AutoModelForCausalLM.from_pretrained(str(out))
+    got = loaded.state_dict()
+    for name, value in ref["state"].items():
+        assert torch.equal(got[name].float(), value.float()), name
+    if not config:   # fp32 compute: the unsharded model computes what the sharded one did (kernels may differ)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ref["ids"]).logits, ref["logits"], rtol=1e-5, atol=1e-6)
+    flat = tmp_path / "flat"
+    assert main(["consolidate", ckpt, str(flat), "--dtype", "bf16"]) == 0
+    assert os.listdir(flat) == ["model.safetensors"]
+    with safe_open(str(flat / "model.safetensors"), framework="pt") as f:
+        # every parameter once: lm_head.weight is tied to the embedding (save_pretrained drops it too)
+        assert set(f.keys()) == set(ref["state"]) - {"lm_head.weight"} and f.metadata() == {"format": "pt"}
+        assert all(torch.equal(f.get_tensor(k), ref["state"][k].to(torch.bfloat16)) for k in f.keys())
+
+
+def test_consolidate_refuses_bad_input_and_leaves_nothing(tmp_path, capsys):
+    from zero_plugin.cli import main
+    from zero_plugin.ckpt import consolidate as cons
+
+    path = str(tmp_path / "ckpt")
+    w.save_small(path, steps=1)   # OddMLP: no transformers config
+    out = tmp_path / "out"
+    assert main(["consolidate", path, str(out), "--format", "hf"]) == 2
+    assert "records no transformers config" in capsys.readouterr().err and not out.exists()
+    assert not list(tmp_path.glob("out.tmp-*"))
+    with open(os.path.join(path, "rank-00000-of-00001.safetensors"), "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        f.write(b"\xff")
+    assert main(["consolidate", path, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "rank-00000-of-00001.safetensors" in err and "sha256" in err and not out.exists()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("keep me")
+    with pytest.raises(cons.CheckpointError, match="not an empty folder"):
+        cons.consolidate(path, tmp_path / "taken", verify=False)
+    assert (tmp_path / "taken" / "x").read_text() == "keep me"
+
+
+def test_consolidate_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """[Note: streaming consolidation]: each tensor is dropped before the next is assembled."""
+    import weakref
+
+    from zero_plugin.ckpt import consolidate as cons
+
+    path = str(tmp_path / "ckpt")
+    w.save_small(path, steps=1)
+    alive, most, calls = [], [0], [0]
+    original = cons.full_tensor
+
+    def spy(*args):
+        alive[:] = [r for r in alive if r() is not None]
+        most[0] = max(most[0], len(alive))
+        t = original(*args)
+        alive.append(weakref.ref(t))
+        calls[0] += 1
+        return t
+
+    monkeypatch.setattr(cons, "full_tensor", spy)
+    written = cons.consolidate(path, tmp_path / "out", max_shard_bytes=10**9)
+    assert [os.path.basename(p) for p in written] == ["model.safetensors"] and calls[0] > 3
+    assert most[0] == 0, f"{most[0]} earlier tensors were still alive when another was assembled"

@@ -2,7 +2,8 @@
 
 ``format.py`` (files on disk), ``tree.py`` (JSON values with tensors beside them),
 ``regions.py`` (which flat region of each parameter this rank owns, per stage),
-``save.py`` and ``load.py`` (the two collective verbs), ``rng.py`` (per-rank RNG).
+``save.py`` and ``load.py`` (the two collective verbs), ``rng.py`` (per-rank RNG),
+``export_info.py`` and ``consolidate.py`` (offline export to safetensors / ``save_pretrained``).
 The public entry points live in ``zero_plugin/checkpoint.py``.
 """
 from .format import CheckpointError

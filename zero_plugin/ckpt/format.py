@@ -29,13 +29,13 @@ import struct
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 __all__ = ["CheckpointError", "FileRecord", "FORMAT", "VERSION", "INDEX", "COMPLETE", "shard_file_name",
-           "write_safetensors", "write_json", "write_manifest", "read_manifest", "check_sizes", "sha256_file",
-           "read_json", "fsync_dir", "dtype_name", "dtype_from_name", "safetensors_code", "check_sha256"]
+           "write_safetensors", "write_safetensors_streaming", "write_json", "write_manifest", "read_manifest",
+           "check_sizes", "sha256_file", "read_json", "fsync_dir", "dtype_name", "dtype_from_name", "safetensors_code", "check_sha256"]
 
 FORMAT = "zero_plugin.checkpoint"
 VERSION = 1
@@ -101,15 +101,7 @@ def write_safetensors(path: str, entries: list[tuple[str, torch.Tensor]], metada
     The sha256 runs in a helper thread on the chunks just written (hashlib releases the GIL),
     so hashing overlaps the writes instead of adding to them.
     """
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for key, t in entries:
-        nbytes = t.numel() * t.element_size()
-        dtype_name(t.dtype)   # raises for dtypes safetensors cannot hold
-        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)   # the format pads the header to 8-byte alignment
+    blob, offset = _header([(key, t.dtype, tuple(t.shape)) for key, t in entries], metadata)
     digest = hashlib.sha256()
     with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1) as hasher:
         in_flight: deque = deque()
@@ -123,6 +115,44 @@ def write_safetensors(path: str, entries: list[tuple[str, torch.Tensor]], metada
         f.flush()
         os.fsync(f.fileno())
     return FileRecord(os.path.basename(path), 8 + len(blob) + offset, digest.hexdigest())
+
+
+def _header(specs: list[tuple[str, torch.dtype, tuple]], metadata: dict[str, str]) -> tuple[bytes, int]:
+    """The length-prefixed JSON header of a safetensors file holding ``specs`` in order, and the data size."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key, dtype, shape in specs:
+        dtype_name(dtype)   # raises for dtypes safetensors cannot hold
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)   # the format pads the header to 8-byte alignment
+    return blob, offset
+
+
+def write_safetensors_streaming(path: str, specs: list[tuple[str, torch.dtype, tuple]],
+                                fetch: Callable[[str], torch.Tensor], metadata: dict[str, str]) -> int:
+    """Write a safetensors file whose tensors are produced one at a time by ``fetch(key)`` (in ``specs``
+    order), so at most one of them is in memory; returns the file size.  For exports (no hash kept)."""
+    blob, size = _header(specs, metadata)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for key, dtype, shape in specs:
+            t = fetch(key)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"export: {key!r} came out as {t.dtype} {tuple(t.shape)}, expected {dtype} "
+                                      f"{tuple(shape)}")
+            data = _as_bytes(t)
+            for start in range(0, len(data), _CHUNK):
+                f.write(data[start:start + _CHUNK])
+            del t, data
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(blob) + size
 
 
 def _chunks(head: list[bytes], entries: list[tuple[str, torch.Tensor]]) -> Iterator[memoryview | bytes]:

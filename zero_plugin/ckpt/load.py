@@ -38,7 +38,7 @@ from .rng import restore_rng
 from .sync import on_every_rank
 from .tree import decode
 
-__all__ = ["load"]
+__all__ = ["Reader", "load"]
 
 
 def load(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, verify: bool = True) -> Any:
@@ -51,7 +51,7 @@ def load(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | No
     views = param_views(engine)
     index = on_every_rank(comm, lambda: _index(path, files, views, engine, inner))
     with contextlib.ExitStack() as stack:
-        reader = _Reader(path, index["files"], stack)
+        reader = Reader(path, index["files"], stack)
         plan = on_every_rank(comm, lambda: _plan(reader, index, engine, views, inner))
         on_every_rank(comm, lambda: _read_in(plan, reader, inner))
     return plan.extra
@@ -81,7 +81,7 @@ def _index(path: str, files: dict, views: list[ParamView], engine, inner) -> dic
 
 
 # -- reading -------------------------------------------------------------------------
-class _Reader:
+class Reader:
     """Lazily opened safetensors files of one checkpoint; every header is checked against the index."""
 
     def __init__(self, directory: str, files: list[str], stack: contextlib.ExitStack) -> None:
@@ -143,7 +143,7 @@ class _Plan:
     rng: dict | None = None
 
 
-def _plan(reader: _Reader, index: dict, engine, views: list[ParamView], inner) -> _Plan:
+def _plan(reader: Reader, index: dict, engine, views: list[ParamView], inner) -> _Plan:
     plan = _Plan()
     for view in views:
         entry = index["params"][view.name]
@@ -169,7 +169,7 @@ def _plan(reader: _Reader, index: dict, engine, views: list[ParamView], inner) -
     return plan
 
 
-def _region(reader: _Reader, key: str, shards: list, lo: int, hi: int, dtype: torch.dtype) -> _Region:
+def _region(reader: Reader, key: str, shards: list, lo: int, hi: int, dtype: torch.dtype) -> _Region:
     """Check every stored piece overlapping ``[lo, hi)`` (present, right shape and dtype) and describe the reads."""
     pieces, covered = [], 0
     for i, s_lo, s_hi in shards:
@@ -184,7 +184,7 @@ def _region(reader: _Reader, key: str, shards: list, lo: int, hi: int, dtype: to
     return _Region(lo, hi, pieces)
 
 
-def _plan_optimizer(reader: _Reader, index: dict, engine, views, inner, rank0) -> dict:
+def _plan_optimizer(reader: Reader, index: dict, engine, views, inner, rank0) -> dict:
     """The wrapped optimizer's state dict for this rank's masters, in its own parameter order; large
     state tensors are ``(region, dtype, shape)`` placeholders until :func:`_read_in`."""
     saved = index["optimizer"]
@@ -202,7 +202,7 @@ def _plan_optimizer(reader: _Reader, index: dict, engine, views, inner, rank0) -
     return {"state": state, "param_groups": groups}
 
 
-def _plan_state(reader: _Reader, index: dict, view: ParamView, saved: dict, rank0) -> dict:
+def _plan_state(reader: Reader, index: dict, view: ParamView, saved: dict, rank0) -> dict:
     entry = {}
     shards = index["params"][view.name]["shards"]
     lo, hi = view.slot.layout.bounds()
@@ -234,7 +234,7 @@ def _decode(value: Any, tensor, what: str) -> Any:
 
 # -- reading in -----------------------------------------------------------------------
 @torch.no_grad()
-def _read_in(plan: _Plan, reader: _Reader, inner) -> None:
+def _read_in(plan: _Plan, reader: Reader, inner) -> None:
     """Read every planned region straight into the model and optimizer, one stored piece at a time
     ([Note: loading in place])."""
     for view, region in plan.params:
@@ -253,7 +253,7 @@ def _read_in(plan: _Plan, reader: _Reader, inner) -> None:
         restore_rng(plan.rng)
 
 
-def _pieces(reader: _Reader, region: _Region):
+def _pieces(reader: Reader, region: _Region):
     for i, key, s_lo, a, b in region.pieces:
         yield reader.handle(i).get_slice(key)[a - s_lo:b - s_lo], a, b
 
@@ -270,7 +270,7 @@ def _live_state(inner) -> dict:
     return live
 
 
-def _fill(reader: _Reader, spec: _StateRegion, current: torch.Tensor | None) -> torch.Tensor:
+def _fill(reader: Reader, spec: _StateRegion, current: torch.Tensor | None) -> torch.Tensor:
     """The state tensor ``spec`` describes: read into ``current`` when it can hold it, else into a new tensor."""
     fits = (current is not None and current.dtype == spec.dtype and tuple(current.shape) == spec.shape
             and current.is_contiguous())

@@ -19,6 +19,7 @@ import torch
 
 from .._flat import ShardLayout
 from . import format as fmt
+from .export_info import describe_model
 from .format import CheckpointError
 from .regions import ParamView, param_views, persistent_buffers, region_to_save, state_region_to_save
 from .rng import capture_rng
@@ -107,6 +108,7 @@ def _build_index(engine, views: list[ParamView], inner, schema, extra) -> tuple[
         "params": params, "buffers": buffers,
         "optimizer": None if inner is None else _optimizer_index(engine, views, inner, schema, tensors),
         "extra": encode(extra, tensors, "x", "extra"),
+        "export": describe_model(engine.model),
     }
     json.dumps(index)   # an unstorable value fails now, before any file is written
     return index, tensors

@@ -1,0 +1,219 @@
+"""``zero-plugin consolidate``: a sharded checkpoint to standard files, offline, in one process.
+
+    zero-plugin consolidate CKPT OUT [--format safetensors|hf] [--dtype bf16] [--max-shard-size 5GB]
+
+* ``safetensors``: every parameter and persistent buffer under its saved name, in safetensors files of
+  at most ``--max-shard-size`` (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` plus
+  ``model.safetensors.index.json``: the layout ``transformers`` writes and reads).
+* ``hf``: what ``save_pretrained`` writes.  For a transformers model: the weights as above, named as
+  in the model's own ``state_dict``, and ``config.json`` -- the folder loads with ``from_pretrained``.
+  For a PEFT model: only the adapter weights, as ``adapter_model.safetensors`` and
+  ``adapter_config.json`` (further adapters in subfolders named after them, as PEFT does) -- the folder
+  loads with ``PeftModel.from_pretrained``.  Both need what ``save_checkpoint`` recorded about the
+  model (``export_info.py``).
+
+[Note: streaming consolidation]
+Memory stays near the largest single tensor: each one is assembled from its pieces in the rank files
+(read lazily through safetensors' memory maps), cast, written and dropped before the next; the output
+headers are computed from ``index.json`` up front.  Nothing is written until the manifest, sizes,
+sha256 hashes (unless ``verify=False``) and the index have been checked, and the result appears under
+``OUT`` only when complete (written as ``OUT.tmp-<id>`` and renamed).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import format as fmt
+from .format import CheckpointError
+from .index import check_index
+from .load import Reader
+
+__all__ = ["FORMATS", "consolidate"]
+
+FORMATS = ("safetensors", "hf")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9   # transformers' default max_shard_size ("5GB")
+_ST_METADATA = {"format": "pt"}       # transformers refuses safetensors weights without it
+
+
+@dataclass(frozen=True, slots=True)
+class _Tensor:
+    """One output tensor: its key in the output, and where it comes from in the checkpoint."""
+
+    key: str
+    source: str          # "p/<name>" (a parameter, in pieces) or "b/<name>" (a buffer, in rank 0's file)
+    dtype: torch.dtype   # as written (after ``--dtype``)
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, format: str = "safetensors",
+                dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                verify: bool = True) -> list[str]:
+    """Write ``checkpoint`` as standard files into the new folder ``out``; returns the files written."""
+    if format not in FORMATS:
+        raise ValueError(f"consolidate: format must be one of {FORMATS}; got {format!r}")
+    if max_shard_bytes < 1:
+        raise ValueError(f"consolidate: max_shard_bytes must be positive; got {max_shard_bytes!r}")
+    checkpoint, out = os.path.abspath(os.fspath(checkpoint)), os.path.abspath(os.fspath(out))
+    index = _checked_index(checkpoint, verify)
+    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        raise CheckpointError(f"consolidate: {out} already exists and is not an empty folder; choose a new one")
+    export = index.get("export") if isinstance(index.get("export"), dict) else {}
+    tmp = f"{out}.tmp-{uuid.uuid4().hex}"
+    os.makedirs(tmp)
+    try:
+        with contextlib.ExitStack() as stack:
+            reader = Reader(checkpoint, index["files"], stack)
+            written = _write(reader, index, export, tmp, format, dtype, max_shard_bytes)
+        if os.path.isdir(out):
+            os.rmdir(out)   # the empty folder the user named
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return [os.path.join(out, name) for name in written]
+
+
+def _checked_index(checkpoint: str, verify: bool) -> dict:
+    files = fmt.read_manifest(checkpoint)
+    fmt.check_sizes(checkpoint, files)
+    if verify:
+        for name in sorted(files):
+            fmt.check_sha256(checkpoint, name, files[name]["sha256"])
+    index = fmt.read_json(os.path.join(checkpoint, fmt.INDEX), "checkpoint index")
+    check_index(index, files, checkpoint)
+    return index
+
+
+def _write(reader: Reader, index: dict, export: dict, tmp: str, format: str, dtype, max_shard: int) -> list[str]:
+    if format == "safetensors":
+        return _write_weights(reader, index, _all_tensors(index, dtype, lambda name: name), tmp, "model", max_shard)
+    if "peft" in export:
+        return _write_adapters(reader, index, export["peft"], tmp, dtype)
+    if "hf_config" not in export:
+        raise CheckpointError("consolidate --format hf: the checkpoint records no transformers config (the model "
+                              "had none, or it was saved by an older zero_plugin); use --format safetensors")
+    prefix = export.get("prefix", "")
+    rename = lambda name: name[len(prefix):] if prefix and name.startswith(prefix) else name  # noqa: E731
+    written = _write_weights(reader, index, _all_tensors(index, dtype, rename), tmp, "model", max_shard)
+    config = dict(export["hf_config"])
+    if dtype is not None:
+        config["torch_dtype" if "torch_dtype" in config else "dtype"] = str(dtype).removeprefix("torch.")
+    _write_json(os.path.join(tmp, "config.json"), config)
+    return written + ["config.json"]
+
+
+def _all_tensors(index: dict, dtype, rename: Callable[[str], str]) -> list[_Tensor]:
+    out = []
+    for kind, entries in (("p", index["params"]), ("b", index["buffers"])):
+        for name, entry in entries.items():
+            stored = fmt.dtype_from_name(entry["dtype"])
+            out.append(_Tensor(rename(name), f"{kind}/{name}", _cast_to(stored, dtype), tuple(entry["shape"])))
+    return out
+
+
+def _cast_to(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and stored.is_floating_point else stored
+
+
+def _write_adapters(reader: Reader, index: dict, peft: dict, tmp: str, dtype) -> list[str]:
+    written = []
+    names = sorted(peft, key=lambda a: (a != "default", a))   # the default adapter at the top, as PEFT saves
+    for adapter in names:
+        entry = peft[adapter]
+        keys = entry.get("keys") if isinstance(entry, dict) else None
+        if not isinstance(keys, dict) or not keys:
+            raise CheckpointError(f"consolidate: the checkpoint's record of adapter {adapter!r} is malformed")
+        tensors = []
+        for name, key in keys.items():
+            info = index["params"].get(name) or index["buffers"].get(name)
+            kind = "p" if name in index["params"] else "b"
+            if info is None:
+                raise CheckpointError(f"consolidate: adapter {adapter!r} names {name!r}, which the checkpoint lacks")
+            tensors.append(_Tensor(key, f"{kind}/{name}", _cast_to(fmt.dtype_from_name(info["dtype"]), dtype),
+                                   tuple(info["shape"])))
+        sub = "" if adapter == names[0] else adapter
+        os.makedirs(os.path.join(tmp, sub), exist_ok=True)
+        path = os.path.join(sub, "adapter_model.safetensors")
+        fmt.write_safetensors_streaming(os.path.join(tmp, path), [(t.key, t.dtype, t.shape) for t in tensors],
+                                        _fetcher(reader, index, tensors), dict(_ST_METADATA))
+        config_path = os.path.join(sub, "adapter_config.json")
+        _write_json(os.path.join(tmp, config_path), entry.get("config", {}))
+        written += [path, config_path]
+    return written
+
+
+def _write_weights(reader: Reader, index: dict, tensors: list[_Tensor], tmp: str, stem: str,
+                   max_shard: int) -> list[str]:
+    """Greedy shards of at most ``max_shard`` bytes (a larger tensor gets one of its own), in saved order."""
+    shards: list[list[_Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    n = len(shards)
+    names = [f"{stem}.safetensors"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    fetch = _fetcher(reader, index, tensors)
+    for name, shard in zip(names, shards):
+        fmt.write_safetensors_streaming(os.path.join(tmp, name), [(t.key, t.dtype, t.shape) for t in shard], fetch,
+                                        dict(_ST_METADATA))
+    if n == 1:
+        return names
+    weight_map = {t.key: name for name, shard in zip(names, shards) for t in shard}
+    _write_json(os.path.join(tmp, f"{stem}.safetensors.index.json"),
+                {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map})
+    return names + [f"{stem}.safetensors.index.json"]
+
+
+def _fetcher(reader: Reader, index: dict, tensors: list[_Tensor]) -> Callable[[str], torch.Tensor]:
+    by_key = {t.key: t for t in tensors}
+
+    def fetch(key: str) -> torch.Tensor:
+        t = by_key[key]
+        return full_tensor(reader, index, t.source).to(t.dtype)
+
+    return fetch
+
+
+def full_tensor(reader: Reader, index: dict, source: str) -> torch.Tensor:
+    """One parameter assembled from its pieces in the rank files, or a buffer ([Note: streaming consolidation])."""
+    kind, name = source.split("/", 1)
+    if kind == "b":
+        entry = index["buffers"][name]
+        value = reader.tensor(0, source)
+        if list(value.shape) != list(entry["shape"]):
+            raise CheckpointError(f"{reader.where(0, source)} has shape {list(value.shape)}, the index says "
+                                  f"{entry['shape']}")
+        return value
+    entry = index["params"][name]
+    stored = fmt.dtype_from_name(entry["dtype"])
+    numel = 1
+    for d in entry["shape"]:
+        numel *= d
+    flat = torch.empty(numel, dtype=stored)
+    for i, lo, hi in entry["shards"]:
+        flat[lo:hi] = reader.slice(i, source, hi - lo, stored)[:]
+    return flat.view(entry["shape"])
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
