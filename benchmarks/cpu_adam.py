@@ -4,8 +4,9 @@ Run ``python -m benchmarks.cpu_adam [--sizes 10e6 100e6 500e6] [--threads 2] [--
 
 Variants (same hyper-parameters: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01, AdamW):
 
-* ``zero_plugin``: ``torch.optim.AdamW`` switched by ``zero_plugin.optim.offload.use_fast_cpu_kernels``
-  (torch's fused CPU kernel, ``fused=True``), i.e. what an offloaded step runs on a CPU-only host;
+* ``zero_plugin``: what an offloaded step runs: ``torch.optim.AdamW`` switched to torch's fused CPU
+  kernel by ``zero_plugin.optim.offload.use_fast_cpu_kernels`` and stepped by
+  ``zero_plugin.optim.cpu_step.fused_cpu_step`` (the kernel called directly, [Note: direct fused step]);
 * ``torch foreach``: ``torch.optim.AdamW(foreach=True)``;
 * ``torch for-loop``: ``torch.optim.AdamW(foreach=False)``;
 * ``DeepSpeedCPUAdam``: ``deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)`` with
@@ -56,7 +57,7 @@ from typing import Callable
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 VARIANTS = ("zero_plugin", "torch foreach", "torch for-loop", "DeepSpeedCPUAdam")
 LABELS = {
-    "zero_plugin": "zero_plugin offload (`AdamW(fused=True)`)",
+    "zero_plugin": "zero_plugin offload (`fused_cpu_step`)",
     "torch foreach": "torch `AdamW(foreach=True)`",
     "torch for-loop": "torch `AdamW(foreach=False)`",
     "DeepSpeedCPUAdam": "DeepSpeed `DeepSpeedCPUAdam`",
@@ -167,7 +168,7 @@ def _make_optimizer(name: str, params):
         if not use_fast_cpu_kernels(opt):
             raise RuntimeError("use_fast_cpu_kernels declined AdamW on CPU")
         assert all(g["fused"] for g in opt.param_groups)
-        return opt
+        return _OffloadStep(opt)
     if name == "torch foreach":
         return torch.optim.AdamW(params, foreach=True, **HYPER)
     if name == "torch for-loop":
@@ -176,6 +177,20 @@ def _make_optimizer(name: str, params):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         return DeepSpeedCPUAdam(params, adamw_mode=True, bias_correction=True, **HYPER)
     raise ValueError(name)
+
+
+class _OffloadStep:
+    """What an offloaded ``ZeroOptimizer.step`` runs on the host: ``fused_cpu_step`` on the AdamW that
+    ``use_fast_cpu_kernels`` switched to the fused kernel ([Note: direct fused step] in
+    ``zero_plugin/optim/cpu_step.py``)."""
+
+    def __init__(self, opt) -> None:
+        self.opt, self.state = opt, opt.state
+
+    def step(self) -> None:
+        from zero_plugin.optim.cpu_step import fused_cpu_step
+        if not fused_cpu_step(self.opt):
+            raise RuntimeError("fused_cpu_step declined the offload AdamW")
 
 
 def _timed_step(opt) -> tuple[float, float]:

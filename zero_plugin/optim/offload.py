@@ -5,7 +5,8 @@
   (``MasterParam.write_back``).
 Masters and all optimizer state live on the host (pinned when CUDA is present, so the copies are
 asynchronous).  On a CPU-only machine the host *is* the device: no copy is made that would do nothing,
-and offload only changes which kernel steps (torch's fused CPU kernels, see ``use_fast_cpu_kernels``).
+and offload only changes which kernel steps (torch's fused CPU kernels, see ``use_fast_cpu_kernels``,
+called directly by ``cpu_step.fused_cpu_step`` for Adam/AdamW: [Note: direct fused step]).
 
 [Note: asynchronous host copies]
 Every copy between host and device is ``non_blocking`` from or into pinned memory (``to_host``,

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from .cpu_step import fused_cpu_step
 from .loss_scale import GradGuard
 from .state import consolidate_optimizer_state, shard_optimizer_state
 
@@ -71,7 +72,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.engine.zero_grad(set_to_none=True)   # the skipped step's gradients are discarded
             return loss
         self.engine.before_step()
-        self.inner.step()
+        if not (self.engine.config.offload and fused_cpu_step(self.inner)):   # [Note: direct fused step]
+            self.inner.step()
         self.engine.after_step()
         return loss
 

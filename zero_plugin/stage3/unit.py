@@ -97,9 +97,7 @@ class Unit:
         adds the blocking check before the payload, which names the unit on every rank."""
         if self.comm.history is not None:
             self._precheck_order()
-        tag = torch.tensor(self._tag(), dtype=torch.float32)
-        tags = torch.empty(self.comm.world_size * _TAG, dtype=torch.float32)
-        tag_work = self.comm.all_gather(tags, tag, async_op=True, tag=f"order check {self.name}")
+        tag_work, tags = self._exchange_tags(async_op=True)
         regions: list[list[torch.Tensor]] = [[] for _ in range(self.comm.world_size)]
         opened = []
         for sp in self.params:
@@ -188,11 +186,15 @@ class Unit:
     def _precheck_order(self) -> None:
         """debug_collectives: a fixed-size tag exchange before the payload, so that even units of
         different sizes (which gloo cannot pair) report the divergence instead of aborting."""
-        tag = torch.tensor(self._tag(), dtype=torch.float32)
-        device = self.params[0].unsharded.device if self.params else torch.device("cpu")
-        tags = torch.empty(self.comm.world_size * _TAG, dtype=torch.float32, device=device)
-        self.comm.all_gather(tags, tag.to(device), tag=f"order check {self.name}")
+        _, tags = self._exchange_tags(async_op=False)
         self._check_tags(tags.view(self.comm.world_size, _TAG))
+
+    def _exchange_tags(self, async_op: bool):
+        """All-gather every rank's unit tag (float32, on the parameters' device): ``(work, tags)``."""
+        device = self.params[0].unsharded.device if self.params else torch.device("cpu")
+        tag = torch.tensor(self._tag(), dtype=torch.float32, device=device)
+        tags = torch.empty(self.comm.world_size * _TAG, dtype=torch.float32, device=device)
+        return self.comm.all_gather(tags, tag, async_op=async_op, tag=f"order check {self.name}"), tags
 
     def reshard(self) -> None:
         if self._gather:
