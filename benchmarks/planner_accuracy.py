@@ -59,7 +59,7 @@ def engine_fingerprint() -> str:
     root = Path(__file__).resolve().parent.parent / "zero_plugin"
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
-        if path.name not in ("planner.py", "planner_trace.py", "cli.py"):
+        if path.name not in ("planner.py", "planner_replay.py", "planner_trace.py", "cli.py"):
             digest.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
     return digest.hexdigest()[:12]
 
