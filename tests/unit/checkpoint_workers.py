@@ -100,10 +100,11 @@ def _rng_sample() -> tuple:
 
 
 # -- exact resume ---------------------------------------------------------------------------
-def resume_first_half(stage: int, path: str) -> dict:
+def resume_first_half(stage: int, path: str, config: dict | None = None) -> dict:
     """Six steps straight, then (fresh objects) three steps and a save; fp32."""
+    config = config or {}
     data = batches(torch.float32)
-    model, opt = build(stage, torch.float32)
+    model, opt = build(stage, torch.float32, **config)
     train(model, opt, data, 0, 6, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
     out = {"straight_params": full_params(model), "straight_opt": full_optimizer_state(model, opt)}
 
@@ -111,7 +112,7 @@ def resume_first_half(stage: int, path: str) -> dict:
     torch.manual_seed(100 + rank)
     random.seed(200 + rank)
     np.random.seed(300 + rank)
-    model, opt = build(stage, torch.float32)
+    model, opt = build(stage, torch.float32, **config)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     train(model, opt, data, 0, 3, scheduler)
     save_checkpoint(path, model, opt, extra={"step": 3, "scheduler": scheduler.state_dict(),
@@ -122,10 +123,10 @@ def resume_first_half(stage: int, path: str) -> dict:
     return out
 
 
-def resume_second_half(stage: int, path: str) -> dict:
+def resume_second_half(stage: int, path: str, config: dict | None = None) -> dict:
     """A fresh model and optimizer (other seed): load, restore the scheduler, three more steps."""
     data = batches(torch.float32)
-    model, opt = build(stage, torch.float32, seed=7)
+    model, opt = build(stage, torch.float32, seed=7, **(config or {}))
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     extra = load_checkpoint(path, model, opt)
     rng = _rng_sample()

@@ -1,6 +1,7 @@
 """Sharded checkpoints: exact resume, resharding across stages and world sizes, crash safety, bad input.
 
-* Exact resume (fp32 OddMLP, two-group AdamW, world size 2): 6 steps straight equal 3 steps,
+* Exact resume (fp32 OddMLP, two-group AdamW, world size 2, stages 0-3, and 1-3 with optimizer offload,
+  3 with parameter offload too): 6 steps straight equal 3 steps,
   save, and -- in a second ``run_ranks`` call that builds everything again -- load and 3 more,
   bitwise (parameters, optimizer state, LR schedule, every rank's RNG).
 * Resharding (float64 OddMLP): save at (stage s1, N1), load at (s2, N2): the full parameters and
@@ -57,11 +58,15 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 # -- exact resume ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("stage", STAGES)
-def test_exact_resume(stage, tmp_path):
+OFFLOAD = {"offload_optimizer": "cpu"}
+
+
+@pytest.mark.parametrize("stage,config", [(s, {}) for s in STAGES] + [(1, OFFLOAD), (2, OFFLOAD), (3, OFFLOAD),
+                                                                     (3, {**OFFLOAD, "offload_params": True})])
+def test_exact_resume(stage, config, tmp_path):
     path = str(tmp_path / "ckpt")
-    first = run_ranks(2, w.resume_first_half, stage, path, timeout=120)
-    second = run_ranks(2, w.resume_second_half, stage, path, timeout=120)
+    first = run_ranks(2, w.resume_first_half, stage, path, config, timeout=120)
+    second = run_ranks(2, w.resume_second_half, stage, path, config, timeout=120)
     for rank in range(2):
         a, b = first[rank], second[rank]
         assert_params_equal(a["straight_params"], b["params"])
