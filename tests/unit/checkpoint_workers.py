@@ -379,19 +379,25 @@ def load_small(path: str) -> tuple[dict | None, str | None]:
     return {"extra": extra, "params": full_params(model)}, None
 
 
-# -- PEFT adapter under stage 3 ------------------------------------------------------------------------------
-def peft_adapter(directory: str) -> dict:
-    from peft import PeftModel
-
-    model = models.make_tiny_llama_lora(layers=2)
+def _train_llama(model, config: zp.ZeroConfig):
+    """Set up the tiny Llama (LoRA or not) with AdamW on its trainable parameters; 2 steps. -> model, opt, data"""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3))
+    model, opt = zp.setup(model, opt, config)
     rank, world = _rank_world()
     data = models.make_batches("llama", 2, world_size=world, per_rank_batch=2, seed=0)
     for batch in data:
         models.loss_fn(model, models.shard_batch(batch, rank, world)).backward()
         opt.step()
         opt.zero_grad()
+    return model, opt, data
+
+
+# -- PEFT adapter under stage 3 ------------------------------------------------------------------------------
+def peft_adapter(directory: str) -> dict:
+    from peft import PeftModel
+
+    model, opt, data = _train_llama(models.make_tiny_llama_lora(layers=2), zp.ZeroConfig(stage=3))
+    rank, _ = _rank_world()
     save_peft_adapter(model, directory)
     save_checkpoint(directory + "-ckpt", model, opt)
     ids = data[0]["input_ids"]
@@ -413,15 +419,8 @@ def peft_adapter(directory: str) -> dict:
 def hf_export_source(path: str, stage: int, config: dict) -> dict:
     """Train the tiny Llama 2 steps at ``stage``, save a checkpoint; rank 0 returns the full fp32 state and
     the logits of the first batch (the reference the consolidated folder must reproduce)."""
-    model = models.make_tiny_llama(layers=2)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=stage, **config))
-    rank, world = _rank_world()
-    data = models.make_batches("llama", 2, world_size=world, per_rank_batch=2, seed=0)
-    for batch in data:
-        models.loss_fn(model, models.shard_batch(batch, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
+    model, opt, data = _train_llama(models.make_tiny_llama(layers=2), zp.ZeroConfig(stage=stage, **config))
+    rank, _ = _rank_world()
     save_checkpoint(path, model, opt)
     state = zp.full_state_dict(model, rank0_only=False)
     with torch.no_grad():
