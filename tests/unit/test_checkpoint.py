@@ -342,3 +342,16 @@ def test_consolidate_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
     written = cons.consolidate(path, tmp_path / "out", max_shard_bytes=10**9)
     assert [os.path.basename(p) for p in written] == ["model.safetensors"] and calls[0] > 3
     assert most[0] == 0, f"{most[0]} earlier tensors were still alive when another was assembled"
+
+
+def test_export_record_never_blocks_a_save():
+    from zero_plugin.ckpt.export_info import describe_model
+
+    class Unserialisable:
+        def to_json_string(self, use_diff=False):
+            raise TypeError("object of type Foo is not JSON serializable")
+
+    model = torch.nn.Linear(2, 2)
+    model.config = Unserialisable()
+    with pytest.warns(UserWarning, match="could not record"):
+        assert describe_model(model) == {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import json
+import warnings
 from typing import Any
 
 import torch
@@ -26,6 +27,18 @@ __all__ = ["describe_model"]
 
 
 def describe_model(model: nn.Module) -> dict[str, Any]:
+    """The ``export`` record; a model this cannot describe still saves (with a warning): only
+    ``consolidate --format hf`` needs the record."""
+    try:
+        return _describe(model)
+    except Exception as exc:   # noqa: BLE001 - a checkpoint must not fail over export metadata
+        warnings.warn(f"zp.save_checkpoint: could not record the model's transformers/PEFT configuration "
+                      f"({type(exc).__name__}: {exc}); `zero-plugin consolidate --format hf` will not be able "
+                      "to export this checkpoint (--format safetensors still can)", stacklevel=3)
+        return {}
+
+
+def _describe(model: nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {}
     adapters = getattr(model, "peft_config", None)
     is_peft = isinstance(adapters, dict) and hasattr(model, "get_base_model")
