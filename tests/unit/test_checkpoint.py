@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import json
 import os
 import pickle
 import signal
@@ -312,6 +313,13 @@ def test_consolidate_refuses_bad_input_and_leaves_nothing(tmp_path, capsys):
     assert main(["consolidate", path, str(out)]) == 2
     err = capsys.readouterr().err
     assert "rank-00000-of-00001.safetensors" in err and "sha256" in err and not out.exists()
+    tampered = str(tmp_path / "tampered")
+    w.save_small(tampered, steps=1)
+    index = json.loads((tmp_path / "tampered" / "index.json").read_text())
+    index["export"] = {"peft": {"default": {"keys": 5}}}
+    w._replace_and_reseal(tampered, "index.json", json.dumps(index).encode())
+    assert main(["consolidate", tampered, str(out), "--format", "hf"]) == 2
+    assert "export record: adapter 'default'" in capsys.readouterr().err and not out.exists()
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("keep me")
     with pytest.raises(cons.CheckpointError, match="not an empty folder"):

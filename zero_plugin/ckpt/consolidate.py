@@ -72,7 +72,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, format
     index = _checked_index(checkpoint, verify)
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         raise CheckpointError(f"consolidate: {out} already exists and is not an empty folder; choose a new one")
-    export = index.get("export") if isinstance(index.get("export"), dict) else {}
+    export = _checked_export(index.get("export"), checkpoint)
     tmp = f"{out}.tmp-{uuid.uuid4().hex}"
     os.makedirs(tmp)
     try:
@@ -97,6 +97,29 @@ def _checked_index(checkpoint: str, verify: bool) -> dict:
     index = fmt.read_json(os.path.join(checkpoint, fmt.INDEX), "checkpoint index")
     check_index(index, files, checkpoint)
     return index
+
+
+def _checked_export(export: Any, checkpoint: str) -> dict:
+    """``index.json``'s ``export`` record (``export_info.py``), type-checked: the index is untrusted input."""
+    if export is None:
+        return {}   # saved by a zero_plugin that recorded nothing for export
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"malformed checkpoint index {checkpoint}/{fmt.INDEX}: export record: {what}")
+
+    if not isinstance(export, dict):
+        raise bad("not an object")
+    if not isinstance(export.get("hf_config", {}), dict) or not isinstance(export.get("prefix", ""), str):
+        raise bad("hf_config must be an object and prefix a string")
+    peft = export.get("peft", {})
+    if not isinstance(peft, dict):
+        raise bad("peft must be an object")
+    for adapter, entry in peft.items():
+        keys = entry.get("keys") if isinstance(entry, dict) else None
+        if not (isinstance(keys, dict) and keys and isinstance(entry.get("config", {}), dict)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items())):
+            raise bad(f"adapter {adapter!r} needs a config object and a non-empty map of saved to exported names")
+    return export
 
 
 def _write(reader: Reader, index: dict, export: dict, tmp: str, format: str, dtype, max_shard: int) -> list[str]:
@@ -135,9 +158,7 @@ def _write_adapters(reader: Reader, index: dict, peft: dict, tmp: str, dtype) ->
     names = sorted(peft, key=lambda a: (a != "default", a))   # the default adapter at the top, as PEFT saves
     for adapter in names:
         entry = peft[adapter]
-        keys = entry.get("keys") if isinstance(entry, dict) else None
-        if not isinstance(keys, dict) or not keys:
-            raise CheckpointError(f"consolidate: the checkpoint's record of adapter {adapter!r} is malformed")
+        keys = entry["keys"]
         tensors = []
         for name, key in keys.items():
             info = index["params"].get(name) or index["buffers"].get(name)
