@@ -119,12 +119,38 @@ def _profile_lines(rows: dict) -> list[str]:
     return (["", "## Profile (--profile)", "", note] + out) if out else []
 
 
+# The targets of the benchmark issue, as ratios in the same run: (label, check, bound).
+TARGETS = (("zero_plugin stage 1 step", "zp1", "step", "ddp", 1.03),
+           ("zero_plugin stage 2 step", "zp2", "step", "ddp", 1.03),
+           ("zero_plugin stage 3 step", "zp3", "step", "ddp", 1.10),
+           ("zero_plugin stage 3 peak RSS increase", "zp3", "rss", "ddp", 0.60),
+           ("zero_plugin stage 3 step vs FSDP2", "zp3", "step", "fsdp2", 1.0),
+           ("zero_plugin stage 1 step vs DeepSpeed stage 1", "zp1", "step", "ds1", 1.0),
+           ("zero_plugin stage 2 step vs DeepSpeed stage 2", "zp2", "step", "ds2", 1.0),
+           ("zero_plugin stage 3 step vs DeepSpeed stage 3", "zp3", "step", "ds3", 1.0))
+
+
+def _targets(rows: dict) -> list[str]:
+    """Each target that both sides of ran: the ratio, its bound, met or MISSED (said, not hidden)."""
+    out = []
+    for label, ours, key, ref, bound in TARGETS:
+        if ours in rows and ref in rows and rows[ref].get(key):
+            ratio = rows[ours][key] / rows[ref][key]
+            verdict = "met" if (ratio <= bound if bound != 1.0 else ratio < bound) else "**MISSED**"
+            rel = f"<= {bound:.2f}" if bound != 1.0 else "< 1"
+            out.append(f"| {label} | ×{ref} | {ratio:.3f} | {rel} | {verdict} |")
+    if not out:
+        return []
+    return ["", "## Targets", "", "| target | against | ratio | bound | |", "|---|---|---|---|---|", *out]
+
+
 def markdown(rows: dict, skipped: dict, header: dict) -> str:
     psi = next(iter(rows.values()))["psi"] if rows else 0
     lines = [f"# zero_plugin vs torch baselines: `{header['size']}`, world size {header['world_size']}", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
     lines += [f"- Ψ (parameters): {psi:,} ({psi * 4 / MIB:.1f} MiB in fp32)", ""]
     lines += _main_table(rows)
+    lines += _targets(rows)
     lines += ["", "Median phase times, ms per step, wall / process CPU (slowest rank):", ""] + _phase_table(rows)
     if skipped:
         lines += ["", "Skipped:"] + [f"- `{k}`: {v}" for k, v in skipped.items()]
