@@ -9,8 +9,10 @@ increase was 2036 MiB with the default allocator against 1288 MiB with every blo
 the free pages of every arena (``madvise(MADV_DONTNEED)`` on free chunks, not only the heap top);
 the stage-3 runtime calls it after each unit's release in forward (the activations kept for backward
 would otherwise grow around the freed units) and at the end of each forward and backward, so the next
-phase re-faults only what it really uses.  After that change the peak RSS increase of stage 3 was
-0.58x DDP's at 35M and 0.57x at 58M parameters, with the step time 0.91-1.10x DDP's.  A
+phase re-faults only what it really uses.  With it the peak RSS increase of stage 3 is 0.53x DDP's at
+120M parameters and 0.55-0.61x at 58M (``benchmarks/results/medium-ws2.md``, ``small-ws2.md``);
+trimming only when the heap holds more than two units' worth of free bytes changed neither the peak
+nor the step time at 58M.  A
 no-op where glibc is not the allocator (macOS, musl) and on CUDA devices (the caching allocator
 manages device memory; host buffers there are pinned and reused).
 """
