@@ -156,6 +156,10 @@ class ZeroConfig:
     """Max global gradient norm, applied in ZeroOptimizer.step; None = no clipping. Default None."""
     loss_scale: str | float = "dynamic"
     """fp16 loss scale: "dynamic" or a fixed factor > 0 (needs param_dtype fp16). Default "dynamic"."""
+    trim_host_heap: bool = True
+    """Stage 3 on CPU: hand freed heap pages back to the OS after each unit's release in forward and at the
+    ends of forward and backward (lower peak RSS; the pages are faulted in again, which costs step time,
+    up to ~15% on small models); no effect on CUDA. Default True."""
     debug_collectives: bool = False
     """Record each rank's collective sequence for divergence reports. Default False."""
     timeout_s: float = 600.0
@@ -188,6 +192,7 @@ class ZeroConfig:
         if self.clip_grad_norm is not None:
             put("clip_grad_norm", _as_positive_float("clip_grad_norm", self.clip_grad_norm))
         put("loss_scale", _as_loss_scale(self.loss_scale))
+        put("trim_host_heap", _as_bool("trim_host_heap", self.trim_host_heap))
         put("debug_collectives", _as_bool("debug_collectives", self.debug_collectives))
         put("timeout_s", _as_positive_float("timeout_s", self.timeout_s))
         put("check_ranks", _as_bool("check_ranks", self.check_ranks))
@@ -328,7 +333,8 @@ _INT, _FLOAT = (int, "an integer"), (float, "a number")
 _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "stage": _INT, "prefetch_depth": _INT, "persistence_threshold": _INT,
     "bucket_size_mb": _FLOAT, "timeout_s": _FLOAT,
-    "offload_params": _BOOL, "reshard_after_forward": _BOOL, "debug_collectives": _BOOL, "check_ranks": _BOOL,
+    "offload_params": _BOOL, "reshard_after_forward": _BOOL, "trim_host_heap": _BOOL, "debug_collectives": _BOOL,
+    "check_ranks": _BOOL,
     "offload_optimizer": (lambda t: _text_bool(t) if t.lower() in _TRUE_TEXT | _FALSE_TEXT else t,
                           '"none", "cpu", "true" or "false"'),
     "param_dtype": (_or_none(str), "a dtype name or none"),

@@ -12,7 +12,8 @@ would otherwise grow around the freed units) and at the end of each forward and 
 phase re-faults only what it really uses.  With it the peak RSS increase of stage 3 is 0.53x DDP's at
 120M parameters and 0.55-0.61x at 58M (``benchmarks/results/medium-ws2.md``, ``small-ws2.md``);
 trimming only when the heap holds more than two units' worth of free bytes changed neither the peak
-nor the step time at 58M.  A
+nor the step time at 58M, while not trimming at all took the 58M step from 1.14-1.18x to 1.00x DDP's
+and its peak from 0.55-0.61x to 0.64x: ``ZeroConfig(trim_host_heap=False)`` makes that choice.  A
 no-op where glibc is not the allocator (macOS, musl) and on CUDA devices (the caching allocator
 manages device memory; host buffers there are pinned and reused).
 """

@@ -111,7 +111,7 @@ def test_constructor_ignores_environment(monkeypatch):
     ("clip_grad_norm", math.inf, "inf"),
     ("loss_scale", "static", "'static'"), ("loss_scale", 0, "0"), ("loss_scale", -2.0, "-2.0"),
     ("debug_collectives", 1, "1"), ("timeout_s", 0, "0"), ("timeout_s", math.inf, "inf"),
-    ("check_ranks", "true", "'true'"),
+    ("check_ranks", "true", "'true'"), ("trim_host_heap", "no", "'no'"),
 ])
 def test_invalid_field_value(field, value, shown):
     kwargs = {field: value}
@@ -215,7 +215,7 @@ def test_round_trip():
                         reduce_dtype="fp32", master_dtype="fp64", bucket_size_mb=12.5, prefetch_depth=2,
                         persistence_threshold=100, reshard_after_forward=False, unit_policy=_policy,
                         clip_grad_norm=1.0, loss_scale=256.0, debug_collectives=True, timeout_s=30.0,
-                        check_ranks=False)
+                        check_ranks=False, trim_host_heap=False)
     assert config.to_dict()["unit_policy"] == f"{__name__}._policy"
     assert ZeroConfig.from_dict(config.to_dict()) == config
 
@@ -232,13 +232,14 @@ def test_from_dict_parses_strings():
         "stage": "3", "offload_optimizer": "true", "offload_params": "True", "param_dtype": "bf16",
         "reduce_dtype": "none", "bucket_size_mb": "25", "prefetch_depth": "2", "reshard_after_forward": "false",
         "unit_classes": "LlamaDecoderLayer, GPT2Block", "clip_grad_norm": "0.5", "timeout_s": "60",
-        "debug_collectives": "yes", "check_ranks": "0", "unit_policy": "null", "loss_scale": "dynamic"})
+        "debug_collectives": "yes", "check_ranks": "0", "unit_policy": "null", "loss_scale": "dynamic",
+        "trim_host_heap": "off"})
     assert config.stage == 3 and config.offload and config.offload_params
     assert config.param_dtype is torch.bfloat16 and config.reduce_dtype is None
     assert config.bucket_size_mb == 25.0 and config.prefetch_depth == 2 and not config.reshard_after_forward
     assert config.unit_classes == ("LlamaDecoderLayer", "GPT2Block")
     assert config.clip_grad_norm == 0.5 and config.timeout_s == 60.0
-    assert config.debug_collectives and not config.check_ranks
+    assert config.debug_collectives and not config.check_ranks and not config.trim_host_heap
 
 
 @pytest.mark.parametrize("field, text", [

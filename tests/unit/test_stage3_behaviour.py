@@ -219,3 +219,23 @@ def test_lora_with_gradient_checkpointing_trains_adapters():
         assert r["base_moved"] == 0, f"rank {rank}: frozen base changed by {r['base_moved']}"
         assert r["update_norm_error"] <= FP32_UPDATE, r
         assert r["unsharded_after"] == [], r
+
+
+@pytest.mark.parametrize("trim", [True, False])
+def test_trim_host_heap_switch_reaches_the_runtime(trim, monkeypatch):
+    """``ZeroConfig.trim_host_heap`` ([Note: heap trimming]): on CPU the stage-3 hooks trim the heap only
+    when it is on."""
+    import torch
+
+    import zero_plugin as zp
+    import zero_plugin.stage3.hooks as hooks
+
+    calls = []
+    monkeypatch.setattr(hooks, "trim_host_heap", lambda *a, **k: calls.append(1) or True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3, trim_host_heap=trim))
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    assert bool(calls) == trim

@@ -120,7 +120,7 @@ class Stage3Engine(Engine):
         self.sharded = sharded
         self.unit_of = {id(sp.param): u for u in units for sp in u.params}
         self.runtime = Stage3Runtime(units, config.prefetch_depth, config.reshard_after_forward,
-                                     trim_heap=compute_device(comm).type == "cpu")
+                                     trim_heap=compute_device(comm).type == "cpu" and config.trim_host_heap)
         self.runtime.register()
         _mark_for_synced_generate(model, comm)
 
