@@ -147,11 +147,17 @@ def _shut_down_process_group() -> None:
 
     Without it, a rank that finishes while another still works (rank 0 saving or evaluating alone) exits
     with gloo's worker threads alive, and the C++ runtime aborts at interpreter exit ("terminate called
-    without an active exception"), turning a successful run into exit code -6.
+    without an active exception"), turning a successful run into exit code -6.  Destroying alone was not
+    enough: a rank that tore its group down while rank 0 was still loading and predicting aborted the
+    same way (1 run in ~3 of the LoRA Trainer test), so every rank first waits at a barrier.
     """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()   # tear gloo down together: a rank still working (rank 0 saving) keeps its peers' pairs
+        except Exception:   # noqa: BLE001 - a peer that failed has gone; destroy anyway
+            pass
         dist.destroy_process_group()
 
 
