@@ -238,9 +238,9 @@ def _add_consolidate(sub) -> None:
 
 
 def _torch_dtype(name: str | None):
-    import torch
+    from .config import _as_dtype
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name] if name else None
+    return _as_dtype("--dtype", name) if name else None
 
 
 def _consolidate(args: argparse.Namespace) -> int:

@@ -281,6 +281,7 @@ class Stage3Replay(Replay):
         members = {u: [i for i, p in enumerate(plan.params) if p.unit == u and p.numel] for u in units}
         train = {u: [i for i in members[u] if plan.params[i].requires_grad] for u in units}
         self.n_train = {u: len(train[u]) for u in units}
+        self.grad_numel = {u: sum(plan.params[i].numel for i in train[u]) for u in units}   # full gradients
         self.full = {u: sum(plan.params[i].numel for i in members[u]) * self.pb for u in units}
         self.gather_buf = {u: self._width(members[u], _GATHER_TAG) * self.pb for u in units}      # per rank
         self.reduce_buf = {u: self._width(train[u], len(train[u])) * self.rb for u in units}    # per rank
@@ -371,18 +372,15 @@ class Stage3Replay(Replay):
             if u != 0 and (u in self.post or u not in self.wrapped):
                 self.reshard(u)
 
-    def grad_numel(self, u: int) -> int:
-        return sum(p.numel for p in self.plan.params if p.unit == u and p.requires_grad and p.numel)
-
     def launch(self, u: int) -> None:
         self.reduced.add(u)
         if self.s.in_place:   # stage3/unit.py ``_reduce_in_place``: the gradients (or a reduce-dtype copy)
             if self.rb != self.pb:
-                self.mem.add("device", "reduce_buffers", self.grad_numel(u) * self.rb)
-                self.mem.add("device", "grads", -self.grad_numel(u) * self.pb)
+                self.mem.add("device", "reduce_buffers", self.grad_numel[u] * self.rb)
+                self.mem.add("device", "grads", -self.grad_numel[u] * self.pb)
         else:
             self.mem.add("device", "reduce_buffers", self.n * self.reduce_buf[u])
-            self.mem.add("device", "grads", -self.grad_numel(u) * self.pb)
+            self.mem.add("device", "grads", -self.grad_numel[u] * self.pb)
             self.reduce_output("reduce_buffers", self.reduce_buf[u], at_launch=True)
         self.reduces.append(u)
         while len(self.reduces) > _MAX_INFLIGHT_REDUCES:
@@ -392,9 +390,9 @@ class Stage3Replay(Replay):
         if self.s.in_place:   # this rank's region is copied out, then the full gradients go
             self.mem.add(self.place("grad_shards"), "grad_shards", self.shard_grads[u])
             if self.rb != self.pb:
-                self.mem.add("device", "reduce_buffers", -self.grad_numel(u) * self.rb)
+                self.mem.add("device", "reduce_buffers", -self.grad_numel[u] * self.rb)
             else:
-                self.mem.add("device", "grads", -self.grad_numel(u) * self.pb)
+                self.mem.add("device", "grads", -self.grad_numel[u] * self.pb)
             return
         self.reduce_output("reduce_buffers", self.reduce_buf[u], at_launch=False)
         self.mem.add(self.place("grad_shards"), "grad_shards", self.shard_grads[u])

@@ -179,9 +179,10 @@ def _shut_down_process_group() -> None:
 
     Without it, a rank that finishes while another still works (rank 0 saving or evaluating alone) exits
     with gloo's worker threads alive, and the C++ runtime aborts at interpreter exit ("terminate called
-    without an active exception"), turning a successful run into exit code -6.  Destroying alone was not
-    enough: a rank that tore its group down while rank 0 was still loading and predicting aborted the
-    same way (1 run in ~3 of the LoRA Trainer test), so every rank first waits at a barrier.
+    without an active exception"), turning a successful run into exit code -6.  The barrier first makes
+    every rank leave the group together (no rank destroys it while a peer may still issue a collective) and
+    flushes pending async work.  Neither stopped that abort on its own (seen once each with and without the
+    barrier); what does is leaving without interpreter finalisation ([Note: exit without finalisation]).
     """
     import torch.distributed as dist
 

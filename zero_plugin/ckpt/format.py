@@ -35,7 +35,8 @@ import torch
 
 __all__ = ["CheckpointError", "FileRecord", "FORMAT", "VERSION", "INDEX", "COMPLETE", "shard_file_name",
            "write_safetensors", "write_safetensors_streaming", "write_json", "write_manifest", "read_manifest",
-           "check_sizes", "sha256_file", "read_json", "fsync_dir", "dtype_name", "dtype_from_name", "safetensors_code", "check_sha256"]
+           "check_sizes", "sha256_file", "read_json", "fsync_dir", "dtype_name", "dtype_from_name",
+           "safetensors_code", "check_sha256"]
 
 FORMAT = "zero_plugin.checkpoint"
 VERSION = 1
