@@ -16,6 +16,7 @@ from typing import Any
 from ._flat import ShardLayout
 from .config import ZeroConfig
 from .grads.bucket import plan_buckets
+from .optim import blocked_step
 
 __all__ = ["Memory", "ReplicatedReplay", "Replay", "Setting", "Stage3Replay"]
 
@@ -77,6 +78,9 @@ class Replay:
         self.trainable = [i for i, p in enumerate(plan.params) if p.requires_grad and p.numel]
         self.mem.add(self.place("params"), "params", theory["params"])
         self.mem.add(self.place("optimizer"), "optimizer", theory["optimizer"])
+        if self.blocked_step():   # its one-block fp32 gradient scratch, kept from the first step on
+            scratch = min(blocked_step.BLOCK, sum(-(-self.local(i) // 16) * 16 for i in self.trainable))
+            self.mem.add(self.place("master_grads"), "master_grads", scratch * self.mb)
 
     def place(self, category: str) -> str:
         s = self.s
@@ -146,7 +150,7 @@ class Replay:
         The non-finite check allocates nothing that counts (one fp32 sum per gradient)."""
         self.mem.phase = "step"
         locals_ = [self.local(i) if self.s.stage else self.plan.params[i].numel for i in self.trainable] or [0]
-        if self.separate_masters():
+        if self.separate_masters() and not self.blocked_step():
             self.mem.add(self.place("master_grads"), "step", sum(locals_) * self.mb)
         temp = self.optimizer_temporaries(locals_)
         self.mem.add(self.place("optimizer"), "step", temp)
@@ -159,6 +163,11 @@ class Replay:
         if self.s.stage == 3:
             return not self.shard_is_master and (mixed or (self.s.offload and self.s.device == "cuda"))
         return mixed or (self.s.offload and self.s.device == "cuda")
+
+    def blocked_step(self) -> bool:
+        """[Note: cache-blocked offload step] in optim/blocked_step.py: offloaded fp32 masters of lower-precision
+        parameters on a CPU-only machine get their gradients cast block by block (AdamW, as planned here)."""
+        return self.s.offload and self.s.device == "cpu" and self.separate_masters()
 
     def optimizer_temporaries(self, locals_: list[int]) -> float:
         """AdamW's temporaries: the fused CPU kernel (offload, optim/offload.py) needs none; torch's default

@@ -13,12 +13,24 @@ def build(kind: str):
 
 
 def train_worker(kind: str, stage: int, offload: bool, batches: list, steps: int, accum: int,
-                 param_dtype: str | None = None) -> dict:
+                 param_dtype: str | None = None, block: int | None = None) -> dict:
+    """``block``: elements per block of the blocked offload step (0: whole-tensor path instead)."""
+    from zero_plugin.optim import blocked_step
+
     model = build(kind)
     cfg = zp.ZeroConfig(stage=stage, offload_optimizer="cpu" if offload else "none", param_dtype=param_dtype,
                         reduce_dtype="fp32" if param_dtype else None)
     model, opt = zp.setup(model, W.build_optimizer(model), cfg)
-    out = W._train(model, opt, batches, steps, accum, 1.0)
+    default_block = blocked_step.BLOCK
+    if block == 0:
+        opt.blocked = None
+    elif block is not None:
+        blocked_step.BLOCK = block
+    try:
+        out = W._train(model, opt, batches, steps, accum, 1.0)
+    finally:
+        blocked_step.BLOCK = default_block   # the worker process is reused
+    out["blocked"] = opt.blocked is not None and opt.blocked.scratch is not None
     full = zp.full_state_dict(model)
     out["params"] = {k: v.double() for k, v in full.items()}
     optim = opt.consolidate_state_dict()

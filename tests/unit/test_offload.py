@@ -78,6 +78,7 @@ def test_offload_bf16_against_split_reference(stage, world):
     each micro-batch gives its own bf16 gradient, averaged in fp32 (``OW.bf16_split_reference``)."""
     got = _bf16_run(stage, world, True)
     assert all(got["fused"])
+    assert got["blocked"] == (stage != 3)   # stage 3 on a CPU-only machine: the fp32 shard is the master
     _assert_same_training(got, _bf16_reference(world, world, OW.GRAD_DTYPE[stage]), 1e-3, 1e-4)
 
 
@@ -88,6 +89,21 @@ def test_offload_bf16_matches_no_offload(stage, world):
     on, off = _bf16_run(stage, world, True), _bf16_run(stage, world, False)
     assert all(on["fused"]) and not any(off["fused"])
     _assert_same_training(on, off, 1e-3, 1e-4)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offload_bf16_blocked_step_is_bitwise_whole_tensor_step(stage, world):
+    """[Note: cache-blocked offload step] across ranks: blocks of 128 elements (every odd shard split,
+    several shards per block) against the whole-tensor cast / fused step / write-back."""
+    batches = _batches("mlp32", world, dtype=torch.float32)
+    runs = [run_ranks(world, OW.train_worker, "mlp32", stage, True, batches, STEPS, ACCUM, "bf16", block)
+            for block in (128, 0)]
+    (blocked, whole) = (r[0] for r in runs)
+    assert blocked["blocked"] and not whole["blocked"]
+    assert blocked["losses"] == whole["losses"]
+    assert all(torch.equal(blocked["params"][k], whole["params"][k]) for k in whole["params"])
+    assert all(torch.equal(blocked["optim"][k], whole["optim"][k]) for k in whole["optim"])
 
 
 @pytest.mark.parametrize("world", [2, 4])

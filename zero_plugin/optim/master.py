@@ -26,7 +26,8 @@ __all__ = ["MasterParam"]
 class MasterParam:
     """One trainable parameter as the optimizer sees it on this rank."""
 
-    __slots__ = ("name", "param", "layout", "local", "master", "separate", "host_grad")
+    __slots__ = ("name", "param", "layout", "local", "master", "separate", "host_grad", "deferred_grad",
+                 "written_back")
 
     def __init__(self, name: str, param: nn.Parameter, layout: ShardLayout, local: torch.Tensor,
                  master_dtype: torch.dtype | None, source: torch.Tensor | None = None,
@@ -39,6 +40,10 @@ class MasterParam:
         device = master_device or local.device
         self.separate = dtype != local.dtype or device != local.device
         self.host_grad: torch.Tensor | None = None   # pinned, allocated at the first offloaded gradient
+        # [Note: cache-blocked offload step] in blocked_step.py: the gradient it casts block by block, and
+        # whether it already wrote the master back during the step.
+        self.deferred_grad: torch.Tensor | None = None
+        self.written_back = False
         if self.separate:
             # ``source``: the region before the parameter was cast down, so no precision is lost.
             init = local if source is None else source
@@ -54,7 +59,10 @@ class MasterParam:
         """True when the optimizer steps the model's own parameter object."""
         return self.master is self.param
 
-    def set_grad(self, grad: torch.Tensor | None) -> None:
+    def set_grad(self, grad: torch.Tensor | None, defer_cast: bool = False) -> None:
+        """Give the master its gradient; ``defer_cast``: a separate master on the gradient's own device keeps
+        no fp32 copy, the blocked step casts it piece by piece ([Note: cache-blocked offload step])."""
+        self.deferred_grad = None
         if self.is_identity:
             return  # autograd/reducer already left the reduced grad in param.grad
         if grad is None:
@@ -63,6 +71,9 @@ class MasterParam:
             if self.host_grad is None:
                 self.host_grad = pin(torch.empty(self.master.shape, dtype=self.master.dtype, device=self.master.device))
             self.master.grad = to_host(self.host_grad, grad)
+        elif defer_cast and self.separate:
+            self.master.grad = None
+            self.deferred_grad = grad
         elif self.separate or grad.dtype != self.master.dtype:
             self.master.grad = grad.to(device=self.master.device, dtype=self.master.dtype,
                                        non_blocking=True)
@@ -72,6 +83,9 @@ class MasterParam:
     @torch.no_grad()
     def write_back(self) -> None:
         """After a step: copy an fp32 master into the (lower precision) parameter region."""
+        if self.written_back:   # the blocked step already did, block by block
+            self.written_back = False
+            return
         if self.separate:
             to_device(self.local, self.master)
 

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from .blocked_step import BlockedStep
 from .cpu_step import fused_cpu_step
 from .loss_scale import GradGuard
 from .state import consolidate_optimizer_state, shard_optimizer_state
@@ -38,6 +39,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fp16 = cfg.param_dtype == torch.float16
         fixed = cfg.loss_scale if fp16 and not isinstance(cfg.loss_scale, str) else None
         self.guard = GradGuard(engine, dynamic_scale=fp16 and cfg.loss_scale == "dynamic", fixed_scale=fixed)
+        # [Note: cache-blocked offload step]: offload on a CPU-only machine with fp32 masters of lower-precision
+        # parameters casts gradients in and masters out block by block inside the step.
+        self.blocked = BlockedStep(engine.slots) if cfg.offload and BlockedStep.wanted(engine.slots) else None
 
     # param_groups/state are properties so that both views always agree.
     @property
@@ -71,8 +75,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self.guard.should_step():
             self.engine.zero_grad(set_to_none=True)   # the skipped step's gradients are discarded
             return loss
-        self.engine.before_step()
-        if not (self.engine.config.offload and fused_cpu_step(self.inner)):   # [Note: direct fused step]
+        blocked = self.blocked is not None and self.blocked.applies(self.inner)
+        self.engine.before_step(defer_casts=blocked)
+        if blocked:
+            self.blocked.step(self.inner)
+        elif not (self.engine.config.offload and fused_cpu_step(self.inner)):   # [Note: direct fused step]
             self.inner.step()
         self.engine.after_step()
         return loss

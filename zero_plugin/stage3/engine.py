@@ -138,13 +138,13 @@ class Stage3Engine(Engine):
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
         return self.sharded[id(slot.param)].sharded_grad
 
-    def before_step(self) -> None:
+    def before_step(self, defer_casts: bool = False) -> None:
         for slot in self.slots:
             grad = self.sharded[id(slot.param)].sharded_grad
             if slot.is_identity:
                 slot.param.grad = grad
             else:
-                slot.set_grad(grad)
+                slot.set_grad(grad, defer_casts)
         self.wait_for_host_copies()
 
     def after_step(self) -> None:
