@@ -7,7 +7,7 @@ of it timed: cast this rank's reduced bf16 gradient to fp32, AdamW over the fp32
 cast the updated master back into the bf16 parameter.  Variants (AdamW lr 1e-3, betas (0.9, 0.999),
 eps 1e-8, weight_decay 0.01):
 
-* ``zero_plugin``: the engine's own objects -- one ``MasterParam`` per parameter, ``set_grad(defer_cast=True)``,
+* ``zero_plugin``: the engine's own objects -- one ``MasterParam`` per parameter, ``set_grad(blocked=True)``,
   ``BlockedStep.step`` ([Note: cache-blocked offload step] in ``zero_plugin/optim/blocked_step.py``);
 * ``zero_plugin whole-tensor``: the same ``MasterParam``s through the whole-tensor path (``set_grad`` casts
   into a fresh fp32 gradient, ``fused_cpu_step``, ``write_back``): what the engine ran before the blocked step;
@@ -98,7 +98,7 @@ class Pipeline:
         t = self.t
         if self.name == "zero_plugin":
             for s, g in zip(t.slots, t.grads):
-                s.set_grad(g, defer_cast=True)
+                s.set_grad(g, blocked=True)
             if not self.blocked.applies(self.opt):
                 raise RuntimeError("the blocked step declined AdamW(fused=True)")
             self.blocked.step(self.opt)

@@ -63,12 +63,13 @@ class Engine:
         self.step_grad_norm: float | None = None
 
     # -- step ---------------------------------------------------------------
-    def before_step(self, defer_casts: bool = False) -> None:
-        """Give every master its gradient; ``defer_casts``: for the blocked step ([Note: cache-blocked
-        offload step] in optim/blocked_step.py), which casts separate masters' gradients itself."""
+    def before_step(self, blocked: bool = False) -> None:
+        """Give every master its gradient; ``blocked``: for the blocked step ([Note: cache-blocked offload
+        step] in optim/blocked_step.py), which casts gradients and waits for each host copy itself."""
         for slot in self.slots:
-            slot.set_grad(self.owned_grad(slot), defer_casts)
-        self.wait_for_host_copies()
+            slot.set_grad(self.owned_grad(slot), blocked)
+        if not blocked:
+            self.wait_for_host_copies()
 
     def after_step(self) -> None:
         for slot in self.slots:

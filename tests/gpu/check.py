@@ -3,6 +3,8 @@
   1. NCCL, world size 1: stages 0-3 (and stage 3 + offload) match a single-GPU reference (float64 MLP).
   1b. Stage-3 side streams (tests/gpu/overlap.py): the prefetched all-gather of unit i+1 overlaps unit i's
      compute, the control without side streams does not, and per-step peak memory is identical and bounded.
+  1c. Optimizer offload (tests/gpu/offload.py): peak CUDA memory falls by the optimizer-state bytes, and the
+     blocked offload step (per-master copy waits, block-wise write-back) is bitwise the whole-tensor one.
   2. Fake process group, N = 8: per-rank peak CUDA memory of a ~1B-parameter model for stages 0-3
      against ``memory_report``'s theory.
   3. A 13B-parameter Llama-shaped model (random init, materialised unit by unit from the meta device)
@@ -172,8 +174,14 @@ def part_overlap() -> dict:
     return run()
 
 
-PARTS = {"parity": part_parity, "overlap": part_overlap, "fake_pg_memory": part_fake_pg_memory, "lora_13b": part_13b_lora,
-         "speed_vs_fsdp2": part_speed_vs_fsdp2}
+def part_offload() -> dict:
+    from tests.gpu.offload import part_offload as run
+
+    return run()
+
+
+PARTS = {"parity": part_parity, "overlap": part_overlap, "offload": part_offload, "fake_pg_memory": part_fake_pg_memory,
+         "lora_13b": part_13b_lora, "speed_vs_fsdp2": part_speed_vs_fsdp2}
 
 
 def main() -> None:

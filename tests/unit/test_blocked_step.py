@@ -61,13 +61,16 @@ def test_bitwise_same_as_whole_tensor_path(small_blocks, cls, hyper, param_dtype
         for s in ref_slots:
             s.write_back()
         for s, gr in zip(slots, grads):
-            s.set_grad(gr, defer_cast=True)
+            s.set_grad(gr, blocked=True)
             assert s.master.grad is None
         blocked.step(opt)
         for s in slots:
             s.write_back()   # a no-op for the ones the blocked step wrote
             assert s.deferred_grad is None and not s.written_back
-    assert blocked.scratch.numel() <= 128
+    if grad_dtype == torch.float32:
+        assert blocked.scratch is None   # nothing to cast: the kernel reads the gradient in place
+    else:
+        assert blocked.scratch.numel() <= 128
     for a, b in zip(ref_slots, slots):
         assert torch.equal(a.master, b.master) and torch.equal(a.param, b.param), a.name
     sa, sb = ref_opt.state_dict(), opt.state_dict()
@@ -80,7 +83,7 @@ def test_bitwise_same_as_whole_tensor_path(small_blocks, cls, hyper, param_dtype
 def test_blocks_cover_each_element_once_at_aligned_offsets(small_blocks):
     slots, opt = _slots(torch.bfloat16, torch.optim.AdamW, {})
     for s, gr in zip(slots, _grads(0, torch.bfloat16)):
-        s.set_grad(gr, defer_cast=True)
+        s.set_grad(gr, blocked=True)
     step = BlockedStep(slots)
     entries, _ = step._entries(opt, opt.param_groups[1])
     starts = [0] * len(entries)
@@ -146,3 +149,45 @@ def test_not_wanted_without_separate_masters():
     model = torch.nn.Linear(4, 3)
     _, opt = zp.setup(model, torch.optim.AdamW(model.parameters()), zp.ZeroConfig(stage=2, offload_optimizer="cpu"))
     assert opt.blocked is None   # fp32 parameters are their own masters: nothing to cast, fused_cpu_step runs
+
+
+def test_waits_for_each_copy_and_writes_back_block_by_block(small_blocks, monkeypatch):
+    """The CUDA schedule, traced on the CPU: each master's gradient-copy event is waited for just before its
+    first piece is stepped (later copies stay in flight during earlier blocks), and each block is written
+    back before the next block's kernel runs (its copy overlaps that step)."""
+    trace = []
+
+    class Event:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            trace.append(("wait", self.name))
+
+    def store(dst, src):
+        trace.append(("store", dst.numel()))
+        return dst.copy_(src)
+
+    real = torch._fused_adamw_
+
+    def kernel(params, *args, **kwargs):
+        trace.append(("kernel", sum(p.numel() for p in params)))
+        return real(params, *args, **kwargs)
+
+    slots, opt = _slots(torch.bfloat16, torch.optim.AdamW, {})
+    for s, gr in zip(slots, _grads(0, torch.float32)):   # fp32: as the host copies arrive on CUDA
+        s.set_grad(gr, blocked=True)
+        s.grad_ready = Event(s.name) if gr is not None else None
+    monkeypatch.setattr(B, "_copy_into", store)
+    monkeypatch.setattr(torch, "_fused_adamw_", kernel)
+    BlockedStep(slots).step(opt)
+    kinds = [k for k, _ in trace]
+    kernels = [i for i, k in enumerate(kinds) if k == "kernel"]
+    waits = {name: i for i, (k, name) in enumerate(trace) if k == "wait"}
+    assert sorted(waits) == ["p0", "p1", "p2", "p3", "p4"] and len(kernels) > 5
+    assert waits["p3"] > kernels[0] and waits["p4"] > kernels[1], "later copies are not waited for up front"
+    for a, b in zip(kernels, kernels[1:]):   # between two kernels: the first one's stores, then waits only
+        between = trace[a + 1:b]
+        stored = sum(n for k, n in between if k == "store")
+        assert stored == trace[a][1] and kinds[a + 1:b] == sorted(kinds[a + 1:b], key=lambda k: k != "store")
+    assert all(s.grad_ready is None and s.written_back for s in slots[:5])

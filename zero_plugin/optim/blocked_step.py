@@ -1,28 +1,35 @@
-"""The offloaded mixed-precision step on a CPU-only machine, one cache-sized block at a time.
+"""The offloaded Adam/AdamW step over host masters, one cache-sized block at a time.
 
 [Note: cache-blocked offload step]
-With ``param_dtype`` below the fp32 masters, an offloaded step is three passes over each parameter:
-cast the reduced bf16/fp16 gradient up to fp32, run Adam (reads master, gradient and both moments,
-writes three of them back), cast the updated master down into the parameter.  Done a whole tensor at
-a time, as DeepSpeed's ZeRO-Offload does and as ``MasterParam.set_grad`` / ``write_back`` do, every
-pass streams the whole shard through DRAM: about 46 bytes per parameter with the write-allocate reads,
-and a full fp32 gradient (4 bytes per parameter of this rank's shard) is allocated for every step.
-On a CPU-only machine the host is the device and all three passes run here, so this step walks the
-masters in blocks of ``BLOCK`` elements instead: cast that block's gradient into one reused fp32
-scratch, run torch's fused kernel on views of that block of the master and its state, cast the block
-of the master back into the parameter.  The scratch and the just-updated master are still in cache
-when the next pass reads them, so DRAM moves about 30 bytes per parameter, and no gradient larger than
-one block is ever allocated (host memory stays at the masters and moments, 12 bytes per parameter,
-plus ``BLOCK`` * 4 bytes).  Measured in ``benchmarks/offload_step.py``.
+With masters separate from their parameters on the host, an offloaded step is three passes over each
+parameter: bring the reduced gradient to the host in the master's dtype, run Adam (reads master,
+gradient and both moments, writes three of them back), bring the updated master back into the
+parameter in ``param_dtype``.  Done a whole tensor at a time (``MasterParam.set_grad``, ``step()``,
+``MasterParam.write_back``), each pass finishes before the next starts.  This step instead walks the
+masters in blocks of ``BLOCK`` elements, and each block goes through all three passes:
+
+* CPU-only machine, bf16/fp16 parameters with fp32 masters (the host is the device, nothing is copied,
+  but the casts remain): cast the block's gradient into one reused fp32 scratch, run torch's fused
+  kernel on views of that block of master and moments, cast the block of the master back into the
+  parameter.  The scratch and the just-updated master are still in cache when the next pass reads them,
+  so DRAM moves about 30 bytes per parameter instead of about 46 (with write-allocate reads), and no
+  fp32 gradient larger than one block is allocated: the whole-tensor path allocated a fresh one, 4 bytes
+  per parameter, every step.
+* CUDA: ``set_grad(blocked=True)`` issues every gradient's device->host copy and records an event after
+  each; the step waits for one master's copy just before its first block (the CPU step of the first
+  masters overlaps the copies of the later ones), and writes every block back non-blocking right after
+  its kernel (the copy overlaps the next block's step).  Ordering against the next step's host writes is
+  as in [Note: asynchronous host copies] in ``offload.py``.
 
 Bitwise the same as the whole-tensor path: the kernel is elementwise, and every piece starts at a
 multiple of ``ALIGN`` elements of its own tensor, so the kernel's vectorised body and scalar tail
 cover the same elements as in one call over the whole tensor (pieces cut at other offsets round
 differently in the last bit).  Several small tensors share a block; one kernel call steps a block.
+Measured on the CPU in ``benchmarks/offload_step.py``.
 
 Used when :func:`~zero_plugin.optim.cpu_step.covered` allows a direct fused step (exact Adam/AdamW,
-nothing hooked into ``step``) and the engine has masters separate from their parameters on the same
-(CPU) device; otherwise the step takes the whole-tensor path.
+nothing hooked into ``step``) and some master is a separate copy on the host; otherwise the step takes
+the whole-tensor path.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import torch
 
 from .cpu_step import covered, group_state, run_kernel
 from .master import MasterParam
+from .offload import to_device
 
 __all__ = ["BlockedStep", "BLOCK", "ALIGN"]
 
@@ -54,7 +62,8 @@ class _Entry:
     tensors: list[torch.Tensor]   # master, grad, exp_avg, exp_avg_sq[, max_exp_avg_sq][, local]
     step: torch.Tensor
     cast: bool                    # the gradient is bf16/fp16 and goes through the scratch
-    local: bool                   # a separate master, written back into its parameter region
+    store: object                 # writes a master piece into its parameter piece (None: identity master)
+    ready: object                 # event of the gradient's host copy, waited for before the first piece
     sizes: list[int]
     views: list[tuple] | None = None
 
@@ -68,8 +77,9 @@ class BlockedStep:
 
     @staticmethod
     def wanted(slots: list[MasterParam]) -> bool:
-        """True when some master is a separate fp32 copy on the parameter's own device, the CPU."""
-        return any(s.separate and s.master.device == s.local.device == torch.device("cpu") for s in slots)
+        """True when some master is a separate copy on the host: the fp32 master of a bf16/fp16 parameter on a
+        CPU-only machine, or any offloaded master of a CUDA parameter."""
+        return any(s.separate and s.master.device.type == "cpu" for s in slots)
 
     def applies(self, optimizer: torch.optim.Optimizer) -> bool:
         """Checked every step (a hook registered later turns it off); True means :meth:`step` will run."""
@@ -85,7 +95,8 @@ class BlockedStep:
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Step every group; separate masters' gradients come from ``slot.deferred_grad`` (left there by
-        ``set_grad(defer_cast=True)``) and the updated masters are written back here."""
+        ``set_grad(blocked=True)``) or the host copy in ``master.grad`` (waited for by its ``grad_ready``
+        event), and the updated masters are written back here, block by block."""
         optimizer._opt_called = True   # type: ignore[attr-defined]  # as in fused_cpu_step: no LR-scheduler warning
         for group in optimizer.param_groups:
             entries, written = self._entries(optimizer, group)
@@ -95,7 +106,7 @@ class BlockedStep:
             for block in blocks:
                 self._step_block(optimizer, group, entries, block)
             for slot in written:
-                slot.deferred_grad = None
+                slot.deferred_grad = slot.grad_ready = None
                 slot.written_back = True
 
     def _entries(self, opt: torch.optim.Optimizer, group: dict) -> tuple[list[_Entry], list[MasterParam]]:
@@ -114,9 +125,12 @@ class BlockedStep:
         entries = []
         for m, g, st, slot in zip(masters, grads, states, slots):
             tensors = [m.view(-1), g.reshape(-1)] + [st[k].view(-1) for k in names]
+            store = ready = None
             if slot is not None:
                 tensors.append(slot.local.view(-1))
-            entries.append(_Entry(tensors, st["step"], g.dtype != m.dtype, slot is not None, []))
+                store = _copy_into if slot.local.device == m.device else to_device
+                ready = slot.grad_ready
+            entries.append(_Entry(tensors, st["step"], g.dtype != m.dtype, store, ready, []))
         return entries, [s for s in slots if s is not None]
 
     @staticmethod
@@ -147,15 +161,16 @@ class BlockedStep:
             yield block
 
     def _step_block(self, opt, group, entries: list[_Entry], block: list[_Piece]) -> None:
-        scratch = self._scratch()
         amsgrad = group["amsgrad"]
         params, grads, avgs, sqs, maxes, steps = [], [], [], [], [], []
         for pc in block:
             e = entries[pc.entry]
+            if pc.k == 0 and e.ready is not None:
+                e.ready.synchronize()   # this master's gradient copy, not the later ones still in flight
             views = e.views[pc.k]
             grad = views[1]
             if pc.at is not None:
-                grad = scratch[pc.at:pc.at + pc.size].copy_(grad)
+                grad = self._scratch()[pc.at:pc.at + pc.size].copy_(grad)
             params.append(views[0])
             grads.append(grad)
             avgs.append(views[2])
@@ -164,11 +179,11 @@ class BlockedStep:
                 maxes.append(views[4])
             steps.append(e.step)
         run_kernel(opt, group, params, grads, avgs, sqs, maxes, steps)
-        for pc in block:
+        for pc in block:   # on CUDA non-blocking: this block's copy overlaps the next block's step
             e = entries[pc.entry]
-            if e.local:
+            if e.store is not None:
                 views = e.views[pc.k]
-                views[-1].copy_(views[0])
+                e.store(views[-1], views[0])
 
     def _scratch(self) -> torch.Tensor:
         if self.scratch is None:   # once: one block, or less when every separate master together is smaller
@@ -176,3 +191,7 @@ class BlockedStep:
             dtype = next(s.master.dtype for s in self.slot_of.values() if s.separate)
             self.scratch = torch.empty(max(16, min(BLOCK, need)), dtype=dtype)
         return self.scratch
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    return dst.copy_(src)

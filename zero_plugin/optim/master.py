@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .._flat import ShardLayout
-from .offload import pin, to_device, to_host
+from .offload import copy_done, pin, to_device, to_host
 
 __all__ = ["MasterParam"]
 
@@ -27,7 +27,7 @@ class MasterParam:
     """One trainable parameter as the optimizer sees it on this rank."""
 
     __slots__ = ("name", "param", "layout", "local", "master", "separate", "host_grad", "deferred_grad",
-                 "written_back")
+                 "grad_ready", "written_back")
 
     def __init__(self, name: str, param: nn.Parameter, layout: ShardLayout, local: torch.Tensor,
                  master_dtype: torch.dtype | None, source: torch.Tensor | None = None,
@@ -40,9 +40,10 @@ class MasterParam:
         device = master_device or local.device
         self.separate = dtype != local.dtype or device != local.device
         self.host_grad: torch.Tensor | None = None   # pinned, allocated at the first offloaded gradient
-        # [Note: cache-blocked offload step] in blocked_step.py: the gradient it casts block by block, and
-        # whether it already wrote the master back during the step.
+        # [Note: cache-blocked offload step] in blocked_step.py: the gradient it casts block by block, the
+        # event it waits for before reading a host gradient copy, whether it already wrote the master back.
         self.deferred_grad: torch.Tensor | None = None
+        self.grad_ready = None
         self.written_back = False
         if self.separate:
             # ``source``: the region before the parameter was cast down, so no precision is lost.
@@ -59,10 +60,12 @@ class MasterParam:
         """True when the optimizer steps the model's own parameter object."""
         return self.master is self.param
 
-    def set_grad(self, grad: torch.Tensor | None, defer_cast: bool = False) -> None:
-        """Give the master its gradient; ``defer_cast``: a separate master on the gradient's own device keeps
-        no fp32 copy, the blocked step casts it piece by piece ([Note: cache-blocked offload step])."""
+    def set_grad(self, grad: torch.Tensor | None, blocked: bool = False) -> None:
+        """Give the master its gradient.  ``blocked``: the blocked step follows ([Note: cache-blocked offload
+        step]): a separate master on the gradient's own device gets no fp32 copy (the step casts it piece by
+        piece), and a host copy is marked with an event for the step to wait for, instead of being waited for."""
         self.deferred_grad = None
+        self.grad_ready = None
         if self.is_identity:
             return  # autograd/reducer already left the reduced grad in param.grad
         if grad is None:
@@ -71,7 +74,9 @@ class MasterParam:
             if self.host_grad is None:
                 self.host_grad = pin(torch.empty(self.master.shape, dtype=self.master.dtype, device=self.master.device))
             self.master.grad = to_host(self.host_grad, grad)
-        elif defer_cast and self.separate:
+            if blocked:
+                self.grad_ready = copy_done(grad.device)
+        elif blocked and self.separate:
             self.master.grad = None
             self.deferred_grad = grad
         elif self.separate or grad.dtype != self.master.dtype:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HOST", "host_for", "pin", "to_host", "to_device", "use_fast_cpu_kernels", "synchronize_copies"]
+__all__ = ["HOST", "host_for", "pin", "to_host", "to_device", "use_fast_cpu_kernels", "synchronize_copies",
+           "copy_done"]
 
 HOST = torch.device("cpu")
 
@@ -75,3 +76,14 @@ def synchronize_copies(device: torch.device) -> None:
     the side streams it waited for) before the CPU step reads them.  Nothing to wait for on the CPU."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def copy_done(device: torch.device):
+    """A CUDA event marking the copies issued so far on ``device``'s current stream (None on the CPU): the
+    blocked step waits for each master's gradient copy alone, so the CPU step of the first masters overlaps
+    the copies of the later ones ([Note: cache-blocked offload step] in ``blocked_step.py``)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

@@ -39,8 +39,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fp16 = cfg.param_dtype == torch.float16
         fixed = cfg.loss_scale if fp16 and not isinstance(cfg.loss_scale, str) else None
         self.guard = GradGuard(engine, dynamic_scale=fp16 and cfg.loss_scale == "dynamic", fixed_scale=fixed)
-        # [Note: cache-blocked offload step]: offload on a CPU-only machine with fp32 masters of lower-precision
-        # parameters casts gradients in and masters out block by block inside the step.
+        # [Note: cache-blocked offload step]: with offload, separate host masters are stepped block by block,
+        # gradients cast in (CPU-only) or waited for (CUDA) and masters written back on the way.
         self.blocked = BlockedStep(engine.slots) if cfg.offload and BlockedStep.wanted(engine.slots) else None
 
     # param_groups/state are properties so that both views always agree.
@@ -76,7 +76,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.engine.zero_grad(set_to_none=True)   # the skipped step's gradients are discarded
             return loss
         blocked = self.blocked is not None and self.blocked.applies(self.inner)
-        self.engine.before_step(defer_casts=blocked)
+        self.engine.before_step(blocked=blocked)
         if blocked:
             self.blocked.step(self.inner)
         elif not (self.engine.config.offload and fused_cpu_step(self.inner)):   # [Note: direct fused step]

@@ -138,14 +138,15 @@ class Stage3Engine(Engine):
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
         return self.sharded[id(slot.param)].sharded_grad
 
-    def before_step(self, defer_casts: bool = False) -> None:
+    def before_step(self, blocked: bool = False) -> None:
         for slot in self.slots:
             grad = self.sharded[id(slot.param)].sharded_grad
             if slot.is_identity:
                 slot.param.grad = grad
             else:
-                slot.set_grad(grad, defer_casts)
-        self.wait_for_host_copies()
+                slot.set_grad(grad, blocked)
+        if not blocked:   # the blocked step waits for each host copy itself
+            self.wait_for_host_copies()
 
     def after_step(self) -> None:
         for slot in self.slots:
