@@ -14,7 +14,8 @@ eps 1e-8, weight_decay 0.01):
 * ``DeepSpeed``: what DeepSpeed's ZeRO-Offload (stages 1-2) does: the bf16 gradient copied into a persistent
   fp32 gradient buffer (DeepSpeed does this copy during backward; it is host work of the step all the same),
   ``DeepSpeedCPUAdam.step()``, the fp32 partition copied into the bf16 one;
-* ``torch fused``: the same pipeline as DeepSpeed's with ``torch.optim.AdamW(fused=True).step()``.
+* ``torch fused`` / ``torch foreach``: the same pipeline as DeepSpeed's with ``torch.optim.AdamW(fused=True)``
+  / ``AdamW(foreach=True)``.
 
 Every variant steps the same masters, moments and bf16 tensors ([Note: same memory] in ``cpu_adam.py``):
 one step each in turn, the order rotated every step.  Ratios are against DeepSpeed; "paired" is the
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from benchmarks.cpu_adam import HYPER, _ds_available, _fmt_size, _loadavg, _release, _shapes, paired_ratio
 
-VARIANTS = ("zero_plugin", "zero_plugin whole-tensor", "DeepSpeed", "torch fused")
+VARIANTS = ("zero_plugin", "zero_plugin whole-tensor", "DeepSpeed", "torch fused", "torch foreach")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "offload_step.md"
 
 
@@ -87,6 +88,8 @@ class Pipeline:
         if name == "DeepSpeed":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             self.opt = DeepSpeedCPUAdam(t.masters, adamw_mode=True, bias_correction=True, **HYPER)
+        elif name == "torch foreach":
+            self.opt = torch.optim.AdamW(t.masters, foreach=True, **HYPER)
         else:
             self.opt = torch.optim.AdamW(t.masters, fused=True, **HYPER)
         if name == "zero_plugin":
