@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import uuid
@@ -54,10 +55,7 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return self.dtype.itemsize * math.prod(self.shape)
 
 
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, format: str = "safetensors",
@@ -214,10 +212,7 @@ def full_tensor(reader: Reader, index: dict, source: str) -> torch.Tensor:
         return value
     entry = index["params"][name]
     stored = fmt.dtype_from_name(entry["dtype"])
-    numel = 1
-    for d in entry["shape"]:
-        numel *= d
-    flat = torch.empty(numel, dtype=stored)
+    flat = torch.empty(math.prod(entry["shape"]), dtype=stored)
     for i, lo, hi in entry["shards"]:
         flat[lo:hi] = reader.slice(i, source, hi - lo, stored)[:]
     return flat.view(entry["shape"])
