@@ -9,9 +9,11 @@
 * ``scripts/trainer_lora.py`` (plain ``transformers.Trainer`` + PEFT LoRA) at stage 3: matches DDP,
   a run resumed from its step-4 checkpoint ends where the uninterrupted run ends, and the saved adapter
   reloads with ``PeftModel.from_pretrained`` to identical logits.
-* Launch traps and configuration errors fail with clear messages; prepare() misuse fails in-process;
-  ``integrations/_common.py`` checkpoints round-trip across stages in both formats; how
-  ``zero-plugin launch`` builds the accelerate launch (CPU-only: --multi_gpu + ACCELERATE_USE_CPU).
+* Launch traps and configuration errors fail with clear messages; how ``zero-plugin launch`` builds the
+  accelerate launch (CPU-only: --multi_gpu + ACCELERATE_USE_CPU).
+
+prepare() misuse, ``ZeroPlugin`` configuration, the Trainer's refusals and ``integrations/_common.py``
+checkpoints are checked in one process, in ``test_accelerate_in_process.py``.
 
 All launches start together in a small thread pool (module fixture) and tests wait for the ones they need.
 """
@@ -29,8 +31,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from tests.harness import run_ranks
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 PY = sys.executable
@@ -301,158 +301,6 @@ def test_cpu_launch_traps_fail_clearly(tmp_path):
     output = _launch_error([*ACCELERATE_LAUNCH, "--multi_gpu", *TWO, "-m", "zero_plugin.run", hello], tmp_path,
                            {"ZERO_PLUGIN_STAGE": "3"})
     assert "each process would train alone" in output, output[-3000:]
-
-
-# -- in-process: prepare() rules, configuration, Trainer checks -----------------------------------
-@pytest.fixture
-def accelerator():
-    from accelerate.state import AcceleratorState
-
-    from zero_plugin.integrations.accelerate import Accelerator, ZeroPlugin
-    import zero_plugin as zp
-
-    AcceleratorState._reset_state(True)
-    yield Accelerator(zero_plugin=ZeroPlugin(zp.ZeroConfig(stage=2)))
-    AcceleratorState._reset_state(True)
-
-
-def _model_and_optimizer():
-    model = torch.nn.Sequential(torch.nn.Linear(7, 15), torch.nn.Linear(15, 3))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def test_prepare_shards_model_with_its_optimizer(accelerator):
-    from accelerate.optimizer import AcceleratedOptimizer
-
-    from zero_plugin import ZeroOptimizer
-
-    model, optimizer = _model_and_optimizer()
-    frozen = torch.nn.Linear(3, 3).requires_grad_(False)
-    # Any argument order; a frozen model is only prepared for evaluation.
-    opt_p, frozen_p, model_p = accelerator.prepare(optimizer, frozen, model)
-    assert model_p is model and frozen_p is frozen
-    assert isinstance(opt_p, AcceleratedOptimizer) and isinstance(opt_p.optimizer, ZeroOptimizer)
-    loss = model_p(torch.randn(4, 7)).square().mean()
-    accelerator.backward(loss)
-    norm = accelerator.clip_grad_norm_(model_p.parameters(), 1e-3)
-    assert float(norm) > 1e-3
-    opt_p.step()
-    with pytest.raises(ValueError, match="subset of a sharded model"):
-        accelerator.clip_grad_norm_(list(model_p.parameters())[:1], 1.0)
-    assert accelerator.get_state_dict(model_p).keys() == model.state_dict().keys()
-
-
-def test_bf16_autocast_is_kept_at_stage3():
-    from accelerate.state import AcceleratorState
-
-    import zero_plugin as zp
-    from zero_plugin.integrations.accelerate import Accelerator
-
-    AcceleratorState._reset_state(True)
-    try:
-        accelerator = Accelerator(mixed_precision="bf16", zero_plugin=zp.ZeroConfig(stage=3))
-        model, optimizer = accelerator.prepare(*_model_and_optimizer())
-        inner = []
-        model[0].register_forward_hook(lambda m, i, o: inner.append(o.dtype))
-        out = model(torch.randn(4, 7))
-        assert inner == [torch.bfloat16] and out.dtype == torch.float32   # autocast inside, fp32 outputs
-        accelerator.backward(out.square().mean())
-        optimizer.step()
-        assert model[0].weight.dtype == torch.float32   # fp32 shards stepped
-    finally:
-        AcceleratorState._reset_state(True)
-
-
-@pytest.mark.parametrize("which", ["model", "optimizer", "two_optimizers"])
-def test_prepare_refuses_model_without_its_optimizer(accelerator, which):
-    model, optimizer = _model_and_optimizer()
-    args = {"model": (model,), "optimizer": (optimizer,),
-            "two_optimizers": (model, optimizer, torch.optim.SGD(model.parameters(), lr=0.1))}[which]
-    with pytest.raises(ValueError, match=r"accelerator.prepare\(model, optimizer\)"):
-        accelerator.prepare(*args)
-
-
-def test_zero_plugin_coercion_and_errors(monkeypatch):
-    import zero_plugin as zp
-    from zero_plugin.integrations.accelerate import ZeroPlugin
-
-    assert ZeroPlugin.coerce({"stage": 3}).config == zp.ZeroConfig(stage=3)
-    assert ZeroPlugin.coerce(zp.ZeroConfig(stage=1)).config.stage == 1
-    monkeypatch.setenv("ZERO_PLUGIN_STAGE", "0")
-    assert ZeroPlugin.coerce(None).config.stage == 0
-    with pytest.raises(ValueError, match="ZeroConfig.stage"):
-        ZeroPlugin.coerce({"stage": 9})
-    with pytest.raises(ValueError, match="must be a ZeroPlugin"):
-        ZeroPlugin.coerce(3)
-
-
-@pytest.mark.parametrize("field,value", [("auto_find_batch_size", True), ("load_best_model_at_end", True),
-                                         ("deepspeed", "ds.json")])
-def test_trainer_refuses_unsupported_features(field, value):
-    from zero_plugin.integrations.hf_trainer import _check_supported
-
-    args = SimpleNamespace(auto_find_batch_size=False, load_best_model_at_end=False, deepspeed=None, fsdp=[])
-    setattr(args, field, value)
-    with pytest.raises(ValueError, match=f"TrainingArguments.{field}=.* is not supported"):
-        _check_supported(args)
-
-
-# -- integrations/_common.py checkpoints, both formats, resharding across stages ------------------
-def _checkpoint_roundtrip(path: str, save_stage: int, load_stage: int, fmt: str) -> float:
-    """Train 2 steps at save_stage, save_sharded, load into a fresh model at load_stage; both step once more."""
-    import zero_plugin as zp
-    import zero_plugin.checkpoint as ckpt
-    from zero_plugin.integrations import _common
-
-    saved = {name: getattr(zp, name) for name in ("save_checkpoint", "load_checkpoint") if hasattr(zp, name)}
-    for name in ("save_checkpoint", "load_checkpoint"):
-        if fmt == "sharded":
-            setattr(zp, name, getattr(ckpt, name))
-        elif hasattr(zp, name):
-            delattr(zp, name)
-    try:
-        rank = torch.distributed.get_rank()
-        torch.manual_seed(0)
-        data = [torch.randn(4, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * s + rank))
-                for s in range(3)]
-
-        def build(stage):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(7, 15), torch.nn.Tanh(), torch.nn.Linear(15, 3)).double()
-            return zp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2), zp.ZeroConfig(stage=stage))
-
-        def step(model, optimizer, x):
-            model(x).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        model, optimizer = build(save_stage)
-        for x in data[:2]:
-            step(model, optimizer, x)
-        _common.save_sharded(path, model, optimizer)
-        other, other_opt = build(load_stage)
-        _common.load_sharded(path, other, other_opt)
-        step(model, optimizer, data[2])
-        step(other, other_opt, data[2])
-        a, b = zp.full_state_dict(model, rank0_only=False), zp.full_state_dict(other, rank0_only=False)
-        return max(float((a[k] - b[k]).abs().max()) for k in a)
-    finally:
-        for name in ("save_checkpoint", "load_checkpoint"):
-            if name in saved:
-                setattr(zp, name, saved[name])
-            elif hasattr(zp, name):
-                delattr(zp, name)
-
-
-@pytest.mark.parametrize("fmt,save_stage,load_stage", [("full", 1, 3), ("sharded", 3, 0)])
-def test_common_checkpoint_roundtrip_reshards(tmp_path, fmt, save_stage, load_stage):
-    if fmt == "sharded":
-        pytest.importorskip("zero_plugin.checkpoint")
-    path = str(tmp_path / "ckpt")
-    errors = run_ranks(2, _checkpoint_roundtrip, path, save_stage, load_stage, fmt)
-    assert max(errors) < 1e-10, errors
-    marker = os.path.exists(os.path.join(path, "zero_plugin_full.json"))
-    assert marker == (fmt == "full")
 
 
 # -- zero-plugin launch: how the accelerate launch is built (no processes started) --------------------

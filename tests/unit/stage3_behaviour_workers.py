@@ -6,6 +6,9 @@ trained on the concatenation of every rank's batch) and returns plain numbers,
 lists or CPU tensors; the assertions and their messages live in the test file.
 Instrumentation is attached to this call's engine objects only (instance
 attributes), never to classes: the worker processes are reused across tests.
+The models and shared helpers here also serve ``stage3_generate_workers.py``
+(generation, evaluation) and ``stage3_accounting_workers.py`` (prefetch bound,
+memory and communication).
 """
 from __future__ import annotations
 
@@ -22,7 +25,6 @@ import zero_plugin as zp
 from tests import models
 from tests.models import OddBlock
 from zero_plugin.engine import engine_of
-from zero_plugin.stage3.param import ShardedState
 
 # ---------------------------------------------------------------------------------------------------------------
 # models
@@ -204,53 +206,6 @@ def _all_sharded(model) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# generate
-
-def generate_worker(prompt_lens: list[int], max_new: list[int], synced_gpus: bool | None) -> dict:
-    """Greedy ``generate`` at stage 3 vs the unsharded model on this rank's own prompt."""
-    rank, _ = _rank_world()
-    ref = models.make_tiny_llama(layers=2).eval()
-    model, _opt = _setup(models.make_tiny_llama(layers=2))
-    model.eval()
-    gen = torch.Generator().manual_seed(123 + (rank if len(set(prompt_lens)) > 1 else 0))
-    prompt = torch.randint(3, models.LLAMA_VOCAB, (1, prompt_lens[rank]), generator=gen)
-    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=max_new[rank], do_sample=False,
-                  pad_token_id=0)
-    with torch.no_grad():
-        want = ref.generate(prompt, **kwargs)
-    if synced_gpus is not None:
-        kwargs["synced_gpus"] = synced_gpus
-    got = model.generate(prompt, **kwargs)
-    return {"got": got.tolist(), "want": want.tolist(), "unsharded_after": _unsharded(model),
-            "sharded_after": _all_sharded(model)}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# eval without autograd
-
-def eval_worker(mode: str) -> dict:
-    """Logits under no_grad / inference_mode equal the unsharded model's; units released; training goes on."""
-    rank, world = _rank_world()
-    batches = models.make_batches("llama", 3, world, per_rank_batch=2, seed=3)
-    ref_model = models.make_tiny_llama(layers=2).eval()
-    model, opt = _setup(models.make_tiny_llama(layers=2))
-    model.eval()
-    local = models.shard_batch(batches[0], rank, world)
-    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
-    with ctx():
-        logits = [model(**local).logits.clone() for _ in range(2)]   # twice: the second call re-gathers
-        want = ref_model(**local).logits
-    out = {"logit_diffs": [(x - want).abs().max().item() for x in logits],
-           "unsharded_after_eval": _unsharded(model), "sharded_after_eval": _all_sharded(model)}
-    model.train()
-    got = train_steps(model, opt, batches[1:], accum=1, clip=1.0)
-    ref, _, _ = reference(lambda: models.make_tiny_llama(layers=2), batches[1:], accum=1, clip=1.0)
-    out.update(_parity(model, got, ref))
-    out["unsharded_after_train"] = _unsharded(model)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # parity of unusual structures (float64)
 
 MLP_STEPS, MLP_ACCUM, MLP_ROWS = 4, 2, 8
@@ -332,183 +287,6 @@ def gathered_worker() -> dict:
     out["moved_by_next_step"] = models.max_abs_diff(want, edited)
     out["world_size"] = world
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# prefetch bound
-
-def _instrument_peak(engine, record: dict, phase: dict) -> None:
-    """Wrap each non-root unit's unshard/wait_unshard (instance attributes) to record, per phase, the most
-    non-root units that hold gathered memory at once: unsharded, or with an all-gather in flight."""
-    blocks = engine.units[1:]
-
-    def count() -> int:
-        return sum(u.state is ShardedState.UNSHARDED or u.gathering for u in blocks)
-
-    def wrap(unit, name):
-        original = getattr(unit, name)
-
-        def wrapped(*args, **kwargs):
-            result = original(*args, **kwargs)
-            key = phase["now"]
-            record[key] = max(record.get(key, 0), count())
-            if name == "unshard" and kwargs.get("async_op"):
-                record["async_gathers"] = record.get("async_gathers", 0) + 1
-            return result
-
-        setattr(unit, name, wrapped)
-
-    for unit in blocks:
-        wrap(unit, "unshard")
-        wrap(unit, "wait_unshard")
-
-
-def prefetch_worker(prefetch_depth: int, depth: int = 6) -> dict:
-    batches = models.make_batches("mlp", 3, 1, MLP_ROWS, seed=8)
-    rank, world = _rank_world()
-    model, opt = _setup(_seeded(DeepMLP, depth),
-                        zp.ZeroConfig(stage=3, prefetch_depth=prefetch_depth, reshard_after_forward=True))
-    engine = engine_of(model, "test")
-    record, phase = {}, {"now": "other"}
-    _instrument_peak(engine, record, phase)
-    losses = []
-    for batch in batches:
-        x, target = models.shard_batch(batch, rank, world)
-        phase["now"] = "forward"
-        loss = F.mse_loss(model(x), target)
-        phase["now"] = "backward"
-        loss.backward()
-        phase["now"] = "other"
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    ref, _, _ = reference(lambda: _seeded(DeepMLP, depth), batches)
-    return {"peak": record, "n_blocks": len(engine.units) - 1,
-            "max_abs_diff": models.max_abs_diff(_full_params(model), ref["params"])}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# memory
-
-def _storage_bytes(tensors, seen: set) -> int:
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        if storage.nbytes() == 0 or storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
-
-
-def memory_worker(kind: str) -> dict:
-    """After a warm step, between backward and step: memory_report vs theory vs our own storage count.
-
-    ``kind``: "llama" (tiny Llama, fp32; its sizes divide by 2 and 4, so no padding) or "mlp32"
-    (``DeepMLP`` in fp32, whose odd sizes such as 7 x 15 leave a padded tail).
-    """
-    rank, world = _rank_world()
-    if kind == "llama":
-        batches = models.make_batches("llama", 2, world, per_rank_batch=2, seed=9)
-        model = models.make_tiny_llama(layers=2)
-    else:
-        batches = models.make_batches("mlp", 2, world, per_rank_batch=2, seed=9, dtype=torch.float32)
-        model = _seeded(DeepMLP, 6, dtype=torch.float32)
-    model, opt = _setup(model)
-    engine = engine_of(model, "test")
-    train_steps(model, opt, batches[:1])                                  # Adam state exists now
-    models.loss_fn(model, models.shard_batch(batches[1], rank, world)).backward()
-    report = zp.memory_report(model, opt)
-
-    sps = list(engine.sharded.values())
-    seen: set = set()
-    own = {"params": _storage_bytes([p.data for p in model.parameters()] + [sp.unsharded for sp in sps], seen),
-           "grads": _storage_bytes([sp.sharded_grad for sp in sps] + [p.grad for p in model.parameters()], seen),
-           "optimizer": _storage_bytes([v for s in opt.state.values() for v in s.values()
-                                        if isinstance(v, torch.Tensor)], seen)}
-    own["total"] = sum(own.values())
-    trainable = [sp for sp in sps if sp.param.requires_grad]
-    step_bytes = sum(s["step"].untyped_storage().nbytes() for s in opt.state.values()
-                     if isinstance(s.get("step"), torch.Tensor))
-    exact = {"params": 4 * sum(sp.layout.local_numel for sp in sps),
-             "grads": 4 * sum(sp.layout.local_numel for sp in trainable),
-             "optimizer": 8 * sum(sp.layout.local_numel for sp in trainable) + step_bytes}
-    exact["total"] = sum(exact.values())
-    psi = sum(sp.layout.numel for sp in sps)
-    return {"measured": report["measured"], "theory": report["theory"], "own": own, "exact": exact,
-            "psi": psi, "padded": sum(sp.layout.padded_numel for sp in sps),
-            "sixteen_psi_over_n": 16 * psi / world, "n_params": len(sps), "step_bytes": step_bytes,
-            "unsharded_bytes": sum(sp.unsharded.untyped_storage().nbytes() for sp in sps),
-            "param_grads": sum(p.grad is not None for p in model.parameters()),
-            "unsharded_units": _unsharded(model)}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# communication volume
-
-def _unit_bytes(unit, trainable_only: bool, padded: bool = True) -> int:
-    sps = unit.trainable if trainable_only else unit.params
-    return sum((sp.layout.padded_numel if padded else sp.layout.numel) * sp.unsharded.element_size() for sp in sps)
-
-
-def comm_worker(kind: str, steps: int = 2, buffered: bool = False) -> dict:
-    """Logical bytes per step (forward + backward + step) against the unit structure.
-
-    ``buffered``: the rank-major layout NCCL uses (forced on gloo); otherwise gloo's in-place layout,
-    where a gather is a tag exchange plus in-place broadcasts of exact regions and a reduction sums
-    the gradients in place, its has-gradient flags in a float32 all-reduce of their own."""
-    from tests.unit.memory_comm_workers import collectives_layout
-
-    with collectives_layout(buffered):
-        return _comm_worker(kind, steps, buffered)
-
-
-def _comm_worker(kind: str, steps: int, buffered: bool) -> dict:
-    _, world = _rank_world()
-    if kind == "llama":
-        batches = models.make_batches("llama", steps + 1, world, per_rank_batch=2, seed=10)
-        model = models.make_tiny_llama(layers=2)
-    else:
-        batches = models.make_batches("mlp", steps + 1, world, per_rank_batch=2, seed=10)
-        model = _seeded(DeepMLP, 6)
-    model, opt = _setup(model)
-    engine = engine_of(model, "test")
-    train_steps(model, opt, batches[:1])          # warm-up: records the forward order, creates Adam state
-    zp.reset_comm_stats()
-    train_steps(model, opt, batches[1:])
-    stats = zp.comm_stats()
-    root, blocks = engine.units[0], engine.units[1:]
-    gathered = [u for u in engine.units if any(sp.layout.numel for sp in u.params)]   # one collective each
-    reduced = [u for u in engine.units if any(sp.layout.numel for sp in u.trainable)]
-    elem = next(iter(engine.sharded.values())).unsharded.element_size()
-    # root and the last unit of the forward order: once per step (kept from forward into backward,
-    # [Note: last unit kept] in hooks.py); every other block: forward + backward
-    kept = {id(root), id(engine.runtime.forward_order[-1])}
-    times = {id(u): 1 if id(u) in kept else 2 for u in engine.units}
-    gathers = sum(times[id(u)] for u in gathered)
-    payload = {
-        "all_gather": {"calls": gathers * (1 if buffered else 2),   # in place: the tag exchange goes first
-                       "bytes": sum(times[id(u)] * _unit_bytes(u, False, buffered) for u in engine.units)},
-        "reduce_scatter": {"calls": len(reduced), "bytes": sum(_unit_bytes(u, True, buffered) for u in engine.units)},
-        # the step's one "some rank has inf/NaN" flag (optim/loss_scale.py, 4 bytes counted twice); in place
-        # also one float32 has-gradient flag per trainable parameter of every reduced unit
-        "all_reduce": {"calls": 1 + (0 if buffered else len(reduced)),
-                       "bytes": 8 + (0 if buffered else sum(2 * 4 * len(u.trainable) for u in reduced))},
-    }
-    # Collectives may carry a few metadata elements per rank besides the payload (a unit tag, one
-    # has-gradient flag per parameter); at most (parameters in the unit + 4) elements per rank.
-    metadata_bound = {
-        "all_gather": sum(times[id(u)] * world * (len(u.params) + 4) * max(elem, 4) for u in gathered),
-        "reduce_scatter": sum(world * (len(u.trainable) + 4) * elem for u in reduced),
-    }
-    per_step = {k: {"calls": v["calls"] / steps, "bytes": v["bytes"] / steps} for k, v in stats.items()}
-    return {"per_step": per_step, "payload": payload, "metadata_bound": metadata_bound, "elem": elem,
-            "psi": sum(sp.layout.numel for sp in engine.sharded.values()),
-            "padded": sum(sp.layout.padded_numel for sp in engine.sharded.values()),
-            "padding_bound": (world - 1) * len(engine.sharded) * elem,   # bytes, per pass over every parameter
-            "root_padded_bytes": sum(_unit_bytes(u, False, buffered) for u in engine.units if id(u) in kept)}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -2,16 +2,20 @@
 structures, ``zp.gathered_parameters``, the prefetch bound, memory and communication accounting, a branch
 taken on one rank only, and LoRA with activation checkpointing.
 
-Two ranks unless a test says otherwise; the workers are in ``stage3_behaviour_workers.py`` and each builds
-its own single-process reference from the same seeded model.  Tests that could hang pass a short
-``timeout=`` to ``run_ranks`` so that a hang fails the test (the harness kills the pool) instead of the suite.
+Two ranks unless a test says otherwise; the workers are in ``stage3_behaviour_workers.py``, except those
+for generation and evaluation (``stage3_generate_workers.py``) and for the prefetch bound, memory and
+communication (``stage3_accounting_workers.py``); each builds its own single-process reference from the
+same seeded model.  Tests that could hang pass a short ``timeout=`` to ``run_ranks`` so that a hang fails the
+test (the harness kills the pool) instead of the suite.
 """
 from __future__ import annotations
 
 import pytest
 
 from tests.harness import RankError, get_pool, run_ranks
+from tests.unit import stage3_accounting_workers as aw
 from tests.unit import stage3_behaviour_workers as w
+from tests.unit import stage3_generate_workers as gw
 
 F64 = 1e-10          # float64 parity: only summation order differs
 FP32_UPDATE = 1e-3   # fp32 update-norm error ||θ - θ_ref|| / ||θ_ref - θ0||
@@ -28,7 +32,7 @@ def check_parity_f64(r: dict, what: str) -> None:
 # -- generate ---------------------------------------------------------------------------------------------------
 
 def test_generate_matches_unsharded_model():
-    results = run_ranks(2, w.generate_worker, [5, 5], [8, 8], None, timeout=120)
+    results = run_ranks(2, gw.generate_worker, [5, 5], [8, 8], None, timeout=120)
     for rank, r in enumerate(results):
         assert r["got"] == r["want"], f"rank {rank}: stage-3 generate {r['got']} != unsharded {r['want']}"
         assert len(r["got"][0]) > 5, f"rank {rank}: nothing generated"
@@ -38,7 +42,7 @@ def test_generate_matches_unsharded_model():
 def test_generate_ranks_of_different_lengths_with_synced_gpus():
     # Rank 1 has a longer prompt and stops after 3 tokens; with synced_gpus=True it keeps running forwards
     # (whose output it discards) until rank 0 is done, so both ranks issue the same collectives.
-    results = run_ranks(2, w.generate_worker, [5, 7], [8, 3], True, timeout=120)
+    results = run_ranks(2, gw.generate_worker, [5, 7], [8, 3], True, timeout=120)
     for rank, r in enumerate(results):
         assert r["got"] == r["want"], f"rank {rank}: stage-3 generate {r['got']} != unsharded {r['want']}"
         assert r["unsharded_after"] == [] and r["sharded_after"], r
@@ -48,7 +52,7 @@ def test_generate_ranks_of_different_lengths_default_synced_gpus():
     # The user passes nothing: generate() must sync by itself (transformers turns synced_gpus on for modules
     # marked _is_fsdp_managed_module, which stage-3 setup sets). Without it rank 0 would block forever in the
     # all-gather of its 4th forward; the short timeout turns that into a failure.
-    results = run_ranks(2, w.generate_worker, [5, 7], [8, 3], None, timeout=30)
+    results = run_ranks(2, gw.generate_worker, [5, 7], [8, 3], None, timeout=30)
     for rank, r in enumerate(results):
         assert r["got"] == r["want"], f"rank {rank}: stage-3 generate {r['got']} != unsharded {r['want']}"
 
@@ -57,7 +61,7 @@ def test_generate_ranks_of_different_lengths_default_synced_gpus():
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_eval_without_autograd_then_train(mode):
-    for rank, r in enumerate(run_ranks(2, w.eval_worker, mode, timeout=120)):
+    for rank, r in enumerate(run_ranks(2, gw.eval_worker, mode, timeout=120)):
         assert max(r["logit_diffs"]) <= 1e-6, f"rank {rank}: |logits - unsharded logits| = {r['logit_diffs']}"
         assert r["unsharded_after_eval"] == [], f"rank {rank}: still gathered after eval {r['unsharded_after_eval']}"
         assert r["sharded_after_eval"], f"rank {rank}: some param.data is not its 1-D shard after eval"
@@ -104,7 +108,7 @@ def test_gathered_parameters_read_and_modify():
 
 @pytest.mark.parametrize("prefetch_depth", [1, 2])
 def test_at_most_prefetch_depth_plus_one_units_gathered(prefetch_depth):
-    for rank, r in enumerate(run_ranks(2, w.prefetch_worker, prefetch_depth, timeout=120)):
+    for rank, r in enumerate(run_ranks(2, aw.prefetch_worker, prefetch_depth, timeout=120)):
         peak = r["peak"]
         assert r["n_blocks"] == 6
         for phase in ("forward", "backward"):
@@ -121,7 +125,7 @@ def test_at_most_prefetch_depth_plus_one_units_gathered(prefetch_depth):
 def test_memory_report_matches_theory_and_storage_count(kind, world_size):
     """fp32 AdamW after backward, before step: params 4Ψ/N + grads 4Ψ/N + moments 8Ψ/N = 16Ψ/N, up to the
     padding of each parameter's last shard and AdamW's 4-byte step tensor per parameter."""
-    for rank, r in enumerate(run_ranks(world_size, w.memory_worker, kind, timeout=120)):
+    for rank, r in enumerate(run_ranks(world_size, aw.memory_worker, kind, timeout=120)):
         if kind == "mlp32":
             assert r["padded"] > r["psi"], "the mlp case is there to exercise padding"
         measured, theory, own, exact = r["measured"], r["theory"], r["own"], r["exact"]
@@ -149,7 +153,7 @@ def test_comm_bytes_per_step(kind, world_size, buffered):
     reduce-scatter = every trainable unit once; each parameter padded to a multiple of N.  Collectives
     may add a few metadata elements (unit tag, has-gradient flags): the excess over the payload is
     checked against a small structural bound, and reported on failure."""
-    for rank, r in enumerate(run_ranks(world_size, w.comm_worker, kind, 2, buffered, timeout=120)):
+    for rank, r in enumerate(run_ranks(world_size, aw.comm_worker, kind, 2, buffered, timeout=120)):
         per_step, payload, meta = r["per_step"], r["payload"], r["metadata_bound"]
         assert set(per_step) == {"all_gather", "reduce_scatter", "all_reduce", "total"}, f"unexpected {per_step}"
         assert per_step["all_reduce"] == payload["all_reduce"], (per_step["all_reduce"], payload["all_reduce"])

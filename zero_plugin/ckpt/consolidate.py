@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import uuid
@@ -33,8 +34,8 @@ import torch
 
 from . import format as fmt
 from .format import CheckpointError
-from .index import check_index
 from .load import Reader
+from .verify import read_checked_index
 
 __all__ = ["FORMATS", "consolidate"]
 
@@ -54,10 +55,7 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return self.dtype.itemsize * math.prod(self.shape)
 
 
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, format: str = "safetensors",
@@ -69,7 +67,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, format
     if max_shard_bytes < 1:
         raise ValueError(f"consolidate: max_shard_bytes must be positive; got {max_shard_bytes!r}")
     checkpoint, out = os.path.abspath(os.fspath(checkpoint)), os.path.abspath(os.fspath(out))
-    index = _checked_index(checkpoint, verify)
+    index = read_checked_index(checkpoint, verify=verify)
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         raise CheckpointError(f"consolidate: {out} already exists and is not an empty folder; choose a new one")
     export = _checked_export(index.get("export"), checkpoint)
@@ -86,17 +84,6 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, format
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return [os.path.join(out, name) for name in written]
-
-
-def _checked_index(checkpoint: str, verify: bool) -> dict:
-    files = fmt.read_manifest(checkpoint)
-    fmt.check_sizes(checkpoint, files)
-    if verify:
-        for name in sorted(files):
-            fmt.check_sha256(checkpoint, name, files[name]["sha256"])
-    index = fmt.read_json(os.path.join(checkpoint, fmt.INDEX), "checkpoint index")
-    check_index(index, files, checkpoint)
-    return index
 
 
 def _checked_export(export: Any, checkpoint: str) -> dict:
@@ -225,10 +212,7 @@ def full_tensor(reader: Reader, index: dict, source: str) -> torch.Tensor:
         return value
     entry = index["params"][name]
     stored = fmt.dtype_from_name(entry["dtype"])
-    numel = 1
-    for d in entry["shape"]:
-        numel *= d
-    flat = torch.empty(numel, dtype=stored)
+    flat = torch.empty(math.prod(entry["shape"]), dtype=stored)
     for i, lo, hi in entry["shards"]:
         flat[lo:hi] = reader.slice(i, source, hi - lo, stored)[:]
     return flat.view(entry["shape"])

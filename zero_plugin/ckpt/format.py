@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import struct
@@ -124,9 +125,7 @@ def _header(specs: list[tuple[str, torch.dtype, tuple]], metadata: dict[str, str
     offset = 0
     for key, dtype, shape in specs:
         dtype_name(dtype)   # raises for dtypes safetensors cannot hold
-        nbytes = dtype.itemsize
-        for d in shape:
-            nbytes *= d
+        nbytes = dtype.itemsize * math.prod(shape)
         header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()

@@ -6,6 +6,7 @@ half-way through a load.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -41,17 +42,10 @@ def check_index(index: Any, manifest: dict, path: str) -> None:
         raise _bad(path, "params and buffers must be objects")
     for name, entry in params.items():
         _check_tensor_entry(path, name, entry)
-        _check_shards(path, name, entry.get("shards"), _numel(entry["shape"]), world)
+        _check_shards(path, name, entry.get("shards"), math.prod(entry["shape"]), world)
     for name, entry in buffers.items():
         _check_tensor_entry(path, name, entry)
     _check_optimizer_index(path, index.get("optimizer"), params)
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _check_tensor_entry(path: str, name: str, entry: Any) -> None:

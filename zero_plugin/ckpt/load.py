@@ -32,11 +32,12 @@ from safetensors import safe_open
 
 from . import format as fmt
 from .format import CheckpointError
-from .index import check_index, match_model, match_optimizer
+from .index import match_model, match_optimizer
 from .regions import ParamView, check_loadable, copy_param_in, load_range, param_views, persistent_buffers
 from .rng import restore_rng
 from .sync import on_every_rank
 from .tree import decode
+from .verify import check_hashes, read_index, read_sized_manifest
 
 __all__ = ["Reader", "load"]
 
@@ -47,7 +48,7 @@ def load(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | No
     files = on_every_rank(comm, lambda: _manifest(engine, path))
     if verify:
         mine = _files_to_verify(sorted(files), comm.rank, comm.world_size)
-        on_every_rank(comm, lambda: [fmt.check_sha256(path, n, files[n]["sha256"]) for n in mine])
+        on_every_rank(comm, lambda: check_hashes(path, files, mine))
     views = param_views(engine)
     index = on_every_rank(comm, lambda: _index(path, files, views, engine, inner))
     with contextlib.ExitStack() as stack:
@@ -66,14 +67,11 @@ def _files_to_verify(names: list[str], rank: int, world: int) -> list[str]:
 
 def _manifest(engine, path: str) -> dict[str, dict]:
     check_loadable(engine)
-    files = fmt.read_manifest(path)
-    fmt.check_sizes(path, files)
-    return files
+    return read_sized_manifest(path)
 
 
 def _index(path: str, files: dict, views: list[ParamView], engine, inner) -> dict:
-    index = fmt.read_json(os.path.join(path, fmt.INDEX), "checkpoint index")
-    check_index(index, files, path)
+    index = read_index(path, files)
     match_model(index, views, persistent_buffers(engine.model), path)
     if inner is not None:
         match_optimizer(index, engine, inner, path)

@@ -18,6 +18,7 @@ stage 3's ``engine.sharded``); it changes nothing in the engine.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,7 @@ class ParamView:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def separate_master(self) -> torch.Tensor | None:
