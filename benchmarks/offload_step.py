@@ -44,7 +44,10 @@ def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.offload_step", description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=float, nargs="+", default=[10e6, 100e6, 500e6])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per variant per round")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per variant per round, at least")
+    p.add_argument("--round-seconds", type=float, default=1.0,
+                   help="more steps per round for small sizes: as many as one step of the first variant says "
+                        "fit in this many seconds per variant (short steps are noisier, so they get more samples)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--layouts", nargs="+", choices=("flat", "list"), default=["flat", "list"])
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
@@ -150,10 +153,11 @@ def bench(n: int, layout: str, variants: list[str], args) -> dict[str, list[list
     _share_state(pipes, t)
     for pipe in list(pipes.values())[1:]:
         pipe.step()   # each variant's own warm-up, untimed
+    repeats = max(args.repeats, int(args.round_seconds / _timed(first)))
     times = {v: [[] for _ in range(args.rounds)] for v in variants}
     for r in range(args.rounds):
-        for k in range(args.repeats):
-            shift = (r * args.repeats + k) % len(variants)
+        for k in range(repeats):
+            shift = (r * repeats + k) % len(variants)
             for v in variants[shift:] + variants[:shift]:
                 times[v][r].append(_timed(pipes[v]))
     del pipes, t, first
@@ -204,11 +208,12 @@ def main(argv=None) -> int:
             variants.remove("DeepSpeed")
     rows = ["| params | layout | variant | median step (ms) | G params/s | x DeepSpeed | x DeepSpeed, paired "
             "| per-round medians (ms) |", "|---|---|---|---|---|---|---|---|"]
-    verdict = []
+    verdict, counts = [], []
     for n in [int(s) for s in args.sizes]:
         for layout in args.layouts:
             t0 = time.perf_counter()
             times = bench(n, layout, variants, args)
+            counts.append(f"{_fmt_size(n)} {layout} {len(times[variants[0]][0])}")
             med = {v: statistics.median(x for r in times[v] for x in r) for v in variants}
             ds = med.get("DeepSpeed")
             for v in variants:
@@ -236,9 +241,11 @@ def main(argv=None) -> int:
         f"- CPU: {_cpu_name()}, {os.cpu_count()} logical cores; threads: {args.threads}",
         f"- load average (1/5/15 min) before: {load_before}; after: {_loadavg()}",
         f"- protocol: same tensors for every variant, one step each in turn, order rotated every step; "
-        f"{args.repeats} timed steps x {args.rounds} rounds; each step = gradient cast in + AdamW + parameter "
+        f"at least {args.repeats} timed steps (as many as fit in {args.round_seconds:g} s per variant at small sizes) "
+        f"x {args.rounds} rounds; each step = gradient cast in + AdamW + parameter "
         f"cast out (see the module docstring of `benchmarks/offload_step.py`). Ratio > 1: faster than DeepSpeed.",
     ]
+    lines.append("- timed steps per variant per round: " + ", ".join(counts))
     if ds_note and "DeepSpeed" not in variants:
         lines.append(f"- DeepSpeed unavailable: {ds_note}")
     text = "\n".join(lines + ["", "## Throughput", ""] + rows)

@@ -21,16 +21,17 @@ def train_worker(kind: str, stage: int, offload: bool, batches: list, steps: int
     cfg = zp.ZeroConfig(stage=stage, offload_optimizer="cpu" if offload else "none", param_dtype=param_dtype,
                         reduce_dtype="fp32" if param_dtype else None)
     model, opt = zp.setup(model, W.build_optimizer(model), cfg)
-    default_block = blocked_step.BLOCK
+    defaults = blocked_step.BLOCK, blocked_step.SINGLE_BLOCK
     if block == 0:
         opt.blocked = None
     elif block is not None:
-        blocked_step.BLOCK = block
+        blocked_step.BLOCK, blocked_step.SINGLE_BLOCK = block, 1   # split even the small test model
     try:
         out = W._train(model, opt, batches, steps, accum, 1.0)
     finally:
-        blocked_step.BLOCK = default_block   # the worker process is reused
+        blocked_step.BLOCK, blocked_step.SINGLE_BLOCK = defaults   # the worker process is reused
     out["blocked"] = opt.blocked is not None and opt.blocked.scratch is not None
+    out["block"] = opt.blocked.block if opt.blocked is not None else None
     full = zp.full_state_dict(model)
     out["params"] = {k: v.double() for k, v in full.items()}
     optim = opt.consolidate_state_dict()

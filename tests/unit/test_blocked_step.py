@@ -18,6 +18,7 @@ SHAPES = [(7, 5), (13,), (300,), (1000,), (64,), (3, 3)]   # 1000 and 300 cross 
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(B, "BLOCK", 128)
+    monkeypatch.setattr(B, "SINGLE_BLOCK", 1)   # always split, however small the masters are in all
 
 
 def _slots(param_dtype: torch.dtype, cls, hyper: dict):
@@ -87,7 +88,7 @@ def test_blocks_cover_each_element_once_at_aligned_offsets(small_blocks):
     step = BlockedStep(slots)
     entries, _ = step._entries(opt, opt.param_groups[1])
     starts = [0] * len(entries)
-    for block in step._blocks(entries):
+    for block in step._blocks(entries, step._block_size()):
         assert 0 < sum(pc.size for pc in block) <= B.BLOCK
         for pc in block:
             assert starts[pc.entry] % B.ALIGN == 0 and pc.at % 16 == 0 and pc.at + pc.size <= B.BLOCK
@@ -191,3 +192,22 @@ def test_waits_for_each_copy_and_writes_back_block_by_block(small_blocks, monkey
         stored = sum(n for k, n in between if k == "store")
         assert stored == trace[a][1] and kinds[a + 1:b] == sorted(kinds[a + 1:b], key=lambda k: k != "store")
     assert all(s.grad_ready is None and s.written_back for s in slots[:5])
+
+
+def test_small_masters_are_one_block(monkeypatch):
+    """Separate masters of at most SINGLE_BLOCK blocks in all: one kernel call per group, one scratch for all."""
+    monkeypatch.setattr(B, "BLOCK", 512)   # SINGLE_BLOCK (4) blocks: 2048 elements; the masters have 1456
+    calls = []
+    real = torch._fused_adamw_
+
+    def kernel(params, *args, **kwargs):
+        calls.append(len(params))
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", kernel)
+    slots, opt = _slots(torch.bfloat16, torch.optim.AdamW, {})
+    for s, gr in zip(slots, _grads(0, torch.bfloat16)):
+        s.set_grad(gr, blocked=True)
+    step = BlockedStep(slots)
+    step.step(opt)
+    assert calls == [3, 2] and step.block == step.scratch.numel() == 1456

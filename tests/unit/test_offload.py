@@ -100,7 +100,7 @@ def test_offload_bf16_blocked_step_is_bitwise_whole_tensor_step(stage, world):
     runs = [run_ranks(world, OW.train_worker, "mlp32", stage, True, batches, STEPS, ACCUM, "bf16", block)
             for block in (128, 0)]
     (blocked, whole) = (r[0] for r in runs)
-    assert blocked["blocked"] and not whole["blocked"]
+    assert blocked["blocked"] and not whole["blocked"] and blocked["block"] == 128
     assert blocked["losses"] == whole["losses"]
     assert all(torch.equal(blocked["params"][k], whole["params"][k]) for k in whole["params"])
     assert all(torch.equal(blocked["optim"][k], whole["optim"][k]) for k in whole["optim"])
