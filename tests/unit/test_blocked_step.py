@@ -145,6 +145,19 @@ def test_steps_aside_when_a_hook_is_registered(small_blocks, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
 
 
+def test_steps_aside_for_strided_state(small_blocks):
+    """Pieces are flat views: a loaded state tensor that is not contiguous sends the step down the whole path."""
+    slots, opt = _slots(torch.bfloat16, torch.optim.AdamW, {})
+    step = BlockedStep(slots)
+    for s, gr in zip(slots, _grads(0, torch.bfloat16)):
+        s.set_grad(gr, blocked=True)
+    step.step(opt)
+    assert step.applies(opt)
+    master = slots[0].master   # (7, 5)
+    opt.state[master]["exp_avg"] = opt.state[master]["exp_avg"].t().contiguous().t()
+    assert not step.applies(opt)
+
+
 def test_not_wanted_without_separate_masters():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)

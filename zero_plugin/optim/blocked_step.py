@@ -90,10 +90,12 @@ class BlockedStep:
         """Checked every step (a hook registered later turns it off); True means :meth:`step` will run."""
         if not covered(optimizer):
             return False
-        for group in optimizer.param_groups:
+        for group in optimizer.param_groups:   # pieces are flat views: every tensor involved must be contiguous
             for p in group["params"]:
                 slot = self.slot_of.get(id(p))
                 if not p.is_contiguous() or (slot is not None and slot.separate and not slot.local.is_contiguous()):
+                    return False
+                if not all(t.is_contiguous() for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t)):
                     return False
         return True
 
