@@ -66,6 +66,7 @@ class MasterParam:
         piece), and a host copy is marked with an event for the step to wait for, instead of being waited for."""
         self.deferred_grad = None
         self.grad_ready = None
+        self.written_back = False   # a step that raised part-way must not make the next write_back skip
         if self.is_identity:
             return  # autograd/reducer already left the reduced grad in param.grad
         if grad is None:
