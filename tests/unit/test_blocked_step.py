@@ -224,3 +224,36 @@ def test_small_masters_are_one_block(monkeypatch):
     step = BlockedStep(slots)
     step.step(opt)
     assert calls == [3, 2] and step.block == step.scratch.numel() == 1456
+
+
+def test_identity_masters_larger_than_the_separate_ones(monkeypatch):
+    """An fp32 parameter that is its own master (gradient used in place) next to a small bf16 one: the block
+    is sized by the separate masters (here under ALIGN elements), the large one is split and stepped all the
+    same, bitwise as the whole-tensor path."""
+    def build():
+        g = torch.Generator().manual_seed(0)
+        own = torch.nn.Parameter(torch.randn(1000, generator=g))
+        small = torch.randn(20, generator=g)
+        low = torch.nn.Parameter(small.bfloat16())
+        slots = [MasterParam("own", own, ShardLayout(1000, 1, 0), own, None),
+                 MasterParam("low", low, ShardLayout(20, 1, 0), low.data, torch.float32, source=small)]
+        assert slots[0].is_identity and slots[1].separate
+        return slots, torch.optim.AdamW([s.master for s in slots], lr=1e-3, fused=True)
+
+    (ref, ref_opt), (slots, opt) = build(), build()
+    g = torch.Generator().manual_seed(5)
+    step = BlockedStep(slots)
+    for _ in range(2):
+        grads = [torch.randn(1000, generator=g), torch.randn(20, generator=g).bfloat16()]
+        for s, gr in zip(ref, grads):
+            s.param.grad = gr.clone() if s.is_identity else None
+            s.set_grad(gr)
+        assert fused_cpu_step(ref_opt)
+        for s, gr in zip(slots, grads):
+            s.param.grad = gr.clone() if s.is_identity else None
+            s.set_grad(gr, blocked=True)
+        step.step(opt)
+        for s in ref + slots:
+            s.write_back()
+    assert step.block == B.ALIGN
+    assert all(torch.equal(a.master, b.master) and torch.equal(a.param, b.param) for a, b in zip(ref, slots))

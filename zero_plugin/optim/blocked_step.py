@@ -153,6 +153,7 @@ class BlockedStep:
                 room = limit - used
                 take = n - lo if n - lo <= room else room - room % ALIGN
                 if take == 0:
+                    assert block, "a block of at least ALIGN elements always takes a piece"
                     yield block
                     block, used, at = [], 0, 0
                     continue
@@ -195,7 +196,8 @@ class BlockedStep:
     def _block_size(self) -> int:
         if self.block is None:   # one BLOCK, or all separate masters together when they are small
             need = sum(-(-s.master.numel() // 16) * 16 for s in self.slot_of.values() if s.separate)
-            self.block = max(16, need if need <= SINGLE_BLOCK * BLOCK else BLOCK)
+            # at least ALIGN: an empty block always takes a piece of the next tensor, however large
+            self.block = max(ALIGN, need if need <= SINGLE_BLOCK * BLOCK else BLOCK)
         return self.block
 
     def _scratch(self) -> torch.Tensor:
