@@ -257,3 +257,28 @@ def test_identity_masters_larger_than_the_separate_ones(monkeypatch):
             s.write_back()
     assert step.block == B.ALIGN
     assert all(torch.equal(a.master, b.master) and torch.equal(a.param, b.param) for a, b in zip(ref, slots))
+
+
+def test_empty_shard_next_to_others(small_blocks):
+    """A rank whose shard of some parameter is empty (world size above its element count): stepped like the
+    whole-tensor path does (its step count advances, nothing else)."""
+    def build():
+        g = torch.Generator().manual_seed(0)
+        fulls = [torch.randn(n, generator=g) for n in (0, 300)]
+        params = [torch.nn.Parameter(f.bfloat16()) for f in fulls]
+        slots = [MasterParam(f"p{i}", p, ShardLayout(p.numel(), 1, 0), p.data, torch.float32, source=f)
+                 for i, (p, f) in enumerate(zip(params, fulls))]
+        return slots, torch.optim.AdamW([s.master for s in slots], lr=1e-3, fused=True)
+
+    (ref, ref_opt), (slots, opt) = build(), build()
+    grads = [torch.zeros(0, dtype=torch.bfloat16), torch.randn(300).bfloat16()]
+    for s, gr in zip(ref, grads):
+        s.set_grad(gr)
+    assert fused_cpu_step(ref_opt)
+    for s, gr in zip(slots, grads):
+        s.set_grad(gr, blocked=True)
+    BlockedStep(slots).step(opt)
+    for s in ref + slots:
+        s.write_back()
+    assert all(torch.equal(a.param, b.param) for a, b in zip(ref, slots))
+    assert [float(opt.state[s.master]["step"]) for s in slots] == [float(ref_opt.state[s.master]["step"]) for s in ref]
