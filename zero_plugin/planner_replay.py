@@ -79,8 +79,7 @@ class Replay:
         self.mem.add(self.place("params"), "params", theory["params"])
         self.mem.add(self.place("optimizer"), "optimizer", theory["optimizer"])
         if self.blocked_step():   # its one-block fp32 gradient scratch, kept from the first step on
-            need = sum(-(-self.local(i) // 16) * 16 for i in self.trainable)
-            scratch = need if need <= blocked_step.SINGLE_BLOCK * blocked_step.BLOCK else blocked_step.BLOCK
+            scratch = blocked_step.block_elements(self.local(i) for i in self.trainable)
             self.mem.add(self.place("master_grads"), "master_grads", scratch * self.mb)
 
     def place(self, category: str) -> str:
