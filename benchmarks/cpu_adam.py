@@ -103,6 +103,22 @@ def _available_bytes() -> int:
         return 0
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _ds_version() -> str:
+    try:
+        import deepspeed
+        return deepspeed.__version__
+    except Exception:  # noqa: BLE001
+        return "not installed"
+
+
 def _release() -> None:
     from benchmarks.measure import release_memory
     release_memory()
@@ -421,17 +437,7 @@ def main(argv=None) -> int:
             print("\n".join(rows[-len(variants):]), f"  [{time.perf_counter() - t0:.0f}s]", flush=True)
 
     load_after = _loadavg()
-    try:
-        import deepspeed
-        ds_ver = deepspeed.__version__
-    except Exception:  # noqa: BLE001
-        ds_ver = "not installed"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    ds_ver, cpu = _ds_version(), _cpu_name()
     header = [
         "# CPU optimizer step throughput (fp32 AdamW)",
         "",
