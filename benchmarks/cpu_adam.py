@@ -272,7 +272,8 @@ def _share_state(opts: dict, params: list) -> None:
             steps = int(step.item()) if isinstance(step, torch.Tensor) else int(step)
             state = opt.state[p]
             state.clear()
-            state["step"] = steps if v == "DeepSpeedCPUAdam" else torch.tensor(float(steps))
+            # DeepSpeedCPUAdam counts steps in a Python int, torch's optimizers in a tensor
+            state["step"] = steps if type(opt).__name__ == "DeepSpeedCPUAdam" else torch.tensor(float(steps))
             state["exp_avg"], state["exp_avg_sq"] = src["exp_avg"], src["exp_avg_sq"]
 
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from benchmarks.cpu_adam import (HYPER, _cpu_name, _ds_available, _ds_version, _fmt_size, _loadavg, _release,
-                                 _shapes, paired_ratio)
+                                 _shapes, _share_state, paired_ratio)
 
 VARIANTS = ("zero_plugin", "zero_plugin whole-tensor", "DeepSpeed", "torch fused", "torch foreach")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "offload_step.md"
@@ -124,22 +124,6 @@ class Pipeline:
             s.master.grad = None
 
 
-def _share_state(pipes: dict, t: Tensors) -> None:
-    """Every variant's optimizer state points at the first one's moments (with the same step count)."""
-    import torch
-    first = next(iter(pipes.values()))
-    for name, pipe in pipes.items():
-        if pipe is first:
-            continue
-        for m in t.masters:
-            src = first.opt.state[m]
-            steps = int(src["step"].item()) if isinstance(src["step"], torch.Tensor) else int(src["step"])
-            state = pipe.opt.state[m]
-            state.clear()
-            state["step"] = steps if name == "DeepSpeed" else torch.tensor(float(steps))
-            state["exp_avg"], state["exp_avg_sq"] = src["exp_avg"], src["exp_avg_sq"]
-
-
 def _timed(pipe: Pipeline) -> float:
     t0 = time.perf_counter()
     pipe.step()
@@ -151,7 +135,7 @@ def bench(n: int, layout: str, variants: list[str], args) -> dict[str, list[list
     pipes = {v: Pipeline(v, t) for v in variants}
     first = next(iter(pipes.values()))
     first.step()   # allocates the moments every variant then shares
-    _share_state(pipes, t)
+    _share_state({v: pipe.opt for v, pipe in pipes.items()}, t.masters)   # [Note: same memory] in cpu_adam.py
     for pipe in list(pipes.values())[1:]:
         pipe.step()   # each variant's own warm-up, untimed
     repeats = max(args.repeats, int(args.round_seconds / _timed(first)))
