@@ -46,6 +46,7 @@ _STATS: dict[str, _Counter] = defaultdict(_Counter)
 
 
 _PHYSICAL: dict[str, int] = defaultdict(int)
+_CONTROL: dict[tuple[int, ...], tuple[Any, Any]] = {}   # ranks -> (world group it was made in, control group)
 
 
 def _issued(name: str) -> None:
@@ -152,10 +153,54 @@ class Comm:
         # [Note: in-place region gather]; ZERO_PLUGIN_BUFFERED_COLLECTIVES=1 forces the buffered (NCCL)
         # layout on gloo too, which is how the CPU tests cover it.
         self._in_place = regions_in_place(self.backend)
+        self._control: Any = None   # [Note: control channel]
+
+    # -- control channel ------------------------------------------------------
+    def open_control_channel(self) -> None:
+        """[Note: control channel] A second gloo group over the same ranks, for small blocking exchanges
+        that must not queue behind the payload collectives in flight on the main group (gloo runs a
+        group's collectives in order), e.g. stage 3's check that every rank gathers the same unit before
+        any payload is sent.  Host-only, so on NCCL it costs no device synchronisation.  Collective: every
+        rank of the group calls it at the same point (setup).  One channel per group, shared by engines."""
+        if self.world_size == 1 or self.backend == "fake" or self._control is not None:
+            return
+        ranks = tuple(self.global_rank(r) for r in range(self.world_size))
+        world = dist.GroupMember.WORLD
+        cached = _CONTROL.get(ranks)
+        if cached is None or cached[0] is not world:
+            group = dist.new_group(ranks=list(ranks), backend="gloo",
+                                   use_local_synchronization=self.group is not None)
+            cached = _CONTROL[ranks] = (world, group)
+        self._control = cached[1]
+
+    def control_exchange(self, message: tuple[float, ...], what: str) -> list[tuple[float, ...]]:
+        """Every rank's ``message`` (a few exact small numbers, the same length on every rank), blocking,
+        over the control channel; counted under ``control``."""
+        if self._control is None:
+            return [tuple(message)] * self.world_size
+        mine = torch.tensor(message, dtype=torch.float64)
+        out = torch.empty(self.world_size * mine.numel(), dtype=torch.float64)
+        _record("control", out.numel() * out.element_size())
+        _issued(_ALL_GATHER_NAME)
+        self._wait(_ALL_GATHER(out, mine, group=self._control, async_op=True), what)   # host-only: no stream
+        return [tuple(row) for row in out.view(self.world_size, -1).tolist()]
+
+    def control_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj`` over the control channel (error paths only)."""
+        if self._control is None:
+            return [obj] * self.world_size
+        out: list[Any] = [None] * self.world_size
+        _issued("all_gather_object")
+        dist.all_gather_object(out, obj, group=self._control)
+        return out
 
     # -- waiting ------------------------------------------------------------
     def wait(self, work, what: str = "collective") -> None:
-        """Wait for an async collective, turning a timeout or a dead peer into an error that says why."""
+        """Wait for an async collective, turning a timeout or a dead peer into an error that says why.
+        For NCCL work this makes the *current stream* wait ([Note: side streams] in streams.py)."""
+        self._wait(work, what)
+
+    def _wait(self, work, what: str) -> None:
         try:
             if self.timeout_s is not None and not isinstance(work, _DoneWork):
                 work.wait(timeout=timedelta(seconds=self.timeout_s))

@@ -139,8 +139,9 @@ def comm_worker(kind: str, steps: int = 2, buffered: bool = False) -> dict:
     """Logical bytes per step (forward + backward + step) against the unit structure.
 
     ``buffered``: the rank-major layout NCCL uses (forced on gloo); otherwise gloo's in-place layout,
-    where a gather is a tag exchange plus in-place broadcasts of exact regions and a reduction sums
-    the gradients in place, its has-gradient flags in a float32 all-reduce of their own."""
+    where a gather is in-place broadcasts of exact regions and a reduction sums the gradients in place,
+    its has-gradient flags in a float32 all-reduce of their own.  Every gather is preceded by an order
+    check on the control channel, and every forward ends with one ([Note: collective order])."""
     from tests.unit.memory_comm_workers import collectives_layout
 
     with collectives_layout(buffered):
@@ -171,13 +172,18 @@ def _comm_worker(kind: str, steps: int, buffered: bool) -> dict:
     times = {id(u): 1 if id(u) in kept else 2 for u in engine.units}
     gathers = sum(times[id(u)] for u in gathered)
     payload = {
-        "all_gather": {"calls": gathers * (1 if buffered else 2),   # in place: the tag exchange goes first
+        "all_gather": {"calls": gathers,
                        "bytes": sum(times[id(u)] * _unit_bytes(u, False, buffered) for u in engine.units)},
         "reduce_scatter": {"calls": len(reduced), "bytes": sum(_unit_bytes(u, True, buffered) for u in engine.units)},
         # the step's one "some rank has inf/NaN" flag (optim/loss_scale.py, 4 bytes counted twice); in place
         # also one float32 has-gradient flag per trainable parameter of every reduced unit
         "all_reduce": {"calls": 1 + (0 if buffered else len(reduced)),
                        "bytes": 8 + (0 if buffered else sum(2 * 4 * len(u.trainable) for u in reduced))},
+        # the control channel: 4 float64 per rank before every gather and after the forward ([Note: collective
+        # order]); the backward's agreement on late gradients, one float64 per reduced unit and rank
+        # ([Note: rank-agreed reduction order])
+        "control": {"calls": gathers + 2,
+                    "bytes": (gathers + 1) * world * 4 * 8 + world * 8 * len(engine.runtime.schedule.order)},
     }
     # Collectives may carry a few metadata elements per rank besides the payload (a unit tag, one
     # has-gradient flag per parameter); at most (parameters in the unit + 4) elements per rank.

@@ -155,11 +155,12 @@ def test_comm_bytes_per_step(kind, world_size, buffered):
     checked against a small structural bound, and reported on failure."""
     for rank, r in enumerate(run_ranks(world_size, aw.comm_worker, kind, 2, buffered, timeout=120)):
         per_step, payload, meta = r["per_step"], r["payload"], r["metadata_bound"]
-        assert set(per_step) == {"all_gather", "reduce_scatter", "all_reduce", "total"}, f"unexpected {per_step}"
-        assert per_step["all_reduce"] == payload["all_reduce"], (per_step["all_reduce"], payload["all_reduce"])
-        flags = payload["all_reduce"]
-        per_step["total"] = {"calls": per_step["total"]["calls"] - flags["calls"],
-                             "bytes": per_step["total"]["bytes"] - flags["bytes"]}
+        assert set(per_step) == {"all_gather", "reduce_scatter", "all_reduce", "control", "total"}, \
+            f"unexpected {per_step}"
+        for op in ("all_reduce", "control"):
+            assert per_step[op] == payload[op], (op, per_step[op], payload[op])
+        per_step["total"] = {key: per_step["total"][key] - payload["all_reduce"][key] - payload["control"][key]
+                             for key in ("calls", "bytes")}
         for op in ("all_gather", "reduce_scatter"):
             got = per_step[op]
             assert got["calls"] == payload[op]["calls"], (rank, op, got, payload[op])

@@ -1,10 +1,12 @@
 """Gradient reduction during backward for stages 0-2.
 
 Pipeline per bucket: ``copy_in -> collective (async) -> wait -> copy_out``.
-Hooks are ``register_post_accumulate_grad_hook`` on each trainable parameter;
-a final autograd callback (queued from the first hook, or from the model
-output's grad hook, so that it belongs to the outermost backward) flushes the
-buckets that did not complete (unused parameters) and waits for all of them.
+Hooks are ``register_post_accumulate_grad_hook`` on each trainable parameter; a
+bucket whose gradients are all final is issued in the bucket order every rank
+shares ([Note: rank-agreed reduction order] in ``schedule.py``).  A final
+autograd callback (queued from the first hook, or from the model output's grad
+hook, so that it belongs to the outermost backward) issues the buckets that did
+not complete (unused parameters) and waits for all of them.
 
 [Note: unused parameters]
 Each bucket carries one flag per parameter (1 where this rank has a gradient); after the
@@ -12,7 +14,7 @@ collective the summed flag tells whether *any* rank had one.  A parameter no ran
 no gradient, so the optimizer skips it exactly as single-process training (and DDP) would;
 a parameter used on some ranks only gets the average with zeros from the others.
 
-Stage composition (see ``zero_plugin/engine.py``):
+Stage composition (see ``zero_plugin/stages.py``):
   * stage 0 -> :class:`AllReduceReducer`: every rank keeps the full averaged grad in ``param.grad``;
   * stage 1 -> :class:`ReduceScatterReducer(keep_full_grad=True)`: the averaged owned region
     is written into ``param.grad`` in place (full gradients stay allocated, ZeRO-1);
@@ -32,6 +34,7 @@ from ..collectives import Comm
 from ..optim.master import MasterParam
 from .._hooks import WeakHook
 from .bucket import Bucket, plan_buckets
+from .schedule import ReductionSchedule
 
 __all__ = ["AllReduceReducer", "ReduceScatterReducer", "GradReducer"]
 
@@ -42,6 +45,7 @@ class GradReducer:
     """Shared hook and bucket bookkeeping; subclasses define launch and completion."""
 
     sharded = False
+    supports_late = False   # a second gradient after the bucket was issued is reduced again (stage 2)
 
     def __init__(self, slots: list[MasterParam], comm: Comm, reduce_dtype: torch.dtype | None,
                  bucket_bytes: int) -> None:
@@ -54,7 +58,11 @@ class GradReducer:
         self.require_sync = True
         self._callback_queued = False
         self._handles: list = []
-        self._inflight: list[Bucket] = []
+        self.schedule = ReductionSchedule(self._launch_bucket, self._complete_bucket, _MAX_INFLIGHT)
+        self.schedule.start(self.buckets)   # fixed at setup: [Note: rank-agreed reduction order]
+        if self.supports_late:
+            comm.open_control_channel()   # collective: every rank builds the same reducer at setup
+        self._late: list[Bucket] = []
 
     # -- hooks --------------------------------------------------------------
     def register(self, root: nn.Module) -> None:
@@ -95,10 +103,7 @@ class GradReducer:
             return
         bucket.ready.add(index)
         if len(bucket.ready) == len(bucket.slots):
-            self._launch(bucket)
-            self._inflight.append(bucket)
-            while len(self._inflight) > _MAX_INFLIGHT:   # free buffers as we go, not all at the end
-                self._finish_bucket(self._inflight.pop(0))
+            self.schedule.mark_ready(bucket)
 
     def _late_gradient(self, bucket: Bucket, index: int) -> None:
         raise RuntimeError(
@@ -110,21 +115,23 @@ class GradReducer:
     # -- end of backward ----------------------------------------------------
     @torch.no_grad()
     def finish(self) -> None:
-        """Flush unlaunched buckets (unused parameters count as zeros), wait, copy out."""
+        """Issue the buckets not issued yet, in order (unused parameters count as zeros), re-reduce
+        late gradients, wait, copy out."""
         self._callback_queued = False
-        for bucket in self.buckets:
-            if not bucket.launched:
-                self._launch(bucket)
-        for bucket in self.buckets:
-            if bucket.launched:
-                self._finish_bucket(bucket)
+        self.schedule.flush()
+        if self.supports_late:
+            late, self._late = self.schedule.agree_late(self.comm, self._late), []
+            self.schedule.drain()   # a bucket's first reduction completes before its second is issued
+            self.schedule.reissue(late)
+        self.schedule.finish()
         for bucket in self.buckets:
             bucket.reset()
-        self._inflight.clear()
 
-    def _finish_bucket(self, bucket: Bucket) -> None:
-        if bucket.work is None:   # already completed early
-            return
+    def _launch_bucket(self, bucket: Bucket) -> list[Bucket]:
+        self._launch(bucket)
+        return [bucket]
+
+    def _complete_bucket(self, bucket: Bucket, _: Bucket) -> None:
         self.comm.wait(bucket.work, "gradient reduction")
         bucket.work = None
         self._complete(bucket)
@@ -195,18 +202,40 @@ class AllReduceReducer(GradReducer):
                 p.grad = src.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(src)
-            self.owned[id(p)] = p.grad
+            # reduce_dtype above param_dtype: the master steps on the reduced precision, as at stages 1-3
+            self.owned[id(p)] = p.grad if src.dtype == p.dtype else src
 
 
 class ReduceScatterReducer(GradReducer):
-    """Stages 1-2: each rank receives the average of its owned region only."""
+    """Stages 1-2: each rank receives the average of its owned region only.
+
+    [Note: reduced regions and later backwards]
+    Reduced gradients are kept in ``reduce_dtype`` (fp32 reductions of bf16 parameters stay fp32, as at
+    stage 3).  Stage 1 keeps full gradients: after a reduction ``param.grad`` holds the average only in
+    this rank's region, and the sum (in place) or this rank's own gradient (buffered) elsewhere, which
+    differs between ranks.  A second synced backward before the step (accumulation without ``no_sync``,
+    ``backward(retain_graph=True)`` twice) must not add to that and reduce it again: a pre-accumulation
+    hook detaches the reduced ``param.grad`` first (the owned average stays in ``owned``), the new
+    gradients are reduced alone, and the two averages are added.
+    """
 
     sharded = True
 
     def __init__(self, *args, keep_full_grad: bool, **kwargs) -> None:
+        self.supports_late = not keep_full_grad
         super().__init__(*args, **kwargs)
         self.keep_full_grad = keep_full_grad
-        self._late: set[int] = set()
+
+    def register(self, root: nn.Module) -> None:
+        super().register(root)
+        if self.keep_full_grad:
+            for slot in self.slots:
+                self._handles.append(slot.param.register_hook(WeakHook(self._before_accumulate, slot.param)))
+
+    def _before_accumulate(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        if id(param) in self.owned and param.grad is not None:   # [Note: reduced regions and later backwards]
+            param.grad = None
+        return grad
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
@@ -252,17 +281,8 @@ class ReduceScatterReducer(GradReducer):
             return
         # Stage 2: the fresh param.grad holds only the new contribution; it is reduced
         # by a second launch at the end of backward and added to the shard.
-        self._late.add(id(bucket))
-
-    @torch.no_grad()
-    def finish(self) -> None:
-        late = [b for b in self.buckets if id(b) in self._late]
-        super().finish()
-        for bucket in late:   # rare path: reduce the extra contributions once more
-            self._launch(bucket)
-            self._finish_bucket(bucket)
-            bucket.reset()
-        self._late.clear()
+        if bucket not in self._late:
+            self._late.append(bucket)
 
     @torch.no_grad()
     def _complete(self, bucket: Bucket) -> None:
@@ -270,8 +290,7 @@ class ReduceScatterReducer(GradReducer):
             n = self.comm.world_size
             for slot, grad, has_grad in zip(bucket.slots, bucket.buffer, bucket.output.tolist()):
                 if has_grad:
-                    region = slot.layout.local_view(grad).div_(n)
-                    self._store(slot, region if self.keep_full_grad else region.clone())
+                    self._store(slot, slot.layout.local_view(grad).div_(n), region_of_temporary=True)
             return
         out = bucket.output
         present = out[bucket.width:].tolist()
@@ -280,19 +299,21 @@ class ReduceScatterReducer(GradReducer):
             if has_grad:
                 self._store(slot, out[off: off + slot.layout.local_numel])
 
-    def _store(self, slot: MasterParam, reduced: torch.Tensor) -> None:
+    def _store(self, slot: MasterParam, reduced: torch.Tensor, region_of_temporary: bool = False) -> None:
+        """Keep this rank's averaged region: in ``param.grad`` (stage 1, same dtype), else a view of the
+        bucket's output (its storage is exactly the bucket's shards) or a copy of a full-size temporary's
+        region."""
         p = slot.param
-        if self.keep_full_grad:
+        previous = self.owned.get(id(p))   # an earlier reduction in this step
+        if self.keep_full_grad and reduced.dtype == p.dtype:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             region = slot.layout.local_view(p.grad)
             if region.data_ptr() != reduced.data_ptr():   # reduced in place into p.grad: already there
                 region.copy_(reduced)
-            self.owned[id(p)] = region
-            return
-        current = self.owned.get(id(p))
-        if current is None:
-            # a view of the bucket's output (its storage is exactly the bucket's shards): no copy
-            self.owned[id(p)] = reduced if reduced.dtype == p.dtype else reduced.to(p.dtype)
-        else:
-            current.add_(reduced.to(current.dtype))
+            reduced = region
+        elif region_of_temporary:
+            reduced = reduced.clone()
+        if previous is not None and previous.data_ptr() != reduced.data_ptr():
+            reduced.add_(previous)
+        self.owned[id(p)] = reduced

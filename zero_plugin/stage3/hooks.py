@@ -3,10 +3,12 @@
 Forward:  pre_forward  -> unshard (wait for prefetch), prefetch the next units, hook inputs
           post_forward -> reshard (unless recomputing in backward), hook outputs
 Backward: output grad hook (pre_backward) -> unshard again, prefetch the previous units
-          param post-accumulate hook -> when every trainable param of the unit is ready,
-                                        launch its reduce-scatter
-          input grad hook (post_backward) -> reshard once the unit's grads were reduced
-          final callback (finalize_backward) -> reduce units whose hooks did not complete,
+          param post-accumulate hook -> when every trainable param of the unit is ready, the unit is
+                                        ready; its reduce-scatter is issued when its turn in the
+                                        rank-agreed order comes ([Note: rank-agreed reduction order])
+          input grad hook (post_backward) -> the unit is ready (params without a gradient stay without);
+                                             reshard once the unit's grads were reduced
+          final callback (finalize_backward) -> reduce units whose turn did not come, in order,
                                                 wait for every reduction, reshard everything
 [Note: root unit] The root unit (parameters outside every block, e.g. embeddings,
 final norm, LM head) is gathered for the whole forward, kept gathered after a
@@ -15,13 +17,14 @@ forward with grad (backward needs it first) and released in the final callback.
 from __future__ import annotations
 
 import functools
-from collections import deque
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .._hooks import WeakHook
+from ..grads.schedule import ReductionSchedule
 from ..hostmem import trim_host_heap
+from .order import OrderGuard
 from .param import ShardedState
 from .unit import BackwardState, Unit
 
@@ -58,7 +61,11 @@ class Stage3Runtime:
         self.reshard_after_forward = reshard_after_forward
         self.forward_order: list[Unit] = []
         self._recording: list[Unit] = []
-        self._inflight: deque = deque()
+        self.guard = OrderGuard(self.root.comm, units)   # [Note: collective order]
+        for unit in units:
+            unit.guard = self.guard
+        self.schedule = ReductionSchedule(self._launch_reduce, self._complete_reduce, _MAX_INFLIGHT_REDUCES)
+        self.schedule.start(self._reduce_order())
         self._late: list[Unit] = []
         self._callback_queued = False
         self.require_sync = True
@@ -113,7 +120,7 @@ class Stage3Runtime:
         in_backward = _in_backward()
         if not in_backward:
             if unit is self.root:
-                self._recording = []
+                self._recording = self.guard.recording = []
             elif unit not in self._recording:
                 self._recording.append(unit)
         self._ensure_unsharded(unit)
@@ -131,6 +138,9 @@ class Stage3Runtime:
             return None   # recomputation (activation checkpointing): backward needs the unit
         if unit is self.root:
             self.forward_order = list(self._recording)
+            if grad:   # the reverse of this order is the order of the reductions: every rank must agree
+                self.guard.end_of_forward(self.forward_order)
+                self.schedule.start(self._reduce_order())
             for other in self.units[1:]:
                 if other.state is ShardedState.UNSHARDED or other.gathering:
                     if not grad or (self.reshard_after_forward and not self._kept_for_backward(other)):
@@ -185,21 +195,32 @@ class Stage3Runtime:
                 self._late.append(unit)
             return
         if unit.mark_ready(param):
-            self._launch_reduce(unit)
-            if unit is not self.root and (unit.backward_state is BackwardState.POST_BACKWARD
-                                          or not unit.wrapped_inputs):
-                unit.reshard()
+            self.schedule.mark_ready(unit)
 
     def post_backward(self, unit: Unit) -> None:
         unit.backward_state = BackwardState.POST_BACKWARD
         if unit.reduced or not unit.trainable:
             unit.reshard()
+        else:   # its backward ran: a param still without a gradient gets none on this rank (zeros)
+            self.schedule.mark_ready(unit)
 
-    def _launch_reduce(self, unit: Unit) -> None:
-        self._inflight.extend((unit, p) for p in unit.reduce_grads())
-        while len(self._inflight) > _MAX_INFLIGHT_REDUCES:
-            done_unit, pending = self._inflight.popleft()
-            done_unit.complete_reduce(pending)
+    def _reduce_order(self) -> list[Unit]:
+        """[Note: rank-agreed reduction order]: the reverse of the (agreed) forward order, then units not
+        run in it, the root last (its embeddings are the last gradients of a backward)."""
+        ran = [u for u in reversed(self.forward_order) if u.trainable and u is not self.root]
+        rest = [u for u in self.units if u.trainable and u is not self.root and u not in ran]
+        return ran + rest + ([self.root] if self.root.trainable else [])
+
+    def _launch_reduce(self, unit: Unit) -> list:
+        launched = unit.reduce_grads()
+        if unit is not self.root and (unit.backward_state is BackwardState.POST_BACKWARD
+                                      or not unit.wrapped_inputs):
+            unit.reshard()
+        return launched
+
+    @staticmethod
+    def _complete_reduce(unit: Unit, pending) -> None:
+        unit.complete_reduce(pending)
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
@@ -209,13 +230,12 @@ class Stage3Runtime:
     @torch.no_grad()
     def finalize_backward(self) -> None:
         self._callback_queued = False
-        for unit in self.units:
-            if unit.trainable and not unit.reduced:
-                self._launch_reduce(unit)
-        for unit in self._late:
-            self._launch_reduce(unit)
-        self._late = []
-        self.drain()
+        self.schedule.flush()
+        late, self._late = self.schedule.agree_late(self.root.comm, self._late), []
+        if late:
+            self.schedule.drain()   # a unit's first reduction completes before its second is issued
+            self.schedule.reissue(late)
+        self.schedule.finish()
         for unit in self.units:
             unit.reshard()
             unit.reset_backward()
@@ -223,9 +243,7 @@ class Stage3Runtime:
             trim_host_heap()
 
     def drain(self) -> None:
-        while self._inflight:
-            unit, pending = self._inflight.popleft()
-            unit.complete_reduce(pending)
+        self.schedule.drain()
 
     # -- helpers ------------------------------------------------------------------
     def _ensure_unsharded(self, unit: Unit) -> None:

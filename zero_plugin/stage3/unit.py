@@ -19,6 +19,7 @@ from torch import nn
 from .._flat import copy_padded_rows
 from ..collectives import Comm
 from ..streams import NO_STREAMS, StreamSet
+from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .pool import BufferPool
 
@@ -65,6 +66,7 @@ class Unit:
         self.reduced = False                  # this backward's reduce-scatter was launched
         self.wrapped_inputs = False           # a post-backward hook sits on this forward's inputs
         self._gather: list[_Pending] = []
+        self.guard: OrderGuard | None = None   # set by the runtime: [Note: collective order]
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, {self.state.value})"
@@ -80,6 +82,8 @@ class Unit:
             if not async_op:
                 self.wait_unshard()
             return
+        if self.guard is not None:   # [Note: collective order]: nothing is sent before the ranks agree
+            self.guard.before_gather(self)
         if self.comm.gathers_regions_in_place:
             self._gather_in_place()
         else:
@@ -89,15 +93,7 @@ class Unit:
 
     def _gather_in_place(self) -> None:
         """gloo: every rank's region is broadcast straight into the unsharded tensors ([Note: in-place
-        region gather] in collectives.py).  The unit's tag goes first, in a tiny async all-gather that
-        completes before the broadcasts (gloo runs a group's collectives in order) and is checked before
-        them at the wait, so a rank that gathers another unit raises [Note: collective order]'s error
-        instead of exposing mixed weights; a blocking check here would wait for the previous prefetch.
-        Units of different sizes cannot be paired by gloo (it may abort the process): debug_collectives
-        adds the blocking check before the payload, which names the unit on every rank."""
-        if self.comm.history is not None:
-            self._precheck_order()
-        tag_work, tags = self._exchange_tags(async_op=True)
+        region gather] in collectives.py)."""
         regions: list[list[torch.Tensor]] = [[] for _ in range(self.comm.world_size)]
         opened = []
         for sp in self.params:
@@ -108,12 +104,10 @@ class Unit:
                     lo, hi = sp.layout.bounds(r)
                     views.append(flat[lo:hi])
         work = self.comm.gather_regions(regions, async_op=True, tag=self.name)
-        self._gather.append(_Pending(opened, [], 0, None, work, (tag_work, tags)))
+        self._gather.append(_Pending(opened, [], 0, None, work))
 
     def _gather_buffered(self) -> None:
         n = self.comm.world_size
-        if self.comm.history is not None:
-            self._precheck_order()
         with self.streams.gather():   # after the compute stream's writes to the shards (the last step)
             for dtype, group in _by_dtype(self.params, lambda sp: sp.unsharded.dtype).items():
                 offsets, width = _offsets(group)
@@ -139,10 +133,6 @@ class Unit:
         self.state = ShardedState.UNSHARDED
 
     def _expose_in_place(self, p: _Pending) -> None:
-        """Gathered in place (gloo): the tags first, then the regions."""
-        tag_work, tags = p.buffer
-        self.comm.wait(tag_work, f"order check of unit {self.name!r}")
-        self._check_tags(tags.view(self.comm.world_size, _TAG))
         self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
         for sp in p.params:
             sp.expose()
@@ -168,9 +158,8 @@ class Unit:
         return (self.index // 128 + 1, self.index % 128 + 1)
 
     def _check_tags(self, tags: torch.Tensor) -> None:
-        """[Note: collective order] Every gather carries its unit's index; if ranks paired gathers of
-        different units (a block skipped on some ranks), every rank raises here instead of silently
-        mixing weights or hanging later."""
+        """Buffered layout: every gather also carries its unit's index, a second line of defence behind
+        [Note: collective order] (order.py) that costs nothing extra on the wire."""
         if self.comm.backend == "fake":
             return   # torch's fake process group (memory planning) moves no data
         expected = torch.tensor(self._tag(), dtype=tags.dtype, device=tags.device)
@@ -182,19 +171,6 @@ class Unit:
                 f"({self.name!r}) while rank(s) {bad} gathered unit(s) {got} at the same point. Every rank must "
                 "run the same blocks in the same order (a conditional branch that skips a block on some ranks?). "
                 "Run the block on every rank (e.g. multiply its output by 0) or exclude it from sharding.")
-
-    def _precheck_order(self) -> None:
-        """debug_collectives: a fixed-size tag exchange before the payload, so that even units of
-        different sizes (which gloo cannot pair) report the divergence instead of aborting."""
-        _, tags = self._exchange_tags(async_op=False)
-        self._check_tags(tags.view(self.comm.world_size, _TAG))
-
-    def _exchange_tags(self, async_op: bool):
-        """All-gather every rank's unit tag (float32, on the parameters' device): ``(work, tags)``."""
-        device = self.params[0].unsharded.device if self.params else torch.device("cpu")
-        tag = torch.tensor(self._tag(), dtype=torch.float32, device=device)
-        tags = torch.empty(self.comm.world_size * _TAG, dtype=torch.float32, device=device)
-        return self.comm.all_gather(tags, tag, async_op=async_op, tag=f"order check {self.name}"), tags
 
     def reshard(self) -> None:
         if self._gather:

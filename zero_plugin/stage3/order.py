@@ -1,0 +1,81 @@
+"""Stage 3: every rank runs the same units in the same order, or every rank raises.
+
+[Note: collective order]
+Stage-3 collectives pair up by position, like all collectives on a group.  A block called on some ranks
+only (a branch that skips it) would pair one rank's gather of unit A with another's gather of unit B:
+same sizes and the weights mix silently; different sizes and gloo aborts the process.  So before any
+gather is issued, its unit's index goes round the control channel ([Note: control channel] in
+``collectives.py``: a separate group, so the check does not wait for prefetches in flight), and at the
+end of each forward with gradients every rank sends a fingerprint of the order it ran its units in; the
+reverse of that order is the order of the gradient reductions ([Note: rank-agreed reduction order] in
+``grads/schedule.py``), so it must be the same everywhere, even when a prefetch (which follows the
+previous forward's order) made a skipped block's gather pair up.  On any mismatch every rank sees the
+same messages, so all of them take the error path together: they exchange the names of the units they
+ran and raise one error naming the units that were not run on every rank.  Cost: one blocking exchange
+of 4 float64 per gather and per forward, host-only (``benchmarks/results/`` for the measured effect).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from ..collectives import Comm
+
+if TYPE_CHECKING:
+    from .unit import Unit
+
+__all__ = ["OrderGuard"]
+
+_GATHER, _FORWARD_END = 1.0, 2.0
+_MODULUS, _BASE = 2_147_483_647, 1_000_003   # fingerprint mod a prime < 2**31: exact in float64
+
+
+class OrderGuard:
+    """Checks, with the peers, each gather and each forward's unit order before they matter."""
+
+    def __init__(self, comm: Comm, units: Sequence["Unit"]) -> None:
+        self.comm = comm
+        self.units = list(units)
+        self.active = comm.world_size > 1 and comm.backend != "fake"
+        self.recording: list["Unit"] = []   # the units this rank ran in the current forward (runtime's list)
+        comm.open_control_channel()
+
+    def before_gather(self, unit: "Unit") -> None:
+        if self.active:
+            self._agree((_GATHER, float(unit.index), 0.0, 0.0), f"order check before gathering unit {unit.name!r}")
+
+    def end_of_forward(self, order: Sequence["Unit"]) -> None:
+        if self.active:
+            self._agree((_FORWARD_END, float(len(order)), _fingerprint(order), 0.0), "order check after the forward")
+
+    def _agree(self, message: tuple[float, ...], what: str) -> None:
+        seen = self.comm.control_exchange(message, what)
+        if any(m != seen[0] for m in seen):
+            self._raise(seen)
+
+    def _raise(self, seen: list[tuple[float, ...]]) -> None:
+        ran = [[self.units[i].name for i in indices]   # every rank is here: the same list told them all
+               for indices in self.comm.control_objects([u.index for u in self.recording])]
+        everywhere = set.intersection(*(set(r) for r in ran))
+        uneven = sorted({name for r in ran for name in r} - everywhere)
+        doing = "; ".join(f"rank {r} {self._describe(m)}" for r, m in enumerate(seen))
+        runs = "; ".join(f"rank {r}: {names}" for r, names in enumerate(ran))
+        raise RuntimeError(
+            "zero_plugin stage 3: collective order diverged: ranks ran different blocks in this forward. "
+            f"Not run on every rank: {uneven or 'none (the same blocks in a different order)'}. At this point {doing}. "
+            f"Blocks run so far: {runs}. Every rank must call the same blocks in the same order (a branch that "
+            "skips a block on some ranks?): run the block on every rank (multiply its output by 0 where it is "
+            "not wanted) or leave it out of the units (ZeroConfig.unit_classes)."
+        )
+
+    def _describe(self, message: tuple[float, ...]) -> str:
+        kind, value = message[0], int(message[1])
+        if kind == _GATHER:
+            return f"gathers unit {value} ({self.units[value].name!r})"
+        return f"ends its forward after {value} blocks"
+
+
+def _fingerprint(order: Sequence["Unit"]) -> float:
+    value = 0
+    for unit in order:
+        value = (value * _BASE + unit.index + 1) % _MODULUS
+    return float(value)
