@@ -20,6 +20,8 @@ class ModelSize:
 
 SIZES = {
     "smoke": ModelSize(hidden=256, layers=2, intermediate=688, vocab=8000, heads=4),       # ~5.7M
+    # transformer blocks ~75% of the parameters, as in real LLMs (vocabulary 8k)
+    "blocks34m": ModelSize(hidden=512, layers=8, intermediate=1376, vocab=8192, heads=8),  # ~34M
     "35m": ModelSize(hidden=384, layers=6, intermediate=1024, vocab=32000, heads=6),       # ~35M
     "small": ModelSize(hidden=512, layers=8, intermediate=1376, vocab=32000, heads=8),     # ~58M
     "medium": ModelSize(hidden=768, layers=10, intermediate=2048, vocab=32000, heads=12),  # ~120M

@@ -7,6 +7,8 @@ and the methods below to measure.  Every method that communicates is called on a
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
 from typing import Iterator
 
 import torch
@@ -145,9 +147,10 @@ class FSDP2Variant(Variant):
 class ZeroPluginVariant(Variant):
     """zero_plugin at one stage; collectives counted by ``zp.comm_stats()``."""
 
-    def __init__(self, raw: nn.Module, lr: float, batch: int, stage: int, offload: bool) -> None:
+    def __init__(self, raw: nn.Module, lr: float, batch: int, stage: int, offload: bool,
+                 package: str = "zero_plugin") -> None:
         super().__init__(raw, lr, batch)
-        import zero_plugin as zp
+        zp = importlib.import_module(package)
 
         self.zp = zp
         self.theory_stage = stage
@@ -184,9 +187,7 @@ class ZeroPluginVariant(Variant):
             return {n: p.detach().clone() for n, p in self.raw.named_parameters()}
 
     def _engine(self):
-        from zero_plugin.engine import engine_of
-
-        return engine_of(self.raw, "benchmarks")
+        return importlib.import_module(self.zp.__name__ + ".engine").engine_of(self.raw, "benchmarks")
 
     def teardown(self) -> None:
         # The engine registry maps model -> engine and the engine holds the model, so
@@ -197,6 +198,20 @@ class ZeroPluginVariant(Variant):
 
 def _zp(stage: int, offload: bool = False):
     return lambda raw, lr, batch: ZeroPluginVariant(raw, lr, batch, stage, offload)
+
+
+BASELINE_ENV = "ZERO_PLUGIN_BASELINE_PACKAGE"
+
+
+def _zp_baseline(stage: int):
+    """zero_plugin as of another revision, imported under another package name (``benchmarks/ab.py``
+    exports it), so that a change's effect is measured against the code before it in the same run."""
+    def make(raw: nn.Module, lr: float, batch: int) -> Variant:
+        package = os.environ.get(BASELINE_ENV)
+        if not package:
+            raise SkipVariant(f"{BASELINE_ENV} is not set: run through python -m benchmarks.ab")
+        return ZeroPluginVariant(raw, lr, batch, stage, False, package=package)
+    return make
 
 
 def _ds(stage: int, offload: bool = False):
@@ -217,6 +232,10 @@ VARIANTS = {
     "zp2_offload": _zp(2, offload=True),
     "zp3": _zp(3),
     "zp3_offload": _zp(3, offload=True),
+    "zp0_base": _zp_baseline(0),
+    "zp1_base": _zp_baseline(1),
+    "zp2_base": _zp_baseline(2),
+    "zp3_base": _zp_baseline(3),
     "ds1": _ds(1),
     "ds2": _ds(2),
     "ds3": _ds(3),

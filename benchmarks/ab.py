@@ -1,0 +1,77 @@
+"""Step time of zero_plugin against itself at another revision, in the same run.
+
+    python -m benchmarks.ab --base ce2f6e3 --size blocks34m --stages 1 2 3
+
+Exports ``zero_plugin/`` at ``--base`` (``git archive``) into a temporary folder as the package
+``zero_plugin_base`` (the package imports itself only relatively), then runs ``benchmarks.compare`` with
+the variants ``zpN`` (this tree) and ``zpN_base`` interleaved round by round, so that machine noise hits
+both alike.  The report (``benchmarks/results/ab-<size>.md`` unless ``--out``) has one row per variant;
+the ratio that matters is ``zpN`` / ``zpN_base``, printed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from . import compare
+from .variants import BASELINE_ENV
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = "zero_plugin_base"
+
+
+def _export(rev: str, into: Path) -> None:
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", rev, "zero_plugin"], check=True,
+                         capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        archive.extractall(into, filter="data")
+    (into / "zero_plugin").rename(into / PACKAGE)
+
+
+def _ratios(report: Path, stages: list[int]) -> list[str]:
+    steps: dict[str, list[float]] = {}
+    raw = json.loads(report.with_suffix(".json").read_text())
+    for rec in raw["records"]:
+        steps.setdefault(rec["variant"], []).extend(rec.get("times", {}).get("total", []))
+    lines = []
+    for stage in stages:
+        new, base = steps.get(f"zp{stage}"), steps.get(f"zp{stage}_base")
+        if new and base:
+            ratio = statistics.median(new) / statistics.median(base)
+            lines.append(f"stage {stage}: median step {statistics.median(new):.4f} s vs {statistics.median(base):.4f} s "
+                         f"at the base revision: {ratio:.3f}x")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", required=True, help="git revision to compare against")
+    p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--out", type=Path, default=None)
+    args, rest = p.parse_known_args(argv)
+    size = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--size"), "small")
+    out = args.out or compare.RESULTS / f"ab-{size}.md"
+    variants = ["ddp"] + [name for s in args.stages for name in (f"zp{s}_base", f"zp{s}")]
+    with tempfile.TemporaryDirectory(prefix="zp-ab-") as tmp:
+        _export(args.base, Path(tmp))
+        sys.path.insert(0, tmp)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")]))
+        os.environ[BASELINE_ENV] = PACKAGE
+        compare.main([*rest, "--variants", *variants, "--out", str(out)])
+    lines = _ratios(out, args.stages)
+    with out.open("a") as f:
+        f.write(f"\nBase revision: `{args.base}`.\n\n" + "".join(f"- {line}\n" for line in lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
