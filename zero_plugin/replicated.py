@@ -23,7 +23,19 @@ from .optim.offload import host_for
 from .optim.param_sync import ParamAllGather
 from .optim.state import gather_full
 
-__all__ = ["ReplicatedEngine", "make_masters"]
+__all__ = ["ReplicatedEngine", "make_masters", "cast_frozen"]
+
+
+@torch.no_grad()
+def cast_frozen(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig) -> None:
+    """Frozen floating-point parameters take ``param_dtype`` as stage 3 stores them (no master: nothing
+    updates them); buffers keep their dtype, as at stage 3.  Trainable ones are cast by ``make_masters``."""
+    if config.param_dtype is None:
+        return
+    trained = {id(p) for _, p in trainable}
+    for p in model.parameters():
+        if id(p) not in trained and p.is_floating_point() and p.dtype != config.param_dtype:
+            p.data = p.data.to(config.param_dtype)
 
 
 def make_masters(named: list[tuple[str, nn.Parameter]], comm: Comm, config: ZeroConfig,
