@@ -96,18 +96,17 @@ class ReplicatedEngine(Engine):
 
     @contextlib.contextmanager
     def gathered(self, params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
-        # Parameters are already full on every rank; only edits need spreading.
+        # Parameters are already full on every rank; only edits need spreading, and only edited
+        # elements reach the masters ([Note: gathered edits] in optim/master.py).
+        wanted = {id(p) for p in params}
+        before = [(s, s.snapshot()) for s in self.slots if id(s.param) in wanted] if modifier_rank is not None else []
         yield
         if modifier_rank is not None:
             with torch.no_grad():
                 for p in params:
                     self.comm.broadcast(p.data, src=modifier_rank)
-            self.refresh_masters()
-
-    @torch.no_grad()
-    def refresh_masters(self) -> None:
-        for slot in self.slots:
-            slot.refresh_from_param()
+            for slot, snapshot in before:
+                slot.take_edits(snapshot)
 
     @torch.no_grad()
     def full_state_dict(self, rank0_only: bool = True, trainable_only: bool = False) -> dict:

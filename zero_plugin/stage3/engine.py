@@ -18,7 +18,7 @@ from ..materialize import ParamSource, owners_of, to_real
 from ..collectives import Comm
 from ..config import ZeroConfig
 from ..engine import Engine
-from ..optim.master import MasterParam
+from ..optim.master import MasterParam, copy_changed
 from ..optim.offload import host_for
 from ..optim.state import gather_full
 from ..streams import StreamSet, streams_for
@@ -119,6 +119,7 @@ class Stage3Engine(Engine):
         self.units = units
         self.sharded = sharded
         self.unit_of = {id(sp.param): u for u in units for sp in u.params}
+        self._slot_of = {id(s.param): s for s in slots}
         self.runtime = Stage3Runtime(units, config.prefetch_depth, config.reshard_after_forward,
                                      trim_heap=compute_device(comm).type == "cpu" and config.trim_host_heap)
         self.runtime.register()
@@ -179,6 +180,9 @@ class Stage3Engine(Engine):
         opened = [u for u in units if u.state is ShardedState.SHARDED]
         for u in opened:
             u.unshard()
+        # [Note: gathered edits] in optim/master.py: each rank's region as gathered, to find edited elements.
+        before = {id(sp): sp.layout.local_view(sp.param.data.reshape(-1)).clone()
+                  for u in units for sp in u.params} if modifier_rank is not None else {}
         try:
             yield
         finally:
@@ -187,9 +191,17 @@ class Stage3Engine(Engine):
                     for u in units:
                         for sp in u.params:
                             self.comm.broadcast(sp.param.data, src=modifier_rank)
-                            sp.write_full_into_local(sp.param.data)
+                            self._take_edits(sp, before[id(sp)])
             for u in opened:
                 u.reshard()
+
+    def _take_edits(self, sp: ShardedParam, before: torch.Tensor) -> None:
+        """The edited elements of this rank's region into the shard and, if separate, the master."""
+        now = sp.layout.local_view(sp.param.data.reshape(-1))
+        copy_changed(sp.local, now, before)
+        slot = self._slot_of.get(id(sp.param))
+        if slot is not None and not slot.is_identity:
+            copy_changed(slot.master, now, before)
 
     # -- state dicts --------------------------------------------------------------
     @torch.no_grad()
