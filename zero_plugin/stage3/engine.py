@@ -183,8 +183,10 @@ class Stage3Engine(Engine):
         # [Note: gathered edits] in optim/master.py: each rank's region as gathered, to find edited elements.
         before = {id(sp): sp.layout.local_view(sp.param.data.reshape(-1)).clone()
                   for u in units for sp in u.params} if modifier_rank is not None else {}
+        saved = _keep_saved_values([sp.param for u in opened for sp in u.params])
         try:
-            yield
+            with saved:
+                yield
         finally:
             with torch.no_grad():
                 if modifier_rank is not None:
@@ -282,6 +284,27 @@ class Stage3Engine(Engine):
     def remove(self) -> None:
         self.runtime.remove()
         super().remove()
+
+
+def _keep_saved_values(params: list[nn.Parameter]):
+    """[Note: autograd through gathered parameters] Inside ``zp.gathered_parameters`` with grad enabled a
+    parameter of a unit the block gathered may be used in a graph (a regulariser on a weight, computed
+    outside its unit's forward).  Autograd saves a leaf parameter itself, not its value; the block reshards
+    it on exit, so backward would read the local shard (a size mismatch, or a wrong gradient).  While the
+    block runs, a saved parameter is packed as a copy of its full value instead; the gradient still flows
+    to the parameter (edges are not saved tensors), full-shaped as the unit's own, and is reduced with
+    them (a gradient arriving after its unit was reduced is reduced again in the final callback).  Costs a
+    copy of each saved parameter until backward, only inside such blocks.  Outside such a block, a
+    parameter used while its unit is sharded fails in backward with autograd's own "invalid gradient ...
+    got [shard size]" error: nothing of ours runs between that use and autograd's shape check."""
+    if not params or not torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    ids = {id(p) for p in params}
+
+    def pack(t: torch.Tensor):
+        return t.detach().clone() if id(t) in ids else t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def _mark_for_synced_generate(model: nn.Module, comm: Comm) -> None:
