@@ -91,7 +91,7 @@ def unfreeze_worker(stage: int) -> dict:
     return out
 
 
-def freeze_later_worker(stage: int, param_dtype: str | None = None) -> dict:
+def freeze_later_worker(stage: int) -> dict:
     """``blocks.1`` trainable at setup and frozen after two steps: training goes on exactly as single-process
     training that freezes it at the same point (no gradient, no step, no weight decay for it)."""
     rank, world = _rank_world()
@@ -104,7 +104,7 @@ def freeze_later_worker(stage: int, param_dtype: str | None = None) -> dict:
             _step(model, opt, batch, shard=shard)
 
     model = W.build_model("mlp")
-    model, opt = zp.setup(model, W.build_optimizer(model), zp.ZeroConfig(stage=stage, param_dtype=param_dtype))
+    model, opt = zp.setup(model, W.build_optimizer(model), zp.ZeroConfig(stage=stage))
     run(model, opt, True)
     ref_model = W.build_model("mlp")
     ref_opt = W.build_optimizer(ref_model)
