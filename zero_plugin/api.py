@@ -13,6 +13,7 @@ from .buffers import BufferSync
 from .collectives import Comm
 from .config import ZeroConfig
 from .engine import engine_of, register_engine
+from .frozen import FrozenGuard
 from .optim.clip import clip_owned_grads
 from .optim.offload import use_fast_cpu_kernels
 from .optim.state import region_of
@@ -47,6 +48,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
     if config.offload:
         use_fast_cpu_kernels(optimizer)
     register_engine(model, engine)
+    engine.frozen_guard = FrozenGuard.attach(model, [s.param for s in engine.slots])   # [Note: frozen at setup]
     engine.buffer_sync = BufferSync.attach(model, comm)
     if config.param_dtype is not None:
         engine.input_cast_handle = model.register_forward_pre_hook(

@@ -138,6 +138,9 @@ class Engine:
         raise NotImplementedError
 
     def remove(self) -> None:
+        guard = getattr(self, "frozen_guard", None)
+        if guard is not None:
+            guard.remove()
         unregister_engine(self.model)
 
 

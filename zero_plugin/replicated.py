@@ -23,7 +23,19 @@ from .optim.offload import host_for
 from .optim.param_sync import ParamAllGather
 from .optim.state import gather_full
 
-__all__ = ["ReplicatedEngine", "make_masters"]
+__all__ = ["ReplicatedEngine", "make_masters", "cast_frozen"]
+
+
+@torch.no_grad()
+def cast_frozen(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig) -> None:
+    """Frozen floating-point parameters take ``param_dtype`` as stage 3 stores them (no master: nothing
+    updates them); buffers keep their dtype, as at stage 3.  Trainable ones are cast by ``make_masters``."""
+    if config.param_dtype is None:
+        return
+    trained = {id(p) for _, p in trainable}
+    for p in model.parameters():
+        if id(p) not in trained and p.is_floating_point() and p.dtype != config.param_dtype:
+            p.data = p.data.to(config.param_dtype)
 
 
 def make_masters(named: list[tuple[str, nn.Parameter]], comm: Comm, config: ZeroConfig,
@@ -84,18 +96,17 @@ class ReplicatedEngine(Engine):
 
     @contextlib.contextmanager
     def gathered(self, params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
-        # Parameters are already full on every rank; only edits need spreading.
+        # Parameters are already full on every rank; only edits need spreading, and only edited
+        # elements reach the masters ([Note: gathered edits] in optim/master.py).
+        wanted = {id(p) for p in params}
+        before = [(s, s.snapshot()) for s in self.slots if id(s.param) in wanted] if modifier_rank is not None else []
         yield
         if modifier_rank is not None:
             with torch.no_grad():
                 for p in params:
                     self.comm.broadcast(p.data, src=modifier_rank)
-            self.refresh_masters()
-
-    @torch.no_grad()
-    def refresh_masters(self) -> None:
-        for slot in self.slots:
-            slot.refresh_from_param()
+            for slot, snapshot in before:
+                slot.take_edits(snapshot)
 
     @torch.no_grad()
     def full_state_dict(self, rank0_only: bool = True, trainable_only: bool = False) -> dict:

@@ -20,7 +20,7 @@ from .config import ZeroConfig
 from .engine import Engine
 from .grads.reducer import AllReduceReducer, ReduceScatterReducer
 from .optim.param_sync import ParamAllGather
-from .replicated import ReplicatedEngine, make_masters
+from .replicated import ReplicatedEngine, cast_frozen, make_masters
 
 __all__ = ["build_engine"]
 
@@ -44,6 +44,7 @@ def build_engine(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], co
         from .stage3.engine import build_stage3_engine
         return build_stage3_engine(model, trainable, config, comm, param_source)
     spec = _REPLICATED[config.stage]
+    cast_frozen(model, trainable, config)
     slots = make_masters(trainable, comm, config, sharded=spec.sharded_masters)
     bucket_bytes = int(config.bucket_size_mb * 2**20)
     common = dict(comm=comm, reduce_dtype=config.effective_reduce_dtype, bucket_bytes=bucket_bytes)

@@ -20,7 +20,26 @@ from torch import nn
 from .._flat import ShardLayout
 from .offload import copy_done, pin, to_device, to_host
 
-__all__ = ["MasterParam"]
+__all__ = ["MasterParam", "copy_changed"]
+
+
+@torch.no_grad()
+def copy_changed(dst: torch.Tensor, now: torch.Tensor, before: torch.Tensor) -> None:
+    """[Note: gathered edits] ``zp.gathered_parameters(..., modifier_rank=r)`` hands the user the parameters
+    in ``param_dtype``; the masters behind them (fp32 masters, stage-3 fp32 shards, host masters) hold more
+    precision.  Copying the edited low-precision values back wholesale would round every master to
+    ``param_dtype``.  So each rank keeps the gathered values of its own region from the block's entry
+    (``before``), and on exit only the elements whose broadcast value (``now``) differs from it are
+    written into ``dst``: unedited elements stay bit for bit, an edit of part of a tensor reaches exactly
+    those elements.  Per element rather than per tensor, so a partial edit does not round the rest of the
+    tensor.  An edit that writes back the value already there (in ``param_dtype``) is invisible, and
+    leaves the more precise master as it was.  NaN to NaN counts as unchanged."""
+    now, before = now.reshape(dst.shape), before.reshape(dst.shape)
+    changed = now != before
+    if now.is_floating_point():
+        changed &= ~(now.isnan() & before.isnan())
+    if changed.any():
+        dst.copy_(torch.where(changed.to(dst.device), now.to(device=dst.device, dtype=dst.dtype), dst))
 
 
 class MasterParam:
@@ -94,6 +113,18 @@ class MasterParam:
             return
         if self.separate:
             to_device(self.local, self.master)
+
+    def snapshot(self) -> torch.Tensor | None:
+        """This rank's region as the parameter holds it, for :meth:`take_edits` (None: the master is that
+        region, nothing to reconcile)."""
+        return self.local.detach().clone() if self.separate else None
+
+    @torch.no_grad()
+    def take_edits(self, before: torch.Tensor | None) -> None:
+        """After a gathered edit: only the changed elements of the region reach the master
+        ([Note: gathered edits])."""
+        if before is not None:
+            copy_changed(self.master, self.local, before)
 
     @torch.no_grad()
     def refresh_from_param(self) -> None:

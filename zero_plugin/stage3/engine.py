@@ -18,7 +18,7 @@ from ..materialize import ParamSource, owners_of, to_real
 from ..collectives import Comm
 from ..config import ZeroConfig
 from ..engine import Engine
-from ..optim.master import MasterParam
+from ..optim.master import MasterParam, copy_changed
 from ..optim.offload import host_for
 from ..optim.state import gather_full
 from ..streams import StreamSet, streams_for
@@ -119,6 +119,7 @@ class Stage3Engine(Engine):
         self.units = units
         self.sharded = sharded
         self.unit_of = {id(sp.param): u for u in units for sp in u.params}
+        self._slot_of = {id(s.param): s for s in slots}
         self.runtime = Stage3Runtime(units, config.prefetch_depth, config.reshard_after_forward,
                                      trim_heap=compute_device(comm).type == "cpu" and config.trim_host_heap)
         self.runtime.register()
@@ -179,17 +180,30 @@ class Stage3Engine(Engine):
         opened = [u for u in units if u.state is ShardedState.SHARDED]
         for u in opened:
             u.unshard()
+        # [Note: gathered edits] in optim/master.py: each rank's region as gathered, to find edited elements.
+        before = {id(sp): sp.layout.local_view(sp.param.data.reshape(-1)).clone()
+                  for u in units for sp in u.params} if modifier_rank is not None else {}
+        saved = _keep_saved_values([sp.param for u in opened for sp in u.params])
         try:
-            yield
+            with saved:
+                yield
         finally:
             with torch.no_grad():
                 if modifier_rank is not None:
                     for u in units:
                         for sp in u.params:
                             self.comm.broadcast(sp.param.data, src=modifier_rank)
-                            sp.write_full_into_local(sp.param.data)
+                            self._take_edits(sp, before[id(sp)])
             for u in opened:
                 u.reshard()
+
+    def _take_edits(self, sp: ShardedParam, before: torch.Tensor) -> None:
+        """The edited elements of this rank's region into the shard and, if separate, the master."""
+        now = sp.layout.local_view(sp.param.data.reshape(-1))
+        copy_changed(sp.local, now, before)
+        slot = self._slot_of.get(id(sp.param))
+        if slot is not None and not slot.is_identity:
+            copy_changed(slot.master, now, before)
 
     # -- state dicts --------------------------------------------------------------
     @torch.no_grad()
@@ -270,6 +284,27 @@ class Stage3Engine(Engine):
     def remove(self) -> None:
         self.runtime.remove()
         super().remove()
+
+
+def _keep_saved_values(params: list[nn.Parameter]):
+    """[Note: autograd through gathered parameters] Inside ``zp.gathered_parameters`` with grad enabled a
+    parameter of a unit the block gathered may be used in a graph (a regulariser on a weight, computed
+    outside its unit's forward).  Autograd saves a leaf parameter itself, not its value; the block reshards
+    it on exit, so backward would read the local shard (a size mismatch, or a wrong gradient).  While the
+    block runs, a saved parameter is packed as a copy of its full value instead; the gradient still flows
+    to the parameter (edges are not saved tensors), full-shaped as the unit's own, and is reduced with
+    them (a gradient arriving after its unit was reduced is reduced again in the final callback).  Costs a
+    copy of each saved parameter until backward, only inside such blocks.  Outside such a block, a
+    parameter used while its unit is sharded fails in backward with autograd's own "invalid gradient ...
+    got [shard size]" error: nothing of ours runs between that use and autograd's shape check."""
+    if not params or not torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    ids = {id(p) for p in params}
+
+    def pack(t: torch.Tensor):
+        return t.detach().clone() if id(t) in ids else t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def _mark_for_synced_generate(model: nn.Module, comm: Comm) -> None:

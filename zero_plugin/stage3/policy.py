@@ -78,6 +78,8 @@ def assign_units(model: nn.Module, config: ZeroConfig) -> tuple[list[tuple[str, 
             visit(child, qual, index)
 
     visit(model, "", 0)
+    if config.unit_classes and len(units) == 1:
+        _no_unit_matched(model, config.unit_classes)
     if config.unit_policy is None and not config.unit_classes:
         _split_leaf_units(model, units, owner)
     if config.persistence_threshold:
@@ -85,6 +87,18 @@ def assign_units(model: nn.Module, config: ZeroConfig) -> tuple[list[tuple[str, 
             if p.numel() <= config.persistence_threshold:
                 owner[id(p)] = 0
     return units, owner
+
+
+def _no_unit_matched(model: nn.Module, wanted: tuple) -> None:
+    """Explicit ``unit_classes`` that match no module would silently make the whole model one unit,
+    gathered at once (no memory saved over stage 2): refuse, listing what the model has."""
+    asked = sorted(c.__name__ if isinstance(c, type) else c for c in wanted)
+    present = sorted({type(m).__name__ for m in model.modules() if m is not model})
+    raise ValueError(
+        f"zp.setup: ZeroConfig.unit_classes={asked} matches no module of {type(model).__name__}, so the whole "
+        f"model would be one stage-3 unit, gathered at once; its module classes are {present}. Pass the "
+        "repeated block's class (e.g. the decoder layer), or leave unit_classes empty to use the model's "
+        "_no_split_modules")
 
 
 def _split_leaf_units(model: nn.Module, units: list[tuple[str, nn.Module]], owner: dict[int, int]) -> None:

@@ -1,0 +1,101 @@
+"""Frozen parameters and mixed precision at every stage; freezing or unfreezing after setup; edits through
+``zp.gathered_parameters`` with bf16 parameters and fp32 masters; autograd through gathered stage-3
+parameters; ``unit_classes`` that match nothing.  Workers in ``mixed_frozen_workers.py``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_plugin as zp
+from tests import models
+from tests.harness import run_ranks
+from tests.unit import mixed_frozen_workers as MW
+from zero_plugin.stage3.policy import assign_units
+
+STAGES = [0, 1, 2, 3]
+F64 = 1e-10
+
+
+# -- frozen parameters with param_dtype ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stage3_lora_dtypes():
+    r = run_ranks(2, MW.lora_bf16_worker, 3, 1)[0]
+    return r["frozen_dtypes"], r["buffer_dtypes"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_lora_bf16_frozen_base_cast_like_stage3(stage, stage3_lora_dtypes):
+    frozen3, buffers3 = stage3_lora_dtypes
+    assert set(frozen3.values()) == {"torch.bfloat16"}, frozen3   # stage 3 stores frozen params in param_dtype
+    for rank, r in enumerate(run_ranks(2, MW.lora_bf16_worker, stage)):
+        assert r["frozen_dtypes"] == frozen3, f"rank {rank}: frozen params {r['frozen_dtypes']}"
+        assert r["buffer_dtypes"] == buffers3, f"rank {rank}: buffers {r['buffer_dtypes']}"
+        assert r["n_trainable"] > 0
+        # bf16 forward/backward against fp32 single-process training.
+        assert r["update_norm_error"] <= 0.05, f"rank {rank}: update-norm error {r['update_norm_error']:.3g}"
+        assert r["loss_rel"] <= 1e-2, f"rank {rank}: loss relative error {r['loss_rel']:.3g}"
+
+
+# -- unfreezing / freezing after setup ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_unfrozen_after_setup_is_refused(stage):
+    for rank, r in enumerate(run_ranks(2, MW.unfreeze_worker, stage, timeout=60)):
+        error = r["error"]
+        assert error is not None, f"rank {rank}: a parameter unfrozen after setup trained silently (or not at all)"
+        kind, _, message = error.partition(": ")
+        assert kind in ("ValueError", "RuntimeError") and message.startswith("zero_plugin"), error
+        assert "blocks.0.fc.weight" in message and "zp.setup" in message, error
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_frozen_after_setup_matches_reference(stage, world_size):
+    for rank, r in enumerate(run_ranks(world_size, MW.freeze_later_worker, stage)):
+        assert r["moved"] > 1e-3 and r["frozen_moved_in_ref"] == 0.0, r
+        assert r["max_abs_diff"] <= F64, f"rank {rank}: max |θ - θ_ref| = {r['max_abs_diff']:.3g}"
+
+
+# -- gathered_parameters edits with fp32 masters -------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage,host_masters,world_size", [
+    (0, False, 2), (1, False, 2), (2, False, 2), (3, False, 2), (3, False, 3), (1, False, 3),
+    (3, True, 2), (3, True, 1)])
+def test_gathered_edit_keeps_unedited_masters_bitwise(stage, host_masters, world_size):
+    for rank, r in enumerate(run_ranks(world_size, MW.gathered_edit_worker, stage, host_masters)):
+        assert r["master_dtypes"] == ["torch.float32"], r["master_dtypes"]
+        if host_masters:   # the layout under test: bf16 shards, separate fp32 host masters
+            assert r["separate_masters"] > 0, r
+        assert r["changed"] == {} and r["max_error"] == 0.0, \
+            f"rank {rank}: masters changed by an edit of one element: {r['changed']} (max {r['max_error']:.3g})"
+        assert abs(r["edit_after_step"] - MW.EDIT_VALUE) < 0.05, r["edit_after_step"]   # one lr=1e-2 step away
+
+
+# -- autograd through parameters used outside their unit's forward -------------------------------------------------
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("where", ["gathered_after", "gathered_before"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_regulariser_inside_gathered_parameters_matches_reference(stage, where, world_size):
+    for rank, r in enumerate(run_ranks(world_size, MW.regulariser_worker, stage, where, timeout=60)):
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+        assert r["moved"] > 1e-3
+        assert r["max_abs_diff"] <= F64, f"rank {rank}: max |θ - θ_ref| = {r['max_abs_diff']:.3g}"
+
+
+# -- unit_classes ---------------------------------------------------------------------------------------------------
+
+def test_unit_classes_matching_nothing_is_an_error():
+    model = models.make_odd_mlp()
+    with pytest.raises(ValueError) as info:
+        assign_units(model, zp.ZeroConfig(stage=3, unit_classes=("OddBlok", torch.nn.Conv2d)))
+    message = str(info.value)
+    assert message.startswith("zp.setup") and "unit_classes" in message, message
+    assert "OddBlok" in message and "Conv2d" in message, message           # what was asked for
+    assert "OddBlock" in message and "Linear" in message, message          # what the model has
+
+
+def test_unit_classes_matching_something_still_works():
+    units, _ = assign_units(models.make_odd_mlp(), zp.ZeroConfig(stage=3, unit_classes=("OddBlock",)))
+    assert [n for n, _ in units] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
