@@ -30,19 +30,20 @@ class GradGuard:
         self.backoff, self.growth = backoff, growth
         self.clean_steps = 0
         self.skipped_steps = 0
-        self._unscaled = False
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.scaling else loss
 
     @torch.no_grad()
     def unscale(self) -> None:
-        """Divide the owned gradients by the scale once per step (clipping must see true gradients)."""
-        if self.scaling and not self._unscaled:
+        """Divide the owned gradients by the scale once per step (clipping must see true gradients).
+        "Once" is the engine's per-step flag, which zero_grad clears with the gradients ([Note: per-step
+        state] in engine.py): gradients of a later backward are scaled again."""
+        if self.scaling and not self.engine.grads_unscaled:
             inv = 1.0 / self.scale
             for g in self.engine.owned_grads():
                 g.mul_(inv)
-        self._unscaled = True
+        self.engine.grads_unscaled = True
 
     @torch.no_grad()
     def found_nonfinite(self) -> bool:
@@ -69,9 +70,8 @@ class GradGuard:
     def should_step(self) -> bool:
         """Unscale, check every rank, update the scale; False means skip this step on every rank."""
         self.unscale()
-        self._unscaled = False
         nonfinite = self.found_nonfinite()
-        self.engine.step_grad_norm = None
+        self.engine.reset_step_state()   # the step consumes (or discards) these gradients
         if nonfinite:
             self.skipped_steps += 1
             self.clean_steps = 0
