@@ -114,3 +114,19 @@ def skipped_spike_worker(stage: int, precision: str, how: str, batches: list, po
     params = {k: v.double() for k, v in zp.full_state_dict(model, rank0_only=False).items()}
     return {"params": params, "skipped": opt.skipped_steps, "scale": opt.loss_scale,
             "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
+
+
+def config_clip_worker(stage: int, batches: list, config_max: float, user_max: float | None) -> dict:
+    """float64 OddMLP, two-group AdamW, ``ZeroConfig(clip_grad_norm=config_max)``; with ``user_max`` the
+    loop also calls ``zp.clip_grad_norm_(model, user_max)`` before each step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = models.make_odd_mlp()
+    model, opt = zp.setup(model, models.two_group_adamw(model), zp.ZeroConfig(stage=stage, clip_grad_norm=config_max))
+    norms = []
+    for batch in batches:
+        models.loss_fn(model, models.shard_batch(batch, rank, world)).backward()
+        if user_max is not None:
+            norms.append(float(zp.clip_grad_norm_(model, user_max)))
+        opt.step()
+        opt.zero_grad()
+    return {"params": zp.full_state_dict(model, rank0_only=False), "user_norms": norms}

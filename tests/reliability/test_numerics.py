@@ -3,6 +3,7 @@
 Per-step gradient state: gradients thrown away with ``model.zero_grad()`` or ``optimizer.zero_grad()``
 (either ``set_to_none``) never reach a later step, wherever the stage keeps them, and neither does what
 ``clip_grad_norm_`` cached about them (fp16 unscaling, the global norm the inf/NaN check reuses).
+``ZeroConfig.clip_grad_norm`` clips as torch's ``clip_grad_norm_`` right before ``optimizer.step()``.
 References are single-process torch on the global batch, float64 (1e-10) unless the run is fp16.
 """
 from __future__ import annotations
@@ -106,3 +107,33 @@ def test_clip_then_zero_grad_without_step_keeps_the_nan_check(stage, world_size,
     for r in run_ranks(world_size, NW.skipped_spike_worker, stage, "fp64", how, batches, 1):
         assert r["skipped"] == 1 and any("non-finite gradient" in w for w in r["warnings"]), r
         _assert_params(r["params"], ref, f"stage {stage}, world {world_size}, discard {how}")
+
+
+# -- ZeroConfig.clip_grad_norm ---------------------------------------------------------------------------
+CONFIG_MAX, USER_MAX = 0.9, 1.0   # reference pre-clip norms of _batches(6, 5): 1.36 1.13 0.86 0.88 0.96 0.75
+
+
+def _bites_sometimes(norms: list, max_norm: float) -> bool:
+    return any(n > max_norm for n in norms) and any(n < max_norm for n in norms)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_config_clip_grad_norm_matches_torch(stage, world_size):
+    batches = _batches(6, seed=5)
+    ref = _torch_reference(batches, models.two_group_adamw, clips=(CONFIG_MAX,))
+    assert _bites_sometimes(ref["norms"], CONFIG_MAX), ref["norms"]
+    r = run_ranks(world_size, NW.config_clip_worker, stage, batches, CONFIG_MAX, None)[0]
+    _assert_params(r["params"], ref, f"stage {stage}, world {world_size}")
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_config_clip_after_user_clip_is_torchs_two_calls(stage):
+    """An explicit zp.clip_grad_norm_ in the step and the configured clip both apply, in that order, as
+    two torch clip_grad_norm_ calls would; the user's call returns the norm before any clipping."""
+    batches = _batches(6, seed=5)
+    ref = _torch_reference(batches, models.two_group_adamw, clips=(USER_MAX, CONFIG_MAX))
+    assert _bites_sometimes(ref["norms"][0::2], USER_MAX) and _bites_sometimes(ref["norms"][1::2], CONFIG_MAX)
+    for r in run_ranks(2, NW.config_clip_worker, stage, batches, CONFIG_MAX, USER_MAX):
+        _assert_params(r["params"], ref, f"stage {stage}")
+        torch.testing.assert_close(r["user_norms"], ref["norms"][0::2], rtol=1e-10, atol=0)

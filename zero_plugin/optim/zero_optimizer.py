@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from .blocked_step import BlockedStep
+from .clip import clip_owned_grads
 from .cpu_step import fused_cpu_step
 from .loss_scale import GradGuard
 from .state import consolidate_optimizer_state, shard_optimizer_state
@@ -72,6 +73,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._clip_configured()
         if not self.guard.should_step():
             self.engine.zero_grad(set_to_none=True)   # the skipped step's gradients are discarded
             return loss
@@ -83,6 +85,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.inner.step()
         self.engine.after_step()
         return loss
+
+    def _clip_configured(self) -> None:
+        """[Note: configured clipping] ``ZeroConfig.clip_grad_norm`` is exactly ``torch.nn.utils.clip_grad_norm_``
+        (global norm over every rank's shard, true fp16 gradients) called right before ``step()``.  An explicit
+        ``zp.clip_grad_norm_`` earlier in the step does not replace it: both apply, in that order, as two
+        torch calls would (so the smaller bound wins, and the user's call still returns the unclipped norm).
+        The inf/NaN check then reuses the configured clip's norm instead of reading the gradients again."""
+        max_norm = self.engine.config.clip_grad_norm
+        if max_norm is not None:
+            self.guard.unscale()
+            clip_owned_grads(self.engine, max_norm)
 
     @property
     def skipped_steps(self) -> int:
