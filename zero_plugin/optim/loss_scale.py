@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-__all__ = ["GradGuard"]
+__all__ = ["GradGuard", "scaler_state_problem"]
 
 
 class GradGuard:
@@ -86,10 +86,33 @@ class GradGuard:
             self.scale *= self.growth
         return True
 
+    # [Note: scaler state] The scale, the clean-step count and the skip count are training state: a resumed
+    # run that started again from the initial scale would re-skip the steps that backed it off and depart
+    # from the uninterrupted run.  They travel in ZeroOptimizer.state_dict / consolidate_state_dict (under
+    # "zero_plugin") and in zp.save_checkpoint's index.json (optimizer.grad_guard).  A record from a run
+    # without dynamic scaling (or loaded into one) carries only the skip count over.
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+        return {"dynamic": self.dynamic, "scale": self.scale, "clean_steps": self.clean_steps,
+                "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self.clean_steps = int(state["clean_steps"])
+        """Take a :meth:`state_dict`; check it first with :func:`scaler_state_problem`."""
         self.skipped_steps = int(state["skipped_steps"])
+        if self.dynamic and state["dynamic"]:
+            self.scale = float(state["scale"])
+            self.clean_steps = int(state["clean_steps"])
+
+
+def scaler_state_problem(state) -> str | None:
+    """What is wrong with a loaded :meth:`GradGuard.state_dict` (untrusted input), or None."""
+    def count(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if not isinstance(state, dict):
+        return f"expected a dict, got {type(state).__name__}"
+    scale = state.get("scale")
+    ok = (isinstance(state.get("dynamic"), bool) and isinstance(scale, (int, float)) and not isinstance(scale, bool)
+          and math.isfinite(scale) and scale > 0 and count(state.get("clean_steps"))
+          and count(state.get("skipped_steps")))
+    return None if ok else ("expected dynamic (bool), scale (finite > 0), clean_steps and skipped_steps "
+                            f"(ints >= 0); got {state!r}")
