@@ -130,3 +130,17 @@ def config_clip_worker(stage: int, batches: list, config_max: float, user_max: f
         opt.step()
         opt.zero_grad()
     return {"params": zp.full_state_dict(model, rank0_only=False), "user_norms": norms}
+
+
+def lora_probe_discarded_worker(stage: int, batches: list, probes: list) -> dict:
+    """The set-up object is a PeftModel: a probe backward, ``model.zero_grad()`` on it, the real step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = models.make_tiny_llama_lora(layers=2)
+    model, opt = zp.setup(model, adamw(model), zp.ZeroConfig(stage=stage))
+    for batch, probe in zip(batches, probes):
+        models.loss_fn(model, models.shard_batch(probe, rank, world)).backward()
+        model.zero_grad()
+        models.loss_fn(model, models.shard_batch(batch, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    return zp.full_state_dict(model, rank0_only=False, trainable_only=True)

@@ -137,3 +137,18 @@ def test_config_clip_after_user_clip_is_torchs_two_calls(stage):
     for r in run_ranks(2, NW.config_clip_worker, stage, batches, CONFIG_MAX, USER_MAX):
         _assert_params(r["params"], ref, f"stage {stage}")
         torch.testing.assert_close(r["user_norms"], ref["norms"][0::2], rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_peft_model_zero_grad_discards_probe_gradients(stage):
+    """PEFT (and HF Trainer) call zero_grad() on the PeftModel that was set up (fp32 tiny Llama with LoRA;
+    tolerance of the parity tests: update-norm error 1e-3)."""
+    batches = models.make_batches("llama", 2, world_size=1, per_rank_batch=GLOBAL_ROWS, seed=1)
+    probes = models.make_batches("llama", 2, world_size=1, per_rank_batch=GLOBAL_ROWS, seed=2)
+    model = models.make_tiny_llama_lora(layers=2)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    ref = models.reference_train(lambda: model, NW.adamw, batches, steps=2)
+    ref = {k: {n: v for n, v in ref[k].items() if n in trainable} for k in ("params", "init_params")}
+    params = run_ranks(2, NW.lora_probe_discarded_worker, stage, batches, probes)[0]
+    err = models.update_norm_error({n: params[n] for n in ref["params"]}, ref["params"], ref["init_params"])
+    assert err <= 1e-3, f"update-norm error {err:.3g}"
