@@ -42,7 +42,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     the new one is complete.
     """
     engine = engine_of(model, "save_checkpoint")
-    _save(path, engine, _inner(engine, optimizer, "save_checkpoint"), extra)
+    _save(path, engine, _inner(engine, optimizer, "save_checkpoint"), extra, guard=_guard(optimizer))
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -53,7 +53,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     skips the sha256 check of the files (their sizes are still checked).
     """
     engine = engine_of(model, "load_checkpoint")
-    return _load(path, engine, _inner(engine, optimizer, "load_checkpoint"), verify=verify)
+    return _load(path, engine, _inner(engine, optimizer, "load_checkpoint"), verify=verify, guard=_guard(optimizer))
 
 
 def save_peft_adapter(model: nn.Module, directory: str | os.PathLike, **save_pretrained_kwargs: Any) -> None:
@@ -86,3 +86,8 @@ def _inner(engine, optimizer: torch.optim.Optimizer | None, verb: str) -> torch.
     if getattr(optimizer, "engine", None) is not engine or not hasattr(optimizer, "inner"):
         raise ValueError(f"zp.{verb}: pass the ZeroOptimizer that zp.setup returned together with this model")
     return optimizer.inner
+
+
+def _guard(optimizer) -> Any:
+    """The loss scaler saved and loaded with the optimizer ([Note: scaler state] in optim/loss_scale.py)."""
+    return None if optimizer is None else optimizer.guard

@@ -153,7 +153,9 @@ class ZeroConfig:
     unit_policy: Callable[[torch.nn.Module, str], bool] | None = None
     """Stage 3: callable (module, qualified_name) -> bool choosing units; excludes unit_classes. Default None."""
     clip_grad_norm: float | None = None
-    """Max global gradient norm, applied in ZeroOptimizer.step; None = no clipping. Default None."""
+    """Max global gradient norm (2-norm over every rank's shard), clipped in ZeroOptimizer.step right before the
+    update, as torch's clip_grad_norm_ there would; an explicit zp.clip_grad_norm_ earlier in the step applies
+    first, then this one (the smaller bound wins); > 0, None = no clipping. Default None."""
     loss_scale: str | float = "dynamic"
     """fp16 loss scale: "dynamic" or a fixed factor > 0 (needs param_dtype fp16). Default "dynamic"."""
     trim_host_heap: bool = True

@@ -8,6 +8,7 @@ table that picks them is in ``zero_plugin/stages.py``.  Public verbs in
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any, Iterator
 
 import torch
@@ -42,10 +43,30 @@ def register_engine(model: nn.Module, engine: "Engine") -> None:
     if isinstance(model.__dict__.get(_ATTR), Engine):
         raise ValueError("zp.setup: this model was already set up; call zp.setup once per model")
     model.__dict__[_ATTR] = engine
+    model.__dict__["zero_grad"] = types.MethodType(_model_zero_grad, model)   # [Note: model.zero_grad]
 
 
 def unregister_engine(model: nn.Module) -> None:
     model.__dict__.pop(_ATTR, None)
+    model.__dict__.pop("zero_grad", None)
+
+
+# [Note: model.zero_grad]
+# Stages 2-3 keep the reduced gradients outside `.grad` (stage 2: the reducer's shard-sized `owned`
+# tensors; stage 3: each ShardedParam's `sharded_grad`), and stages 0-1 index them from the reducer;
+# nn.Module.zero_grad only visits `.grad`, so gradients of a discarded backward would be added into
+# the next one's.  The set-up module therefore gets an *instance* attribute `zero_grad` (in its
+# __dict__, which attribute lookup reads before the class): its class's zero_grad, then the engine's.
+# Only this one object changes -- no class is patched or swapped (FSDP2's `__class__` swap would change
+# `type(model)`, which checkpoints, PEFT and Lightning look at) and nothing global -- and it is the
+# object user loops, PEFT and HF Trainer call `zero_grad()` on; unregister_engine removes it.  A module
+# built *around* the set-up model afterwards does not reach it (nn.Module.zero_grad walks parameters,
+# not submodules' zero_grad); optimizer.zero_grad() always does.
+def _model_zero_grad(model: nn.Module, set_to_none: bool = True) -> None:
+    type(model).zero_grad(model, set_to_none)
+    engine = model.__dict__.get(_ATTR)
+    if isinstance(engine, Engine):
+        engine.zero_grad(set_to_none)
 
 
 class Engine:
@@ -59,8 +80,10 @@ class Engine:
         self.comm = comm
         self.slots = slots
         self._master_names = {id(s.master): s.name for s in slots}
-        # Global grad norm of this step, set by clip_grad_norm_ and consumed by the step's inf/NaN check.
-        self.step_grad_norm: float | None = None
+        # [Note: per-step state] What this step has learnt about its gradients; valid only for the
+        # gradients it was computed from, so zero_grad (optimizer's or model's) and the step reset it.
+        self.step_grad_norm: float | None = None   # global norm from clip_grad_norm_, reused by the inf/NaN check
+        self.grads_unscaled = False                # fp16: the owned gradients were divided by the loss scale
 
     # -- step ---------------------------------------------------------------
     def before_step(self, blocked: bool = False) -> None:
@@ -89,7 +112,17 @@ class Engine:
             synchronize_copies(self.compute_device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard every gradient of this step, wherever the stage keeps it, and the step's cached state."""
+        self.discard_grads(set_to_none)
+        self.reset_step_state()
+
+    def discard_grads(self, set_to_none: bool) -> None:
         raise NotImplementedError
+
+    def reset_step_state(self) -> None:
+        """[Note: per-step state]"""
+        self.step_grad_norm = None
+        self.grads_unscaled = False
 
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
         raise NotImplementedError

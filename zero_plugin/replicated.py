@@ -83,8 +83,8 @@ class ReplicatedEngine(Engine):
         if self.param_sync is not None:
             self.param_sync.run()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.reducer.zero_grad(set_to_none)
+    def discard_grads(self, set_to_none: bool) -> None:
+        self.reducer.zero_grad(set_to_none)   # param.grad and the reduced grads it indexes (stage 2: the shards)
         for slot in self.slots:
             if not slot.is_identity:
                 slot.master.grad = None

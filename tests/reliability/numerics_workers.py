@@ -44,3 +44,103 @@ def poisoned_step_worker(stage: int, param_dtype: str | None, poison: str) -> di
             out["finite"] = all(torch.isfinite(v).all().item() for v in after.values())
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     return out
+
+
+# -- per-step state and discarded gradients ----------------------------------------------------
+PROBE_DISCARDS = ("model", "model_keep", "optimizer", "optimizer_keep")
+
+
+def _discard(model, opt, how: str) -> None:
+    """Throw the current gradients away the way a user (or PEFT / HF Trainer) would."""
+    if how == "model":
+        model.zero_grad()
+    elif how == "model_keep":
+        model.zero_grad(set_to_none=False)
+    elif how == "optimizer":
+        opt.zero_grad()
+    elif how == "optimizer_keep":
+        opt.zero_grad(set_to_none=False)
+    else:
+        raise ValueError(f"unknown discard {how!r}; expected one of {PROBE_DISCARDS}")
+
+
+def sgd(model) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def adamw(model) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def probe_discarded_worker(stage: int, batches: list, probes: list) -> dict:
+    """Per step: a probe backward on ``probes[i]``, its gradients discarded (each way in turn, on a fresh
+    float64 model), then the real backward on ``batches[i]`` and a step.  Parameters per discard."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for how in PROBE_DISCARDS:
+        model = models.make_odd_mlp()
+        model, opt = zp.setup(model, adamw(model), zp.ZeroConfig(stage=stage))
+        for batch, probe in zip(batches, probes):
+            models.loss_fn(model, models.shard_batch(probe, rank, world)).backward()
+            _discard(model, opt, how)
+            models.loss_fn(model, models.shard_batch(batch, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        out[how] = zp.full_state_dict(model, rank0_only=False)
+    return out
+
+
+def skipped_spike_worker(stage: int, precision: str, how: str, batches: list, poison_step: int | None) -> dict:
+    """Step 0: backward, ``clip_grad_norm_``, gradients discarded without a step (a loss spike skipped by
+    the user).  Later steps train normally, except that the last rank's loss at ``poison_step`` is NaN.
+    ``precision``: "fp16" (fp32 model, fp16 params, dynamic loss scale) or "fp64" (float64, no scaling)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = models.make_odd_mlp(dtype=torch.float32 if precision == "fp16" else torch.float64)
+    config = zp.ZeroConfig(stage=stage, param_dtype="fp16" if precision == "fp16" else None)
+    model, opt = zp.setup(model, sgd(model), config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, batch in enumerate(batches):
+            loss = models.loss_fn(model, models.shard_batch(batch, rank, world))
+            if step == poison_step and rank == world - 1:
+                loss = loss * float("nan")
+            opt.scale_loss(loss).backward()
+            if step == 0:
+                zp.clip_grad_norm_(model, 0.1)
+                _discard(model, opt, how)
+                continue
+            opt.step()
+            opt.zero_grad()
+    params = {k: v.double() for k, v in zp.full_state_dict(model, rank0_only=False).items()}
+    return {"params": params, "skipped": opt.skipped_steps, "scale": opt.loss_scale,
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
+
+
+def config_clip_worker(stage: int, batches: list, config_max: float, user_max: float | None) -> dict:
+    """float64 OddMLP, two-group AdamW, ``ZeroConfig(clip_grad_norm=config_max)``; with ``user_max`` the
+    loop also calls ``zp.clip_grad_norm_(model, user_max)`` before each step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = models.make_odd_mlp()
+    model, opt = zp.setup(model, models.two_group_adamw(model), zp.ZeroConfig(stage=stage, clip_grad_norm=config_max))
+    norms = []
+    for batch in batches:
+        models.loss_fn(model, models.shard_batch(batch, rank, world)).backward()
+        if user_max is not None:
+            norms.append(float(zp.clip_grad_norm_(model, user_max)))
+        opt.step()
+        opt.zero_grad()
+    return {"params": zp.full_state_dict(model, rank0_only=False), "user_norms": norms}
+
+
+def lora_probe_discarded_worker(stage: int, batches: list, probes: list) -> dict:
+    """The set-up object is a PeftModel: a probe backward, ``model.zero_grad()`` on it, the real step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = models.make_tiny_llama_lora(layers=2)
+    model, opt = zp.setup(model, adamw(model), zp.ZeroConfig(stage=stage))
+    for batch, probe in zip(batches, probes):
+        models.loss_fn(model, models.shard_batch(probe, rank, world)).backward()
+        model.zero_grad()
+        models.loss_fn(model, models.shard_batch(batch, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    return zp.full_state_dict(model, rank0_only=False, trainable_only=True)

@@ -4,6 +4,11 @@
   3 with parameter offload too): 6 steps straight equal 3 steps,
   save, and -- in a second ``run_ranks`` call that builds everything again -- load and 3 more,
   bitwise (parameters, optimizer state, LR schedule, every rank's RNG).
+* fp16 exact resume: the dynamic loss scale (backed off by an overflow before the save) and the skip
+  count survive the checkpoint and the optimizer's state dicts; one step after the resume overflows only
+  at the initial scale, so a run that lost the scale departs.  Checkpoints without that record still load.
+* State saved from another optimizer class (AdamW into SGD) is refused with both class names, before
+  anything changes.
 * Resharding (float64 OddMLP): save at (stage s1, N1), load at (s2, N2): the full parameters and
   optimizer state equal the saved ones exactly, and one more step matches the saving run's
   within 1e-10 (only the reduction order differs).  The whole 4x4 stage grid for N1=2 -> N2=4,
@@ -77,6 +82,36 @@ def test_exact_resume(stage, config, tmp_path):
         rng_saved, rng_loaded = a["rng_after_save"], b["rng_after_load"]
         assert torch.equal(rng_saved[0], rng_loaded[0]) and rng_saved[1:] == rng_loaded[1:], f"rank {rank} RNG"
     assert not torch.equal(first[0]["rng_after_save"][0], first[1]["rng_after_save"][0]), "ranks should differ"
+
+
+@pytest.mark.parametrize("stage", (0, 2, 3))
+def test_fp16_exact_resume_keeps_the_loss_scale(stage, tmp_path):
+    """fp16, dynamic loss scale that overflows before the save (scale backed off to 2^15) and once more
+    after it only at 2^16: interrupted + resumed equals uninterrupted -- scale and skip count after every
+    step, parameters and optimizer state bitwise.  The optimizer's state dicts carry the scaler too."""
+    path = str(tmp_path / "ckpt")
+    first = run_ranks(2, w.fp16_resume_first_half, stage, path, timeout=120)
+    second = run_ranks(2, w.fp16_resume_second_half, stage, path, timeout=120)
+    for a, b in zip(first, second):
+        straight = a["straight_trace"]
+        assert [s for s, _ in straight] == [2.0**16, 2.0**15, 2.0**15, 2.0**15, 2.0**15, 2.0**15], straight
+        assert [n for _, n in straight] == [0, 1, 1, 1, 1, 1], "step 1 overflows; step 4 must not at 2^15"
+        assert a["split_trace"] == straight[:w.FP16_SAVE_AT]
+        assert a["saved_scaler"] == straight[w.FP16_SAVE_AT - 1]
+        assert a["state_dict_scalers"] == {"sharded": a["saved_scaler"], "consolidated": a["saved_scaler"]}
+        assert b["loaded_scaler"] == a["saved_scaler"]
+        assert b["trace"] == straight[w.FP16_SAVE_AT:]
+        assert_params_equal(a["straight_params"], b["params"])
+        assert_opt_equal(a["straight_opt"], b["opt"])
+
+
+def test_checkpoint_without_loss_scale_record_still_loads(tmp_path):
+    """A checkpoint written before the scaler was saved: loads, and the scaler keeps its fresh state."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(2, w.fp16_resume_first_half, 2, path, timeout=120)
+    for b in run_ranks(2, w.fp16_resume_second_half, 2, path, strip_scaler=True, timeout=120):
+        assert b["loaded_scaler"] == (2.0**16, 0)
+
 
 
 # -- resharding --------------------------------------------------------------------------------------
@@ -226,6 +261,21 @@ def test_unstorable_extra_and_mismatched_optimizer(tmp_path):
     assert not other_opt.state
     w.load_checkpoint(path, other)   # the model alone loads fine
     assert_params_equal(w.full_params(model), w.full_params(other))
+
+
+@pytest.mark.parametrize("world_size,stage", [(1, 1), (2, 2), (2, 3)])
+def test_state_of_another_optimizer_class_is_refused_before_anything_changes(world_size, stage, tmp_path):
+    """AdamW's checkpoint / state dicts into SGD: a ValueError naming both classes and the fix, raised by
+    the checks, so the SGD run's parameters, state and hyper-parameters stay as they were."""
+    results = run_ranks(world_size, w.wrong_optimizer_class, stage, str(tmp_path / "ckpt"), timeout=120)
+    for r in results:
+        for kind, error in r["errors"].items():
+            assert error is not None, f"{kind}: loaded without error"
+            for needle in ("torch.optim.adamw.AdamW", "torch.optim.sgd.SGD", "same optimizer class"):
+                assert needle in error, f"{kind}: {needle!r} not in {error!r}"
+        assert_params_equal(r["before"]["params"], r["after"]["params"])
+        assert_opt_equal(r["before"]["opt"], r["after"]["opt"])
+        assert r["before"]["groups"] == r["after"]["groups"]
 
 
 def test_writer_output_is_standard_safetensors(tmp_path):

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ..optim.loss_scale import scaler_state_problem
+from ..optim.state import class_mismatch
 from . import format as fmt
 from .format import CheckpointError
 from .regions import ParamView
@@ -78,6 +80,10 @@ def _check_optimizer_index(path: str, opt: Any, params: dict) -> None:
     groups, state = (opt.get("param_groups"), opt.get("state")) if isinstance(opt, dict) else (None, None)
     if not (isinstance(groups, list) and isinstance(state, dict)):
         raise _bad(path, "optimizer needs param_groups and state")
+    if not isinstance(opt.get("class", ""), str):
+        raise _bad(path, "optimizer class must be a string")
+    if "grad_guard" in opt and (problem := scaler_state_problem(opt["grad_guard"])):
+        raise _bad(path, f"optimizer grad_guard (loss scaler): {problem}")
     for g in groups:
         names = g.get("param_names") if isinstance(g, dict) else None
         if not (isinstance(names, list) and all(isinstance(n, str) for n in names) and isinstance(g.get("hyper"), dict)):
@@ -127,6 +133,11 @@ def match_optimizer(index: dict, engine, inner, path: str) -> None:
     if saved is None:
         raise CheckpointError(f"zp.load_checkpoint: checkpoint {path} holds no optimizer state (saved with "
                               "optimizer=None); load it with optimizer=None")
+    error = class_mismatch(saved.get("class"), inner, "zp.load_checkpoint",
+                           f"or load the model alone (zp.load_checkpoint({path!r}, model)) and start this optimizer "
+                           "fresh")
+    if error is not None:
+        raise CheckpointError(error)
     groups = saved["param_groups"]
     if len(groups) != len(inner.param_groups):
         raise CheckpointError(f"zp.load_checkpoint: checkpoint {path} has {len(groups)} optimizer param groups, "

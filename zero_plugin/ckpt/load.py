@@ -42,7 +42,10 @@ from .verify import check_hashes, read_index, read_sized_manifest
 __all__ = ["Reader", "load"]
 
 
-def load(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, verify: bool = True) -> Any:
+def load(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, verify: bool = True,
+         guard: Any = None) -> Any:
+    """``guard``: the ZeroOptimizer's loss scaler; it takes the index's record if there is one (checkpoints
+    written before it was saved have none: the scaler is left as it is) ([Note: scaler state])."""
     comm = engine.comm
     path = os.path.abspath(os.fspath(path))
     files = on_every_rank(comm, lambda: _manifest(engine, path))
@@ -54,7 +57,7 @@ def load(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | No
     with contextlib.ExitStack() as stack:
         reader = Reader(path, index["files"], stack)
         plan = on_every_rank(comm, lambda: _plan(reader, index, engine, views, inner))
-        on_every_rank(comm, lambda: _read_in(plan, reader, inner))
+        on_every_rank(comm, lambda: _read_in(plan, reader, inner, guard))
     return plan.extra
 
 
@@ -137,6 +140,7 @@ class _Plan:
     params: list[tuple[ParamView, _Region]] = field(default_factory=list)
     buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     optimizer: dict | None = None
+    grad_guard: dict | None = None
     extra: Any = None
     rng: dict | None = None
 
@@ -157,6 +161,7 @@ def _plan(reader: Reader, index: dict, engine, views: list[ParamView], inner) ->
     rank0 = lambda key: reader.tensor(0, key)   # noqa: E731 - tensors referenced by the index live in rank 0's file
     if inner is not None:
         plan.optimizer = _plan_optimizer(reader, index, engine, views, inner, rank0)
+        plan.grad_guard = index["optimizer"].get("grad_guard")
     plan.extra = _decode(index.get("extra"), rank0, "extra")
     plan.extra = {} if plan.extra is None else plan.extra
     rank, world = engine.comm.rank, engine.comm.world_size
@@ -232,7 +237,7 @@ def _decode(value: Any, tensor, what: str) -> Any:
 
 # -- reading in -----------------------------------------------------------------------
 @torch.no_grad()
-def _read_in(plan: _Plan, reader: Reader, inner) -> None:
+def _read_in(plan: _Plan, reader: Reader, inner, guard) -> None:
     """Read every planned region straight into the model and optimizer, one stored piece at a time
     ([Note: loading in place])."""
     for view, region in plan.params:
@@ -247,6 +252,8 @@ def _read_in(plan: _Plan, reader: Reader, inner) -> None:
                 if isinstance(value, _StateRegion):
                     entry[key] = _fill(reader, value, live.get((pos, key)))
         inner.load_state_dict(plan.optimizer)
+        if plan.grad_guard is not None and guard is not None:
+            guard.load_state_dict(plan.grad_guard)   # checked with the index (check_index)
     if plan.rng is not None:
         restore_rng(plan.rng)
 

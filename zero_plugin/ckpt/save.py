@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .._flat import ShardLayout
+from ..optim.state import optimizer_class
 from . import format as fmt
 from .export_info import describe_model
 from .format import CheckpointError
@@ -29,7 +30,9 @@ from .tree import encode
 __all__ = ["save"]
 
 
-def save(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, extra: Any) -> None:
+def save(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, extra: Any,
+         guard: Any = None) -> None:
+    """``guard``: the ZeroOptimizer's loss scaler, whose state goes into the index ([Note: scaler state])."""
     comm = engine.comm
     path = os.path.abspath(os.fspath(path))
     token = comm.broadcast_object(uuid.uuid4().hex if comm.rank == 0 else None)
@@ -38,7 +41,7 @@ def save(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | No
     try:
         schema = _agree_state_schema(comm, views, inner)
         index, json_tensors = on_every_rank(
-            comm, lambda: _build_index(engine, views, inner, schema, extra) if comm.rank == 0 else (None, {}))
+            comm, lambda: _build_index(engine, views, inner, schema, extra, guard) if comm.rank == 0 else (None, {}))
         record = on_every_rank(comm, lambda: _write_rank_file(tmp, engine, views, inner, schema, json_tensors))
         records = comm.all_gather_object(record)
         on_every_rank(comm, lambda: _publish(tmp, path, token, index, records) if comm.rank == 0 else None)
@@ -89,7 +92,7 @@ def _save_layout(view: ParamView, comm) -> ShardLayout:
     return ShardLayout(view.numel, comm.world_size, comm.rank)
 
 
-def _build_index(engine, views: list[ParamView], inner, schema, extra) -> tuple[dict, dict[str, torch.Tensor]]:
+def _build_index(engine, views: list[ParamView], inner, schema, extra, guard) -> tuple[dict, dict[str, torch.Tensor]]:
     """Rank 0: the JSON index, and the tensors it refers to (they go into rank 0's file)."""
     world = engine.comm.world_size
     tensors: dict[str, torch.Tensor] = {}
@@ -106,7 +109,7 @@ def _build_index(engine, views: list[ParamView], inner, schema, extra) -> tuple[
         "world_size": world, "stage": engine.config.stage, "config": engine.config.to_dict(),
         "files": [fmt.shard_file_name(r, world) for r in range(world)],
         "params": params, "buffers": buffers,
-        "optimizer": None if inner is None else _optimizer_index(engine, views, inner, schema, tensors),
+        "optimizer": None if inner is None else _optimizer_index(engine, views, inner, schema, tensors, guard),
         "extra": encode(extra, tensors, "x", "extra"),
         "export": describe_model(engine.model),
     }
@@ -114,7 +117,7 @@ def _build_index(engine, views: list[ParamView], inner, schema, extra) -> tuple[
     return index, tensors
 
 
-def _optimizer_index(engine, views, inner, schema, tensors) -> dict:
+def _optimizer_index(engine, views, inner, schema, tensors, guard) -> dict:
     by_name = {v.name: v for v in views}
     groups = []
     for gi, group in enumerate(inner.param_groups):
@@ -127,7 +130,10 @@ def _optimizer_index(engine, views, inner, schema, tensors) -> dict:
         state[name] = {k: {"region": dtype} if dtype is not None
                        else {"value": encode(values[k], tensors, "x", f"optimizer state[{name!r}][{k!r}]")}
                        for k, dtype in keys.items()}
-    return {"class": f"{type(inner).__module__}.{type(inner).__qualname__}", "param_groups": groups, "state": state}
+    out = {"class": optimizer_class(inner), "param_groups": groups, "state": state}
+    if guard is not None:
+        out["grad_guard"] = guard.state_dict()   # JSON scalars
+    return out
 
 
 def _write_rank_file(tmp: str, engine, views, inner, schema, json_tensors) -> fmt.FileRecord:

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-__all__ = ["GradGuard"]
+__all__ = ["GradGuard", "scaler_state_problem"]
 
 
 class GradGuard:
@@ -30,19 +30,20 @@ class GradGuard:
         self.backoff, self.growth = backoff, growth
         self.clean_steps = 0
         self.skipped_steps = 0
-        self._unscaled = False
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.scaling else loss
 
     @torch.no_grad()
     def unscale(self) -> None:
-        """Divide the owned gradients by the scale once per step (clipping must see true gradients)."""
-        if self.scaling and not self._unscaled:
+        """Divide the owned gradients by the scale once per step (clipping must see true gradients).
+        "Once" is the engine's per-step flag, which zero_grad clears with the gradients ([Note: per-step
+        state] in engine.py): gradients of a later backward are scaled again."""
+        if self.scaling and not self.engine.grads_unscaled:
             inv = 1.0 / self.scale
             for g in self.engine.owned_grads():
                 g.mul_(inv)
-        self._unscaled = True
+        self.engine.grads_unscaled = True
 
     @torch.no_grad()
     def found_nonfinite(self) -> bool:
@@ -69,9 +70,8 @@ class GradGuard:
     def should_step(self) -> bool:
         """Unscale, check every rank, update the scale; False means skip this step on every rank."""
         self.unscale()
-        self._unscaled = False
         nonfinite = self.found_nonfinite()
-        self.engine.step_grad_norm = None
+        self.engine.reset_step_state()   # the step consumes (or discards) these gradients
         if nonfinite:
             self.skipped_steps += 1
             self.clean_steps = 0
@@ -86,10 +86,33 @@ class GradGuard:
             self.scale *= self.growth
         return True
 
+    # [Note: scaler state] The scale, the clean-step count and the skip count are training state: a resumed
+    # run that started again from the initial scale would re-skip the steps that backed it off and depart
+    # from the uninterrupted run.  They travel in ZeroOptimizer.state_dict / consolidate_state_dict (under
+    # "zero_plugin") and in zp.save_checkpoint's index.json (optimizer.grad_guard).  A record from a run
+    # without dynamic scaling (or loaded into one) carries only the skip count over.
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+        return {"dynamic": self.dynamic, "scale": self.scale, "clean_steps": self.clean_steps,
+                "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self.clean_steps = int(state["clean_steps"])
+        """Take a :meth:`state_dict`; check it first with :func:`scaler_state_problem`."""
         self.skipped_steps = int(state["skipped_steps"])
+        if self.dynamic and state["dynamic"]:
+            self.scale = float(state["scale"])
+            self.clean_steps = int(state["clean_steps"])
+
+
+def scaler_state_problem(state) -> str | None:
+    """What is wrong with a loaded :meth:`GradGuard.state_dict` (untrusted input), or None."""
+    def count(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if not isinstance(state, dict):
+        return f"expected a dict, got {type(state).__name__}"
+    scale = state.get("scale")
+    ok = (isinstance(state.get("dynamic"), bool) and isinstance(scale, (int, float)) and not isinstance(scale, bool)
+          and math.isfinite(scale) and scale > 0 and count(state.get("clean_steps"))
+          and count(state.get("skipped_steps")))
+    return None if ok else ("expected dynamic (bool), scale (finite > 0), clean_steps and skipped_steps "
+                            f"(ints >= 0); got {state!r}")

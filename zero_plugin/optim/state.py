@@ -13,7 +13,8 @@ import torch
 
 from ..optim.master import MasterParam
 
-__all__ = ["consolidate_optimizer_state", "shard_optimizer_state", "gather_full", "region_of"]
+__all__ = ["consolidate_optimizer_state", "shard_optimizer_state", "gather_full", "region_of", "optimizer_class",
+           "class_mismatch"]
 
 
 def _ordered_slots(opt: Any) -> list[MasterParam]:
@@ -114,3 +115,21 @@ def _slice_value(key: str, value: Any, slot: MasterParam) -> Any:
             f"elements, the parameter has {slot.layout.numel}"
         )
     return region_of(value, slot)
+
+
+def optimizer_class(optimizer: Any) -> str:
+    """The qualified class name saved with optimizer state, e.g. ``torch.optim.adamw.AdamW``."""
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def class_mismatch(saved: Any, optimizer: Any, verb: str, fix: str) -> str | None:
+    """The error for state saved from another optimizer class, or None.  torch's load_state_dict would take
+    it: the param groups' hyper-parameters are replaced by the saved ones and the state keys differ, so the
+    next step fails (AdamW into SGD: ``KeyError: 'momentum'``) or, worse, runs with the wrong settings.
+    ``saved`` None: nothing recorded (a plain torch state dict), nothing to check."""
+    live = optimizer_class(optimizer)
+    if saved is None or saved == live:
+        return None
+    return (f"{verb}: the optimizer state was saved from a {saved}, this optimizer is a {live}; its state and "
+            f"hyper-parameters do not fit. Load it into the same optimizer class ({saved}), {fix}")

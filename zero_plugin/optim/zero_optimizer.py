@@ -13,9 +13,10 @@ from typing import Any, Callable
 import torch
 
 from .blocked_step import BlockedStep
+from .clip import clip_owned_grads
 from .cpu_step import fused_cpu_step
-from .loss_scale import GradGuard
-from .state import consolidate_optimizer_state, shard_optimizer_state
+from .loss_scale import GradGuard, scaler_state_problem
+from .state import class_mismatch, consolidate_optimizer_state, optimizer_class, shard_optimizer_state
 
 __all__ = ["ZeroOptimizer"]
 
@@ -72,6 +73,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._clip_configured()
         if not self.guard.should_step():
             self.engine.zero_grad(set_to_none=True)   # the skipped step's gradients are discarded
             return loss
@@ -83,6 +85,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.inner.step()
         self.engine.after_step()
         return loss
+
+    def _clip_configured(self) -> None:
+        """[Note: configured clipping] ``ZeroConfig.clip_grad_norm`` is exactly ``torch.nn.utils.clip_grad_norm_``
+        (global norm over every rank's shard, true fp16 gradients) called right before ``step()``.  An explicit
+        ``zp.clip_grad_norm_`` earlier in the step does not replace it: both apply, in that order, as two
+        torch calls would (so the smaller bound wins, and the user's call still returns the unclipped norm).
+        The inf/NaN check then reuses the configured clip's norm instead of reading the gradients again."""
+        max_norm = self.engine.config.clip_grad_norm
+        if max_norm is not None:
+            self.guard.unscale()
+            clip_owned_grads(self.engine, max_norm)
 
     @property
     def skipped_steps(self) -> int:
@@ -111,25 +124,48 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
 
     # -- state dicts --------------------------------------------------------
+    # Both forms carry a "zero_plugin" record: the wrapped optimizer's class (checked on load) and the loss
+    # scaler's state ([Note: scaler state] in loss_scale.py).  torch's own load_state_dict ignores the key.
+    def _record(self) -> dict:
+        return {"optimizer_class": optimizer_class(self.inner), "grad_guard": self.guard.state_dict()}
+
     def state_dict(self) -> dict:
-        """This rank's shard: the wrapped optimizer's state dict plus a ``zero_plugin`` layout record."""
+        """This rank's shard: the wrapped optimizer's state dict plus a ``zero_plugin`` record (layout, class,
+        loss scaler)."""
         sd = self.inner.state_dict()
-        sd["zero_plugin"] = self.engine.shard_metadata()
+        sd["zero_plugin"] = {**self.engine.shard_metadata(), **self._record()}
         return sd
 
     def consolidate_state_dict(self, to_rank: int | None = 0) -> dict:
-        """Collective: the state dict an unsharded optimizer would have (full-shape tensors, on CPU).
+        """Collective: the state dict an unsharded optimizer would have (full-shape tensors, on CPU), plus
+        the ``zero_plugin`` record (class, loss scaler).
 
         Ranks other than ``to_rank`` get ``{}`` (``to_rank=None``: every rank gets it).
         """
-        return consolidate_optimizer_state(self, to_rank)
+        full = consolidate_optimizer_state(self, to_rank)
+        if full:
+            full["zero_plugin"] = {"sharded": False, **self._record()}
+        return full
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full state dict (from ``consolidate_state_dict`` or an unsharded optimizer) or this rank's shard."""
-        meta = state_dict.get("zero_plugin")
-        if meta is not None and meta.get("sharded", False):
+        """Load a full state dict (from ``consolidate_state_dict`` or an unsharded optimizer) or this rank's shard.
+        Everything is checked before anything changes."""
+        meta = state_dict.get("zero_plugin") or {}
+        self._check_record(meta)
+        if meta.get("sharded", False):
             self.engine.check_shard_metadata(meta)
             inner_sd = {k: v for k, v in state_dict.items() if k != "zero_plugin"}
-            self.inner.load_state_dict(inner_sd)
-            return
-        self.inner.load_state_dict(shard_optimizer_state(self, state_dict))
+        else:
+            inner_sd = shard_optimizer_state(self, state_dict)
+        self.inner.load_state_dict(inner_sd)
+        if "grad_guard" in meta:   # absent from plain torch dicts and from dicts saved before it was recorded
+            self.guard.load_state_dict(meta["grad_guard"])
+
+    def _check_record(self, meta: dict) -> None:
+        verb = "ZeroOptimizer.load_state_dict"
+        error = class_mismatch(meta.get("optimizer_class"), self.inner, verb,
+                               "or leave the optimizer state out and start this optimizer fresh")
+        if error is None and "grad_guard" in meta and (problem := scaler_state_problem(meta["grad_guard"])):
+            error = f"{verb}: malformed loss-scaler record zero_plugin.grad_guard: {problem}"
+        if error is not None:
+            raise ValueError(error)

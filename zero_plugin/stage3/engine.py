@@ -157,7 +157,7 @@ class Stage3Engine(Engine):
                 slot.write_back()
                 slot.master.grad = None
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def discard_grads(self, set_to_none: bool) -> None:
         for slot in self.slots:
             sp = self.sharded[id(slot.param)]
             slot.param.grad = None
