@@ -143,10 +143,19 @@ def _params_fp64(full: dict, ref: dict) -> list[str]:
     return out
 
 
+def frozen_keys(spec: dict) -> set[str]:
+    """State-dict keys of frozen parameters, with the second name of a tied ``mix`` weight."""
+    frozen = set(spec["model"]["frozen"])
+    for j, i in enumerate(spec["model"]["tie_to"]):
+        if i is not None and f"blocks.{i}.mix.weight" in frozen:
+            frozen.add(f"blocks.{j}.mix.weight")
+    return frozen
+
+
 def _params_bf16(spec: dict, full: dict, ref: dict) -> list[str]:
     """Trained parameters: distance from the emulated bf16 run, relative to the float64 update (see
     BF16_UPDATE_REL); frozen ones: unchanged up to bf16 rounding."""
-    frozen = set(spec["model"]["frozen"])
+    frozen = frozen_keys(spec)
     emulated = ref["bf16"]["final"]
     out, diff, emu_diff, moved, scale = [], 0.0, 0.0, 0.0, 0.0
     for k, want in ref["final"].items():
