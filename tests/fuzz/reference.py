@@ -1,0 +1,81 @@
+"""The single-process reference for one fuzz spec, in float64.
+
+Each micro-batch's loss is the mean over ranks of rank r's loss on its own batch with its own block usage,
+so the gradients are what data-parallel averaging gives; no_sync only delays that averaging, so the
+reference ignores it.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tests.fuzz.model import batch, build_model, build_optimizer, loss_fn
+
+
+def reference(spec: dict) -> dict:
+    """Losses per rank per micro-batch, clip norms, initial and final parameters (name -> float64 tensor)."""
+    n = spec["world_size"]
+    model = build_model(spec, torch.float64)
+    opt = build_optimizer(spec, model)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    losses, norms, micro = [], [], 0
+    for op in spec["schedule"]:
+        if op[0] == "micro":
+            per_rank = []
+            for r in range(n):
+                x, y = batch(spec, micro, r, torch.float64)
+                per_rank.append(loss_fn(model(x, op[1]["usage"][r]), y))
+            (torch.stack(per_rank).mean() * op[1]["scale"]).backward()
+            losses.append([v.item() for v in per_rank])
+            micro += 1
+        elif op[0] == "clip":
+            norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, op[1])))
+        elif op[0] == "step":
+            opt.step()
+        elif op[0] == "zero_grad":
+            opt.zero_grad()
+    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "norms": norms, "initial": initial, "final": final}
+
+
+def reference_bf16(spec: dict) -> dict:
+    """The mixed-precision recipe in one process: fp32 masters, each rank's forward and backward in bf16,
+    the ranks' bf16 gradients summed in fp32 and divided by N, clip and step on the masters.
+
+    Not bitwise what the ranks do (their sum runs in ``reduce_dtype``, in the collective's order), but it
+    rounds where they round, so its distance from the float64 reference calibrates theirs.
+    """
+    n = spec["world_size"]
+    master = build_model(spec, torch.float32)
+    work = copy.deepcopy(master).to(torch.bfloat16)   # deepcopy keeps the ties
+    opt = build_optimizer(spec, master)
+    pairs = [(m, w) for m, w in zip(master.parameters(), work.parameters()) if m.requires_grad]
+    trainable = [m for m, _ in pairs]
+    losses, norms, micro = [], [], 0
+    for op in spec["schedule"]:
+        if op[0] == "micro":
+            losses.append([])
+            with torch.no_grad():
+                for m, w in zip(master.parameters(), work.parameters()):
+                    w.copy_(m)
+            for r in range(n):
+                work.zero_grad()
+                x, y = batch(spec, micro, r, torch.float32)
+                loss = loss_fn(work(x.to(torch.bfloat16), op[1]["usage"][r]), y)
+                (loss * op[1]["scale"]).backward()
+                losses[-1].append(loss.item())
+                for m, w in pairs:
+                    if w.grad is not None:
+                        add = w.grad.float() / n
+                        m.grad = add if m.grad is None else m.grad + add
+            micro += 1
+        elif op[0] == "clip":
+            norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, op[1])))
+        elif op[0] == "step":
+            opt.step()
+        elif op[0] == "zero_grad":
+            opt.zero_grad()
+    final = {k: v.detach().to(torch.float64).clone() for k, v in master.state_dict().items()}
+    return {"losses": losses, "norms": norms, "final": final}

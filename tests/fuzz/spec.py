@@ -1,0 +1,131 @@
+"""The hypothesis strategy for one fuzz case: a plain-data spec (JSON-safe dict), replayable on its own.
+
+A spec holds everything a run depends on::
+
+    {"seed": 3, "world_size": 2, "stage": 1, "buffered": false, "offload": false,
+     "precision": "fp64" | "bf16" | "bf16_reduce_fp32",
+     "bucket_size_mb": 25.0 | 0.0001,                      # stages 0-2: one bucket or one per parameter
+     "stage3": {"prefetch_depth": 1, "reshard_after_forward": true, "persistence_threshold": 0},
+     "optimizer": {"kind": "sgd" | "adamw", "lr": .., "momentum": .., "weight_decay": .., "two_groups": ..},
+     "model": {"d_in": 3, "widths": [5, 7], "d_out": 2, "bias": true, "batch": 2,
+               "tie_to": [null, 0],                        # block j's mix.weight is block tie_to[j]'s
+               "frozen": ["blocks.0.fc.weight"]},
+     "schedule": [["micro", {"sync": false, "scale": 0.5, "usage": [[2, 1], [2, 0]]}],   # per rank, per block
+                  ["micro", {"sync": true, "scale": 0.5, "usage": [[2, 2], [2, 2]]}],
+                  ["clip", 0.05], ["step"], ["zero_grad", "optimizer" | "model"]]}
+
+Usage values are ``model.SKIP`` (0), ``DISCARD`` (1), ``USE`` (2). At stage 3 every rank calls the same
+blocks in each micro-batch (a block not called on some rank is an error there, not a training pattern), so
+only USE/DISCARD differ between ranks. The micro-batch before a clip or a step is synced (outside
+``no_sync``). Every step is followed by a zero_grad.
+"""
+from __future__ import annotations
+
+import json
+
+from hypothesis import strategies as st
+
+from tests.fuzz.model import DISCARD, SKIP, USE, FuzzModel, tie_roots
+
+PRECISIONS = ("fp64", "bf16", "bf16_reduce_fp32")
+TINY_BUCKET_MB = 1e-4   # ~100 bytes: every parameter in its own bucket
+
+
+@st.composite
+def specs(draw, stages=(0, 1, 2, 3), world_sizes=(1, 2, 3, 4), precisions=PRECISIONS, uneven=(False, True),
+          frozen=(False, True), zero_grad=("optimizer", "optimizer", "model"), drop_steps=True,
+          multi_sync=True) -> dict:
+    """Every dimension by default; the keyword arguments narrow the draw (``explore.py`` uses them to look
+    past a known bug that would otherwise fail most specs first)."""
+    stage = draw(st.sampled_from(stages))
+    world_size = draw(st.sampled_from(world_sizes))
+    model = draw(_models(frozen))
+    return {
+        "seed": draw(st.integers(0, 2**16)),
+        "world_size": world_size,
+        "stage": stage,
+        "buffered": draw(st.booleans()),
+        "offload": stage > 0 and draw(st.booleans()),
+        "precision": draw(st.sampled_from(precisions)),
+        "bucket_size_mb": draw(st.sampled_from([25.0, TINY_BUCKET_MB])),
+        "stage3": {"prefetch_depth": draw(st.integers(0, 2)),
+                   "reshard_after_forward": draw(st.booleans()),
+                   "persistence_threshold": draw(st.sampled_from([0, 8]))},
+        "optimizer": draw(_optimizers()),
+        "model": model,
+        "schedule": draw(_schedules(stage, world_size, len(model["widths"]), uneven, zero_grad, drop_steps,
+                                        multi_sync)),
+    }
+
+
+@st.composite
+def _models(draw, frozen) -> dict:
+    depth = draw(st.integers(1, 4))
+    widths = [draw(st.integers(1, 9)) for _ in range(depth)]
+    tie_to = [None] + [draw(st.one_of(st.none(), st.integers(0, j - 1))) for j in range(1, depth)]
+    tie_to = tie_roots(tie_to)
+    widths = [widths[i] if i is not None else w for w, i in zip(widths, tie_to)]   # tied mixes are square alike
+    m = {"d_in": draw(st.integers(1, 6)), "widths": widths, "d_out": draw(st.integers(1, 5)),
+         "bias": draw(st.booleans()), "batch": draw(st.integers(1, 3)), "tie_to": tie_to, "frozen": []}
+    names = [n for n, _ in _shape_only(m).named_parameters() if n != "head.weight"]   # keep one trainable
+    if draw(st.sampled_from(frozen)):
+        m["frozen"] = [n for n in names if draw(st.integers(0, 3)) == 0]
+    return m
+
+
+def _shape_only(m: dict) -> FuzzModel:
+    model = FuzzModel(m["d_in"], m["widths"], m["d_out"], m["bias"])
+    for j, i in enumerate(m["tie_to"]):
+        if i is not None:
+            model.blocks[j].mix.weight = model.blocks[i].mix.weight
+    return model
+
+
+def _optimizers():
+    sgd = st.fixed_dictionaries({
+        "kind": st.just("sgd"), "lr": st.sampled_from([0.05, 0.2]), "momentum": st.sampled_from([0.0, 0.9]),
+        "weight_decay": st.sampled_from([0.0, 0.01]), "two_groups": st.booleans()})
+    adamw = st.fixed_dictionaries({
+        "kind": st.just("adamw"), "lr": st.sampled_from([0.01, 0.05]), "momentum": st.just(0.0),
+        "weight_decay": st.sampled_from([0.0, 0.1]), "two_groups": st.booleans()})
+    return st.one_of(sgd, adamw)
+
+
+@st.composite
+def _usage(draw, stage: int, world_size: int, depth: int, uneven: bool) -> list[list[int]]:
+    """One micro-batch: per rank, per block, SKIP / DISCARD / USE."""
+    if not uneven:
+        return [[USE] * depth for _ in range(world_size)]
+    if stage == 3:   # every rank calls the same blocks
+        called = [draw(st.integers(0, 3)) > 0 for _ in range(depth)]
+        return [[(USE if draw(st.booleans()) else DISCARD) if c else SKIP for c in called]
+                for _ in range(world_size)]
+    return [[draw(st.sampled_from([SKIP, DISCARD, USE, USE])) for _ in range(depth)] for _ in range(world_size)]
+
+
+@st.composite
+def _schedules(draw, stage: int, world_size: int, depth: int, uneven, zero_grad, drop_steps: bool,
+               multi_sync: bool) -> list:
+    uneven = draw(st.sampled_from(uneven))
+    schedule: list = []
+    for _ in range(draw(st.integers(1, 3))):
+        k = draw(st.integers(1, 3))
+        for i in range(k):
+            sync = i == k - 1 or (multi_sync and draw(st.booleans()))
+            usage = draw(_usage(stage, world_size, depth, uneven))
+            schedule.append(["micro", {"sync": sync, "scale": 1.0 / k, "usage": usage}])
+        if draw(st.booleans()):
+            schedule.append(["clip", draw(st.sampled_from([0.05, 1.0, 100.0]))])
+        if not drop_steps or draw(st.integers(0, 5)) > 0:
+            schedule.append(["step"])
+        # else: the accumulated (maybe clipped) gradients are dropped by the zero_grad below
+        schedule.append(["zero_grad", draw(st.sampled_from(zero_grad))])
+    return schedule
+
+
+def to_json(spec: dict) -> str:
+    return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+
+
+def from_json(text: str) -> dict:
+    return json.loads(text)
