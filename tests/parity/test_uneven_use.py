@@ -10,9 +10,9 @@ single-process float64 reference to 1e-10 (only the summation order differs, see
 ``test_parity_stages012.py``).
 
 Sweep: stages 0-3 x both collective layouts (gloo in place, and the rank-major buffered layout NCCL
-uses, forced by ZERO_PLUGIN_BUFFERED_COLLECTIVES=1) x world sizes 2 and 3; inside each call, every
-case x {AdamW, SGD} x bucket sizes (stages 0-2: one parameter per bucket and one block per bucket, plus
-the default single bucket with AdamW; stage 3 has no buckets).  One ``run_ranks`` call per test.
+uses, forced by ZERO_PLUGIN_BUFFERED_COLLECTIVES=1; stage 0 has one layout) x world sizes 2 and 3 x
+bucket sizes (stages 0-2: one block per bucket, one parameter per bucket, the default single bucket;
+stage 3 has none); inside each call, every case x {AdamW, SGD}.  One ``run_ranks`` call per test.
 
 Stage 3 with a block not called at all on one rank is not trainable (the gathers no longer pair): every
 rank must raise a RuntimeError naming the unit, promptly, instead of aborting in gloo or hanging.
@@ -94,16 +94,6 @@ def test_reference_moves_every_parameter_and_skips_the_unused_expert():
             assert not [n for n in names if n.startswith("blocks.1.expert.")], (world_size, rank, names)
 
 
-def _runs(stage: int) -> list[tuple[str, str, str]]:
-    """(case, optimizer, bucket) trained in one call.  The default single bucket reduces in one order on
-    every rank whatever the hooks do; AdamW alone covers it."""
-    if stage == 3:
-        pairs = [(opt, "default") for opt in W.OPTIMIZERS]
-    else:
-        pairs = [(opt, b) for opt in W.OPTIMIZERS for b in ("tiny", "block")] + [("adamw", "default")]
-    return [(case, opt, bucket) for case in W.CASES for opt, bucket in pairs]
-
-
 def _discard_pool(world_size: int) -> None:
     """A divergence can leave unmatched collectives in the workers' process group: the next test gets
     fresh workers (a pool the harness already killed is not started again just to be closed)."""
@@ -112,30 +102,53 @@ def _discard_pool(world_size: int) -> None:
         pool.close(force=True)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_uneven_use_matches_reference(world_size, stage, layout):
+# Stage 0 all-reduces a flat bucket in either layout (planner_replay.py), so it runs once.
+STAGE_LAYOUTS = [(0, "in_place")] + [(stage, layout) for stage in STAGES[1:] for layout in LAYOUTS]
+BUCKETED = [(s, lay) for s, lay in STAGE_LAYOUTS if s < 3]
+
+
+def check_parity(world_size: int, stage: int, layout: str, runs: list[tuple[str, str, str]]) -> None:
     try:
-        errors = run_ranks(world_size, W.parity_worker, stage, LAYOUTS[layout], _runs(stage), references(world_size),
+        errors = run_ranks(world_size, W.parity_worker, stage, LAYOUTS[layout], runs, references(world_size),
                            timeout=CALL_TIMEOUT_S)
     except RankError:
         _discard_pool(world_size)   # ranks that timed out in a mismatched collective may still hold it
         raise
-    for rank, per_case in enumerate(errors):
-        bad = {k: f"{v:.3g}" for k, v in per_case.items() if not v <= TOL}
+    for rank, per_run in enumerate(errors):
+        bad = {k: f"{v:.3g}" for k, v in per_run.items() if not v <= TOL}
         assert not bad, f"rank {rank}: max |θ - θ_ref| > {TOL:g} (case/optimizer/bucket): {bad}"
 
 
-# (absent block, larger): a middle block after one normal step, the same size as the others (today a tag
-# check catches it but names another unit on rank 1) or one parameter larger (today gloo aborts rank 1);
-# the last block, same size (today both ranks block until the collective timeout).
-DIVERGENCE_CASES = [(1, False), (1, True), (2, False)]
+@pytest.mark.parametrize("stage,layout", STAGE_LAYOUTS, ids=[f"stage{s}-{lay}" for s, lay in STAGE_LAYOUTS])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_uneven_use_matches_reference(world_size, stage, layout):
+    """Stages 0-2 with one bucket per block (a block missing a gradient on one rank is reduced there in
+    place of another block of the same size) and with the default single bucket (one order on every
+    rank whatever the hooks do: AdamW alone); stage 3 (units are blocks)."""
+    if stage == 3:
+        runs = [(case, opt, "default") for case in W.CASES for opt in W.OPTIMIZERS]
+    else:
+        runs = [(case, opt, "block") for case in W.CASES for opt in W.OPTIMIZERS]
+        runs += [(case, "adamw", "default") for case in W.CASES]
+    check_parity(world_size, stage, layout, runs)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("absent,larger", DIVERGENCE_CASES,
-                         ids=[f"blocks.{a}-{'larger' if big else 'same-size'}" for a, big in DIVERGENCE_CASES])
+@pytest.mark.parametrize("stage,layout", BUCKETED, ids=[f"stage{s}-{lay}" for s, lay in BUCKETED])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_uneven_use_one_bucket_per_parameter(world_size, stage, layout):
+    """Stages 0-2 with every parameter in its own bucket: reductions paired out of order differ in size."""
+    check_parity(world_size, stage, layout, [(case, opt, "tiny") for case in W.CASES for opt in W.OPTIMIZERS])
+
+
+# (absent block, whether it is larger, layout).  Today: blocks.1 same size is caught by the tag check,
+# but rank 1's message names another unit; blocks.1 one parameter larger aborts rank 1 in gloo;
+# blocks.2 (the last) blocks both ranks until the collective timeout, in either layout.
+DIVERGENCE_CASES = [(1, False, "in_place"), (1, False, "buffered"), (1, True, "in_place"), (1, True, "buffered"),
+                    (2, False, "in_place")]
+DIVERGENCE_IDS = [f"blocks.{a}-{'larger' if big else 'same-size'}-{lay}" for a, big, lay in DIVERGENCE_CASES]
+
+
+@pytest.mark.parametrize("absent,larger,layout", DIVERGENCE_CASES, ids=DIVERGENCE_IDS)
 def test_block_not_called_on_one_rank_raises_on_every_rank(absent, larger, layout):
     """From step 1 on, rank 1 does not call ``blocks.<absent>`` at all, so its gathers no longer pair with
     rank 0's.  Every rank must raise a RuntimeError that names that block and says the order diverged,
