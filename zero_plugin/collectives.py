@@ -47,6 +47,7 @@ _STATS: dict[str, _Counter] = defaultdict(_Counter)
 
 _PHYSICAL: dict[str, int] = defaultdict(int)
 _CONTROL: dict[tuple[int, ...], tuple[Any, Any]] = {}   # ranks -> (world group it was made in, control group)
+_SIBLINGS: dict[tuple, tuple[Any, Any]] = {}            # (ranks, purpose) -> (world group, group)
 
 
 def _issued(name: str) -> None:
@@ -172,6 +173,24 @@ class Comm:
                                    use_local_synchronization=self.group is not None)
             cached = _CONTROL[ranks] = (world, group)
         self._control = cached[1]
+
+    def sibling(self, purpose: str) -> "Comm":
+        """A Comm over a second group of the same ranks and backend, for collectives whose order is agreed
+        separately from this group's (stage 3's reductions: [Note: reductions on their own group] in
+        stage3/hooks.py).  Collective at setup, like :meth:`open_control_channel`; one per group and purpose."""
+        if self.world_size == 1 or self.backend == "fake":
+            return self
+        ranks = tuple(self.global_rank(r) for r in range(self.world_size))
+        world = dist.GroupMember.WORLD
+        key = (ranks, purpose)
+        cached = _SIBLINGS.get(key)
+        if cached is None or cached[0] is not world:
+            group = dist.new_group(ranks=list(ranks), backend=self.backend,
+                                   use_local_synchronization=self.group is not None)
+            cached = _SIBLINGS[key] = (world, group)
+        comm = Comm(cached[1], timeout_s=self.timeout_s)
+        comm.history, comm._in_place = self.history, self._in_place
+        return comm
 
     def control_exchange(self, message: tuple[float, ...], what: str) -> list[tuple[float, ...]]:
         """Every rank's ``message`` (a few exact small numbers, the same length on every rank), blocking,

@@ -49,6 +49,9 @@ def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Paramete
     streams = streams_for(compute_device(comm))   # [Note: side streams]; no-op on CPU
     units = [Unit(i, name, module, per_unit[i], comm, config.effective_reduce_dtype, pool, streams)
              for i, (name, module) in enumerate(modules)]
+    reduce_comm = comm.sibling("stage-3 reductions")   # [Note: reductions on their own group] in hooks.py
+    for unit in units:
+        unit.reduce_comm = reduce_comm
     slots = [_master_for(sharded[id(p)], names[id(p)], config) for _, p in trainable]
     return Stage3Engine(model, config, comm, slots, units, sharded)
 

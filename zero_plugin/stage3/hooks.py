@@ -10,6 +10,13 @@ Backward: output grad hook (pre_backward) -> unshard again, prefetch the previou
                                              reshard once the unit's grads were reduced
           final callback (finalize_backward) -> reduce units whose turn did not come, in order,
                                                 wait for every reduction, reshard everything
+[Note: reductions on their own group]
+Backward issues gathers (where outputs got gradients) and reductions (in the rank-agreed order, [Note:
+rank-agreed reduction order]); each sequence is the same on every rank, but when ranks use parameters
+unevenly a reduction waits for its turn longer on one rank than on another, so the two sequences
+interleave differently.  Collectives on one group pair up by position, so stage 3 reduces on a second
+group of the same ranks (``Comm.sibling``), and each group sees one agreed sequence.
+
 [Note: root unit] The root unit (parameters outside every block, e.g. embeddings,
 final norm, LM head) is gathered for the whole forward, kept gathered after a
 forward with grad (backward needs it first) and released in the final callback.
@@ -66,6 +73,9 @@ class Stage3Runtime:
             unit.guard = self.guard
         self.schedule = ReductionSchedule(self._launch_reduce, self._complete_reduce, _MAX_INFLIGHT_REDUCES)
         self.schedule.start(self._reduce_order())
+        self._backward_order: list[Unit] = []   # [Note: backward gather order]
+        self._backward_cursor = 0
+        self._outputs_need_grad: set[Unit] = set()
         self._late: list[Unit] = []
         self._callback_queued = False
         self.require_sync = True
@@ -121,6 +131,7 @@ class Stage3Runtime:
         if not in_backward:
             if unit is self.root:
                 self._recording = self.guard.recording = []
+                self._outputs_need_grad = set()
             elif unit not in self._recording:
                 self._recording.append(unit)
         self._ensure_unsharded(unit)
@@ -139,8 +150,10 @@ class Stage3Runtime:
         if unit is self.root:
             self.forward_order = list(self._recording)
             if grad:   # the reverse of this order is the order of the reductions: every rank must agree
-                self.guard.end_of_forward(self.forward_order)
+                needed = self.guard.end_of_forward(self.forward_order, self._outputs_need_grad)
                 self.schedule.start(self._reduce_order())
+                self._backward_order = [u for u in reversed(self.forward_order) if u in needed]
+                self._backward_cursor = 0
             for other in self.units[1:]:
                 if other.state is ShardedState.UNSHARDED or other.gathering:
                     if not grad or (self.reshard_after_forward and not self._kept_for_backward(other)):
@@ -176,6 +189,7 @@ class Stage3Runtime:
         for t in pytree.tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(functools.partial(self._on_output_grad, unit))
+                self._outputs_need_grad.add(unit)
 
     # -- backward -----------------------------------------------------------------
     def _on_output_grad(self, unit: Unit, grad: torch.Tensor) -> None:
@@ -185,8 +199,26 @@ class Stage3Runtime:
         self._queue_final_callback()
         if unit.backward_state is BackwardState.IDLE:
             unit.backward_state = BackwardState.PRE_BACKWARD
+        self._catch_up_gathers(unit)
         self._ensure_unsharded(unit)
         self._prefetch(unit, -1)
+
+    def _catch_up_gathers(self, unit: Unit | None) -> None:
+        """[Note: backward gather order] Backward reaches a unit only where its output got a gradient, so a
+        rank that ignored a block's output (legal, as under DDP) would skip that block's gather while its
+        peers gather it, and the gathers would pair across units.  So backward gathers follow one list every
+        rank agreed on at the end of the forward: the reverse forward order, restricted to the units whose
+        outputs needed a gradient on any rank.  Before gathering ``unit`` every unit before it in that list
+        is gathered too (``None``: the end of backward, every unit left), and stays gathered until the end of
+        backward if this rank never reaches it (its reduction then carries zeros); prefetches follow the same
+        list.  In the usual case backward arrives in that order and nothing extra happens."""
+        order = self._backward_order
+        if unit is not None and unit not in order:
+            return
+        position = len(order) if unit is None else order.index(unit)
+        for skipped in order[self._backward_cursor:position]:
+            self._ensure_unsharded(skipped)
+        self._backward_cursor = max(self._backward_cursor, position + 1)
 
     def post_accumulate(self, unit: Unit, param: torch.Tensor) -> None:
         self._queue_final_callback()
@@ -230,12 +262,15 @@ class Stage3Runtime:
     @torch.no_grad()
     def finalize_backward(self) -> None:
         self._callback_queued = False
+        self._catch_up_gathers(None)   # gathers this rank's backward did not reach, as its peers' did
         self.schedule.flush()
-        late, self._late = self.schedule.agree_late(self.root.comm, self._late), []
+        agreed, self._late = self.guard.agree_late(self._late), []
+        late = [u for u in self.schedule.order if u in agreed]
         if late:
             self.schedule.drain()   # a unit's first reduction completes before its second is issued
             self.schedule.reissue(late)
         self.schedule.finish()
+        self._backward_cursor = 0
         for unit in self.units:
             unit.reshard()
             unit.reset_backward()
@@ -253,12 +288,12 @@ class Stage3Runtime:
             unit.wait_unshard()
 
     def _prefetch(self, unit: Unit, direction: int) -> None:
-        order = self.forward_order
+        """The next units in the forward order, or in backward in the agreed backward list ([Note: backward
+        gather order])."""
+        order = self.forward_order if direction > 0 else self._backward_order
         if not self.prefetch_depth or unit not in order:
             return
         i = order.index(unit)
-        span = order[i + 1: i + 1 + self.prefetch_depth] if direction > 0 else \
-            list(reversed(order[max(0, i - self.prefetch_depth): i]))
-        for nxt in span:
+        for nxt in order[i + 1: i + 1 + self.prefetch_depth]:
             if nxt.state is ShardedState.SHARDED and not nxt.gathering:
                 nxt.unshard(async_op=True)

@@ -25,12 +25,16 @@ if TYPE_CHECKING:
 
 __all__ = ["OrderGuard"]
 
-_GATHER, _FORWARD_END = 1.0, 2.0
+_GATHER, _FORWARD_END, _LATE = 1.0, 2.0, 3.0
+_HEAD = 3   # kind, value, fingerprint; then one element per unit
 _MODULUS, _BASE = 2_147_483_647, 1_000_003   # fingerprint mod a prime < 2**31: exact in float64
 
 
 class OrderGuard:
-    """Checks, with the peers, each gather and each forward's unit order before they matter."""
+    """Checks, with the peers, each gather and each forward's unit order before they matter.
+
+    Every message has the same length (3 + one element per unit), so a rank at another point of the
+    protocol is reported, not paired with a collective of another size."""
 
     def __init__(self, comm: Comm, units: Sequence["Unit"]) -> None:
         self.comm = comm
@@ -41,16 +45,36 @@ class OrderGuard:
 
     def before_gather(self, unit: "Unit") -> None:
         if self.active:
-            self._agree((_GATHER, float(unit.index), 0.0, 0.0), f"order check before gathering unit {unit.name!r}")
+            self._agree(self._message(_GATHER, unit.index), f"order check before gathering unit {unit.name!r}")
 
-    def end_of_forward(self, order: Sequence["Unit"]) -> None:
-        if self.active:
-            self._agree((_FORWARD_END, float(len(order)), _fingerprint(order), 0.0), "order check after the forward")
+    def end_of_forward(self, order: Sequence["Unit"], backward: set["Unit"]) -> set["Unit"]:
+        """Check the forward's order; returns the units whose outputs need a gradient on *any* rank
+        ([Note: backward gather order] in hooks.py)."""
+        if not self.active:
+            return set(backward)
+        seen = self._agree(self._message(_FORWARD_END, len(order), _fingerprint(order), backward),
+                           "order check after the forward")
+        return {u for u in self.units if any(m[_HEAD + u.index] for m in seen)}
 
-    def _agree(self, message: tuple[float, ...], what: str) -> None:
+    def agree_late(self, late: Sequence["Unit"]) -> set["Unit"]:
+        """The units any rank got late gradients for ([Note: rank-agreed reduction order])."""
+        if not self.active:
+            return set(late)
+        seen = self._agree(self._message(_LATE, 0, 0.0, late), "agreement on late gradients")
+        return {u for u in self.units if any(m[_HEAD + u.index] for m in seen)}
+
+    def _message(self, kind: float, value: int, fingerprint: float = 0.0, marked=()) -> tuple[float, ...]:
+        mask = [0.0] * len(self.units)
+        for unit in marked:
+            mask[unit.index] = 1.0
+        return (kind, float(value), fingerprint, *mask)
+
+    def _agree(self, message: tuple[float, ...], what: str) -> list[tuple[float, ...]]:
+        """Exchange; the heads (kind, value, fingerprint) must match, the unit masks may differ."""
         seen = self.comm.control_exchange(message, what)
-        if any(m != seen[0] for m in seen):
+        if any(m[:_HEAD] != seen[0][:_HEAD] for m in seen):
             self._raise(seen)
+        return seen
 
     def _raise(self, seen: list[tuple[float, ...]]) -> None:
         ran = [[self.units[i].name for i in indices]   # every rank is here: the same list told them all
@@ -63,15 +87,17 @@ class OrderGuard:
             "zero_plugin stage 3: collective order diverged: ranks ran different blocks in this forward. "
             f"Not run on every rank: {uneven or 'none (the same blocks in a different order)'}. At this point {doing}. "
             f"Blocks run so far: {runs}. Every rank must call the same blocks in the same order (a branch that "
-            "skips a block on some ranks?): run the block on every rank (multiply its output by 0 where it is "
-            "not wanted) or leave it out of the units (ZeroConfig.unit_classes)."
+            "skips a block on some ranks?): call the block on every rank (it may ignore its weights or its "
+            "output may go unused there) or leave it out of the units (ZeroConfig.unit_classes)."
         )
 
     def _describe(self, message: tuple[float, ...]) -> str:
         kind, value = message[0], int(message[1])
         if kind == _GATHER:
             return f"gathers unit {value} ({self.units[value].name!r})"
-        return f"ends its forward after {value} blocks"
+        if kind == _FORWARD_END:
+            return f"ends its forward after {value} blocks"
+        return "ends its backward"
 
 
 def _fingerprint(order: Sequence["Unit"]) -> float:

@@ -57,6 +57,8 @@ class Unit:
         self.params = params
         self.trainable = [sp for sp in params if sp.param.requires_grad]
         self.comm = comm
+        # [Note: reductions on their own group]: set by the engine; the gathers' group until then
+        self.reduce_comm = comm
         self.reduce_dtype = reduce_dtype
         self.pool = pool if pool is not None else BufferPool()   # [Note: buffer reuse]
         self.streams = streams   # [Note: side streams]
@@ -191,7 +193,7 @@ class Unit:
     def reduce_grads(self) -> list[_Pending]:
         """Launch the reduce-scatter of this unit's full grads (missing ones count as zeros)."""
         self.reduced = True
-        if self.comm.gathers_regions_in_place:
+        if self.reduce_comm.gathers_regions_in_place:
             return self._reduce_in_place()
         launched = []
         grad_dtype = lambda sp: self.reduce_dtype or sp.unsharded.dtype  # noqa: E731
@@ -201,7 +203,7 @@ class Unit:
         return launched
 
     def _launch_reduce_scatter(self, dtype: torch.dtype, group: list[ShardedParam]) -> _Pending:
-        n = self.comm.world_size
+        n = self.reduce_comm.world_size
         offsets, width = _offsets(group)
         k = len(group)
         buf = self.pool.take(n * (width + k), dtype, group[0].unsharded.device).view(n, width + k)
@@ -215,7 +217,7 @@ class Unit:
                 sources.append(grad)
             sp.param.grad = None
         out = self.pool.take(width + k, dtype, buf.device)
-        work = self.comm.reduce_scatter(out, buf.view(-1), async_op=True, tag=self.name)
+        work = self.reduce_comm.reduce_scatter(out, buf.view(-1), async_op=True, tag=self.name)
         # The reduce stream may still be reading the gradients: they stay referenced until the compute
         # stream waited for it (complete_reduce), or the allocator could hand their memory to new work.
         return _Pending(group, offsets, width, out, work, buf, sources if self.streams.overlaps else None)
@@ -235,7 +237,7 @@ class Unit:
                 grads.append(grad.reshape(-1).to(dtype))
                 sp.param.grad = None
             flags = torch.tensor(present, dtype=torch.float32)
-            work = self.comm.reduce_in_place(grads, flags, async_op=True, tag=self.name)
+            work = self.reduce_comm.reduce_in_place(grads, flags, async_op=True, tag=self.name)
             launched.append(_Pending(group, [], 0, flags, work, grads))
         return launched
 
@@ -243,17 +245,17 @@ class Unit:
     def complete_reduce(self, pending: _Pending) -> None:
         what = f"reduce-scatter of unit {self.name!r}"
         if isinstance(pending.buffer, list):   # reduced in place: pending.output holds the flags
-            self.comm.wait(pending.work, what)
-            n = self.comm.world_size
+            self.reduce_comm.wait(pending.work, what)
+            n = self.reduce_comm.world_size
             for sp, grad, has_grad in zip(pending.params, pending.buffer, pending.output.tolist()):
                 if has_grad:
                     region = sp.layout.local_view(grad)
                     sp.accumulate_grad(region.div_(n))
             return
         with self.streams.reduce():   # waiting here makes the reduce stream (not compute) wait for NCCL
-            self.comm.wait(pending.work, what)
+            self.reduce_comm.wait(pending.work, what)
             present = pending.output[pending.width:].tolist()
-            pending.output.div_(self.comm.world_size)
+            pending.output.div_(self.reduce_comm.world_size)
             for sp, off, has_grad in zip(pending.params, pending.offsets, present):
                 if has_grad:
                     sp.accumulate_grad(pending.output[off: off + sp.layout.local_numel])
