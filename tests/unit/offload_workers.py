@@ -30,7 +30,7 @@ def train_worker(kind: str, stage: int, offload: bool, batches: list, steps: int
         out = W._train(model, opt, batches, steps, accum, 1.0)
     finally:
         blocked_step.BLOCK, blocked_step.SINGLE_BLOCK = defaults   # the worker process is reused
-    out["blocked"] = opt.blocked is not None and opt.blocked.scratch is not None
+    out["blocked"] = opt.blocked is not None and opt.blocked.block is not None   # planned at its first step
     out["block"] = opt.blocked.block if opt.blocked is not None else None
     full = zp.full_state_dict(model)
     out["params"] = {k: v.double() for k, v in full.items()}
@@ -57,22 +57,21 @@ def memory_worker(stage: int, offload: bool, param_dtype: str | None) -> dict:
     return zp.memory_report(model, opt)
 
 
-# Where a bf16 run (param_dtype=bf16, reduce_dtype=fp32) holds its gradients, by stage. Stages 1-2: each
-# rank accumulates its micro-batches in the bf16 ``param.grad`` (no_sync) and the fp32 average is written
-# back into a bf16 gradient (grads/reducer.py, ``ReduceScatterReducer._store``), which the clip scales in
-# bf16. Stage 3 reduces every micro-batch and accumulates into the fp32 shard gradient
-# (stage3/param.py, ``accumulate_grad``).
-GRAD_DTYPE = {1: torch.bfloat16, 2: torch.bfloat16, 3: torch.float32}
+# How a bf16 run (param_dtype=bf16, reduce_dtype=fp32) accumulates micro-batches, by stage. Stages 1-2: each
+# rank accumulates them in its bf16 ``param.grad`` (no_sync), and the fp32 average is kept in fp32
+# (grads/reducer.py, [Note: reduced regions and later backwards]). Stage 3 reduces every micro-batch and
+# accumulates the fp32 averages in the fp32 shard gradient (stage3/param.py, ``accumulate_grad``).
+ACCUMULATION = {1: "local_bf16", 2: "local_bf16", 3: "reduced_fp32"}
 
 
 def bf16_split_reference(kind: str, batches: list, world: int, steps: int, accum: int,
-                         grad_dtype: torch.dtype) -> dict:
+                         accumulation: str) -> dict:
     """Single process doing what bf16 data parallelism over ``world`` ranks means, rounding where the ranks do.
 
     Each rank's share of each micro-batch (``models.shard_batch``, the ranks' split and mean-loss
     normalisation) gives a bf16 gradient of ``loss / accum``; the shares' gradients are summed in fp32
-    and divided by ``world`` (reduce_dtype=fp32), with the micro-batches accumulated in ``grad_dtype``
-    (see ``GRAD_DTYPE``); the global-norm clip at 1.0 and fused AdamW (the offload kernel) step fp32
+    and divided by ``world`` (reduce_dtype=fp32), with the micro-batches accumulated as ``accumulation``
+    says (see ``ACCUMULATION``); the global-norm clip at 1.0 and fused AdamW (the offload kernel) step fp32
     masters, which are cast back to the bf16 model. ``world=1`` is one pass over the global batch.
 
     Call it through a one-rank worker: the ranks run one intra-op thread, and LayerNorm's CPU
@@ -88,7 +87,7 @@ def bf16_split_reference(kind: str, batches: list, world: int, steps: int, accum
         micro_batches = batches[step * accum:(step + 1) * accum]
         shares = [_share_grads(model, micro_batches, rank, world, accum) for rank in range(world)]
         losses.append(sum(loss for loss, _ in shares) / world)   # as the test averages the ranks' losses
-        grads = _average(grad_dtype, [g for _, g in shares], world)
+        grads = _average(accumulation, [g for _, g in shares], world)
         norms.append(_clip_like_engine(grads, 1.0))
         for m, g in zip(master.parameters(), grads):
             m.grad = g.float()
@@ -114,12 +113,12 @@ def _share_grads(model, micro_batches: list, rank: int, world: int, accum: int) 
     return step_loss, per_micro
 
 
-def _average(grad_dtype: torch.dtype, grads: list, world: int) -> list[torch.Tensor]:
-    """``grads[rank][micro][i]`` -> the averaged gradient i, held in ``grad_dtype``."""
-    if grad_dtype == torch.float32:   # stage 3: average each micro-batch, accumulate the averages in fp32
+def _average(accumulation: str, grads: list, world: int) -> list[torch.Tensor]:
+    """``grads[rank][micro][i]`` -> the averaged gradient i (fp32)."""
+    if accumulation == "reduced_fp32":   # stage 3: average each micro-batch, accumulate the averages in fp32
         return _sum_each([_mean_over_ranks([g[m] for g in grads], world) for m in range(len(grads[0]))])
     local = [_sum_each(per_micro) for per_micro in grads]   # no_sync: each rank accumulates in bf16
-    return [g.to(grad_dtype) for g in _mean_over_ranks(local, world)]
+    return _mean_over_ranks(local, world)
 
 
 def _mean_over_ranks(per_rank: list, world: int) -> list[torch.Tensor]:

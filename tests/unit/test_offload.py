@@ -57,10 +57,10 @@ def _bf16_run(stage: int, world: int, offload: bool) -> dict:
 
 
 @functools.cache
-def _bf16_reference(world: int, split_over: int, grad_dtype: torch.dtype) -> dict:
+def _bf16_reference(world: int, split_over: int, accumulation: str) -> dict:
     """``OW.bf16_split_reference`` on the ``world``-rank batches, in a one-rank worker (one thread, as the ranks)."""
     batches = _batches("mlp32", world, dtype=torch.float32)
-    return run_ranks(1, OW.bf16_split_reference, "mlp32", batches, split_over, STEPS, ACCUM, grad_dtype)[0]
+    return run_ranks(1, OW.bf16_split_reference, "mlp32", batches, split_over, STEPS, ACCUM, accumulation)[0]
 
 
 def _assert_same_training(got: dict, ref: dict, update_tol: float, loss_tol: float) -> None:
@@ -79,7 +79,7 @@ def test_offload_bf16_against_split_reference(stage, world):
     got = _bf16_run(stage, world, True)
     assert all(got["fused"])
     assert got["blocked"] == (stage != 3)   # stage 3 on a CPU-only machine: the fp32 shard is the master
-    _assert_same_training(got, _bf16_reference(world, world, OW.GRAD_DTYPE[stage]), 1e-3, 1e-4)
+    _assert_same_training(got, _bf16_reference(world, world, OW.ACCUMULATION[stage]), 1e-3, 1e-4)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -113,7 +113,7 @@ def test_offload_bf16_against_unsplit_reference(stage, world):
     round their bf16 partial gradients separately (about 2^-9 relative each) and Adam's normalisation
     amplifies that where gradients are small, so only the update direction is checked here."""
     got = _bf16_run(stage, world, True)
-    _assert_same_training(got, _bf16_reference(world, 1, OW.GRAD_DTYPE[stage]), 5e-2, 2e-2)
+    _assert_same_training(got, _bf16_reference(world, 1, OW.ACCUMULATION[stage]), 5e-2, 2e-2)
 
 
 @pytest.mark.parametrize("world", [2, 4])
