@@ -179,11 +179,9 @@ def _comm_worker(kind: str, steps: int, buffered: bool) -> dict:
         # also one float32 has-gradient flag per trainable parameter of every reduced unit
         "all_reduce": {"calls": 1 + (0 if buffered else len(reduced)),
                        "bytes": 8 + (0 if buffered else sum(2 * 4 * len(u.trainable) for u in reduced))},
-        # the control channel: 4 float64 per rank before every gather and after the forward ([Note: collective
-        # order]); the backward's agreement on late gradients, one float64 per reduced unit and rank
-        # ([Note: rank-agreed reduction order])
-        "control": {"calls": gathers + 2,
-                    "bytes": (gathers + 1) * world * 4 * 8 + world * 8 * len(engine.runtime.schedule.order)},
+        # the control channel ([Note: collective order], [Note: rank-agreed reduction order]): before every
+        # gather, after the forward and at the end of backward, (3 + one per unit) float64 per rank
+        "control": {"calls": gathers + 2, "bytes": (gathers + 2) * world * (3 + len(engine.units)) * 8},
     }
     # Collectives may carry a few metadata elements per rank besides the payload (a unit tag, one
     # has-gradient flag per parameter); at most (parameters in the unit + 4) elements per rank.

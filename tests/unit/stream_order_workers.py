@@ -90,9 +90,11 @@ def _instrument(engine, model, streams: RecordingStreams) -> tuple[list, dict]:
 
     wrap(pool, "take", lambda numel, *a, **k: ("take", numel))
     wrap(pool, "give", lambda t, *a, **k: ("give", None if t is None else t.numel()))
+    reduce_comm = engine.units[0].reduce_comm   # [Note: reductions on their own group] in stage3/hooks.py
     wrap(comm, "all_gather", lambda out, inp, *a, tag="", **k: ("all_gather", tag))
-    wrap(comm, "reduce_scatter", lambda out, inp, *a, tag="", **k: ("reduce_scatter", tag))
-    wrap(comm, "wait", lambda work, what="collective": ("comm_wait", what))
+    wrap(reduce_comm, "reduce_scatter", lambda out, inp, *a, tag="", **k: ("reduce_scatter", tag))
+    for c in {id(comm): comm, id(reduce_comm): reduce_comm}.values():
+        wrap(c, "wait", lambda work, what="collective": ("comm_wait", what))
 
     def freed(name: str) -> None:
         log.append(("grad_freed", streams.current, name))
