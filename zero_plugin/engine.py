@@ -81,7 +81,8 @@ class Engine:
         self.slots = slots
         self._master_names = {id(s.master): s.name for s in slots}
         # [Note: per-step state] What this step has learnt about its gradients; valid only for the
-        # gradients it was computed from, so zero_grad (optimizer's or model's) and the step reset it.
+        # gradients it was computed from, so zero_grad (optimizer's or model's), the step and each later synced
+        # backward (after_backward) reset it.
         self.step_grad_norm: float | None = None   # global norm from clip_grad_norm_, reused by the inf/NaN check
         self.grads_unscaled = False                # fp16: the owned gradients were divided by the loss scale
 
@@ -118,6 +119,18 @@ class Engine:
 
     def discard_grads(self, set_to_none: bool) -> None:
         raise NotImplementedError
+
+    def after_backward(self) -> None:
+        """A synced backward added gradients to the owned ones: what this step cached about them is stale
+        ([Note: per-step state]).  A cached norm is dropped (the step's inf/NaN check looks again); fp16
+        gradients already divided by the loss scale cannot be mixed with newly scaled ones."""
+        self.step_grad_norm = None
+        if self.grads_unscaled:
+            self.grads_unscaled = False
+            raise RuntimeError(
+                "zero_plugin: a backward ran after this step's gradients were unscaled (clip_grad_norm_ with fp16 "
+                "loss scaling), so old unscaled and new scaled gradients would be summed. Clip once per step, "
+                "after the last backward and before optimizer.step() (as with torch.amp.GradScaler.unscale_).")
 
     def reset_step_state(self) -> None:
         """[Note: per-step state]"""

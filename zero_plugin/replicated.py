@@ -71,6 +71,7 @@ class ReplicatedEngine(Engine):
         self.param_sync = param_sync
         self.grads_sharded = reducer.sharded
         reducer.register(model)
+        reducer.after_backward = self.after_backward
 
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
         return self.reducer.owned_grad(slot)

@@ -86,3 +86,29 @@ def local_bf16_grads(batch, world: int) -> dict:
         for name, p in model.named_parameters():
             total[name] = total.get(name, 0) + p.grad.double().reshape(-1)
     return {name: g / world for name, g in total.items()}
+
+
+def clip_before_last_backward_worker(stage: int, fp16: bool, batches: list) -> dict:
+    """Clip after the first of two synced backwards, then a second backward whose loss is NaN on the last
+    rank: the step must see the NaN (skip) instead of trusting the norm cached by the clip.  fp16: the
+    second backward must raise (unscaled and scaled gradients would be summed)."""
+    model = models.make_odd_mlp(dtype=torch.float32 if fp16 else torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    cfg = zp.ZeroConfig(stage=stage, param_dtype="fp16" if fp16 else None)
+    model, opt = zp.setup(model, opt, cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before = {k: v.clone() for k, v in zp.full_state_dict(model).items()}
+    x, y = models.shard_batch(batches[0], rank, world)
+    opt.scale_loss(models.loss_fn(model, (x, y))).backward()
+    zp.clip_grad_norm_(model, 1.0)
+    loss = models.loss_fn(model, (x, y))
+    if rank == world - 1:
+        loss = loss * float("nan")
+    try:
+        opt.scale_loss(loss).backward()
+    except RuntimeError as exc:
+        return {"raised": str(exc)}
+    opt.step()
+    after = zp.full_state_dict(model)
+    changed = any(not torch.equal(before[k], after[k]) for k in before) if rank == 0 else None
+    return {"raised": None, "skipped": opt.skipped_steps, "changed": changed}

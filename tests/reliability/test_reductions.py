@@ -55,3 +55,20 @@ def test_fp32_reduction_of_bf16_gradients_stays_fp32(stage, buffered):
             # the ranks sum fp32 casts of bf16 gradients: exact in fp64 up to fp32 rounding of the sum
             err = float((got - want).abs().max()) if hi > lo else 0.0
             assert err <= 1e-6 * (1 + (float(want.abs().max()) if hi > lo else 0.0)), (stage, rank, name, err)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_clip_before_the_last_backward_does_not_hide_a_nan(stage):
+    """The norm ``clip_grad_norm_`` cached for the step's inf/NaN check belonged to the gradients before the
+    second backward; a NaN that backward brought on one rank was stepped (parameters became NaN)."""
+    for rank, r in enumerate(run_ranks(2, W.clip_before_last_backward_worker, stage, False, _batches())):
+        assert r["raised"] is None, r
+        assert r["skipped"] == 1, f"stage {stage} rank {rank}: the NaN step was not skipped: {r}"
+        if rank == 0:
+            assert r["changed"] is False, f"stage {stage}: parameters changed by a skipped step"
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_fp16_backward_after_unscale_is_refused(stage):
+    for r in run_ranks(2, W.clip_before_last_backward_worker, stage, True, _batches()):
+        assert r["raised"] and "after this step's gradients were unscaled" in r["raised"], r

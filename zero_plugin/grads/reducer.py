@@ -63,6 +63,7 @@ class GradReducer:
         if self.supports_late:
             comm.open_control_channel()   # collective: every rank builds the same reducer at setup
         self._late: list[Bucket] = []
+        self.after_backward = lambda: None   # the engine's: [Note: per-step state] in engine.py
 
     # -- hooks --------------------------------------------------------------
     def register(self, root: nn.Module) -> None:
@@ -126,6 +127,7 @@ class GradReducer:
         self.schedule.finish()
         for bucket in self.buckets:
             bucket.reset()
+        self.after_backward()
 
     def _launch_bucket(self, bucket: Bucket) -> list[Bucket]:
         self._launch(bucket)

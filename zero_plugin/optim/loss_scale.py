@@ -43,7 +43,7 @@ class GradGuard:
             inv = 1.0 / self.scale
             for g in self.engine.owned_grads():
                 g.mul_(inv)
-        self.engine.grads_unscaled = True
+            self.engine.grads_unscaled = True
 
     @torch.no_grad()
     def found_nonfinite(self) -> bool:

@@ -126,6 +126,7 @@ class Stage3Engine(Engine):
         self.runtime = Stage3Runtime(units, config.prefetch_depth, config.reshard_after_forward,
                                      trim_heap=compute_device(comm).type == "cpu" and config.trim_host_heap)
         self.runtime.register()
+        self.runtime.after_backward = self.after_backward
         _mark_for_synced_generate(model, comm)
 
     @property

@@ -77,6 +77,7 @@ class Stage3Runtime:
         self._backward_cursor = 0
         self._outputs_need_grad: set[Unit] = set()
         self._late: list[Unit] = []
+        self.after_backward = lambda: None   # the engine's: [Note: per-step state] in engine.py
         self._callback_queued = False
         self.require_sync = True
         self._root_depth = 0
@@ -270,6 +271,7 @@ class Stage3Runtime:
             self.schedule.drain()   # a unit's first reduction completes before its second is issued
             self.schedule.reissue(late)
         self.schedule.finish()
+        self.after_backward()
         self._backward_cursor = 0
         for unit in self.units:
             unit.reshard()
