@@ -195,13 +195,23 @@ class Comm:
     def control_exchange(self, message: tuple[float, ...], what: str) -> list[tuple[float, ...]]:
         """Every rank's ``message`` (a few exact small numbers, the same length on every rank), blocking,
         over the control channel; counted under ``control``."""
+        return self.control_finish(self.control_start(message, what))
+
+    def control_start(self, message: tuple[float, ...], what: str) -> tuple:
+        """Issue :meth:`control_exchange` without waiting; :meth:`control_finish` gives its result."""
         if self._control is None:
-            return [tuple(message)] * self.world_size
+            return None, [tuple(message)] * self.world_size, what
         mine = torch.tensor(message, dtype=torch.float64)
         out = torch.empty(self.world_size * mine.numel(), dtype=torch.float64)
         _record("control", out.numel() * out.element_size())
         _issued(_ALL_GATHER_NAME)
-        self._wait(_ALL_GATHER(out, mine, group=self._control, async_op=True), what)   # host-only: no stream
+        return _ALL_GATHER(out, mine, group=self._control, async_op=True), out, what
+
+    def control_finish(self, handle: tuple) -> list[tuple[float, ...]]:
+        work, out, what = handle
+        if work is None:
+            return out
+        self._wait(work, what)   # host-only: no stream
         return [tuple(row) for row in out.view(self.world_size, -1).tolist()]
 
     def control_objects(self, obj: Any) -> list[Any]:

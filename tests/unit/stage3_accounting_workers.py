@@ -171,6 +171,7 @@ def _comm_worker(kind: str, steps: int, buffered: bool) -> dict:
     kept = {id(root), id(engine.runtime.forward_order[-1])}
     times = {id(u): 1 if id(u) in kept else 2 for u in engine.units}
     gathers = sum(times[id(u)] for u in gathered)
+    entries = 1 + len(engine.runtime.forward_order)
     payload = {
         "all_gather": {"calls": gathers,
                        "bytes": sum(times[id(u)] * _unit_bytes(u, False, buffered) for u in engine.units)},
@@ -179,9 +180,10 @@ def _comm_worker(kind: str, steps: int, buffered: bool) -> dict:
         # also one float32 has-gradient flag per trainable parameter of every reduced unit
         "all_reduce": {"calls": 1 + (0 if buffered else len(reduced)),
                        "bytes": 8 + (0 if buffered else sum(2 * 4 * len(u.trainable) for u in reduced))},
-        # the control channel ([Note: collective order], [Note: rank-agreed reduction order]): before every
-        # gather, after the forward and at the end of backward, (3 + one per unit) float64 per rank
-        "control": {"calls": gathers + 2, "bytes": (gathers + 2) * world * (3 + len(engine.units)) * 8},
+        # the control channel ([Note: collective order], [Note: rank-agreed reduction order]): at each unit
+        # the forward enters (the root included), after the forward and at the end of backward, (3 + one per
+        # unit) float64 per rank; backward gathers follow the agreed list unchecked
+        "control": {"calls": entries + 2, "bytes": (entries + 2) * world * (3 + len(engine.units)) * 8},
     }
     # Collectives may carry a few metadata elements per rank besides the payload (a unit tag, one
     # has-gradient flag per parameter); at most (parameters in the unit + 4) elements per rank.

@@ -115,7 +115,7 @@ class Stage3Runtime:
         self._root_depth += 1
         if self._root_depth == 1:
             return self.pre_forward(self.root, module, args, kwargs)
-        self._ensure_unsharded(self.root)
+        self._ensure_unsharded(self.root)   # a nested entry: the root is gathered already
         return args, kwargs
 
     def _root_post(self, module, args, output):
@@ -135,6 +135,10 @@ class Stage3Runtime:
                 self._outputs_need_grad = set()
             elif unit not in self._recording:
                 self._recording.append(unit)
+            if unit.state is ShardedState.UNSHARDED or unit.gathering:
+                self.guard.entered(unit)   # [Note: collective order]: checked at the next entry
+            else:
+                self.guard.settle()
         self._ensure_unsharded(unit)
         if not in_backward:
             self._prefetch(unit, +1)
@@ -155,6 +159,8 @@ class Stage3Runtime:
                 self.schedule.start(self._reduce_order())
                 self._backward_order = [u for u in reversed(self.forward_order) if u in needed]
                 self._backward_cursor = 0
+            else:
+                self.guard.settle()   # [Note: collective order]: every entry of this forward compared
             for other in self.units[1:]:
                 if other.state is ShardedState.UNSHARDED or other.gathering:
                     if not grad or (self.reshard_after_forward and not self._kept_for_backward(other)):
@@ -200,11 +206,10 @@ class Stage3Runtime:
         self._queue_final_callback()
         if unit.backward_state is BackwardState.IDLE:
             unit.backward_state = BackwardState.PRE_BACKWARD
-        self._catch_up_gathers(unit)
-        self._ensure_unsharded(unit)
+        self._backward_gather(unit)
         self._prefetch(unit, -1)
 
-    def _catch_up_gathers(self, unit: Unit | None) -> None:
+    def _backward_gather(self, unit: Unit | None) -> None:
         """[Note: backward gather order] Backward reaches a unit only where its output got a gradient, so a
         rank that ignored a block's output (legal, as under DDP) would skip that block's gather while its
         peers gather it, and the gathers would pair across units.  So backward gathers follow one list every
@@ -212,14 +217,17 @@ class Stage3Runtime:
         outputs needed a gradient on any rank.  Before gathering ``unit`` every unit before it in that list
         is gathered too (``None``: the end of backward, every unit left), and stays gathered until the end of
         backward if this rank never reaches it (its reduction then carries zeros); prefetches follow the same
-        list.  In the usual case backward arrives in that order and nothing extra happens."""
+        list.  Gathers in that list need no order check; a unit gathered again in the same backward (entered
+        twice) is checked.  In the usual case backward arrives in list order and nothing extra happens."""
         order = self._backward_order
-        if unit is not None and unit not in order:
+        position = len(order) if unit is None else order.index(unit) if unit in order else -1
+        if position < self._backward_cursor:   # outside the list, or a second gather in this backward
+            if unit is not None:
+                self._ensure_unsharded(unit)
             return
-        position = len(order) if unit is None else order.index(unit)
-        for skipped in order[self._backward_cursor:position]:
-            self._ensure_unsharded(skipped)
-        self._backward_cursor = max(self._backward_cursor, position + 1)
+        for listed in order[self._backward_cursor:position + 1]:
+            self._ensure_unsharded(listed, checked=False)
+        self._backward_cursor = position + 1
 
     def post_accumulate(self, unit: Unit, param: torch.Tensor) -> None:
         self._queue_final_callback()
@@ -263,7 +271,7 @@ class Stage3Runtime:
     @torch.no_grad()
     def finalize_backward(self) -> None:
         self._callback_queued = False
-        self._catch_up_gathers(None)   # gathers this rank's backward did not reach, as its peers' did
+        self._backward_gather(None)   # gathers this rank's backward did not reach, as its peers' did
         self.schedule.flush()
         agreed, self._late = self.guard.agree_late(self._late), []
         late = [u for u in self.schedule.order if u in agreed]
@@ -283,9 +291,9 @@ class Stage3Runtime:
         self.schedule.drain()
 
     # -- helpers ------------------------------------------------------------------
-    def _ensure_unsharded(self, unit: Unit) -> None:
+    def _ensure_unsharded(self, unit: Unit, checked: bool = True) -> None:
         if unit.state is ShardedState.SHARDED:
-            unit.unshard(async_op=False)
+            unit.unshard(async_op=False, checked=checked)
         elif unit.gathering:
             unit.wait_unshard()
 
@@ -298,4 +306,4 @@ class Stage3Runtime:
         i = order.index(unit)
         for nxt in order[i + 1: i + 1 + self.prefetch_depth]:
             if nxt.state is ShardedState.SHARDED and not nxt.gathering:
-                nxt.unshard(async_op=True)
+                nxt.unshard(async_op=True, checked=False)   # [Note: collective order]

@@ -3,16 +3,26 @@
 [Note: collective order]
 Stage-3 collectives pair up by position, like all collectives on a group.  A block called on some ranks
 only (a branch that skips it) would pair one rank's gather of unit A with another's gather of unit B:
-same sizes and the weights mix silently; different sizes and gloo aborts the process.  So before any
-gather is issued, its unit's index goes round the control channel ([Note: control channel] in
-``collectives.py``: a separate group, so the check does not wait for prefetches in flight), and at the
-end of each forward with gradients every rank sends a fingerprint of the order it ran its units in; the
-reverse of that order is the order of the gradient reductions ([Note: rank-agreed reduction order] in
-``grads/schedule.py``), so it must be the same everywhere, even when a prefetch (which follows the
-previous forward's order) made a skipped block's gather pair up.  On any mismatch every rank sees the
-same messages, so all of them take the error path together: they exchange the names of the units they
-ran and raise one error naming the units that were not run on every rank.  Cost: one blocking exchange
-of 4 float64 per gather and per forward, host-only (``benchmarks/results/`` for the measured effect).
+same sizes and the weights mix silently; different sizes and gloo aborts the process.  So the ranks
+compare, on the control channel ([Note: control channel] in ``collectives.py``: a separate group, host
+only), every unit they enter in a forward, and no payload goes out before every earlier comparison
+agreed:
+  * a unit entered already gathered (prefetched): its index is exchanged asynchronously and checked at
+    the next unit's entry, a whole unit of compute later, so nobody waits; its prefetches go out at once,
+    which is safe: prefetches follow the previous forward's agreed order from the first unit not yet
+    gathered, which every rank shares once the earlier checks agreed, so ranks that entered different
+    units issue two prefixes of one sequence (never two different sizes) and the pending check fails;
+  * a unit gathered on entry, and any gather outside the hooks (``gathered_parameters``, state dicts):
+    a blocking check before the payload;
+  * backward gathers follow one list every rank agreed at the end of the forward ([Note: backward gather
+    order] in hooks.py), so they need no check, except a unit gathered a second time in one backward;
+  * at the end of each forward with gradients every rank sends a fingerprint of the order it ran its
+    units in: the reverse of that order is the order of the reductions ([Note: rank-agreed reduction
+    order] in ``grads/schedule.py``).
+On any mismatch every rank sees the same messages, so all of them take the error path together: they
+exchange the names of the units they ran and raise one error naming the units not run on every rank.
+Cost: host-only exchanges of (3 + units) float64, one per unit entered, one per forward and one per
+backward (``benchmarks/results/ab-blocks34m.md`` for the measured effect on step time).
 """
 from __future__ import annotations
 
@@ -41,17 +51,33 @@ class OrderGuard:
         self.units = list(units)
         self.active = comm.world_size > 1 and comm.backend != "fake"
         self.recording: list["Unit"] = []   # the units this rank ran in the current forward (runtime's list)
+        self._pending: list = []            # asynchronous comparisons not checked yet
         comm.open_control_channel()
 
     def before_gather(self, unit: "Unit") -> None:
+        """Blocking: ``unit`` is about to be gathered on demand."""
         if self.active:
+            self.settle()
             self._agree(self._message(_GATHER, unit.index), f"order check before gathering unit {unit.name!r}")
+
+    def entered(self, unit: "Unit") -> None:
+        """``unit`` was entered already gathered: compare asynchronously, checked by :meth:`settle`."""
+        if self.active:
+            self.settle()   # at most one comparison in flight: an error path finds no other one pending
+            self._pending.append(self.comm.control_start(self._message(_GATHER, unit.index),
+                                                         f"order check of unit {unit.name!r}"))
+
+    def settle(self) -> None:
+        """Check every asynchronous comparison issued so far (each rank calls it at the same points)."""
+        while self._pending:
+            self._check(self.comm.control_finish(self._pending.pop(0)))
 
     def end_of_forward(self, order: Sequence["Unit"], backward: set["Unit"]) -> set["Unit"]:
         """Check the forward's order; returns the units whose outputs need a gradient on *any* rank
         ([Note: backward gather order] in hooks.py)."""
         if not self.active:
             return set(backward)
+        self.settle()
         seen = self._agree(self._message(_FORWARD_END, len(order), _fingerprint(order), backward),
                            "order check after the forward")
         return {u for u in self.units if any(m[_HEAD + u.index] for m in seen)}
@@ -60,6 +86,7 @@ class OrderGuard:
         """The units any rank got late gradients for ([Note: rank-agreed reduction order])."""
         if not self.active:
             return set(late)
+        self.settle()
         seen = self._agree(self._message(_LATE, 0, 0.0, late), "agreement on late gradients")
         return {u for u in self.units if any(m[_HEAD + u.index] for m in seen)}
 
@@ -70,9 +97,12 @@ class OrderGuard:
         return (kind, float(value), fingerprint, *mask)
 
     def _agree(self, message: tuple[float, ...], what: str) -> list[tuple[float, ...]]:
-        """Exchange; the heads (kind, value, fingerprint) must match, the unit masks may differ."""
-        seen = self.comm.control_exchange(message, what)
+        return self._check(self.comm.control_exchange(message, what))
+
+    def _check(self, seen: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
+        """The heads (kind, value, fingerprint) must match; the unit masks may differ."""
         if any(m[:_HEAD] != seen[0][:_HEAD] for m in seen):
+            self._pending.clear()
             self._raise(seen)
         return seen
 
@@ -94,7 +124,7 @@ class OrderGuard:
     def _describe(self, message: tuple[float, ...]) -> str:
         kind, value = message[0], int(message[1])
         if kind == _GATHER:
-            return f"gathers unit {value} ({self.units[value].name!r})"
+            return f"enters unit {value} ({self.units[value].name!r})"
         if kind == _FORWARD_END:
             return f"ends its forward after {value} blocks"
         return "ends its backward"

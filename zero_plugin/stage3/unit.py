@@ -79,12 +79,14 @@ class Unit:
         return bool(self._gather)
 
     @torch.no_grad()
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False, checked: bool = True) -> None:
+        """``checked=False``: the caller's protocol already keeps this gather paired ([Note: collective
+        order] in order.py); otherwise the ranks compare it before the payload goes out."""
         if self.state is ShardedState.UNSHARDED or self._gather:
             if not async_op:
                 self.wait_unshard()
             return
-        if self.guard is not None:   # [Note: collective order]: nothing is sent before the ranks agree
+        if checked and self.guard is not None:   # [Note: collective order]: nothing sent before ranks agree
             self.guard.before_gather(self)
         if self.comm.gathers_regions_in_place:
             self._gather_in_place()
