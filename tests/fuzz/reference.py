@@ -30,12 +30,8 @@ def reference(spec: dict) -> dict:
             (torch.stack(per_rank).mean() * op[1]["scale"]).backward()
             losses.append([v.item() for v in per_rank])
             micro += 1
-        elif op[0] == "clip":
-            norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, op[1])))
-        elif op[0] == "step":
-            opt.step()
-        elif op[0] == "zero_grad":
-            opt.zero_grad()
+        else:
+            _optimizer_op(op, opt, trainable, norms)
     final = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "norms": norms, "initial": initial, "final": final}
 
@@ -71,11 +67,17 @@ def reference_bf16(spec: dict) -> dict:
                         add = w.grad.float() / n
                         m.grad = add if m.grad is None else m.grad + add
             micro += 1
-        elif op[0] == "clip":
-            norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, op[1])))
-        elif op[0] == "step":
-            opt.step()
-        elif op[0] == "zero_grad":
-            opt.zero_grad()
+        else:
+            _optimizer_op(op, opt, trainable, norms)
     final = {k: v.detach().to(torch.float64).clone() for k, v in master.state_dict().items()}
     return {"losses": losses, "norms": norms, "final": final}
+
+
+def _optimizer_op(op: list, opt: torch.optim.Optimizer, trainable: list, norms: list) -> None:
+    """``clip`` / ``step`` / ``zero_grad`` of a schedule, as torch does them in one process."""
+    if op[0] == "clip":
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, op[1])))
+    elif op[0] == "step":
+        opt.step()
+    elif op[0] == "zero_grad":
+        opt.zero_grad()
