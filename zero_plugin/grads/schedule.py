@@ -54,9 +54,6 @@ class ReductionSchedule(Generic[T]):
         self._position = {id(item): i for i, item in enumerate(self.order)}
         self._ready.clear()
 
-    def issued(self, item: T) -> bool:
-        return self._position.get(id(item), len(self.order)) < self._next
-
     def mark_ready(self, item: T) -> None:
         """``item``'s gradients are final on this rank: issue it and every ready item after it, if its
         turn came."""
