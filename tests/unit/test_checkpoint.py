@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from tests.harness import REPO_ROOT, run_ranks
+from tests.unit import checkpoint_optimizer_workers as ow
 from tests.unit import checkpoint_workers as w
 
 STAGES = (0, 1, 2, 3)
@@ -90,17 +91,17 @@ def test_fp16_exact_resume_keeps_the_loss_scale(stage, tmp_path):
     after it only at 2^16: interrupted + resumed equals uninterrupted -- scale and skip count after every
     step, parameters and optimizer state bitwise.  The optimizer's state dicts carry the scaler too."""
     path = str(tmp_path / "ckpt")
-    first = run_ranks(2, w.fp16_resume_first_half, stage, path, timeout=120)
-    second = run_ranks(2, w.fp16_resume_second_half, stage, path, timeout=120)
+    first = run_ranks(2, ow.fp16_resume_first_half, stage, path, timeout=120)
+    second = run_ranks(2, ow.fp16_resume_second_half, stage, path, timeout=120)
     for a, b in zip(first, second):
         straight = a["straight_trace"]
         assert [s for s, _ in straight] == [2.0**16, 2.0**15, 2.0**15, 2.0**15, 2.0**15, 2.0**15], straight
         assert [n for _, n in straight] == [0, 1, 1, 1, 1, 1], "step 1 overflows; step 4 must not at 2^15"
-        assert a["split_trace"] == straight[:w.FP16_SAVE_AT]
-        assert a["saved_scaler"] == straight[w.FP16_SAVE_AT - 1]
+        assert a["split_trace"] == straight[:ow.FP16_SAVE_AT]
+        assert a["saved_scaler"] == straight[ow.FP16_SAVE_AT - 1]
         assert a["state_dict_scalers"] == {"sharded": a["saved_scaler"], "consolidated": a["saved_scaler"]}
         assert b["loaded_scaler"] == a["saved_scaler"]
-        assert b["trace"] == straight[w.FP16_SAVE_AT:]
+        assert b["trace"] == straight[ow.FP16_SAVE_AT:]
         assert_params_equal(a["straight_params"], b["params"])
         assert_opt_equal(a["straight_opt"], b["opt"])
 
@@ -108,8 +109,8 @@ def test_fp16_exact_resume_keeps_the_loss_scale(stage, tmp_path):
 def test_checkpoint_without_loss_scale_record_still_loads(tmp_path):
     """A checkpoint written before the scaler was saved: loads, and the scaler keeps its fresh state."""
     path = str(tmp_path / "ckpt")
-    run_ranks(2, w.fp16_resume_first_half, 2, path, timeout=120)
-    for b in run_ranks(2, w.fp16_resume_second_half, 2, path, strip_scaler=True, timeout=120):
+    run_ranks(2, ow.fp16_resume_first_half, 2, path, timeout=120)
+    for b in run_ranks(2, ow.fp16_resume_second_half, 2, path, strip_scaler=True, timeout=120):
         assert b["loaded_scaler"] == (2.0**16, 0)
 
 
@@ -267,7 +268,7 @@ def test_unstorable_extra_and_mismatched_optimizer(tmp_path):
 def test_state_of_another_optimizer_class_is_refused_before_anything_changes(world_size, stage, tmp_path):
     """AdamW's checkpoint / state dicts into SGD: a ValueError naming both classes and the fix, raised by
     the checks, so the SGD run's parameters, state and hyper-parameters stay as they were."""
-    results = run_ranks(world_size, w.wrong_optimizer_class, stage, str(tmp_path / "ckpt"), timeout=120)
+    results = run_ranks(world_size, ow.wrong_optimizer_class, stage, str(tmp_path / "ckpt"), timeout=120)
     for r in results:
         for kind, error in r["errors"].items():
             assert error is not None, f"{kind}: loaded without error"
