@@ -46,8 +46,7 @@ _STATS: dict[str, _Counter] = defaultdict(_Counter)
 
 
 _PHYSICAL: dict[str, int] = defaultdict(int)
-_CONTROL: dict[tuple[int, ...], tuple[Any, Any]] = {}   # ranks -> (world group it was made in, control group)
-_SIBLINGS: dict[tuple, tuple[Any, Any]] = {}            # (ranks, purpose) -> (world group, group)
+_SAME_RANKS: dict[tuple, tuple[Any, Any]] = {}   # (ranks, purpose) -> (default group it was made in, group)
 
 
 def _issued(name: str) -> None:
@@ -165,14 +164,7 @@ class Comm:
         rank of the group calls it at the same point (setup).  One channel per group, shared by engines."""
         if self.world_size == 1 or self.backend == "fake" or self._control is not None:
             return
-        ranks = tuple(self.global_rank(r) for r in range(self.world_size))
-        world = dist.GroupMember.WORLD
-        cached = _CONTROL.get(ranks)
-        if cached is None or cached[0] is not world:
-            group = dist.new_group(ranks=list(ranks), backend="gloo",
-                                   use_local_synchronization=self.group is not None)
-            cached = _CONTROL[ranks] = (world, group)
-        self._control = cached[1]
+        self._control = self._group_of_same_ranks("control", "gloo")
 
     def sibling(self, purpose: str) -> "Comm":
         """A Comm over a second group of the same ranks and backend, for collectives whose order is agreed
@@ -180,17 +172,21 @@ class Comm:
         stage3/hooks.py).  Collective at setup, like :meth:`open_control_channel`; one per group and purpose."""
         if self.world_size == 1 or self.backend == "fake":
             return self
-        ranks = tuple(self.global_rank(r) for r in range(self.world_size))
-        world = dist.GroupMember.WORLD
-        key = (ranks, purpose)
-        cached = _SIBLINGS.get(key)
-        if cached is None or cached[0] is not world:
-            group = dist.new_group(ranks=list(ranks), backend=self.backend,
-                                   use_local_synchronization=self.group is not None)
-            cached = _SIBLINGS[key] = (world, group)
-        comm = Comm(cached[1], timeout_s=self.timeout_s)
+        comm = Comm(self._group_of_same_ranks(purpose, self.backend), timeout_s=self.timeout_s)
         comm.history, comm._in_place = self.history, self._in_place
         return comm
+
+    def _group_of_same_ranks(self, purpose: str, backend: str) -> Any:
+        """A new group over this group's ranks, made once per (ranks, purpose) while the default group lives
+        (the test harness reuses processes across many setups); collective the first time."""
+        ranks = tuple(self.global_rank(r) for r in range(self.world_size))
+        world = dist.GroupMember.WORLD
+        cached = _SAME_RANKS.get((ranks, purpose))
+        if cached is None or cached[0] is not world:
+            group = dist.new_group(ranks=list(ranks), backend=backend,
+                                   use_local_synchronization=self.group is not None)
+            cached = _SAME_RANKS[(ranks, purpose)] = (world, group)
+        return cached[1]
 
     def control_exchange(self, message: tuple[float, ...], what: str) -> list[tuple[float, ...]]:
         """Every rank's ``message`` (a few exact small numbers, the same length on every rank), blocking,
