@@ -99,3 +99,21 @@ def test_unit_classes_matching_nothing_is_an_error():
 def test_unit_classes_matching_something_still_works():
     units, _ = assign_units(models.make_odd_mlp(), zp.ZeroConfig(stage=3, unit_classes=("OddBlock",)))
     assert [n for n, _ in units] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+
+
+@pytest.mark.parametrize("where", ["plain_after", "plain_before"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_stage3_parameter_used_outside_its_unit_is_a_zero_plugin_error(where, world_size):
+    """Without ``zp.gathered_parameters`` the regulariser sees this rank's 1-D shard: an error naming the
+    parameter and the fix, on every rank, not autograd's shape error (or, for a 1-D shard that happens to fit,
+    a silently wrong gradient)."""
+    for rank, r in enumerate(run_ranks(world_size, MW.regulariser_worker, 3, where, timeout=60)):
+        error = r["error"] or ""
+        assert "blocks.0.fc.weight" in error and "zp.gathered_parameters" in error, f"rank {rank}: {error!r}"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_parameter_used_outside_any_unit_trains_at_stages_0_to_2(stage):
+    for rank, r in enumerate(run_ranks(2, MW.regulariser_worker, stage, "plain_after", timeout=60)):
+        assert r["error"] is None, f"rank {rank}: {r['error']}"
+        assert r["max_abs_diff"] <= F64, f"rank {rank}: max |θ - θ_ref| = {r['max_abs_diff']:.3g}"

@@ -299,8 +299,8 @@ def _keep_saved_values(params: list[nn.Parameter]):
     to the parameter (edges are not saved tensors), full-shaped as the unit's own, and is reduced with
     them (a gradient arriving after its unit was reduced is reduced again in the final callback).  Costs a
     copy of each saved parameter until backward, only inside such blocks.  Outside such a block, a
-    parameter used while its unit is sharded fails in backward with autograd's own "invalid gradient ...
-    got [shard size]" error: nothing of ours runs between that use and autograd's shape check."""
+    parameter used while its unit is sharded is an error in backward that names it ([Note: uses outside
+    the unit] in param.py)."""
     if not params or not torch.is_grad_enabled():
         return contextlib.nullcontext()
     ids = {id(p) for p in params}

@@ -32,7 +32,7 @@ from .._hooks import WeakHook
 from ..grads.schedule import ReductionSchedule
 from ..hostmem import trim_host_heap
 from .order import OrderGuard
-from .param import ShardedState
+from .param import ShardedParam, ShardedState
 from .unit import BackwardState, Unit
 
 __all__ = ["Stage3Runtime"]
@@ -95,8 +95,9 @@ class Stage3Runtime:
                                                                  with_kwargs=True))
                 self._handles.append(m.register_forward_hook(functools.partial(self.post_forward, unit)))
             for sp in unit.trainable:
+                self._handles.append(sp.param.register_hook(WeakHook(self.pre_accumulate, unit, sp)))
                 self._handles.append(sp.param.register_post_accumulate_grad_hook(
-                    WeakHook(self.post_accumulate, unit)))
+                    WeakHook(self.post_accumulate, unit, sp)))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -229,7 +230,19 @@ class Stage3Runtime:
             self._ensure_unsharded(listed, checked=False)
         self._backward_cursor = position + 1
 
-    def post_accumulate(self, unit: Unit, param: torch.Tensor) -> None:
+    def pre_accumulate(self, unit: Unit, sp: ShardedParam, grad: torch.Tensor) -> None:
+        """[Note: uses outside the unit]: a gradient of the shard's shape came from a use of the shard."""
+        if tuple(grad.shape) != sp.shape:
+            raise RuntimeError(
+                f"zero_plugin: stage-3 parameter {sp.name!r} (shape {list(sp.shape)}) was used outside the forward "
+                f"of its unit {unit.name!r}, where it holds only this rank's 1-D shard (its gradient has shape "
+                f"{list(grad.shape)}); wrap that use in `with zp.gathered_parameters([param], model=model):` to "
+                f"compute on the full parameter")
+        if sp.state is ShardedState.SHARDED:   # from a gathered_parameters block, after its unit resharded
+            sp.lend_full_shape()
+
+    def post_accumulate(self, unit: Unit, sp: ShardedParam, param: torch.Tensor) -> None:
+        sp.end_lend()
         self._queue_final_callback()
         if unit.reduced:
             if unit not in self._late:   # a second gradient for a param in one backward

@@ -11,6 +11,23 @@ unsharded tensor in forward (``weight.t()`` in ``F.linear``); keeping the storag
 object alive and refilling it before backward keeps those views valid, and
 freeing by resize keeps the memory bounded.  Writes go through ``.data`` aliases
 so that autograd's version counters are untouched (the data is the same values).
+
+[Note: uses outside the unit]
+A parameter used outside its unit's forward without ``zp.gathered_parameters`` (a
+regulariser on ``blocks[0].fc.weight``) computes on the 1-D shard.  Autograd keeps one
+gradient accumulator per parameter and checks gradients against the shape the parameter
+had when the accumulator was made, so left alone that use fails in backward with
+autograd's "invalid gradient ... got [105]", which names neither the parameter nor the
+fix.  Each switch of ``param.data`` therefore also drops the accumulator (autograd makes
+a new one, with the current shape, at the next use; graphs already built keep theirs):
+the outside use then reaches the parameter as a gradient of the shard's shape, which
+``Stage3Runtime.pre_accumulate`` turns into an error naming the parameter and
+``zp.gathered_parameters``.  A use inside ``zp.gathered_parameters`` gets its own accumulator
+too, which may fire after the unit resharded: for that gradient ``param.data`` is lent the
+full shape (``lend_full_shape``; autograd lays the gradient out like the data), and the
+gradient is reduced as a late one.  Not caught: a 1-element parameter at world size > 1 (its
+shard has the full shape).  Autograd drops an accumulator only when the dtype or device of
+``.data`` changes, hence the swap through a 0-element tensor of another dtype.
 """
 from __future__ import annotations
 
@@ -33,7 +50,7 @@ class ShardedState(enum.Enum):
 class ShardedParam:
     """Owns one parameter's local shard, its reusable unsharded storage and its shard gradient."""
 
-    __slots__ = ("param", "name", "layout", "shape", "local", "unsharded", "sharded_grad", "state")
+    __slots__ = ("param", "name", "layout", "shape", "local", "unsharded", "sharded_grad", "state", "lent", "__weakref__")
 
     def __init__(self, param: nn.Parameter, name: str, full: torch.Tensor, layout: ShardLayout,
                  storage_dtype: torch.dtype, compute_dtype: torch.dtype,
@@ -49,7 +66,8 @@ class ShardedParam:
         self._free_unsharded()
         self.sharded_grad: torch.Tensor | None = None
         self.state = ShardedState.SHARDED
-        param.data = self.local
+        self.lent = False   # param.data lent the full shape for one accumulation: lend_full_shape
+        self._set_data(self.local)
 
     # -- transitions ----------------------------------------------------------
     def to_unsharded(self, rows: torch.Tensor) -> None:
@@ -58,7 +76,7 @@ class ShardedParam:
         storage = self.unsharded.untyped_storage()
         storage.resize_(self.layout.numel * self.unsharded.element_size())
         copy_from_rows(self.unsharded.data.view(-1), rows, self.layout)
-        self.param.data = self.unsharded
+        self._set_data(self.unsharded)
         self.state = ShardedState.UNSHARDED
 
     def open_unsharded(self) -> torch.Tensor:
@@ -72,14 +90,32 @@ class ShardedParam:
         return flat
 
     def expose(self) -> None:
-        self.param.data = self.unsharded
+        self._set_data(self.unsharded)
         self.state = ShardedState.UNSHARDED
 
     def to_sharded(self) -> None:
         assert self.state is ShardedState.UNSHARDED, f"{self.name}: to_sharded from {self.state}"
-        self.param.data = self.local
+        self._set_data(self.local)
         self._free_unsharded()
         self.state = ShardedState.SHARDED
+
+    def lend_full_shape(self) -> None:
+        """While SHARDED, let autograd accumulate a full-shape gradient: it lays ``param.grad`` out like
+        ``param.data``, so ``param.data`` is the (0-byte) unsharded tensor until :meth:`end_lend`."""
+        self.param.data = self.unsharded
+        self.lent = True
+
+    def end_lend(self) -> None:
+        if self.lent:
+            self.lent = False
+            self.param.data = self.local
+
+    def _set_data(self, data: torch.Tensor) -> None:
+        """``param.data = data`` and a fresh gradient accumulator: [Note: uses outside the unit]."""
+        if self.param.requires_grad:
+            other = torch.float32 if self.param.dtype == torch.float16 else torch.float16
+            self.param.data = torch.empty(0, dtype=other, device=self.param.device)
+        self.param.data = data
 
     def _free_unsharded(self) -> None:
         self.unsharded.untyped_storage().resize_(0)
