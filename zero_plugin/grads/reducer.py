@@ -34,7 +34,7 @@ from ..collectives import Comm
 from ..optim.master import MasterParam
 from .._hooks import WeakHook
 from .bucket import Bucket, plan_buckets
-from .schedule import ReductionSchedule
+from .schedule import LateFlags, ReductionSchedule
 
 __all__ = ["AllReduceReducer", "ReduceScatterReducer", "GradReducer"]
 
@@ -62,6 +62,7 @@ class GradReducer:
         self.schedule.start(self.buckets)   # fixed at setup: [Note: rank-agreed reduction order]
         if self.supports_late:
             comm.open_control_channel()   # collective: every rank builds the same reducer at setup
+            self._late_agreement = LateFlags(comm)
         self._late: list[Bucket] = []
         self.after_backward = lambda: None   # the engine's: [Note: per-step state] in engine.py
 
@@ -119,12 +120,12 @@ class GradReducer:
         """Issue the buckets not issued yet, in order (unused parameters count as zeros), re-reduce
         late gradients, wait, copy out."""
         self._callback_queued = False
-        self.schedule.flush()
         if self.supports_late:
-            late, self._late = self.schedule.agree_late(self.comm, self._late), []
-            self.schedule.drain()   # a bucket's first reduction completes before its second is issued
-            self.schedule.reissue(late)
-        self.schedule.finish()
+            late, self._late = self._late, []
+            self.schedule.end_backward(late, self._late_agreement)
+        else:
+            self.schedule.flush()
+            self.schedule.finish()
         for bucket in self.buckets:
             bucket.reset()
         self.after_backward()

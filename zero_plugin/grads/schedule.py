@@ -16,18 +16,52 @@ is DDP's: the average over ranks, zeros from ranks that did not use a parameter,
 parameter no rank used.  When every rank uses everything in the usual order nothing waits longer than
 before.  Gradients that arrive after their item was issued (a parameter reused across reentrant
 checkpoint segments) are reduced once more at the end of backward, in order, after the ranks agreed
-which items that concerns (:meth:`ReductionSchedule.agree_late`).
+which items that concerns (:meth:`ReductionSchedule.end_backward`).  That agreement is one small exchange
+on the control channel, issued before the wait for the reductions in flight and read after it, so its
+latency hides behind theirs.  Stages 0-2 exchange plain flags (:class:`LateFlags`); stage 3 lets its
+``OrderGuard`` carry them, so the exchange also checks that every rank is at the same point.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from typing import Any, Callable, Generic, Iterable, Protocol, Sequence, TypeVar
 
 from ..collectives import Comm
 
-__all__ = ["ReductionSchedule"]
+__all__ = ["ReductionSchedule", "LateAgreement", "LateFlags"]
 
 T = TypeVar("T")
+
+
+class LateAgreement(Protocol):
+    """Which items any rank got late gradients for, in two halves so that the exchange overlaps a wait."""
+
+    def start(self, order: Sequence[Any], late: Sequence[Any]) -> Any: ...
+
+    def finish(self, handle: Any) -> set[int]:
+        """``id`` of every item some rank got late gradients for."""
+
+
+class LateFlags:
+    """Stages 0-2: one flag per item in the agreed order, on the control channel."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def start(self, order: Sequence[Any], late: Sequence[Any]) -> Any:
+        flags = [0.0] * len(order)
+        late_ids = {id(item) for item in late}
+        for i, item in enumerate(order):
+            flags[i] = 1.0 if id(item) in late_ids else 0.0
+        handle = self.comm.control_start(tuple(flags), "agreement on late gradients") if flags else None
+        return order, handle
+
+    def finish(self, handle: Any) -> set[int]:
+        order, started = handle
+        if started is None:
+            return set()
+        seen = self.comm.control_finish(started)
+        return {id(item) for i, item in enumerate(order) if any(flags[i] for flags in seen)}
 
 
 class ReductionSchedule(Generic[T]):
@@ -68,15 +102,16 @@ class ReductionSchedule(Generic[T]):
             self._issue(self.order[self._next])
             self._next += 1
 
-    def agree_late(self, comm: Comm, late: list[T]) -> list[T]:
-        """The items any rank got late gradients for, in the agreed order: every rank must re-issue the
-        same ones.  One small exchange on the control channel ([Note: control channel] in collectives.py),
-        which needs no device synchronisation and does not wait for the reductions in flight."""
-        flags = [0.0] * len(self.order)
-        for item in late:
-            flags[self._position[id(item)]] = 1.0
-        seen = comm.control_exchange(tuple(flags), "agreement on late gradients") if flags else []
-        return [item for i, item in enumerate(self.order) if any(rank_flags[i] for rank_flags in seen)]
+    def end_backward(self, late: list[T], agreement: LateAgreement) -> None:
+        """Issue what is left in order, re-issue the items any rank got late gradients for, wait for all.
+        The agreement's exchange goes out before the wait for the reductions in flight, which every rank
+        makes anyway, and is read after it ([Note: rank-agreed reduction order])."""
+        self.flush()
+        handle = agreement.start(self.order, late)
+        self.drain()   # an item's first reduction completes before its second is issued
+        again = agreement.finish(handle)
+        self.reissue([item for item in self.order if id(item) in again])
+        self.finish()
 
     def reissue(self, items: list[T]) -> None:
         for item in items:

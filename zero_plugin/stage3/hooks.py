@@ -285,13 +285,8 @@ class Stage3Runtime:
     def finalize_backward(self) -> None:
         self._callback_queued = False
         self._backward_gather(None)   # gathers this rank's backward did not reach, as its peers' did
-        self.schedule.flush()
-        agreed, self._late = self.guard.agree_late(self._late), []
-        late = [u for u in self.schedule.order if u in agreed]
-        if late:
-            self.schedule.drain()   # a unit's first reduction completes before its second is issued
-            self.schedule.reissue(late)
-        self.schedule.finish()
+        late, self._late = self._late, []
+        self.schedule.end_backward(late, self.guard)
         self.after_backward()
         self._backward_cursor = 0
         for unit in self.units:

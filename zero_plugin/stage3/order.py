@@ -82,13 +82,19 @@ class OrderGuard:
                            "order check after the forward")
         return {u for u in self.units if any(m[_HEAD + u.index] for m in seen)}
 
-    def agree_late(self, late: Sequence["Unit"]) -> set["Unit"]:
-        """The units any rank got late gradients for ([Note: rank-agreed reduction order])."""
+    # -- late gradients: a LateAgreement ([Note: rank-agreed reduction order] in grads/schedule.py) ----------
+    def start(self, order: Sequence["Unit"], late: Sequence["Unit"]):
+        """Issue the agreement on the units any rank got late gradients for; read by :meth:`finish`."""
         if not self.active:
             return set(late)
         self.settle()
-        seen = self._agree(self._message(_LATE, 0, 0.0, late), "agreement on late gradients")
-        return {u for u in self.units if any(m[_HEAD + u.index] for m in seen)}
+        return self.comm.control_start(self._message(_LATE, 0, 0.0, late), "agreement on late gradients")
+
+    def finish(self, handle) -> set[int]:
+        if not self.active:
+            return {id(u) for u in handle}
+        seen = self._check(self.comm.control_finish(handle))
+        return {id(u) for u in self.units if any(m[_HEAD + u.index] for m in seen)}
 
     def _message(self, kind: float, value: int, fingerprint: float = 0.0, marked=()) -> tuple[float, ...]:
         mask = [0.0] * len(self.units)
