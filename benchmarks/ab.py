@@ -36,18 +36,33 @@ def _export(rev: str, into: Path) -> None:
     (into / "zero_plugin").rename(into / PACKAGE)
 
 
-def _ratios(report: Path, stages: list[int]) -> list[str]:
-    steps: dict[str, list[float]] = {}
-    raw = json.loads(report.with_suffix(".json").read_text())
+def _per_round(raw: dict, variant: str, kind: str) -> dict[int, float]:
+    """Median step of ``variant`` in each round (``kind``: "total" wall seconds or "cpu" process CPU seconds),
+    over all its timed steps and ranks."""
+    steps: dict[int, list[float]] = {}
     for rec in raw["records"]:
-        steps.setdefault(rec["variant"], []).extend(rec.get("times", {}).get("total", []))
+        if rec["variant"] == variant:
+            steps.setdefault(rec["round"], []).extend(rec.get("times", {}).get(kind, []))
+    return {r: statistics.median(v) for r, v in steps.items() if v}
+
+
+def _ratios(report: Path, stages: list[int]) -> list[str]:
+    """Both the ratio of medians over all rounds and the paired ratio per round (this tree and the base ran
+    back to back in each round, so a round's ratio cancels the load that round had); CPU time as well as
+    wall time, since other jobs on the machine disturb CPU time far less."""
+    raw = json.loads(report.with_suffix(".json").read_text())
     lines = []
     for stage in stages:
-        new, base = steps.get(f"zp{stage}"), steps.get(f"zp{stage}_base")
-        if new and base:
-            ratio = statistics.median(new) / statistics.median(base)
-            lines.append(f"stage {stage}: median step {statistics.median(new):.4f} s vs {statistics.median(base):.4f} s "
-                         f"at the base revision: {ratio:.3f}x")
+        for kind, label in (("total", "wall"), ("cpu", "CPU")):
+            new, base = _per_round(raw, f"zp{stage}", kind), _per_round(raw, f"zp{stage}_base", kind)
+            rounds = sorted(set(new) & set(base))
+            if not rounds:
+                continue
+            paired = [new[r] / base[r] for r in rounds]
+            overall = statistics.median(new.values()) / statistics.median(base.values())
+            lines.append(f"stage {stage} {label}: {statistics.median(new.values()):.4f} s vs "
+                         f"{statistics.median(base.values()):.4f} s at the base revision: {overall:.3f}x; "
+                         f"per round {', '.join(f'{x:.3f}' for x in paired)} (median {statistics.median(paired):.3f}x)")
     return lines
 
 
