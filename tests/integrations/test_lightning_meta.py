@@ -110,17 +110,19 @@ def test_empty_init_semantics_per_stage(preset):
 def test_setup_peak_is_shard_plus_one_unit():
     """Peak bytes allocated while building under init_module() and running fabric.setup, per rank.
 
-    Bound: this rank's shards + one unit unsharded + slack (1 MiB: small tensors, flat broadcast
-    buffers).  Eager construction (meta_init=False) allocates the whole model first, for contrast.
+    Bound: this rank's shards + one unit unsharded + 2 MiB slack (buffers, their flat broadcast, optimizer
+    and hook bookkeeping, and the profiler dating each allocation at its op's start).  Measured: 15.7-16.5 MB
+    against shard 12.1 MB + unit 2.9 MB; the bound (17.1 MB) is below shard + two units (17.9 MB) and a full
+    copy (24.3 MB); eager construction (meta_init=False) peaks at 25.9 MB on every rank.
     """
     meta = run_ranks(2, mw.setup_memory_worker, True)
     eager = run_ranks(2, mw.setup_memory_worker, False)
     for rank in range(2):
         m = meta[rank]
-        bound = m["shard"] + m["max_unit"] + (1 << 20)
+        bound = m["shard"] + m["max_unit"] + (2 << 20)
         assert m["peak"] <= bound, (rank, m, bound)
         assert eager[rank]["peak"] >= eager[rank]["full"], (rank, eager[rank])
-        assert m["max_unit"] < m["full"] / 6   # the bound is far below a full copy
+        assert bound < m["shard"] + 2 * m["max_unit"] and bound < m["full"]
 
 
 # -- (d) tied embeddings ------------------------------------------------------------------------------------------------
