@@ -46,7 +46,6 @@ from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import zero_plugin as zp
-from lightning.fabric.utilities.init import _EmptyInit
 from zero_plugin.meta_init import meta_parameters
 
 from . import _lightning_common as common
@@ -236,7 +235,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """``trainer.init_module`` and ``configure_model``: see [Note: meta construction] in ``_lightning_common.py``."""
+        """``trainer.init_module`` and ``configure_model``: [Note: meta construction] in ``_lightning_common.py``."""
         module = self.lightning_module
         set_up = module is not None and common.is_set_up(module)   # configure_model again after setup
         if set_up or not common.builds_on_meta(self.config, empty_init, self.meta_init, self.param_source):
