@@ -32,6 +32,8 @@ import torch
 from torch import nn
 
 import zero_plugin as zp
+from zero_plugin import materialize
+from zero_plugin.meta_init import ModuleInitSource, check_initialisable, has_meta_buffers, safetensors_under
 from zero_plugin.engine import Engine, engine_of
 
 from . import _common
@@ -41,7 +43,8 @@ __all__ = [
     "PRESETS", "SUPPORTED_PRECISIONS", "resolve_config", "check_precision", "engine_or_none", "is_set_up",
     "shard", "shard_for_inference", "rebind_optimizer", "zero_optimizer_of", "clip_grad_norm", "clip_grad_value",
     "full_parameters", "full_model_state", "full_optimizer_state", "uses_sharded_files", "is_sharded_checkpoint",
-    "save_sharded", "load_sharded", "load_full", "move_to_device", "register_presets",
+    "save_sharded", "load_sharded", "load_full", "move_to_device", "register_presets", "builds_on_meta",
+    "source_for",
 ]
 
 # One entry per registered strategy name; each value is a full ZeroConfig, nothing else varies.
@@ -128,22 +131,68 @@ def _only_optimizer(optimizers: Iterable[torch.optim.Optimizer]) -> torch.optim.
     return optimizers[0]
 
 
-def shard(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], config: zp.ZeroConfig) -> zp.ZeroOptimizer:
+# -- building on meta ([Note: meta construction]) ------------------------------------------------
+# [Note: meta construction]
+# Lightning builds models inside ``strategy.tensor_init_context(empty_init)`` (``trainer.init_module``,
+# and ``configure_model`` with empty_init=None) or Fabric's ``module_init_context(empty_init)``.
+# ``builds_on_meta`` decides, once for both strategies:
+#   * empty_init=False: real parameters, as ever (the user wants eager init);
+#   * stage 3 (unless ``meta_init=False``), or any stage given a ``param_source``: parameters on the
+#     meta device, buffers real (``zero_plugin.meta_init.meta_parameters``); setup materialises them,
+#     at stage 3 one unit at a time, from the source or from each module's own init;
+#   * otherwise (stages 0-2, no source) exactly Lightning's DDP: empty_init=True skips the
+#     ``torch.nn.init`` calls (``_EmptyInit``: uninitialised memory, to be overwritten by a checkpoint
+#     load; ``zp.setup`` broadcasts rank 0's values), None/False initialise normally.
+# The meta context lives in ``tensor_init_context`` / ``module_init_context`` only: overriding
+# ``model_sharded_context`` would make ``trainer.init_module`` warn that the strategy cannot support it.
+def builds_on_meta(config: zp.ZeroConfig, empty_init: bool | None, meta_init: bool, param_source: Any) -> bool:
+    if empty_init is False:
+        return False
+    return (config.stage == 3 and meta_init) or param_source is not None
+
+
+def source_for(module: nn.Module, param_source: Any) -> materialize.ParamSource | None:
+    """The ParamSource that fills ``module``'s meta parameters at setup; None when it has none.
+
+    Checked on every rank before any collective, so a module that cannot be initialised fails
+    everywhere with one clear error instead of one rank raising inside a broadcast.
+    """
+    buffer = has_meta_buffers(module)
+    if buffer is not None:
+        raise ValueError(f"zero_plugin: buffer {buffer!r} is on the meta device; the ZeRO strategies "
+                         "materialise parameters only. Build the model under trainer.init_module(empty_init=True) "
+                         "/ fabric.init_module(empty_init=True) or in configure_model (parameters on meta, "
+                         "buffers real) instead of under torch.device('meta')")
+    if not materialize.has_meta_params(module):
+        if param_source is not None:
+            warnings.warn("zero_plugin: param_source is ignored: the model was built with real parameters "
+                          "(empty_init=False, or built outside init_module/configure_model)", stacklevel=3)
+        return None
+    if isinstance(param_source, (str, os.PathLike)):
+        return safetensors_under(param_source)
+    if param_source is not None:
+        return materialize.as_source(param_source)
+    check_initialisable(module)
+    return ModuleInitSource(module)
+
+
+def shard(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], config: zp.ZeroConfig,
+          param_source: Any = None) -> zp.ZeroOptimizer:
     """``zp.setup`` the module with its one optimizer; if the module already is set up, bind the new optimizer.
 
-    Collective.  Offload presets raise the engine's NotImplementedError while offload is not implemented.
+    Collective.  Meta-device parameters are materialised from ``source_for(module, param_source)``.
     """
     optimizer = _only_optimizer(optimizers)
     if isinstance(optimizer, zp.ZeroOptimizer):
         return optimizer
     engine = engine_or_none(module)
     if engine is None:
-        return zp.setup(module, optimizer, config)[1]
+        return zp.setup(module, optimizer, config, param_source=source_for(module, param_source))[1]
     _check_same_config(engine, config)
     return rebind_optimizer(module, engine, optimizer)
 
 
-def shard_for_inference(module: nn.Module, config: zp.ZeroConfig) -> None:
+def shard_for_inference(module: nn.Module, config: zp.ZeroConfig, param_source: Any = None) -> None:
     """Set up a module without a user optimizer (validate/test/predict, Fabric's ``setup_module``).
 
     A placeholder SGD(lr=0) over the trainable parameters keeps the engine the same as for
@@ -152,7 +201,8 @@ def shard_for_inference(module: nn.Module, config: zp.ZeroConfig) -> None:
     if is_set_up(module):
         return
     trainable = [p for p in module.parameters() if p.requires_grad]
-    zp.setup(module, torch.optim.SGD([{"params": trainable}], lr=0.0), config)
+    zp.setup(module, torch.optim.SGD([{"params": trainable}], lr=0.0), config,
+             param_source=source_for(module, param_source))
 
 
 def rebind_optimizer(module: nn.Module, engine: Engine, optimizer: torch.optim.Optimizer) -> zp.ZeroOptimizer:

@@ -10,7 +10,7 @@ clips by the global norm over every rank's shard, ``fabric.no_backward_sync`` ma
 from __future__ import annotations
 
 import weakref
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
@@ -38,6 +38,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import ReduceOp, _Stateful
 
 import zero_plugin as zp
+from zero_plugin.meta_init import meta_parameters
 
 from . import _lightning_common as common
 
@@ -56,7 +57,12 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
 
 
 class ZeroFabricStrategy(ParallelStrategy):
-    """ZeRO stages 0-3 (zero_plugin) for Lightning Fabric; see ``ZeroStrategy`` for the arguments."""
+    """ZeRO stages 0-3 (zero_plugin) for Lightning Fabric; see ``ZeroStrategy`` for the arguments.
+
+    ``fabric.init_module()`` builds on the meta device at stage 3 (unless ``empty_init=False`` or
+    ``meta_init=False``) and ``fabric.setup`` materialises one unit at a time: [Note: meta construction]
+    in ``_lightning_common.py``.
+    """
 
     def __init__(
         self,
@@ -69,10 +75,14 @@ class ZeroFabricStrategy(ParallelStrategy):
         precision: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        param_source: Any = None,
+        meta_init: bool = True,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
         self.config = common.resolve_config(config)
+        self.param_source = param_source
+        self.meta_init = bool(meta_init)
         self._checkpoint = common.check_checkpoint_mode(checkpoint)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -139,13 +149,13 @@ class ZeroFabricStrategy(ParallelStrategy):
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
         """Shard the module and its one optimizer together (collective)."""
-        optimizer = common.shard(module, optimizers, self.config)
+        optimizer = common.shard(module, optimizers, self.config, self.param_source)
         self._remember(module)
         return module, [optimizer], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard for inference; ``setup_optimizers`` may bind an optimizer later."""
-        common.shard_for_inference(module, self.config)
+        common.shard_for_inference(module, self.config, self.param_source)
         self._remember(module)
         return module
 
@@ -162,6 +172,16 @@ class ZeroFabricStrategy(ParallelStrategy):
 
     def module_to_device(self, module: nn.Module) -> None:
         common.move_to_device(module, self.root_device)
+
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        """``fabric.init_module``: see [Note: meta construction] in ``_lightning_common.py``."""
+        if not common.builds_on_meta(self.config, empty_init, self.meta_init, self.param_source):
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        stack.enter_context(meta_parameters())
+        stack.enter_context(self.root_device)
+        stack.enter_context(self.precision.module_init_context())
+        return stack
 
     # -- gradients -----------------------------------------------------------------------------------------
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],

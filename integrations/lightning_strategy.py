@@ -46,6 +46,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import zero_plugin as zp
+from zero_plugin.meta_init import meta_parameters
 
 from . import _lightning_common as common
 
@@ -112,6 +113,14 @@ class ZeroStrategy(ParallelStrategy):
             ``"zero3_offload"``), a dict of ZeroConfig fields, or None for ``ZeroConfig.from_env()``.
         checkpoint: ``"sharded"`` (default): every rank writes its regions into a checkpoint directory
             (``zp.save_checkpoint``); ``"full"``: rank 0 writes one Lightning-format file with the full state.
+        param_source: weights for a model built on the meta device: a ``.safetensors`` file, a folder of them
+            or an ``*.safetensors.index.json`` (``zp.materialize.from_safetensors``), or a ``ParamSource``.
+            Given, ``trainer.init_module()`` and ``configure_model`` build on meta at every stage and setup
+            loads the weights (stage 3: one unit at a time); None: modules initialise themselves.
+        meta_init: stage 3 only; True (default): ``configure_model`` and ``trainer.init_module()`` (unless
+            ``empty_init=False``) build parameters on the meta device and setup initialises them one unit at a
+            time with each module's own init; False: build them for real on every rank, as DDP does.
+            See [Note: meta construction] in ``_lightning_common.py``.
     """
 
     strategy_name = "zero"
@@ -127,11 +136,15 @@ class ZeroStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        param_source: Any = None,
+        meta_init: bool = True,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.config = common.resolve_config(config)
+        self.param_source = param_source
+        self.meta_init = bool(meta_init)
         self._checkpoint = common.check_checkpoint_mode(checkpoint)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -210,15 +223,27 @@ class ZeroStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             with common.full_parameters(module):   # configure_optimizers after an earlier setup
                 self.setup_optimizers(trainer)
-            self.optimizers = [common.shard(module, self.optimizers, self.config)]
+            self.optimizers = [common.shard(module, self.optimizers, self.config, self.param_source)]
         else:
-            common.shard_for_inference(module, self.config)
+            common.shard_for_inference(module, self.config, self.param_source)
         self.model = module
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
         assert self.lightning_module is not None
         common.move_to_device(self.lightning_module, self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``trainer.init_module`` and ``configure_model``: [Note: meta construction] in ``_lightning_common.py``."""
+        module = self.lightning_module
+        set_up = module is not None and common.is_set_up(module)   # configure_model again after setup
+        if set_up or not common.builds_on_meta(self.config, empty_init, self.meta_init, self.param_source):
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with meta_parameters(), self.root_device, self.precision_plugin.tensor_init_context():
+            yield
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

@@ -160,15 +160,20 @@ def lightning_ranks() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def resolve_strategy(name: str, package: str = "lightning.pytorch"):
-    """A registered name, or ``"<preset>:full"`` for ``ZeroStrategy(config=<preset>, checkpoint="full")``."""
-    if ":" in name:
-        from zero_plugin.integrations.lightning import ZeroStrategy, standalone_strategies
+def resolve_strategy(name: Any, package: str = "lightning.pytorch", meta_init: bool = False):
+    """A registered name, or ``"<preset>:full"`` for ``ZeroStrategy(config=<preset>, checkpoint="full")``.
 
-        cls = ZeroStrategy if package == "lightning.pytorch" else standalone_strategies()[package]
-        preset, checkpoint = name.split(":")
-        return cls(config=preset, checkpoint=checkpoint)
-    return name
+    Stage-3 presets are built with ``meta_init=False`` unless asked: these tests compare training with DDP
+    from the same eagerly built weights, while meta construction initialises unit by unit
+    (``test_lightning_meta.py`` covers it).
+    """
+    if not isinstance(name, str) or (":" not in name and (not name.startswith("zero3") or meta_init)):
+        return name
+    from zero_plugin.integrations.lightning import ZeroStrategy, standalone_strategies
+
+    cls = ZeroStrategy if package == "lightning.pytorch" else standalone_strategies()[package]
+    preset, _, checkpoint = name.partition(":")
+    return cls(config=preset, checkpoint=checkpoint or "sharded", meta_init=meta_init)
 
 
 def make_trainer(strategy: str, root: str, package: str = "lightning.pytorch", **kwargs: Any):
