@@ -113,7 +113,8 @@ def _fit_lines(result: dict) -> list[str]:
     from .planner import COST_MODEL
 
     one_memory = result["gpu_mem"] is None   # device "cpu": a rank's device bytes are host memory too
-    device = "no GPU (device and host are one memory)" if one_memory else f"{result['gpu_mem'] / _GIB:.2f} GiB per device"
+    device = ("no GPU (device and host are one memory)" if one_memory
+              else f"{result['gpu_mem'] / _GIB:.2f} GiB per device")
     lines = [f"fit: {result['world_size']} ranks, {device}, "
              f"{result['host_mem'] / _GIB:.2f} GiB host per machine shared by {result['ranks_per_host']} ranks, "
              f"{result['margin']:.0%} kept free",
@@ -214,7 +215,7 @@ def _add_estimate(sub) -> None:
     est.add_argument("--bucket-size-mb", type=float, default=25.0, help="ZeroConfig.bucket_size_mb (default 25)")
     est.add_argument("--prefetch-depth", type=int, default=1, help="ZeroConfig.prefetch_depth (default 1)")
     est.add_argument("--fit", action="store_true", help="which settings fit --gpu-mem/--host-mem (--device cpu: "
-                                                      "--host-mem only), and the fastest (exit status 1 when none fits)")
+                                                      "--host-mem only), and the fastest (exit 1 when none fits)")
     est.add_argument("--gpu-mem", type=_parse_bytes, help="memory per device, e.g. 24GiB (ignored with --device cpu)")
     est.add_argument("--host-mem", type=_parse_bytes, default=_parse_bytes("128GiB"),
                      help="host memory per machine (default 128GiB)")
