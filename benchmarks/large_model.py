@@ -16,12 +16,12 @@ training; one token keeps that short), a temporary ``--output_dir``.
 
 Measured per rank, from outside (the ranks are the launcher's descendants with ``RANK`` in their
 environment): ``VmHWM`` (the kernel's peak RSS) read when the first step's log line appears (the
-load), when the Trainer prints its end-of-training metrics (``train_loss``: through training), and at the last poll before the
-rank exits (the whole script: after training rank 0 also reloads a fresh full base model to check the
-saved adapter, an example feature that is not part of the training).  Times come from the time each
-log line of rank 0 arrives: step time is the median gap between consecutive step lines, load time
-the first step line's time minus one step time.  The ratio is the training peak per rank over one full
-copy of the weights (the index's ``total_size``; target <= 0.6).
+load), when the Trainer prints its end-of-training metrics (``train_loss``: through training), and at
+the last poll before the rank exits (the whole script: after training rank 0 also reloads a fresh full
+base model to check the saved adapter, an example feature that is not part of the training).  Times
+come from the time each log line of rank 0 arrives: step time is the median gap between consecutive
+step lines, load time the first step line's time minus one step time.  The ratio is the training
+peak per rank over one full copy of the weights (the index's ``total_size``; target <= 0.6).
 
 A watchdog polls the machine's ``MemAvailable`` every 0.1 s and kills a run's whole process group when
 it falls under ``--min_available_gib`` (default 2): DDP holds one full copy per rank and is expected not
@@ -305,7 +305,8 @@ def _verdict(report: dict) -> list[str]:
 def _definitions(report: dict) -> list[str]:
     return ["Columns: peaks are each rank's VmHWM (kernel peak RSS) read when rank 0 logged the first step (the "
             "load, including that step), when the Trainer printed its end-of-training metrics (through training), "
-            "and at the rank's exit (the whole script: rank 0 then also reloads a full base model to check the adapter). "
+            "and at the rank's exit (the whole script: rank 0 then also reloads a full base model to check the "
+            "adapter). "
             "Each peak includes the interpreter, torch and transformers (~0.4 GiB per process here). "
             "step s: median gap between step log lines; load s: first step line minus one step, from the launch. "
             f"A watchdog kills a run when MemAvailable falls under {report['args']['min_available_gib']} GiB.",
