@@ -112,12 +112,15 @@ def _table(rows: list[dict]) -> list[str]:
 def _fit_lines(result: dict) -> list[str]:
     from .planner import COST_MODEL
 
-    lines = [f"fit: {result['world_size']} ranks, {result['gpu_mem'] / _GIB:.2f} GiB per device, "
+    one_memory = result["gpu_mem"] is None   # device "cpu": a rank's device bytes are host memory too
+    device = ("no GPU (device and host are one memory)" if one_memory
+              else f"{result['gpu_mem'] / _GIB:.2f} GiB per device")
+    lines = [f"fit: {result['world_size']} ranks, {device}, "
              f"{result['host_mem'] / _GIB:.2f} GiB host per machine shared by {result['ranks_per_host']} ranks, "
              f"{result['margin']:.0%} kept free",
              f"{'stage':>5} {'offload':>12} | {'device GiB':>10} {'host GiB/machine':>16} | {'fits':>4} {'cost':>5}"]
     for r in result["rows"]:
-        host = r["peak"]["host"] * result["ranks_per_host"]
+        host = r["peak"]["total" if one_memory else "host"] * result["ranks_per_host"]
         lines.append(f"{r['stage']:>5} {_offload_name(r):>12} | {r['peak']['device'] / _GIB:>10.2f} "
                      f"{host / _GIB:>16.2f} | {'yes' if r['fits'] else 'no':>4} {r['cost']:>5.1f}")
     lines.append(f"cost: per-step communication in Ψ ({COST_MODEL['comm'][0]:g} for stages 0-2, "
@@ -166,8 +169,9 @@ def _plot(plan, args: argparse.Namespace, settings) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    if args.fit and args.gpu_mem is None:
-        print("zero-plugin estimate: error: --fit needs --gpu-mem (e.g. --gpu-mem 24GiB)", file=sys.stderr)
+    if args.fit and args.gpu_mem is None and args.device == "cuda":
+        print("zero-plugin estimate: error: --fit needs --gpu-mem (e.g. --gpu-mem 24GiB), or --device cpu",
+              file=sys.stderr)
         return 2
     try:
         plan = _planner(args)
@@ -176,7 +180,8 @@ def _estimate(args: argparse.Namespace) -> int:
         print("\n".join(_header(plan, args) + [""] + _table(rows)))
         status = 0
         if args.fit:
-            result = plan.fit(args.world_size, args.gpu_mem, args.host_mem, margin=args.margin,
+            gpu_mem = args.gpu_mem if args.device == "cuda" else None
+            result = plan.fit(args.world_size, gpu_mem, args.host_mem, margin=args.margin,
                               ranks_per_host=args.ranks_per_host, settings=settings)
             print("\n" + "\n".join(_fit_lines(result)))
             status = 0 if result["best"] is not None else 1
@@ -209,9 +214,9 @@ def _add_estimate(sub) -> None:
     est.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="what the ranks compute on")
     est.add_argument("--bucket-size-mb", type=float, default=25.0, help="ZeroConfig.bucket_size_mb (default 25)")
     est.add_argument("--prefetch-depth", type=int, default=1, help="ZeroConfig.prefetch_depth (default 1)")
-    est.add_argument("--fit", action="store_true", help="which settings fit --gpu-mem/--host-mem, and the fastest "
-                                                      "(exit status 1 when none fits)")
-    est.add_argument("--gpu-mem", type=_parse_bytes, help="memory per device, e.g. 24GiB")
+    est.add_argument("--fit", action="store_true", help="which settings fit --gpu-mem/--host-mem (--device cpu: "
+                                                      "--host-mem only), and the fastest (exit 1 when none fits)")
+    est.add_argument("--gpu-mem", type=_parse_bytes, help="memory per device, e.g. 24GiB (ignored with --device cpu)")
     est.add_argument("--host-mem", type=_parse_bytes, default=_parse_bytes("128GiB"),
                      help="host memory per machine (default 128GiB)")
     est.add_argument("--ranks-per-host", type=int, default=None, help="ranks sharing a machine (default min(N, 8))")

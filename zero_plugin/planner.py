@@ -166,13 +166,17 @@ class Planner:
     def rows(self, world_size: int, settings=SETTINGS) -> list[dict[str, Any]]:
         return [self.estimate(world_size, st, offload=off, offload_params=op) for st, off, op in settings]
 
-    def fit(self, world_size: int, gpu_mem: float, host_mem: float, *, margin: float = 0.1,
+    def fit(self, world_size: int, gpu_mem: float | None, host_mem: float, *, margin: float = 0.1,
             ranks_per_host: int | None = None, settings=SETTINGS) -> dict[str, Any]:
         """Which settings fit ``gpu_mem`` per device and ``host_mem`` per machine, ranked by ``COST_MODEL``.
 
         ``margin``: fraction of each memory kept free (CUDA context, allocator fragmentation, the
         process itself).  ``ranks_per_host``: ranks sharing one machine's host memory (default min(N, 8)).
+        Device "cpu": device and host are one memory, so a setting fits when every rank's whole peak
+        (``peak["total"]``) fits ``host_mem`` together; ``gpu_mem`` is not used and may be None.
         """
+        if self.device == "cuda" and gpu_mem is None:
+            raise ValueError("planner: fit on device 'cuda' needs gpu_mem (bytes per device)")
         if not 0 <= margin < 1:
             raise ValueError(f"planner: margin must be a fraction in [0, 1); got {margin!r}")
         if ranks_per_host is not None and (not isinstance(ranks_per_host, int) or ranks_per_host < 1):
@@ -180,8 +184,11 @@ class Planner:
         per_host = ranks_per_host or min(world_size, 8)
         rows = []
         for r in self.rows(world_size, settings):
-            device_ok = r["peak"]["device"] <= gpu_mem * (1 - margin)
-            host_ok = r["peak"]["host"] * per_host <= host_mem * (1 - margin)
+            if self.device == "cpu":
+                device_ok, host_ok = True, r["peak"]["total"] * per_host <= host_mem * (1 - margin)
+            else:
+                device_ok = r["peak"]["device"] <= gpu_mem * (1 - margin)
+                host_ok = r["peak"]["host"] * per_host <= host_mem * (1 - margin)
             rows.append({**r, "fits": device_ok and host_ok, "device_ok": device_ok, "host_ok": host_ok,
                          "cost": cost(r["stage"], r["offload"], r["offload_params"])})
         ranked = sorted(rows, key=lambda r: (not r["fits"], r["cost"], r["stage"]))

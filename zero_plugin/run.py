@@ -208,6 +208,8 @@ def _launch_parser() -> argparse.ArgumentParser:
     group.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (ZERO_PLUGIN_STAGE)")
     group.add_argument("--offload", choices=("none", "cpu"), help="optimizer offload (ZERO_PLUGIN_OFFLOAD)")
     group.add_argument("--zero_config", help="YAML/JSON file of ZeroConfig fields")
+    group.add_argument("--no_estimate", action="store_true", help="do not print the planner's memory per rank for "
+                       "the script's --model before launching (zero_plugin/launch_estimate.py)")
     return parser
 
 
@@ -218,10 +220,15 @@ def launch(argv: list[str]) -> int:
     try:
         args.config_file, section, accelerate_settings = _split_accelerate_config(args.config_file, temp_files)
         env = _zero_environment(args, section)
+        script_args = list(args.training_script_args)
         _prepare_accelerate_args(args, accelerate_settings, env)
     except ValueError as exc:
         print(f"zero-plugin launch: {exc}", file=sys.stderr)
         return 2
+    if not args.no_estimate:
+        from .launch_estimate import print_launch_estimate
+
+        print_launch_estimate(script_args, args, accelerate_settings, env, _has_accelerator_devices())
     try:
         return _run_accelerate(args, env)
     finally:

@@ -172,6 +172,25 @@ def test_fit_reports_when_nothing_fits():
     assert result["best"] is None and not any(r["fits"] for r in result["rows"])
 
 
+def test_fit_on_cpu_counts_every_rank_in_host_memory():
+    """A CPU run has one memory: a setting fits when ranks x (device + host) peak fit the host; no GPU size."""
+    plan = zpp.Planner(_tiny_config(), device="cpu")
+    peaks = {(r["stage"], r["offload"]): r["peak"]["total"] for r in plan.rows(2)}
+    need = peaks[(0, False)] * 2
+    assert peaks[(3, False)] * 2 < need
+    exact = plan.fit(world_size=2, gpu_mem=None, host_mem=need, margin=0.0)
+    assert (exact["best"]["stage"], exact["best"]["offload"]) == (0, False)
+    short = plan.fit(world_size=2, gpu_mem=None, host_mem=need * 0.99, margin=0.0)
+    fits = {(r["stage"], r["offload"]): r["fits"] for r in short["rows"]}
+    assert not fits[(0, False)] and fits[(3, False)]
+    assert short["best"]["stage"] != 0
+
+
+def test_fit_on_cuda_needs_gpu_memory():
+    with pytest.raises(ValueError, match="gpu_mem"):
+        zpp.Planner(_tiny_config()).fit(world_size=2, gpu_mem=None, host_mem=GIB)
+
+
 def test_stage3_transient_counts_root_and_prefetched_blocks():
     """At the device peak of a stage-3 run at least the root and one block are gathered."""
     plan = zpp.Planner(_tiny_llama(), batch=2, seq=16, device="cpu")
@@ -214,6 +233,21 @@ def test_cli_fit(capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "best: ZeroConfig(stage=3)" in out
+
+
+def test_cli_fit_on_cpu_needs_no_gpu_memory(capsys):
+    """--device cpu: ranks x whole peak against --host-mem (one memory); 1B bf16 on 2 ranks in 24 GiB."""
+    code = main(["estimate", "--params", "1B", "--world-size", "2", "--device", "cpu", "--fit", "--host-mem", "24GiB"])
+    out = capsys.readouterr().out
+    assert code == 0
+    plan = zpp.Planner(1_000_000_000, param_dtype="bf16", device="cpu")
+    fit = plan.fit(2, None, 24 * GIB)
+    assert f"best: ZeroConfig(stage={fit['best']['stage']})" in out
+    stage0 = next(r for r in fit["rows"] if (r["stage"], r["offload"]) == (0, False))
+    assert not stage0["fits"]
+    fit_section = out[out.index("fit: "):]
+    row = next(line.split() for line in fit_section.splitlines() if line.split()[:2] == ["0", "-"])
+    assert float(row[4]) == pytest.approx(stage0["peak"]["total"] * 2 / GIB, abs=0.01)
 
 
 @pytest.mark.parametrize("argv,message", [
