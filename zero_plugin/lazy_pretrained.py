@@ -130,7 +130,7 @@ def _why_not_lazy(state_dict, checkpoint_files, load_config) -> str | None:
         return "no checkpoint files"
     if not all(str(f).endswith(".safetensors") for f in checkpoint_files):
         return (f"{Path(checkpoint_files[0]).name} is a pickle checkpoint, which cannot be read one tensor at a "
-                "time (save it with safe_serialization=True)")
+                "time (re-save it with save_pretrained, which writes safetensors)")
     if load_config.device_map is not None:
         return "device_map places the weights itself"
     if load_config.hf_quantizer is not None:
