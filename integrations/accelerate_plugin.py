@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from typing import Any, Iterable, Iterator, Mapping
 
 import accelerate.accelerator
@@ -29,6 +30,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 import zero_plugin as zp
+from zero_plugin import materialize
 from zero_plugin.config import ZeroConfig
 
 from . import _common
@@ -161,12 +163,16 @@ class Accelerator(_AccelerateAccelerator):
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         """No DDP wrapper: a set-up model only gets Accelerate's autocast / compile (its evaluation mode).
 
-        A model without trainable parameters, or prepared with ``evaluation_mode=True``, is not sharded.
+        A model without trainable parameters, or prepared with ``evaluation_mode=True``, is not sharded (a lazily
+        loaded one is loaded in full here: it would stay on meta).
         """
         if _common.is_set_up(model):
             device_placement = False   # placed before sharding, see _set_up
         elif not evaluation_mode and _has_trainable(model):
             raise ValueError(f"zero_plugin: prepare_model() alone cannot shard a trainable model; {_PAIR_HINT}")
+        elif materialize.load_in_full(model):
+            warnings.warn("zero_plugin: a lazily loaded model was prepared without an optimizer, so it is not "
+                          "sharded; every process has now loaded it in full from its files", stacklevel=2)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):

@@ -238,6 +238,21 @@ def materialize_all(model: nn.Module, source: ParamSource | None, comm) -> None:
         to_real(p, f)
 
 
+@torch.no_grad()
+def load_in_full(model: nn.Module) -> bool:
+    """Fill the meta parameters of a lazily loaded model from its recorded files, in this process alone
+    (a model nothing will shard, e.g. a frozen one prepared for evaluation); True when it filled any."""
+    meta = [p for p in model.parameters() if p.is_meta]
+    source = recorded_source(model)
+    if not meta or source is None:
+        return False
+    fulls = [torch.empty(p.shape, dtype=p.dtype) for p in meta]
+    source.fill([(m, a, n, f) for (m, a, n), f in zip(owners_of(model, meta), fulls)])
+    for p, f in zip(meta, fulls):
+        to_real(p, f)
+    return True
+
+
 def to_real(param: nn.Parameter, full: torch.Tensor) -> None:
     """Give a meta parameter real storage while keeping its Python object (optimizer, PEFT, ties)."""
     torch.utils.swap_tensors(param, nn.Parameter(full, requires_grad=param.requires_grad))

@@ -127,3 +127,24 @@ def test_placement_before_setup_moves_no_parameter_at_stage3(stage):
     moved = sum(p.numel() for p in model.parameters() if p.is_meta)
     assert all(b.is_meta for b in model.buffers())
     assert moved == (0 if stage == 3 else sum(p.numel() for p in model.parameters()))
+
+
+def test_frozen_lazy_model_prepared_alone_is_loaded_in_full(tmp_path):
+    """Nothing shards a model prepared without an optimizer: it must not stay on meta."""
+    from accelerate.state import AcceleratorState
+
+    import zero_plugin as zp
+    from zero_plugin.integrations.accelerate import Accelerator, ZeroPlugin
+
+    path = _save(tmp_path)
+    eager = LW.load(path, lazy=False, lora=False)
+    frozen = LW.load(path, lazy=True, lora=False).requires_grad_(False)
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = Accelerator(zero_plugin=ZeroPlugin(zp.ZeroConfig(stage=3)))
+        with pytest.warns(UserWarning, match="prepared without an optimizer"):
+            prepared = accelerator.prepare(frozen)
+    finally:
+        AcceleratorState._reset_state(True)
+    for (n, p), (_, q) in zip(eager.named_parameters(), prepared.named_parameters(), strict=True):
+        assert not q.is_meta and torch.equal(p, q), n
