@@ -19,7 +19,7 @@ import argparse
 import os
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 import common
 
@@ -72,6 +72,26 @@ class ZeroReport(TrainerCallback):
             self.comm = self.zp.comm_stats()
 
 
+class FirstSamples(TrainerCallback):
+    """Sample answers once the Trainer has prepared the model, before the first step.
+
+    Not before ``trainer.train()``: under ``zero-plugin launch --stage 3`` ``from_pretrained`` leaves the
+    weights on the meta device until the Trainer's ``prepare`` loads and shards them unit by unit.  At
+    ZeRO-3 generation is collective (every rank runs this hook); see [Note: generate at ZeRO-3 with PEFT].
+    """
+
+    def __init__(self, trainer: Trainer, tokenizer, max_new_tokens: int) -> None:
+        self.trainer, self.tokenizer, self.max_new_tokens = trainer, tokenizer, max_new_tokens
+        self.samples: dict[str, str] | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        zero_config = getattr(self.trainer.accelerator, "zero_config", None)   # launched under zero_plugin
+        through_forward = zero_config is not None and zero_config.stage == 3
+        self.samples = common.samples(model, self.tokenizer, self.max_new_tokens, through_forward)
+        if self.trainer.is_world_process_zero():
+            common.print_samples("Before training:", self.samples)
+
+
 def main() -> None:
     args = parse_args()
     training_args = TrainingArguments(
@@ -85,6 +105,7 @@ def main() -> None:
     with training_args.main_process_first(desc="tokenizer"):
         tokenizer = common.load_tokenizer(args)
     rows = common.encode_all(common.load_records(args.data), tokenizer, args.max_length)
+    set_seed(args.seed)   # LoRA draws its initial weights from the global RNG (the Trainer seeds only later)
     model = common.add_lora(common.build_model(args, tokenizer), args)
     trainable, total = common.count_parameters(model)
     report = ZeroReport()   # passed here so that it runs before the progress bar prints each log
@@ -95,11 +116,11 @@ def main() -> None:
     if main_process:
         print(f"{trainable:,} of {total:,} parameters train (LoRA r={args.lora_r}); {len(rows)} examples; "
               f"{training_args.world_size} processes")
-    before = common.samples(model, tokenizer, args.max_new_tokens)   # not sharded yet: each rank alone
-    if main_process:
-        common.print_samples("Before training:", before)
+    first = FirstSamples(trainer, tokenizer, args.max_new_tokens)
+    trainer.add_callback(first)
 
     result = trainer.train(resume_from_checkpoint=args.resume)
+    before = first.samples
 
     # Set up by now; at ZeRO-3 generation is collective (see [Note: generate at ZeRO-3 with PEFT]).
     zero_config = getattr(trainer.accelerator, "zero_config", None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from typing import Any, Iterable, Iterator, Mapping
 
 import accelerate.accelerator
@@ -29,6 +30,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 import zero_plugin as zp
+from zero_plugin import materialize
 from zero_plugin.config import ZeroConfig
 
 from . import _common
@@ -154,19 +156,23 @@ class Accelerator(_AccelerateAccelerator):
     def _set_up(self, model: nn.Module, optimizer: torch.optim.Optimizer, device_placement: bool | None):
         place = self.device_placement if device_placement is None else device_placement
         if place and self.device.type != "cpu":
-            model.to(self.device)   # before sharding: the shards are created where the parameters live
+            place_before_setup(model, self.device, self.zero_config.stage)
         _, zero_optimizer = zp.setup(model, optimizer, self.zero_config)
         return zero_optimizer
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         """No DDP wrapper: a set-up model only gets Accelerate's autocast / compile (its evaluation mode).
 
-        A model without trainable parameters, or prepared with ``evaluation_mode=True``, is not sharded.
+        A model without trainable parameters, or prepared with ``evaluation_mode=True``, is not sharded (a lazily
+        loaded one is loaded in full here: it would stay on meta).
         """
         if _common.is_set_up(model):
             device_placement = False   # placed before sharding, see _set_up
         elif not evaluation_mode and _has_trainable(model):
             raise ValueError(f"zero_plugin: prepare_model() alone cannot shard a trainable model; {_PAIR_HINT}")
+        elif materialize.load_in_full(model):
+            warnings.warn("zero_plugin: a lazily loaded model was prepared without an optimizer, so it is not "
+                          "sharded; every process has now loaded it in full from its files", stacklevel=2)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
@@ -302,6 +308,30 @@ class Accelerator(_AccelerateAccelerator):
             yield
         finally:
             self._models, self._optimizers = models, optimizers
+
+
+@torch.no_grad()
+def place_before_setup(model: nn.Module, device: torch.device, stage: int) -> None:
+    """Move what ``zp.setup`` expects on ``device`` there, without a full model on it at stage 3.
+
+    [Note: no full model on the device] Stages 0-2 keep full parameters on the device, so their real
+    parameters move there before ``zp.setup`` (the shards are created where the parameters live; meta
+    ones, from a lazy load, are created there by ``materialize.materialize_all``).  Stage 3 must not: a
+    model larger than one device could never be prepared.  Only the buffers move (small, never sharded);
+    ``stage3/engine.py`` ``_shard_one`` moves each parameter to the compute device as it shards it, one
+    unit at a time, so the device holds the shards plus one parameter's full tensor at most.
+    """
+    if stage < 3 and not any(p.is_meta for p in model.parameters()):
+        model.to(device)
+        return
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+        if stage < 3:
+            for param in module._parameters.values():
+                if param is not None and not param.is_meta and param.device != device:
+                    param.data = param.data.to(device)
 
 
 def _has_trainable(model: nn.Module) -> bool:

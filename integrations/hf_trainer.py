@@ -12,6 +12,8 @@ are the Trainer methods that assume every rank holds the full model or optimizer
   (a plain DDP checkpoint's ``optimizer.pt`` also loads: it is a full state dict).
 * ``create_accelerator_and_postprocess``: refuses the features that re-prepare a model
   (``auto_find_batch_size``) or load weights into it after training (``load_best_model_at_end``).
+* ``_move_model_to_device``: ``Trainer.__init__`` moves the whole model to the device; a lazily loaded
+  model has meta parameters, and stage 3 places one unit at a time (``place_before_setup``).
 
 :func:`install` patches these onto ``transformers.Trainer`` in one place; each override falls
 back to the original method when the Trainer's accelerator is not zero_plugin's.
@@ -29,6 +31,7 @@ import zero_plugin as zp
 
 from . import _common
 from .accelerate_plugin import Accelerator as ZeroAccelerator
+from .accelerate_plugin import place_before_setup
 
 __all__ = ["install"]
 
@@ -127,7 +130,16 @@ def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | 
     return _ORIGINALS["_load_from_checkpoint"](self, resume_from_checkpoint, model)
 
 
+def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+    if not _uses_zero(self):
+        return _ORIGINALS["_move_model_to_device"](self, model, device)
+    # A lazily loaded model has meta parameters (.to() raises), and stage 3 must not put the whole model on
+    # the device: see [Note: no full model on the device] in accelerate_plugin.py.
+    place_before_setup(model, device, self.accelerator.zero_config.stage)
+
+
 _OVERRIDES: dict[str, Callable] = {
+    "_move_model_to_device": _move_model_to_device,
     "create_accelerator_and_postprocess": create_accelerator_and_postprocess,
     "save_model": save_model,
     "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
@@ -140,7 +152,7 @@ def install() -> None:
     """Make ``transformers.Trainer`` use zero_plugin's Accelerator and checkpoint methods (idempotent).
 
     The one place where transformers is patched: the ``Accelerator`` name ``transformers.trainer``
-    imported from accelerate, and the five Trainer methods in ``_OVERRIDES`` (subclasses such as
+    imported from accelerate, and the six Trainer methods in ``_OVERRIDES`` (subclasses such as
     ``Seq2SeqTrainer`` inherit them).  Each override defers to the original unless the Trainer's
     accelerator is zero_plugin's.
     """

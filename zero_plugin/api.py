@@ -28,7 +28,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
 
     Returns the same module object and a :class:`ZeroOptimizer` wrapping ``optimizer``.
     A model built on the meta device (``zp.materialize.empty_model``) is materialised from
-    ``param_source`` (see ``zero_plugin/materialize.py``); at stage 3 one unit at a time.
+    ``param_source`` (see ``zero_plugin/materialize.py``), by default from the files a lazy
+    ``from_pretrained`` recorded (``zero_plugin/lazy_pretrained.py``); at stage 3 one unit at a time.
     """
     config = ZeroConfig() if config is None else config
     if not isinstance(config, ZeroConfig):
@@ -40,10 +41,13 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
     trainable = _validate.trainable_parameters(model, optimizer)
     _validate.check_ranks_agree(model, config, comm)
     source = materialize.as_source(param_source)
+    if source is None and materialize.has_meta_params(model):
+        source = materialize.recorded_source(model)   # [Note: recorded sources] in materialize.py
     if config.stage < 3:
         materialize.materialize_all(model, source, comm)
         _validate.broadcast_module_state(model, comm)
     engine = build_engine(model, trainable, config, comm, source)
+    materialize.note_set_up(model)
     _rebind_optimizer(optimizer, engine)
     if config.offload:
         use_fast_cpu_kernels(optimizer)

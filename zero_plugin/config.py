@@ -162,6 +162,11 @@ class ZeroConfig:
     """Stage 3 on CPU: hand freed heap pages back to the OS after each unit's release in forward and at the
     ends of forward and backward (lower peak RSS; the pages are faulted in again, which costs step time,
     up to ~15% on small models); no effect on CUDA. Default True."""
+    cpu_ram_efficient_loading: bool = False
+    """Stages 0-2 under ``zero_plugin.run``: only rank 0 reads a safetensors ``from_pretrained`` checkpoint, the
+    other ranks build the model on meta and receive rank 0's values in ``zp.setup`` (as Accelerate's FSDP option
+    of that name), so N processes neither read the disk at once nor hold N copies before setup.  Stage 3 always
+    loads lazily, one unit at a time, whatever this says. Default False."""
     debug_collectives: bool = False
     """Record each rank's collective sequence for divergence reports. Default False."""
     timeout_s: float = 600.0
@@ -195,6 +200,7 @@ class ZeroConfig:
             put("clip_grad_norm", _as_positive_float("clip_grad_norm", self.clip_grad_norm))
         put("loss_scale", _as_loss_scale(self.loss_scale))
         put("trim_host_heap", _as_bool("trim_host_heap", self.trim_host_heap))
+        put("cpu_ram_efficient_loading", _as_bool("cpu_ram_efficient_loading", self.cpu_ram_efficient_loading))
         put("debug_collectives", _as_bool("debug_collectives", self.debug_collectives))
         put("timeout_s", _as_positive_float("timeout_s", self.timeout_s))
         put("check_ranks", _as_bool("check_ranks", self.check_ranks))
@@ -336,6 +342,7 @@ _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "stage": _INT, "prefetch_depth": _INT, "persistence_threshold": _INT,
     "bucket_size_mb": _FLOAT, "timeout_s": _FLOAT,
     "offload_params": _BOOL, "reshard_after_forward": _BOOL, "trim_host_heap": _BOOL, "debug_collectives": _BOOL,
+    "cpu_ram_efficient_loading": _BOOL,
     "check_ranks": _BOOL,
     "offload_optimizer": (lambda t: _text_bool(t) if t.lower() in _TRUE_TEXT | _FALSE_TEXT else t,
                           '"none", "cpu", "true" or "false"'),

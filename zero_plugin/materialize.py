@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import weakref
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
-__all__ = ["ParamSource", "empty_model", "from_safetensors", "from_init_fn", "pretrained_on_meta", "as_source"]
+__all__ = ["ParamSource", "empty_model", "from_safetensors", "from_init_fn", "pretrained_on_meta", "as_source",
+           "record_source", "recorded_source"]
 
 
 class ParamSource:
@@ -46,8 +49,9 @@ class _TensorFnSource(ParamSource):
 
 
 class _SafetensorsSource(ParamSource):
-    def __init__(self, path: str | os.PathLike, prefix_map: Callable[[str], list[str]] | None = None) -> None:
-        self.files = _safetensors_files(Path(path))
+    def __init__(self, path: str | os.PathLike | list[Path],
+                 prefix_map: Callable[[str], list[str]] | None = None) -> None:
+        self.files = list(path) if isinstance(path, list) else _safetensors_files(Path(path))
         self.where: dict[str, Path] = {}
         from safetensors import safe_open
         for f in self.files:
@@ -88,13 +92,17 @@ class _InitFnSource(ParamSource):
                 full.copy_(data)
 
 
+# PEFT's wrappers of a base module: LoRA's ``base_layer``, ``modules_to_save``'s copies of the original.
+_PEFT_SEGMENTS = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+
+
 def _candidate_keys(name: str) -> list[str]:
     # PEFT and task wrappers prefix names; checkpoints may or may not carry them.
     keys = [name]
     for prefix in ("base_model.model.", "module.", "_orig_mod."):
         if name.startswith(prefix):
             keys.append(name[len(prefix):])
-    return keys + [k.replace(".base_layer.", ".") for k in keys]
+    return keys + [_PEFT_SEGMENTS.sub("", k) for k in keys]
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -152,6 +160,51 @@ def pretrained_on_meta(name_or_path: str | os.PathLike, **config_kwargs) -> tupl
     return model, from_safetensors(name_or_path)
 
 
+# [Note: recorded sources] ``lazy_pretrained`` records, per module it built on meta, the files its
+# parameters live in; ``zp.setup(model)`` without ``param_source`` finds them on ``model`` or on a module
+# inside it (a PEFT or task wrapper), and maps the wrapper's names back to the module's own.
+_RECORDED: "weakref.WeakKeyDictionary[nn.Module, list[Path]]" = weakref.WeakKeyDictionary()
+
+
+def record_source(module: nn.Module, files: list[Path]) -> None:
+    """Remember that ``module``'s meta parameters are in the safetensors ``files``."""
+    _RECORDED[module] = list(files)
+
+
+_SET_UP = [False]
+
+
+def recorded_source(model: nn.Module) -> ParamSource | None:
+    """The files recorded for ``model`` or the first module inside it that has some, named as ``model`` names
+    them; None when nothing was recorded."""
+    for prefix, module in model.named_modules():
+        files = _RECORDED.get(module)
+        if files is not None:
+            return _SafetensorsSource(files, _strip_prefix(prefix))
+    return None
+
+
+def note_set_up(model: nn.Module) -> None:
+    """``zp.setup`` consumed ``model``'s recorded files (if any); see ``lazy_pretrained._why_not_lazy``."""
+    _SET_UP[0] = True
+    for module in model.modules():
+        _RECORDED.pop(module, None)
+
+
+def any_set_up() -> bool:
+    """True once ``zp.setup`` has run in this process."""
+    return _SET_UP[0]
+
+
+def _strip_prefix(prefix: str) -> Callable[[str], list[str]]:
+    head = f"{prefix}." if prefix else ""
+
+    def keys(name: str) -> list[str]:
+        inner = name[len(head):] if head and name.startswith(head) else name
+        return list(dict.fromkeys([inner, _PEFT_SEGMENTS.sub("", inner)]))
+    return keys
+
+
 def has_meta_params(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
@@ -176,11 +229,28 @@ def materialize_all(model: nn.Module, source: ParamSource | None, comm) -> None:
     if source is None:
         raise ValueError(f"zp.setup: parameter {owners_of(model, meta[:1])[0][2]!r} is on the meta device; pass "
                          "param_source= so it can be materialised")
-    fulls = [torch.empty(p.shape, dtype=p.dtype) for p in meta]
+    # Stages 0-2 compute on the device: NCCL broadcasts there (the CPU under gloo).
+    device = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else None
+    fulls = [torch.empty(p.shape, dtype=p.dtype, device=device) for p in meta]
     if comm.rank == 0:
         source.fill([(m, a, n, f) for (m, a, n), f in zip(owners_of(model, meta), fulls)])
     for p, f in zip(meta, fulls):
         to_real(p, f)
+
+
+@torch.no_grad()
+def load_in_full(model: nn.Module) -> bool:
+    """Fill the meta parameters of a lazily loaded model from its recorded files, in this process alone
+    (a model nothing will shard, e.g. a frozen one prepared for evaluation); True when it filled any."""
+    meta = [p for p in model.parameters() if p.is_meta]
+    source = recorded_source(model)
+    if not meta or source is None:
+        return False
+    fulls = [torch.empty(p.shape, dtype=p.dtype) for p in meta]
+    source.fill([(m, a, n, f) for (m, a, n), f in zip(owners_of(model, meta), fulls)])
+    for p, f in zip(meta, fulls):
+        to_real(p, f)
+    return True
 
 
 def to_real(param: nn.Parameter, full: torch.Tensor) -> None:

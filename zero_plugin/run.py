@@ -49,23 +49,39 @@ _REPLACED_TYPES = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP", "MEGATRON_LM": "Meg
 def install() -> None:
     """[Note: what zero_plugin.run patches]  In this process only, and nothing in torch:
       * ``accelerate.Accelerator`` and ``accelerate.accelerator.Accelerator`` -> zero_plugin's subclass;
-      * once ``transformers.trainer`` is imported: its ``Accelerator`` name and five ``Trainer``
+      * once ``transformers.trainer`` is imported: its ``Accelerator`` name and six ``Trainer``
         checkpoint methods (``zero_plugin/integrations/hf_trainer.py``, ``install``);
-      * once Lightning is imported: the zero strategy names are registered (nothing is patched).
+      * once Lightning is imported: the zero strategy names are registered (nothing is patched);
+      * at stage 3 (every rank), or at stages 0-2 with ``cpu_ram_efficient_loading`` (ranks other than 0):
+        once ``transformers.modeling_utils`` is imported, ``PreTrainedModel._load_pretrained_model``, so
+        that a safetensors ``from_pretrained`` builds on meta and records its files (anything else loads
+        as usual, with one warning); once ``peft.tuners.tuners_utils`` is imported,
+        ``BaseTunerLayer._move_adapter_to_device_of_base_layer``, so that adapters created on a meta base
+        keep their initial values (``zero_plugin/lazy_pretrained.py``, both Notes there).
     """
     import accelerate
     import accelerate.accelerator
 
+    from . import lazy_pretrained
     from .integrations import hf_trainer
     from .integrations.accelerate_plugin import Accelerator
 
     accelerate.Accelerator = Accelerator
     accelerate.accelerator.Accelerator = Accelerator
     _after_import("transformers.trainer", hf_trainer.install)
+    if _loads_lazily(ZeroConfig.from_env(), int(os.environ.get("RANK", "0"))):
+        _after_import("transformers.modeling_utils", lazy_pretrained.install_transformers)
+        _after_import("peft.tuners.tuners_utils", lazy_pretrained.install_peft)
     # Lightning: register the zero1..zero3_offload strategy names as soon as the script imports Lightning,
     # so PL_TRAINER_STRATEGY=zero3 / LT_STRATEGY=zero3 switch an unmodified script.
     for package in ("lightning", "pytorch_lightning", "lightning_fabric"):
         _after_import(package, _lightning_registrar(package))
+
+
+def _loads_lazily(config: ZeroConfig, rank: int) -> bool:
+    """Stage 3 shards anyway: every rank builds on meta.  Stages 0-2 hold full parameters, so only
+    ``cpu_ram_efficient_loading`` (rank 0 reads, zp.setup broadcasts) spares the other ranks' reads."""
+    return config.stage == 3 or (config.cpu_ram_efficient_loading and rank != 0)
 
 
 def _lightning_registrar(package: str) -> Callable[[], None]:

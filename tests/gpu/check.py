@@ -5,6 +5,9 @@
      compute, the control without side streams does not, and per-step peak memory is identical and bounded.
   1c. Optimizer offload (tests/gpu/offload.py): peak CUDA memory falls by the optimizer-state bytes, and the
      blocked offload step (per-master copy waits, block-wise write-back) is bitwise the whole-tensor one.
+  1d. Lazy load (tests/gpu/lazy_load.py): a ~1.1 GB safetensors checkpoint through zero_plugin.run's lazy
+     ``from_pretrained`` + LoRA + ``Accelerator.prepare`` (stage 3, parameter offload) under a 512 MiB cap:
+     setup never holds the model on the device (peak < cap), two steps run.
   2. Fake process group, N = 8: per-rank peak CUDA memory of a ~1B-parameter model for stages 0-3
      against ``memory_report``'s theory.
   3. A 13B-parameter Llama-shaped model (random init, materialised unit by unit from the meta device)
@@ -168,6 +171,19 @@ def part_speed_vs_fsdp2(steps: int = 10) -> dict:
     return result
 
 
+def part_lazy_load() -> dict:
+    """tests/gpu/lazy_load.py in a fresh process (its own patches, memory cap and NCCL store port)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MASTER_PORT": "29534"}
+    res = subprocess.run([sys.executable, "-m", "tests.gpu.lazy_load"], capture_output=True, text=True, timeout=300,
+                         env=env)
+    if "RESULT" not in res.stdout:
+        return {"error": (res.stdout + res.stderr)[-3000:], "ok": False}
+    return json.loads(res.stdout.split("RESULT", 1)[1])
+
+
 def part_overlap() -> dict:
     from tests.gpu.overlap import part_overlap as run
 
@@ -181,7 +197,7 @@ def part_offload() -> dict:
 
 
 PARTS = {"parity": part_parity, "overlap": part_overlap, "offload": part_offload, "fake_pg_memory": part_fake_pg_memory,
-         "lora_13b": part_13b_lora, "speed_vs_fsdp2": part_speed_vs_fsdp2}
+         "lazy_load": part_lazy_load, "lora_13b": part_13b_lora, "speed_vs_fsdp2": part_speed_vs_fsdp2}
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from ..materialize import ParamSource, owners_of, to_real
 from ..collectives import Comm
 from ..config import ZeroConfig
 from ..engine import Engine
+from ..hostmem import trim_host_heap
 from ..optim.master import MasterParam, copy_changed
 from ..optim.offload import host_for
 from ..optim.state import gather_full
@@ -38,12 +39,15 @@ def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Paramete
     sharded: dict[int, ShardedParam] = {}
     per_unit: list[list[ShardedParam]] = [[] for _ in modules]
     all_params = list(model.parameters())
+    trim = compute_device(comm).type == "cpu" and config.trim_host_heap
     for index in range(len(modules)):   # one unit at a time: never the whole model unsharded
         params = [p for p in all_params if owner[id(p)] == index]
         for p, full in zip(params, _full_tensors(model, params, param_source, comm)):
             sp = _shard_one(p, names[id(p)], full, comm, config)
             sharded[id(p)] = sp
             per_unit[index].append(sp)
+        if trim:   # the unit's full tensors are freed: hand their pages back ([Note: heap trimming])
+            trim_host_heap()
     _broadcast_buffers(model, comm)
     pool = BufferPool()   # one for all units: [Note: buffer reuse]
     streams = streams_for(compute_device(comm))   # [Note: side streams]; no-op on CPU

@@ -1,0 +1,152 @@
+"""``from_pretrained`` under ``zero-plugin launch --stage 3 --num_processes 2``: lazy load against eager load.
+
+The same weights are saved twice: as safetensors (with an index: several files) and as a pickle
+``pytorch_model.bin``, which cannot be loaded lazily and takes transformers' normal path with one
+warning (the eager-load path of before).  Launched as a user would:
+
+* the Accelerate LoRA example and the Trainer LoRA example (``--model <folder>``): the losses of the lazy
+  run equal the eager run's to 1e-6 (float32); the saved adapter reloads onto a fresh base model and
+  answers as the trained model did;
+* ``scripts/lazy_load.py`` (an Accelerate script: from_pretrained, prepare, 2 steps, save, reload), full
+  fine-tune and LoRA, on a ~77 MB model: host-memory growth over from_pretrained + prepare per rank is at
+  most this rank's shard + the largest unit + ``SLACK`` (and the eager run's is not: it holds a full copy),
+  tied embeddings stay tied, saved weights reload to the same loss, and full fine-tune losses equal eager.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+SCRIPT = REPO / "tests" / "integrations" / "scripts" / "lazy_load.py"
+PY = sys.executable
+CONSOLE = Path(PY).parent / "zero-plugin"
+LAUNCH = [*([str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.cli"]), "launch", "--stage", "3",
+          "--num_processes", "2", "--main_process_port", "0"]
+EXAMPLE_ARGS = ("--max_steps", "4", "--log_every", "1", "--warmup_steps", "1", "--max_new_tokens", "3")
+SLACK = 24 * 2**20   # loading machinery (~9 MiB measured before any tensor) and allocator rounding
+TIMEOUT_S = 600
+FALLBACK = "cannot build this model lazily on the meta device because pytorch_model.bin is a pickle checkpoint"
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.* is deprecated:FutureWarning")
+
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+import common  # noqa: E402  (examples/common.py)
+
+
+def _checkpoint(folder: Path, tokenizer, hidden: int, inter: int, layers: int, shard: str) -> tuple[str, str]:
+    """(safetensors folder with an index, the same weights as pytorch_model.bin); tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=None,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config)
+    safe, pickled = folder / "safetensors", folder / "pickle"
+    model.save_pretrained(safe, max_shard_size=shard)
+    assert (safe / "model.safetensors.index.json").is_file()
+    pickled.mkdir()
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    for path in (safe, pickled):
+        tokenizer.save_pretrained(path)
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(safe / name, pickled / name)
+    return str(safe), str(pickled)
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_PLUGIN_", "ACCELERATE_", "MASTER_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               XDG_CACHE_HOME=str(tmp / "xdg"))
+    return env
+
+
+def _launch(tmp: Path, name: str, args: list[str]) -> SimpleNamespace:
+    out = tmp / name
+    out.mkdir()
+    proc = subprocess.run([*LAUNCH, *args], env=_env(tmp), cwd=out, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    return SimpleNamespace(name=name, returncode=proc.returncode, output=proc.stdout + proc.stderr, out=out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lazy")
+    tokenizer = common.default_tokenizer(common.DEFAULT_DATA, tmp / "cache")
+    tiny, tiny_bin = _checkpoint(tmp / "tiny", tokenizer, 64, 128, 2, "100KB")
+    big, big_bin = _checkpoint(tmp / "big", tokenizer, 512, 1024, 8, "20MB")   # 19M parameters, 77 MB
+    launches = {}
+    for kind, path in (("lazy", tiny), ("eager", tiny_bin)):
+        for example in ("lora_finetune_accelerate", "finetune_trainer"):
+            out = tmp / f"{example}_{kind}_out"
+            launches[f"{example}_{kind}"] = [str(EXAMPLES / f"{example}.py"), "--model", path, "--output_dir",
+                                             str(out), "--cache_dir", str(tmp / "cache"), *EXAMPLE_ARGS]
+    for kind, path in (("lazy", big), ("eager", big_bin)):
+        launches[f"full_{kind}"] = [str(SCRIPT), "--model", path, "--out", str(tmp / f"full_{kind}_out")]
+    launches["lora_lazy"] = [str(SCRIPT), "--model", big, "--out", str(tmp / "lora_lazy_out"), "--lora"]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(_launch, tmp, name, args) for name, args in launches.items()}
+    results = {name: f.result() for name, f in futures.items()}
+    for result in results.values():
+        result.out = tmp / f"{result.name}_out"
+    return results
+
+
+def _get(runs, name: str) -> SimpleNamespace:
+    result = runs[name]
+    if result.returncode != 0:
+        pytest.fail(f"{name} exited {result.returncode}:\n{result.output[-6000:]}")
+    return result
+
+
+def _ranks(result) -> list[dict]:
+    return [json.loads((result.out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("example", ["lora_finetune_accelerate", "finetune_trainer"])
+def test_examples_lazy_losses_equal_eager(runs, example):
+    lazy, eager = _get(runs, f"{example}_lazy"), _get(runs, f"{example}_eager")
+    assert FALLBACK not in lazy.output
+    assert eager.output.count(FALLBACK) == 2, "one fallback warning per rank"
+    got, want = (json.loads((r.out / "metrics.json").read_text()) for r in (lazy, eager))
+    assert len(got["losses"]) == 4
+    assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"], strict=True)) <= 1e-6, \
+        (got["losses"], want["losses"])
+    assert got["samples_reloaded"] == got["samples_after"]   # adapter saved from the lazy model reloads
+
+
+@pytest.mark.parametrize("name", ["full_lazy", "lora_lazy"])
+def test_host_memory_is_shard_plus_one_unit(runs, name):
+    for r in _ranks(_get(runs, name)):
+        bound = r["shard_bytes"] + r["largest_unit_bytes"] + SLACK
+        assert r["meta_after_load"] > 0
+        assert r["growth"] <= bound, (r["growth"] / 2**20, bound / 2**20)
+    for r in _ranks(_get(runs, "full_eager")):   # the measure can fail: a full copy per rank exceeds it
+        assert r["meta_after_load"] == 0
+        assert r["growth"] > r["shard_bytes"] + r["largest_unit_bytes"] + SLACK, r["growth"] / 2**20
+
+
+@pytest.mark.parametrize("name", ["full_lazy", "lora_lazy"])
+def test_ties_saves_and_reloads(runs, name):
+    ranks = _ranks(_get(runs, name))
+    assert all(r["tied"] for r in ranks)
+    assert ranks[0]["reload_loss_error"] <= 1e-5
+
+
+def test_full_finetune_lazy_losses_equal_eager(runs):
+    lazy, eager = _ranks(_get(runs, "full_lazy")), _ranks(_get(runs, "full_eager"))
+    for z, e in zip(lazy, eager):
+        assert max(abs(a - b) for a, b in zip(z["losses"], e["losses"], strict=True)) <= 1e-6
