@@ -145,3 +145,36 @@ def test_state_dict_peak_memory_is_one_unit_above_the_result():
     assert r["result"] == r["model"]
     assert r["end"] >= r["result"], f"the allocation events miss the result: {r}"
     assert r["peak"] <= r["result"] + largest, r
+
+
+def test_rank0_only_switch_is_validated():
+    import zero_plugin as zp
+
+    assert zp.ZeroConfig.from_dict({"state_dict_rank0_only": "true"}).state_dict_rank0_only is True
+    with pytest.raises(ValueError, match="state_dict_rank0_only"):
+        zp.ZeroConfig(state_dict_rank0_only="sometimes")
+
+
+def test_a_call_abandoned_by_an_exception_does_not_spoil_the_next_one():
+    """A user hook raising inside state_dict() leaves the hooks' call half done; the next call starts afresh."""
+    import zero_plugin as zp
+
+    model, _ = w.build("mlp")   # one process: a one-rank world
+    failing = [True]
+
+    def hook(module, destination, prefix, local_metadata):
+        if failing.pop() if failing else False:
+            raise KeyError("user hook")
+
+    handle = model.blocks[1].norm.register_state_dict_post_hook(hook)
+    with pytest.raises(KeyError):
+        model.state_dict()
+    expected = {k: v + 1 for k, v in w.make("mlp").state_dict().items()}
+    model.load_state_dict(expected)   # values the abandoned call did not see
+    for call in (model.state_dict, model.blocks[2].state_dict):
+        got = call()
+        want = expected if call == model.state_dict else {k[len("blocks.2."):]: v for k, v in expected.items()
+                                                          if k.startswith("blocks.2.")}
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    handle.remove()
+    zp.engine.engine_of(model, "test").remove()
