@@ -95,18 +95,20 @@ class StateDictHooks:
         self.raw_depth = 0
         self._save = _Call(_SAVE, "state_dict")
         self._load = _Call(_LOAD, "load_state_dict")
-        self._masters = {id(s.param): s.master for s in engine.slots if not s.is_identity}
+        self._masters: dict[int, torch.Tensor] = {}   # separate fp32 masters, taken at the start of each call
         # id(module) of the modules with a sharded parameter at or below them
         self._covers = {id(m) for m in engine.model.modules() if any(id(p) in engine.sharded for p in m.parameters())}
         self._handles: list = []
 
     def register(self) -> None:
+        # partials, not bound methods: torch marks a public post-hook with an attribute
         for module in self.engine.model.modules():
-            # partials, not bound methods: torch marks a public post-hook with an attribute
             self._handles += [
                 module.register_state_dict_pre_hook(functools.partial(StateDictHooks._pre_save, self)),
-                module.register_state_dict_post_hook(functools.partial(StateDictHooks._post_save, self)),
-                module.register_load_state_dict_pre_hook(functools.partial(StateDictHooks._pre_load, self)),
+                _register(module, "register_state_dict_post_hook", "_register_state_dict_hook",
+                          functools.partial(StateDictHooks._post_save, self)),
+                _register(module, "register_load_state_dict_pre_hook", "_register_load_state_dict_pre_hook",
+                          functools.partial(StateDictHooks._pre_load, self), with_module=True),
                 module.register_load_state_dict_post_hook(functools.partial(StateDictHooks._post_load, self)),
             ]
 
@@ -219,6 +221,7 @@ class StateDictHooks:
             if id(module) not in self._covers:
                 return False
             self._agree(call)
+            self._masters = {id(s.param): s.master for s in self.engine.slots if not s.is_identity}
         call.stack.append(module)
         return True
 
@@ -247,6 +250,14 @@ class StateDictHooks:
                 f"ZeroConfig.timeout_s={self.engine.config.timeout_s:g} s ({exc.__cause__ or exc}). "
                 f"{call.verb}() of a stage-3 model is collective (it gathers or updates the sharded "
                 f"parameters): {_FIX}")
+
+
+def _register(module: nn.Module, public: str, private: str, hook, **private_kwargs):
+    """torch >= 2.5 has the public name; 2.4 (our oldest) only the private one, same call for our hooks
+    (the post-hook returns None: the dict it edited in place is kept)."""
+    if hasattr(module, public):
+        return getattr(module, public)(hook)
+    return getattr(module, private)(hook, **private_kwargs)
 
 
 def _strictly_inside(module: nn.Module, ancestor: nn.Module) -> bool:
