@@ -173,6 +173,10 @@ class ZeroConfig:
     """Seconds a collective may block before zero_plugin reports a hang; > 0. Default 600.0."""
     check_ranks: bool = True
     """Verify at setup that every rank has the same config and model. Default True."""
+    state_dict_rank0_only: bool = False
+    """Stage 3: ``model.state_dict()`` (and so ``save_pretrained``) still gathers on every rank, but only rank 0
+    keeps the full CPU tensors; the other ranks get ``{}`` (host memory: one copy of the model instead of one
+    per rank). Stages 0-2 keep torch's own state_dict. Default False."""
 
     def __post_init__(self) -> None:
         self._normalise_fields()
@@ -204,6 +208,7 @@ class ZeroConfig:
         put("debug_collectives", _as_bool("debug_collectives", self.debug_collectives))
         put("timeout_s", _as_positive_float("timeout_s", self.timeout_s))
         put("check_ranks", _as_bool("check_ranks", self.check_ranks))
+        put("state_dict_rank0_only", _as_bool("state_dict_rank0_only", self.state_dict_rank0_only))
 
     def _validate(self) -> None:
         """All cross-field rules; fields are already normalised."""
@@ -343,7 +348,7 @@ _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "bucket_size_mb": _FLOAT, "timeout_s": _FLOAT,
     "offload_params": _BOOL, "reshard_after_forward": _BOOL, "trim_host_heap": _BOOL, "debug_collectives": _BOOL,
     "cpu_ram_efficient_loading": _BOOL,
-    "check_ranks": _BOOL,
+    "check_ranks": _BOOL, "state_dict_rank0_only": _BOOL,
     "offload_optimizer": (lambda t: _text_bool(t) if t.lower() in _TRUE_TEXT | _FALSE_TEXT else t,
                           '"none", "cpu", "true" or "false"'),
     "param_dtype": (_or_none(str), "a dtype name or none"),

@@ -1,12 +1,15 @@
 """Full (unsharded) model state dicts, for export and interchange with unsharded code."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch import nn
 
 from .engine import engine_of
 
-__all__ = ["full_state_dict", "load_full_state_dict"]
+__all__ = ["full_state_dict", "load_full_state_dict", "raw_state_dict"]
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True, trainable_only: bool = False) -> dict:
@@ -32,3 +35,16 @@ def load_full_state_dict(model: nn.Module, state_dict: dict | None, *, src_rank:
     if bad:
         raise ValueError(f"zp.load_full_state_dict: values must be tensors; {bad[:3]} are not")
     return engine.load_full_state_dict(state_dict, strict=strict)
+
+
+@contextlib.contextmanager
+def raw_state_dict(model: nn.Module) -> Iterator[None]:
+    """Inside, ``model.state_dict()`` / ``load_state_dict()`` are torch's own: at stage 3 this rank's 1-D shards
+    and the model's own objects, with no collective ([Note: stage-3 state dicts] in stage3/state_dict_hooks.py).
+    For zero_plugin's own callers that want shards (sharded checkpoints); a no-op at stages 0-2."""
+    try:
+        hooks = getattr(engine_of(model, "raw_state_dict"), "state_dict_hooks", None)
+    except ValueError:   # not set up: torch's own anyway
+        hooks = None
+    with hooks.raw() if hooks is not None else contextlib.nullcontext():
+        yield

@@ -26,6 +26,7 @@ from torch import nn
 
 from .._flat import ShardLayout
 from ..optim.master import MasterParam
+from ..state_dict import raw_state_dict
 from .format import CheckpointError
 
 __all__ = ["ParamView", "param_views", "persistent_buffers", "region_to_save", "state_region_to_save",
@@ -72,10 +73,12 @@ def param_views(engine) -> list[ParamView]:
 
 
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Entries of ``model.state_dict()`` that are not parameters (persistent buffers)."""
+    """Entries of ``model.state_dict()`` that are not parameters (persistent buffers); torch's own state dict
+    (raw_state_dict: no stage-3 gather, the model's own objects, which the filter below compares)."""
     param_ids = {id(p) for p in model.parameters()}
-    return [(k, v) for k, v in model.state_dict(keep_vars=True).items()
-            if isinstance(v, torch.Tensor) and id(v) not in param_ids]
+    with raw_state_dict(model):
+        entries = model.state_dict(keep_vars=True)
+    return [(k, v) for k, v in entries.items() if isinstance(v, torch.Tensor) and id(v) not in param_ids]
 
 
 def region_to_save(view: ParamView, layout: ShardLayout) -> torch.Tensor:

@@ -21,12 +21,12 @@ from ..engine import Engine
 from ..hostmem import trim_host_heap
 from ..optim.master import MasterParam, copy_changed
 from ..optim.offload import host_for
-from ..optim.state import gather_full
 from ..streams import StreamSet, streams_for
 from .hooks import Stage3Runtime
 from .param import ShardedParam, ShardedState
 from .policy import assign_units
 from .pool import BufferPool
+from .state_dict_hooks import StateDictHooks, gather_to_host
 from .unit import Unit
 
 __all__ = ["Stage3Engine", "build_stage3_engine"]
@@ -131,6 +131,8 @@ class Stage3Engine(Engine):
                                      trim_heap=compute_device(comm).type == "cpu" and config.trim_host_heap)
         self.runtime.register()
         self.runtime.after_backward = self.after_backward
+        self.state_dict_hooks = StateDictHooks(self)   # [Note: stage-3 state dicts]
+        self.state_dict_hooks.register()
         _mark_for_synced_generate(model, comm)
 
     @property
@@ -226,8 +228,7 @@ class Stage3Engine(Engine):
         for sp in self.sharded.values():
             if keep is not None and id(sp.param) not in keep:
                 continue
-            source = masters.get(id(sp.param), sp.local)
-            value = gather_full(self.comm, source.detach().reshape(-1), sp.layout, sp.shape)
+            value = gather_to_host(self.comm, masters.get(id(sp.param), sp.local), sp, self.compute_device)
             if want:
                 for n in names[id(sp.param)]:
                     out[n] = value
@@ -235,7 +236,9 @@ class Stage3Engine(Engine):
             return {}
         ordered = {}
         param_ids = {id(p) for p in self.model.parameters()}
-        for k, v in self.model.state_dict(keep_vars=True).items():   # model.state_dict() key order
+        with self.state_dict_hooks.raw():   # torch's keys and order, the model's own objects
+            entries = self.model.state_dict(keep_vars=True)
+        for k, v in entries.items():   # model.state_dict() key order
             if k in out:
                 ordered[k] = out[k]
             elif keep is None and id(v) not in param_ids:
@@ -267,7 +270,9 @@ class Stage3Engine(Engine):
                     region = sp.layout.local_view(state_dict[key].detach().reshape(-1).contiguous())
                     slot.master.copy_(region.reshape(slot.master.shape))
         param_ids = {id(p) for p in self.model.parameters()}
-        for k, v in self.model.state_dict(keep_vars=True).items():
+        with self.state_dict_hooks.raw():
+            entries = self.model.state_dict(keep_vars=True)
+        for k, v in entries.items():
             if id(v) not in param_ids and k in state_dict:
                 v.data.copy_(state_dict[k])
         return None
@@ -291,6 +296,7 @@ class Stage3Engine(Engine):
 
     def remove(self) -> None:
         self.runtime.remove()
+        self.state_dict_hooks.remove()
         super().remove()
 
 
