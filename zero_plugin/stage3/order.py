@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["OrderGuard"]
 
 _GATHER, _FORWARD_END, _LATE = 1.0, 2.0, 3.0
+STATE_DICT, LOAD_STATE_DICT = 11.0, 12.0   # sent by stage3/state_dict_hooks.py in the guard's message format
 _HEAD = 3   # kind, value, fingerprint; then one element per unit
 _MODULUS, _BASE = 2_147_483_647, 1_000_003   # fingerprint mod a prime < 2**31: exact in float64
 
@@ -133,6 +134,10 @@ class OrderGuard:
             return f"enters unit {value} ({self.units[value].name!r})"
         if kind == _FORWARD_END:
             return f"ends its forward after {value} blocks"
+        if kind == STATE_DICT:
+            return "is in state_dict()"
+        if kind == LOAD_STATE_DICT:
+            return "is in load_state_dict()"
         return "ends its backward"
 
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import nn
 
+from .order import LOAD_STATE_DICT, STATE_DICT
 from .param import ShardedParam, ShardedState
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["StateDictHooks", "gather_to_host"]
 
 # Kinds of control messages, beside the order guard's 1-3 ([Note: collective order] in order.py).
-_SAVE, _LOAD = 11.0, 12.0
+_SAVE, _LOAD = STATE_DICT, LOAD_STATE_DICT
 _KINDS = {1.0: "is in a forward (gathering a unit)", 2.0: "is ending a forward", 3.0: "is ending a backward",
           _SAVE: "is in state_dict()", _LOAD: "is in load_state_dict()"}
 
