@@ -9,9 +9,12 @@ are the Trainer methods that assume every rank holds the full model or optimizer
   (for a PEFT model only the trainable adapter weights are gathered: adapter files stay small).
 * ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: the optimizer state is
   saved with ``_common.save_sharded`` into ``checkpoint-N/zero_plugin/`` and loaded back on resume
-  (a plain DDP checkpoint's ``optimizer.pt`` also loads: it is a full state dict).
+  (a plain DDP checkpoint's ``optimizer.pt`` also loads: it is a full state dict).  ``optimizer.pt``
+  is a stub that a plain Trainer fails to load with a message naming the fix ([Note: optimizer stub]).
+* ``_load_best_model`` (``load_best_model_at_end``): every rank loads the best checkpoint's weights
+  from its ``zero_plugin/`` folder with ``zp.load_checkpoint`` (model only).
 * ``create_accelerator_and_postprocess``: refuses the features that re-prepare a model
-  (``auto_find_batch_size``) or load weights into it after training (``load_best_model_at_end``).
+  (``auto_find_batch_size``) or need what the checkpoint lacks.
 * ``_move_model_to_device``: ``Trainer.__init__`` moves the whole model to the device; a lazily loaded
   model has meta parameters, and stage 3 places one unit at a time (``place_before_setup``).
 
@@ -29,7 +32,10 @@ from torch import nn
 
 import zero_plugin as zp
 
+from zero_plugin.ckpt.rng import capture_rng, restore_rng
+
 from . import _common
+from ._optimizer_stub import is_stub, write_stub
 from .accelerate_plugin import Accelerator as ZeroAccelerator
 from .accelerate_plugin import place_before_setup
 
@@ -64,11 +70,13 @@ def create_accelerator_and_postprocess(self) -> None:
 
 
 def _check_supported(args: Any) -> None:
+    if getattr(args, "load_best_model_at_end", False) and getattr(args, "save_only_model", False):
+        raise ValueError("zero_plugin: TrainingArguments.load_best_model_at_end=True with save_only_model=True is not "
+                         "supported: the best weights are loaded from checkpoint-N/zero_plugin/, which "
+                         "save_only_model skips; set save_only_model=False")
     refused = {
         "auto_find_batch_size": "it re-prepares the model after an out-of-memory error, and a sharded model is "
                                 "set up once; set per_device_train_batch_size instead",
-        "load_best_model_at_end": "loading a checkpoint into a sharded model after training is not implemented; "
-                                  "load the best checkpoint's weights after the run",
         "deepspeed": "zero_plugin replaces DeepSpeed; choose the ZeRO stage with zero-plugin launch --stage",
         "fsdp": "zero_plugin replaces FSDP; choose the ZeRO stage with zero-plugin launch --stage",
     }
@@ -96,10 +104,20 @@ def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
     # Weights are in output_dir already (save_model); the sharded format stores them anyway.
     _common.save_sharded(os.path.join(output_dir, CHECKPOINT_SUBDIR), model, self.optimizer, include_model=False)
     if self.args.should_save:
-        from transformers.trainer import SCHEDULER_NAME
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
         with warnings.catch_warnings(record=True):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        write_stub(os.path.join(output_dir, OPTIMIZER_NAME), _stub_message(output_dir))
+
+
+def _stub_message(output_dir: str) -> str:
+    name = os.path.basename(os.path.normpath(output_dir))
+    return (f"NOT AN OPTIMIZER STATE: {name} was written by zero_plugin; its optimizer state is sharded in "
+            f"{name}/{CHECKPOINT_SUBDIR}/ and this optimizer.pt is a stub. Resume it under `zero-plugin launch` "
+            f"(any stage, any number of processes). Without zero_plugin: `zero-plugin consolidate "
+            f"{name}/{CHECKPOINT_SUBDIR} OUT --format hf` writes the weights alone; delete this optimizer.pt to "
+            f"go on with a fresh optimizer and learning-rate schedule")
 
 
 def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -111,6 +129,9 @@ def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
     sharded = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
     if os.path.isdir(sharded):
         _common.load_sharded(sharded, model, self.optimizer)
+    elif is_stub(os.path.join(checkpoint, OPTIMIZER_NAME)):
+        raise FileNotFoundError(f"zero_plugin: {checkpoint!r} was written by zero_plugin but its optimizer state "
+                                f"folder {sharded!r} is missing; copy the whole checkpoint folder")
     elif os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
         # A checkpoint from an unsharded run: its optimizer state is full; ZeroOptimizer slices it.
         self.optimizer.load_state_dict(torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu",
@@ -130,6 +151,23 @@ def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | 
     return _ORIGINALS["_load_from_checkpoint"](self, resume_from_checkpoint, model)
 
 
+def _load_best_model(self) -> None:
+    model = _set_up_model(self)
+    if model is None:
+        return _ORIGINALS["_load_best_model"](self)
+    # Every rank calls this (Trainer.train's end).  The sharded folder holds the weights at full precision
+    # (fp32 masters included) and each rank reads only its own region; the optimizer is left as it is.
+    # zp.load_checkpoint also restores the saving step's RNG states: training is over, so keep the current ones.
+    best = self.state.best_model_checkpoint
+    if not os.path.isdir(os.path.join(best, CHECKPOINT_SUBDIR)):
+        raise FileNotFoundError(f"zero_plugin: load_best_model_at_end: the best checkpoint {best!r} has no "
+                                f"{CHECKPOINT_SUBDIR}/ folder (written before this run used zero_plugin?); load its "
+                                "weights after training instead")
+    rng = capture_rng()
+    zp.load_checkpoint(os.path.join(best, CHECKPOINT_SUBDIR), model)
+    restore_rng(rng)
+
+
 def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
     if not _uses_zero(self):
         return _ORIGINALS["_move_model_to_device"](self, model, device)
@@ -145,6 +183,7 @@ _OVERRIDES: dict[str, Callable] = {
     "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
     "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
     "_load_from_checkpoint": _load_from_checkpoint,
+    "_load_best_model": _load_best_model,
 }
 
 
@@ -152,7 +191,7 @@ def install() -> None:
     """Make ``transformers.Trainer`` use zero_plugin's Accelerator and checkpoint methods (idempotent).
 
     The one place where transformers is patched: the ``Accelerator`` name ``transformers.trainer``
-    imported from accelerate, and the six Trainer methods in ``_OVERRIDES`` (subclasses such as
+    imported from accelerate, and the seven Trainer methods in ``_OVERRIDES`` (subclasses such as
     ``Seq2SeqTrainer`` inherit them).  Each override defers to the original unless the Trainer's
     accelerator is zero_plugin's.
     """

@@ -97,14 +97,24 @@ def test_zero_plugin_coercion_and_errors(monkeypatch):
         ZeroPlugin.coerce(3)
 
 
-@pytest.mark.parametrize("field,value", [("auto_find_batch_size", True), ("load_best_model_at_end", True),
-                                         ("deepspeed", "ds.json")])
+@pytest.mark.parametrize("field,value", [("auto_find_batch_size", True), ("deepspeed", "ds.json")])
 def test_trainer_refuses_unsupported_features(field, value):
     from zero_plugin.integrations.hf_trainer import _check_supported
 
     args = SimpleNamespace(auto_find_batch_size=False, load_best_model_at_end=False, deepspeed=None, fsdp=[])
     setattr(args, field, value)
     with pytest.raises(ValueError, match=f"TrainingArguments.{field}=.* is not supported"):
+        _check_supported(args)
+
+
+def test_trainer_load_best_model_at_end_needs_the_sharded_folder():
+    from zero_plugin.integrations.hf_trainer import _check_supported
+
+    args = SimpleNamespace(auto_find_batch_size=False, load_best_model_at_end=True, save_only_model=False,
+                           deepspeed=None, fsdp=[])
+    _check_supported(args)   # supported (tests/integrations/test_trainer_checkpoints.py)
+    args.save_only_model = True
+    with pytest.raises(ValueError, match="load_best_model_at_end=True with save_only_model=True .*save_only_model=False"):
         _check_supported(args)
 
 
