@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 import zero_plugin as zp
-
 from zero_plugin.ckpt.rng import capture_rng, restore_rng
 
 from . import _common
