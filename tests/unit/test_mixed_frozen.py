@@ -117,3 +117,29 @@ def test_parameter_used_outside_any_unit_trains_at_stages_0_to_2(stage):
     for rank, r in enumerate(run_ranks(2, MW.regulariser_worker, stage, "plain_after", timeout=60)):
         assert r["error"] is None, f"rank {rank}: {r['error']}"
         assert r["max_abs_diff"] <= F64, f"rank {rank}: max |θ - θ_ref| = {r['max_abs_diff']:.3g}"
+
+
+# -- [Note: leaf units] -----------------------------------------------------------------------------------------------
+
+def _untied_llama_with_big_vocab():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)   # 8192 x 128 = 1M elements each: embedding and head are leaf units
+
+
+@pytest.mark.parametrize("unit_classes", [(), ("LlamaDecoderLayer",), ("LlamaMLP", "LlamaAttention")])
+def test_big_embedding_and_head_are_units_of_their_own_with_default_or_named_blocks(unit_classes):
+    """An untied embedding or LM head outside every block is its own unit (gathered around its use), not part
+    of the root unit gathered for the whole step, whether the blocks are the default or named by
+    ``unit_classes`` (half-layer units only pay off if the 32k-vocabulary matrices are not held all step)."""
+    units, owner = assign_units(_untied_llama_with_big_vocab(), zp.ZeroConfig(stage=3, unit_classes=unit_classes))
+    names = [n for n, _ in units]
+    assert "model.embed_tokens" in names and "lm_head" in names, names
+
+
+def test_a_custom_unit_policy_decides_alone():
+    policy = lambda module, name: type(module).__name__ == "LlamaDecoderLayer"   # noqa: E731
+    units, _ = assign_units(_untied_llama_with_big_vocab(), zp.ZeroConfig(stage=3, unit_policy=policy))
+    assert [n for n, _ in units] == ["<root>", "model.layers.0", "model.layers.1"]

@@ -6,7 +6,7 @@ wraps the transformers model).  Parameters outside every unit, and
 parameters shared by modules of different units (tied embedding and LM
 head), belong to the root unit, which is gathered for the whole forward.
 
-[Note: leaf units] With the default policy, a module outside every block whose own parameters
+[Note: leaf units] Unless ``unit_policy`` decides, a module outside every block whose own parameters
 hold at least ``LEAF_UNIT_MIN_NUMEL`` elements, none shared with another module, becomes a unit
 of its own (an untied ``embed_tokens`` or ``lm_head``): it is gathered only around its own
 forward and backward instead of for the whole step.  A 32k-vocabulary embedding is as large as
@@ -80,7 +80,7 @@ def assign_units(model: nn.Module, config: ZeroConfig) -> tuple[list[tuple[str, 
     visit(model, "", 0)
     if config.unit_classes and len(units) == 1:
         _no_unit_matched(model, config.unit_classes)
-    if config.unit_policy is None and not config.unit_classes:
+    if config.unit_policy is None:   # the default blocks or unit_classes; a custom policy decides alone
         _split_leaf_units(model, units, owner)
     if config.persistence_threshold:
         for p in model.parameters():   # [Note: persistent parameters]
