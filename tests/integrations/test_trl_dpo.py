@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl", reason="TRL is in the test extras: pip install -e .[test]")
-
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "dpo_trl.py"
 PY = sys.executable
 CONSOLE = Path(PY).parent / "zero-plugin"
@@ -74,5 +72,5 @@ def test_reference_model_is_sharded(runs):
     _, zero = _result(runs, "stage3")
     full = ddp[0]["ref_full_bytes"]
     assert all(m["ref_param_bytes"] == full for m in ddp)
-    for m in zero:   # 1/2 of the model, padding at most one element per parameter (2 x 10 + 3 tensors)
-        assert full / 2 - 23 * 4 <= m["ref_param_bytes"] <= full / 2 + 23 * 4, (m, full)
+    for m in zero:   # 1/2 of the model, padding at most one element per parameter (21 tensors)
+        assert full / 2 - 21 * 4 <= m["ref_param_bytes"] <= full / 2 + 21 * 4, (m, full)
