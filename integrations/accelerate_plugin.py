@@ -32,6 +32,8 @@ from torch import nn
 import zero_plugin as zp
 from zero_plugin import materialize
 from zero_plugin.config import ZeroConfig
+from zero_plugin.engine import engine_of
+from zero_plugin.stage3.inference import InferenceEngine
 
 from . import _common
 
@@ -136,7 +138,7 @@ class Accelerator(_AccelerateAccelerator):
                             and _common.zero_optimizer_of(a) is None}
         pairs = []
         for i, obj in enumerate(args):
-            if not isinstance(obj, nn.Module) or _common.is_set_up(obj) or not _has_trainable(obj):
+            if not isinstance(obj, nn.Module) or _set_up_for_training(obj) or not _has_trainable(obj):
                 continue
             ids = {id(p) for p in obj.parameters()}
             owners = [j for j, opt in fresh_optimizers.items()
@@ -163,17 +165,30 @@ class Accelerator(_AccelerateAccelerator):
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         """No DDP wrapper: a set-up model only gets Accelerate's autocast / compile (its evaluation mode).
 
-        A model without trainable parameters, or prepared with ``evaluation_mode=True``, is not sharded (a lazily
-        loaded one is loaded in full here: it would stay on meta).
+        A model without trainable parameters, or prepared with ``evaluation_mode=True`` (TRL's reference and
+        teacher models, the Trainer's evaluation before training), is set up for evaluation only: sharded at
+        stage 3 (``zp.setup(model, None, config)``, [Note: evaluation-only models] in
+        ``zero_plugin/stage3/inference.py``), replicated at stages 0-2 (a lazily loaded one is loaded in
+        full there: it would stay on meta).
         """
         if _common.is_set_up(model):
             device_placement = False   # placed before sharding, see _set_up
         elif not evaluation_mode and _has_trainable(model):
             raise ValueError(f"zero_plugin: prepare_model() alone cannot shard a trainable model; {_PAIR_HINT}")
+        elif self.zero_config.stage == 3:
+            self._set_up_for_evaluation(model, device_placement)
+            device_placement = False
         elif materialize.load_in_full(model):
-            warnings.warn("zero_plugin: a lazily loaded model was prepared without an optimizer, so it is not "
-                          "sharded; every process has now loaded it in full from its files", stacklevel=2)
+            warnings.warn("zero_plugin: a lazily loaded model was prepared without an optimizer at stage "
+                          f"{self.zero_config.stage}, so it is not sharded; every process has now loaded it in "
+                          "full from its files (stage 3 shards it)", stacklevel=2)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    def _set_up_for_evaluation(self, model: nn.Module, device_placement: bool | None) -> None:
+        place = self.device_placement if device_placement is None else device_placement
+        if place and self.device.type != "cpu":
+            place_before_setup(model, self.device, 3)
+        zp.setup(model, None, self.zero_config)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
         """An ``AcceleratedOptimizer`` over the ``ZeroOptimizer`` (which already placed its state)."""
@@ -332,6 +347,11 @@ def place_before_setup(model: nn.Module, device: torch.device, stage: int) -> No
             for param in module._parameters.values():
                 if param is not None and not param.is_meta and param.device != device:
                     param.data = param.data.to(device)
+
+
+def _set_up_for_training(model: nn.Module) -> bool:
+    """Set up with an optimizer; a model set up for evaluation only may still be paired with one."""
+    return _common.is_set_up(model) and not isinstance(engine_of(model, "prepare"), InferenceEngine)
 
 
 def _has_trainable(model: nn.Module) -> bool:

@@ -18,18 +18,23 @@ from .optim.clip import clip_owned_grads
 from .optim.offload import use_fast_cpu_kernels
 from .optim.state import region_of
 from .optim.zero_optimizer import ZeroOptimizer
-from .stages import build_engine
+from .stages import build_engine, build_inference_engine
 
 __all__ = ["setup", "rebind_optimizer", "clip_grad_norm_", "no_sync", "gathered_parameters"]
 
-def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
-          group: Any = None, *, param_source: Any = None) -> tuple[nn.Module, ZeroOptimizer]:
+def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: ZeroConfig | None = None,
+          group: Any = None, *, param_source: Any = None) -> tuple[nn.Module, ZeroOptimizer | None]:
     """Shard ``model`` and ``optimizer`` in place for ``config.stage``; collective over ``group``.
 
     Returns the same module object and a :class:`ZeroOptimizer` wrapping ``optimizer``.
     A model built on the meta device (``zp.materialize.empty_model``) is materialised from
     ``param_source`` (see ``zero_plugin/materialize.py``), by default from the files a lazy
     ``from_pretrained`` recorded (``zero_plugin/lazy_pretrained.py``); at stage 3 one unit at a time.
+
+    ``optimizer=None``: evaluation only (a reference or teacher model), returns ``(model, None)``.  Stage 3
+    shards the parameters and gathers them per unit in forward, without gradients or optimizer state
+    ([Note: evaluation-only models] in ``stage3/inference.py``); stages 0-2 keep the model replicated
+    (rank 0's values broadcast).  Such a model passed again with an optimizer is set up for training.
     """
     config = ZeroConfig() if config is None else config
     if not isinstance(config, ZeroConfig):
@@ -37,12 +42,18 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
                          "build one with zp.ZeroConfig(stage=...) or ZeroConfig.from_dict(...)")
     if isinstance(optimizer, ZeroOptimizer):
         raise ValueError("zp.setup: this optimizer is already a ZeroOptimizer; pass the original model and optimizer once")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"zp.setup: model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None:
+        _release_evaluation_only(model)
     comm = Comm(group, timeout_s=config.timeout_s, debug=config.debug_collectives)
-    trainable = _validate.trainable_parameters(model, optimizer)
+    trainable = _validate.trainable_parameters(model, optimizer) if optimizer is not None else []
     _validate.check_ranks_agree(model, config, comm)
     source = materialize.as_source(param_source)
     if source is None and materialize.has_meta_params(model):
         source = materialize.recorded_source(model)   # [Note: recorded sources] in materialize.py
+    if optimizer is None:
+        return _setup_for_evaluation(model, config, comm, source), None
     if config.stage < 3:
         materialize.materialize_all(model, source, comm)
         _validate.broadcast_module_state(model, comm)
@@ -54,12 +65,41 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig
     register_engine(model, engine)
     engine.frozen_guard = FrozenGuard.attach(model, [s.param for s in engine.slots])   # [Note: frozen at setup]
     engine.buffer_sync = BufferSync.attach(model, comm)
-    if config.param_dtype is not None:
-        engine.input_cast_handle = model.register_forward_pre_hook(
-            functools.partial(_cast_inputs, config.param_dtype), with_kwargs=True)
+    _cast_inputs_of(model, engine, config)
     zero_optimizer = ZeroOptimizer(optimizer, engine)
     engine.optimizer = zero_optimizer
     return model, zero_optimizer
+
+
+def _setup_for_evaluation(model: nn.Module, config: ZeroConfig, comm: Comm, source: Any) -> nn.Module:
+    """``zp.setup(model, None, config)``: [Note: evaluation-only models] in stage3/inference.py."""
+    if config.stage < 3:   # replicated, as DDP leaves a model it does not train
+        materialize.materialize_all(model, source, comm)
+        _validate.broadcast_module_state(model, comm)
+        materialize.note_set_up(model)
+        return model
+    engine = build_inference_engine(model, config, comm, source)
+    materialize.note_set_up(model)
+    register_engine(model, engine)
+    _cast_inputs_of(model, engine, config)
+    return model
+
+
+def _release_evaluation_only(model: nn.Module) -> None:
+    """A model set up for evaluation only, now passed with an optimizer: back to full tensors first."""
+    from .stage3.inference import InferenceEngine
+    try:
+        engine = engine_of(model, "setup")
+    except ValueError:
+        return
+    if isinstance(engine, InferenceEngine):
+        engine.release_full()
+
+
+def _cast_inputs_of(model: nn.Module, engine, config: ZeroConfig) -> None:
+    if config.param_dtype is not None:
+        engine.input_cast_handle = model.register_forward_pre_hook(
+            functools.partial(_cast_inputs, config.param_dtype), with_kwargs=True)
 
 
 def rebind_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> ZeroOptimizer:

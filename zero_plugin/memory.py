@@ -29,7 +29,9 @@ def _unwrap(optimizer):
 
 
 def state_elements_per_param(optimizer: torch.optim.Optimizer) -> int | None:
-    """Optimizer-state tensors per parameter element for known optimizers (None when unknown)."""
+    """Optimizer-state tensors per parameter element for known optimizers (None when unknown; 0 without one)."""
+    if optimizer is None:   # an evaluation-only model
+        return 0
     opt = _unwrap(optimizer)
     group = opt.param_groups[0] if opt.param_groups else {}
     if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
@@ -85,12 +87,16 @@ class _StorageCounter:
 
 
 def _optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
     opt = _unwrap(optimizer)
     return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def memory_report(model, optimizer) -> dict:
-    """This rank's bytes of parameters, gradients and optimizer state (incl. fp32 masters), and the theory."""
+def memory_report(model, optimizer=None) -> dict:
+    """This rank's bytes of parameters, gradients and optimizer state (incl. fp32 masters), and the theory.
+
+    ``optimizer=None``: a model set up for evaluation only (``zp.setup(model, None, config)``)."""
     from .engine import engine_of
 
     engine = engine_of(model, "memory_report")

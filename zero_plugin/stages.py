@@ -8,6 +8,10 @@ stage  masters       reducer (backward)                         after step
 2      own region    reduce-scatter, only the shard kept        all-gather params
 3      own shard     see ``stage3/``                            - (gathered per unit)
 =====  ============  =========================================  =====================
+
+Evaluation only (``zp.setup(model, None, config)``): stage 3 shards the parameters with a forward-only
+runtime and nothing else ([Note: evaluation-only models] in ``stage3/inference.py``); stages 0-2 keep
+the model replicated, as DDP does with a model it does not train, and build no engine.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from .grads.reducer import AllReduceReducer, ReduceScatterReducer
 from .optim.param_sync import ParamAllGather
 from .replicated import ReplicatedEngine, cast_frozen, make_masters
 
-__all__ = ["build_engine"]
+__all__ = ["build_engine", "build_inference_engine"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,3 +59,12 @@ def build_engine(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], co
         reducer = AllReduceReducer(slots, **common)
         param_sync = None
     return ReplicatedEngine(model, config, comm, slots, reducer, param_sync)
+
+
+def build_inference_engine(model: nn.Module, config: ZeroConfig, comm: Comm, param_source=None) -> Engine | None:
+    """Stage 3: the parameters sharded for evaluation only; stages 0-2: None (the model stays replicated)."""
+    if config.stage < 3:
+        return None
+    from .stage3.engine import build_stage3_engine
+    from .stage3.inference import InferenceEngine
+    return build_stage3_engine(model, [], config, comm, param_source, engine_type=InferenceEngine)

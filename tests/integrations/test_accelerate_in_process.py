@@ -174,3 +174,44 @@ def test_common_checkpoint_roundtrip_reshards(tmp_path, fmt, save_stage, load_st
     assert max(errors) < 1e-10, errors
     marker = os.path.exists(os.path.join(path, "zero_plugin_full.json"))
     assert marker == (fmt == "full")
+
+
+def test_stage3_evaluation_mode_shards_then_prepare_with_optimizer_trains():
+    """``prepare_model(m, evaluation_mode=True)`` at stage 3 shards for evaluation only ([Note: evaluation-only
+    models]); the Trainer does that in ``evaluate()`` before ``train()``, which then prepares the same model with
+    its optimizer: it must train exactly as plain torch."""
+    import copy
+
+    from accelerate.state import AcceleratorState
+
+    import zero_plugin as zp
+    from zero_plugin.integrations import _common
+    from zero_plugin.integrations.accelerate import Accelerator
+
+    model, _ = _model_and_optimizer()
+    model = model.double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 7, dtype=torch.float64)
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = Accelerator(zero_plugin=zp.ZeroConfig(stage=3))
+        prepared = accelerator.prepare_model(model, evaluation_mode=True)
+        assert prepared is model and _common.is_set_up(model)
+        assert model[0].weight.shape == (7 * 15,)   # a 1-D shard between forwards (world size 1: all of it)
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        loss = model(x).square().mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        ref_loss = reference(x).square().mean()
+        ref_loss.backward()
+        ref_opt.step()
+        assert float(loss.detach()) == float(ref_loss.detach())
+        state = accelerator.get_state_dict(model)
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-12)
+    finally:
+        AcceleratorState._reset_state(True)

@@ -129,11 +129,16 @@ def test_placement_before_setup_moves_no_parameter_at_stage3(stage):
     assert moved == (0 if stage == 3 else sum(p.numel() for p in model.parameters()))
 
 
-def test_frozen_lazy_model_prepared_alone_is_loaded_in_full(tmp_path):
-    """Nothing shards a model prepared without an optimizer: it must not stay on meta."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_lazy_model_prepared_alone(tmp_path, stage):
+    """A model prepared without an optimizer must not stay on meta: at stages 0-2 it is loaded in full (with a
+    warning), at stage 3 it is sharded for evaluation from its files ([Note: evaluation-only models])."""
+    import contextlib
+
     from accelerate.state import AcceleratorState
 
     import zero_plugin as zp
+    from zero_plugin.integrations import _common
     from zero_plugin.integrations.accelerate import Accelerator, ZeroPlugin
 
     path = _save(tmp_path)
@@ -141,10 +146,17 @@ def test_frozen_lazy_model_prepared_alone_is_loaded_in_full(tmp_path):
     frozen = LW.load(path, lazy=True, lora=False).requires_grad_(False)
     AcceleratorState._reset_state(True)
     try:
-        accelerator = Accelerator(zero_plugin=ZeroPlugin(zp.ZeroConfig(stage=3)))
-        with pytest.warns(UserWarning, match="prepared without an optimizer"):
+        accelerator = Accelerator(zero_plugin=ZeroPlugin(zp.ZeroConfig(stage=stage)))
+        warns = pytest.warns(UserWarning, match="prepared without an optimizer") if stage < 3 \
+            else contextlib.nullcontext()
+        with warns:
             prepared = accelerator.prepare(frozen)
+        assert prepared is frozen and _common.is_set_up(prepared) == (stage == 3)
+        state = prepared.state_dict()   # full tensors at stage 3 too ([Note: stage-3 state dicts])
+        ids = torch.arange(12).reshape(2, 6)
+        with torch.no_grad():
+            assert torch.equal(prepared(input_ids=ids).logits, eager(input_ids=ids).logits)
     finally:
         AcceleratorState._reset_state(True)
-    for (n, p), (_, q) in zip(eager.named_parameters(), prepared.named_parameters(), strict=True):
-        assert not q.is_meta and torch.equal(p, q), n
+    for n, p in eager.state_dict().items():
+        assert not state[n].is_meta and torch.equal(p, state[n]), n

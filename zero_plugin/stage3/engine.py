@@ -33,8 +33,11 @@ __all__ = ["Stage3Engine", "build_stage3_engine"]
 
 
 def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig,
-                        comm: Comm, param_source: ParamSource | None = None) -> "Stage3Engine":
+                        comm: Comm, param_source: ParamSource | None = None,
+                        engine_type: type["Stage3Engine"] | None = None) -> "Stage3Engine":
+    """``engine_type``: :class:`Stage3Engine` (training) or ``stage3.inference.InferenceEngine``."""
     modules, owner = assign_units(model, config)
+    trains = {id(p) for _, p in trainable}
     names = {id(p): n for n, p in model.named_parameters()}
     sharded: dict[int, ShardedParam] = {}
     per_unit: list[list[ShardedParam]] = [[] for _ in modules]
@@ -43,7 +46,7 @@ def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Paramete
     for index in range(len(modules)):   # one unit at a time: never the whole model unsharded
         params = [p for p in all_params if owner[id(p)] == index]
         for p, full in zip(params, _full_tensors(model, params, param_source, comm)):
-            sp = _shard_one(p, names[id(p)], full, comm, config)
+            sp = _shard_one(p, names[id(p)], full, comm, config, trains=id(p) in trains)
             sharded[id(p)] = sp
             per_unit[index].append(sp)
         if trim:   # the unit's full tensors are freed: hand their pages back ([Note: heap trimming])
@@ -57,7 +60,7 @@ def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Paramete
     for unit in units:
         unit.reduce_comm = reduce_comm
     slots = [_master_for(sharded[id(p)], names[id(p)], config) for _, p in trainable]
-    return Stage3Engine(model, config, comm, slots, units, sharded)
+    return (engine_type or Stage3Engine)(model, config, comm, slots, units, sharded)
 
 
 @torch.no_grad()
@@ -95,7 +98,8 @@ def compute_device(comm: Comm) -> torch.device:
 
 
 @torch.no_grad()
-def _shard_one(p: nn.Parameter, name: str, full: torch.Tensor, comm: Comm, config: ZeroConfig) -> ShardedParam:
+def _shard_one(p: nn.Parameter, name: str, full: torch.Tensor, comm: Comm, config: ZeroConfig,
+               trains: bool) -> ShardedParam:
     device = compute_device(comm)
     full = full.to(device).contiguous()
     comm.broadcast(full, src=0)   # every rank starts from rank 0's values (DDP semantics)
@@ -103,7 +107,7 @@ def _shard_one(p: nn.Parameter, name: str, full: torch.Tensor, comm: Comm, confi
     compute = (config.param_dtype or p.dtype) if floating else p.dtype
     # The shard doubles as the fp32 master unless offload moves the master to another device.
     offload_master = config.offload and host_for(device) is not None
-    keeps_master = floating and p.requires_grad and config.param_dtype is not None and not offload_master
+    keeps_master = floating and trains and config.param_dtype is not None and not offload_master
     storage = config.master_dtype if keeps_master else compute
     storage_device = host_for(device) if config.offload_params else None
     layout = ShardLayout(full.numel(), comm.world_size, comm.rank)
@@ -119,6 +123,7 @@ def _broadcast_buffers(model: nn.Module, comm: Comm) -> None:
 
 class Stage3Engine(Engine):
     grads_sharded = True
+    runtime_type = Stage3Runtime   # the inference engine's forward-only runtime: stage3/inference.py
 
     def __init__(self, model: nn.Module, config: ZeroConfig, comm: Comm, slots: list[MasterParam],
                  units: list[Unit], sharded: dict[int, ShardedParam]) -> None:
@@ -127,7 +132,7 @@ class Stage3Engine(Engine):
         self.sharded = sharded
         self.unit_of = {id(sp.param): u for u in units for sp in u.params}
         self._slot_of = {id(s.param): s for s in slots}
-        self.runtime = Stage3Runtime(units, config.prefetch_depth, config.reshard_after_forward,
+        self.runtime = self.runtime_type(units, config.prefetch_depth, config.reshard_after_forward,
                                      trim_heap=compute_device(comm).type == "cpu" and config.trim_host_heap)
         self.runtime.register()
         self.runtime.after_backward = self.after_backward

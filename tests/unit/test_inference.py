@@ -1,0 +1,67 @@
+"""Models set up for evaluation only (issue 19, item 6; [Note: evaluation-only models] in
+zero_plugin/stage3/inference.py): ``zp.setup(model, None, config)``.
+
+Stage 3 shards the parameters 1/N with forward hooks only; the references are the same seeded model,
+unsharded, in the same process (float64: the outputs must be bitwise equal, since every unit computes on
+exactly the gathered weights).  Stages 0-2 keep the model replicated.  Accelerate's ``prepare_model(m,
+evaluation_mode=True)`` is in tests/integrations/test_accelerate_in_process.py, TRL's DPOTrainer in
+tests/integrations/test_trl_dpo.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import models
+from tests.harness import run_ranks
+from tests.unit import inference_workers as w
+
+
+@pytest.mark.parametrize("kind", ["mlp", "llama", "llama_untied"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_forward_equals_unsharded_and_parameters_are_sharded(kind, world):
+    for r in run_ranks(world, w.forward_matches, kind):
+        assert r["equal_no_grad"] and r["equal_inference"] and r["equal_grad_mode"]
+        assert not r["out_requires_grad"] and r["grad_enabled_after"]
+        assert r["param_hooks"] == 0 and r["grads"] == 0
+        assert r["sharded"] and r["requires_grad_kept"]
+        measured = r["measured"]
+        assert measured["grads"] == 0 and measured["optimizer"] == 0
+        # 1/N of the model (padding: at most one element per parameter and rank); theory says the same
+        params = len(list(w._make(kind).parameters()))
+        assert measured["params"] <= r["full_bytes"] / world + params * 8, (measured, r["full_bytes"])
+        assert measured["params"] >= r["full_bytes"] / world - params * 8
+        assert r["theory"]["params"] == pytest.approx(r["full_bytes"] / world)
+
+
+def test_input_that_requires_grad_is_refused():
+    for r in run_ranks(2, w.input_needing_grad_refused):
+        assert "evaluation only" in r["message"] and "torch.no_grad()" in r["message"]
+        assert r["grad_after"] and r["equal_after"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stages_0_to_2_stay_replicated(stage):
+    for r in run_ranks(2, w.replicated_stages, stage):
+        assert r == {"same_object": True, "optimizer": None, "rank0_values": True, "attached": False}
+
+
+@pytest.mark.parametrize("kind", ["mlp", "llama"])
+def test_evaluation_only_model_can_be_set_up_for_training_later(kind):
+    steps = 3
+    results = run_ranks(2, w.evaluation_then_training, kind, steps)
+    model = w._make(kind)
+    opt = models.two_group_adamw(model, lr=1e-2)
+    batches = models.make_batches("mlp" if kind == "mlp" else "llama", steps, 2, 2)
+    losses = []
+    for batch in batches:
+        loss = models.loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    got = results[0]["state"]
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-10)
+    mean = [sum(r["losses"][i] for r in results) / 2 for i in range(steps)]
+    assert mean == pytest.approx(losses, rel=1e-6)   # the mean of two half-batch means (the loss is float32)
