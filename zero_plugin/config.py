@@ -158,6 +158,11 @@ class ZeroConfig:
     first, then this one (the smaller bound wins); > 0, None = no clipping. Default None."""
     loss_scale: str | float = "dynamic"
     """fp16 loss scale: "dynamic" or a fixed factor > 0 (needs param_dtype fp16). Default "dynamic"."""
+    loss_scale_init: float = 65536.0
+    """fp16 dynamic loss scaling: the first scale (torch GradScaler's ``init_scale``); > 0. Default 65536.0."""
+    loss_scale_growth_interval: int = 2000
+    """fp16 dynamic loss scaling: consecutive steps without inf/NaN after which the scale doubles (GradScaler's
+    ``growth_interval``); >= 1 steps. Default 2000."""
     trim_host_heap: bool = True
     """Stage 3 on CPU: hand freed heap pages back to the OS after each unit's release in forward and at the
     ends of forward and backward (lower peak RSS; the pages are faulted in again, which costs step time,
@@ -203,6 +208,8 @@ class ZeroConfig:
         if self.clip_grad_norm is not None:
             put("clip_grad_norm", _as_positive_float("clip_grad_norm", self.clip_grad_norm))
         put("loss_scale", _as_loss_scale(self.loss_scale))
+        put("loss_scale_init", _as_positive_float("loss_scale_init", self.loss_scale_init))
+        put("loss_scale_growth_interval", _as_int("loss_scale_growth_interval", self.loss_scale_growth_interval, 1))
         put("trim_host_heap", _as_bool("trim_host_heap", self.trim_host_heap))
         put("cpu_ram_efficient_loading", _as_bool("cpu_ram_efficient_loading", self.cpu_ram_efficient_loading))
         put("debug_collectives", _as_bool("debug_collectives", self.debug_collectives))
@@ -345,7 +352,7 @@ _BOOL = (_text_bool, '"true"/"false" (or 1/0, yes/no, on/off)')
 _INT, _FLOAT = (int, "an integer"), (float, "a number")
 _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "stage": _INT, "prefetch_depth": _INT, "persistence_threshold": _INT,
-    "bucket_size_mb": _FLOAT, "timeout_s": _FLOAT,
+    "bucket_size_mb": _FLOAT, "timeout_s": _FLOAT, "loss_scale_init": _FLOAT, "loss_scale_growth_interval": _INT,
     "offload_params": _BOOL, "reshard_after_forward": _BOOL, "trim_host_heap": _BOOL, "debug_collectives": _BOOL,
     "cpu_ram_efficient_loading": _BOOL,
     "check_ranks": _BOOL, "state_dict_rank0_only": _BOOL,

@@ -30,6 +30,7 @@ class GradGuard:
         self.backoff, self.growth = backoff, growth
         self.clean_steps = 0
         self.skipped_steps = 0
+        engine.grad_guard = self   # the latest optimizer's scaler: integrations scale a loss knowing only the model
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.scaling else loss
