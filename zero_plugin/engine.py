@@ -85,7 +85,6 @@ class Engine:
         # backward (after_backward) reset it.
         self.step_grad_norm: float | None = None   # global norm from clip_grad_norm_, reused by the inf/NaN check
         self.grads_unscaled = False                # fp16: the owned gradients were divided by the loss scale
-        self.grad_guard = None   # the set-up optimizer's GradGuard (optim/loss_scale.py); None before one exists
 
     # -- step ---------------------------------------------------------------
     def before_step(self, blocked: bool = False) -> None:
