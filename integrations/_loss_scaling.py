@@ -1,51 +1,42 @@
-"""fp16 through the one-flag paths: Accelerate's ``mixed_precision="fp16"`` and Lightning's ``precision="16-mixed"``.
+"""Accelerate's ``mixed_precision="fp16"`` on zero_plugin's synchronized loss scaler.
 
 [Note: fp16 one-flag mapping]
-Both flags mean "autocast to fp16 + torch's GradScaler" in their own tools.  A GradScaler cannot work here: it
-unscales and checks ``param.grad``, which stages 2-3 do not keep (the reduced shards live in the engine) and
-which would be checked rank by rank, so ranks could disagree on skipping.  The flags are therefore mapped onto
-zero_plugin's own fp16:
+Under DDP, ``mixed_precision="fp16"`` means: fp32 parameters, the forward under ``autocast(fp16)``, and torch's
+GradScaler (``backward`` scales, ``unscale_gradients`` / ``clip_grad_*`` unscale, ``step`` skips on inf/NaN).
+zero_plugin keeps the first two as they are and replaces only the GradScaler, which cannot work here: it
+unscales and checks ``param.grad``, which stages 2-3 do not keep (the reduced shards live in the engine), and
+it would check rank by rank.  So the flag sets ``ZeroConfig.loss_scaling=True`` (parameters keep their dtype)
+and the GradScaler's settings, and the engine's ``GradGuard`` (``zero_plugin/optim/loss_scale.py``) does the
+scaler's work on the owned gradients, with one all-reduced flag so that every rank skips the same steps.  The
+gradients are fp32, as DDP's, so the skipped steps are DDP's step for step and the numbers differ only by the
+order of the fp32 sums (``tests/integrations/test_fp16.py``).
 
-* ``ZeroConfig(param_dtype=fp16)``: parameters are stored (stages 0-2) or gathered (stage 3) in fp16, with fp32
-  masters stepped by the optimizer; this is what halves parameter memory and gather traffic, as FSDP's
-  ``MixedPrecision(param_dtype=float16)`` does under Accelerate's and Lightning's FSDP fp16.  An explicit other
-  ``param_dtype`` is refused.  ``reduce_dtype`` defaults to fp32 here (not fp16): the sum over ranks of two
-  fp16 gradients near 65504 overflows where the average (and DDP's fp32 all-reduce) does not, which would skip
-  steps the DDP run takes; set ``reduce_dtype="fp16"`` explicitly to halve that traffic.
-* autocast stays on (Accelerate's forward wrapper, Lightning's ``forward_context``): ops torch runs in fp32 under
-  autocast (softmax, norms, losses) still do, so the numerics are those of the DDP run up to fp16 rounding of
-  the tensors autocast leaves in the parameters' dtype (embeddings, the residual stream).  torch's CPU autocast
-  runs fp16 too, so the same run happens on a CPU-only machine (Accelerate alone ignores fp16 there).
-* the GradScaler's ``init_scale`` and ``growth_interval`` become ``ZeroConfig.loss_scale_init`` /
-  ``loss_scale_growth_interval``; its growth/backoff factors must be torch's defaults (2.0, 0.5), which
-  zero_plugin's dynamic scaler uses; a disabled scaler becomes ``loss_scale=1.0`` (no scaling, inf/NaN steps
-  still skipped on every rank).
-* the backward scales the loss by the set-up optimizer's scale (``optim/loss_scale.py``, found through the
-  model's engine), clipping unscales first, and ``ZeroOptimizer.step`` skips a step with inf/NaN on any rank.
+* the GradScaler's ``init_scale`` / ``growth_interval`` (Accelerate's ``GradScalerKwargs``) become
+  ``ZeroConfig.loss_scale_init`` / ``loss_scale_growth_interval``; its growth/backoff factors must be torch's
+  defaults (2.0, 0.5), which zero_plugin's scaler uses; a disabled scaler becomes ``loss_scale=1.0`` (no
+  scaling; an inf/NaN step is still skipped on every rank, where a disabled GradScaler would apply it).
+* autocast is kept on every device: on CPU, where Accelerate alone ignores fp16 (no autocast, no scaler), the
+  run is the one a GPU would make, so it can be tested and compared on CPU.
+* fp16 parameters are an explicit opt-in: ``ZeroConfig(param_dtype="fp16")`` with the flag keeps them (fp32
+  masters; half the parameter memory and stage-3 gather traffic, as FSDP's ``param_dtype=float16``), at the
+  price of fp16 per-parameter gradients, which can overflow (and skip a step) where DDP's fp32 ones do not.
+  A bf16 ``param_dtype`` contradicts the flag and is refused, as is ``loss_scaling=False``.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
 import torch
-from torch import nn
 
-import zero_plugin as zp
-from zero_plugin.engine import engine_of
+from zero_plugin.config import ZeroConfig
 
-__all__ = ["fp16_config", "scaler_settings", "scale_loss", "unscale"]
+__all__ = ["fp16_config", "scaler_settings"]
 
 _DEFAULT_FACTORS = {"growth_factor": 2.0, "backoff_factor": 0.5}
 
 
-def scaler_settings(scaler: Any = None, kwargs: Mapping[str, Any] | None = None) -> dict:
-    """The ZeroConfig fields for a torch GradScaler, or for GradScaler keyword arguments (Accelerate's
-    ``GradScalerKwargs``); ``{}`` for neither."""
-    if scaler is not None:
-        kwargs = {"init_scale": scaler.get_scale(), "growth_interval": scaler.get_growth_interval(),
-                  "growth_factor": scaler.get_growth_factor(), "backoff_factor": scaler.get_backoff_factor(),
-                  "enabled": scaler.is_enabled()}
+def scaler_settings(kwargs: Mapping[str, Any] | None) -> dict:
+    """The ZeroConfig fields for torch GradScaler keyword arguments (Accelerate's ``GradScalerKwargs``)."""
     kwargs = dict(kwargs or {})
     for name, default in _DEFAULT_FACTORS.items():
         if name in kwargs and float(kwargs[name]) != default:
@@ -61,27 +52,13 @@ def scaler_settings(scaler: Any = None, kwargs: Mapping[str, Any] | None = None)
     return out
 
 
-def fp16_config(config: zp.ZeroConfig, settings: Mapping[str, Any], flag: str) -> zp.ZeroConfig:
-    """``config`` with fp16 parameters and fp32 reduction unless set ([Note: fp16 one-flag mapping])."""
-    if config.param_dtype not in (None, torch.float16):
-        raise ValueError(f"zero_plugin: {flag} trains with fp16 parameters, but ZeroConfig.param_dtype="
-                         f"{config.param_dtype}; drop param_dtype from the ZeroConfig, or use the "
-                         f"mixed-precision flag for {config.param_dtype}")
-    reduce_dtype = config.reduce_dtype if config.reduce_dtype is not None else torch.float32
-    return dataclasses.replace(config, param_dtype=torch.float16, reduce_dtype=reduce_dtype, **settings)
-
-
-def scale_loss(module: nn.Module | None, loss: torch.Tensor) -> torch.Tensor:
-    """``loss`` times the loss scale of ``module``'s set-up optimizer (unchanged without fp16 loss scaling)."""
-    if module is None or not isinstance(module, nn.Module):
-        return loss
-    try:
-        guard = engine_of(module, "backward").grad_guard
-    except ValueError:   # not set up (e.g. a frozen teacher): nothing to scale for
-        return loss
-    return loss if guard is None else guard.scale_loss(loss)
-
-
-def unscale(zero_optimizer: zp.ZeroOptimizer) -> None:
-    """Divide this step's gradients by the loss scale now (once per step; clipping and hooks see true values)."""
-    zero_optimizer.unscale_()
+def fp16_config(config: ZeroConfig, settings: Mapping[str, Any], flag: str) -> ZeroConfig:
+    """``config`` with loss scaling on and ``settings`` ([Note: fp16 one-flag mapping])."""
+    if config.loss_scaling is False:
+        raise ValueError(f"zero_plugin: {flag} needs loss scaling, but ZeroConfig.loss_scaling=False; drop "
+                         "loss_scaling from the ZeroConfig, or train without fp16")
+    if config.param_dtype not in (None, torch.float32, torch.float16):
+        raise ValueError(f"zero_plugin: {flag} runs the forward in fp16, but ZeroConfig.param_dtype="
+                         f"{config.param_dtype}; drop param_dtype from the ZeroConfig (fp32 parameters, as "
+                         f"under DDP) or set it to fp16, or use the mixed-precision flag for {config.param_dtype}")
+    return config.replace(loss_scaling=True, **settings)

@@ -116,12 +116,12 @@ class Accelerator(_AccelerateAccelerator):
 
     def _route_fp16(self) -> None:
         """``mixed_precision="fp16"`` (argument, ``accelerate launch --mixed_precision fp16`` or config file):
-        fp16 parameters, fp32 masters, autocast and zero_plugin's loss scaler instead of Accelerate's GradScaler
-        ([Note: fp16 one-flag mapping] in ``_loss_scaling.py``)."""
+        parameters as they are, autocast fp16, and zero_plugin's synchronized loss scaler instead of Accelerate's
+        GradScaler ([Note: fp16 one-flag mapping] in ``_loss_scaling.py``)."""
         if self.mixed_precision != "fp16":
             return
         kwargs = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
-        settings = _loss_scaling.scaler_settings(kwargs=kwargs)
+        settings = _loss_scaling.scaler_settings(kwargs)
         self.zero_plugin = ZeroPlugin(_loss_scaling.fp16_config(self.zero_config, settings,
                                                                 "Accelerate's mixed_precision='fp16'"))
         self.scaler = None       # Accelerate's own GradScaler (made on accelerator devices) is never used

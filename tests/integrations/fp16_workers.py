@@ -42,11 +42,11 @@ def _accelerator(config, **kwargs):
     return Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[handler], zero_plugin=config, **kwargs)
 
 
-def accelerate_fp16_run(stage: int) -> dict:
+def accelerate_fp16_run(stage: int, param_dtype: str | None = None) -> dict:
     """The usual Accelerate loop with clipping and a scheduler prepared with the optimizer."""
     import zero_plugin as zp
 
-    accelerator = _accelerator(zp.ZeroConfig(stage=stage))
+    accelerator = _accelerator(zp.ZeroConfig(stage=stage, param_dtype=param_dtype))
     model = models.make_tiny_llama(tie=False, layers=2)
     optimizer = models.two_group_adamw(model)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, _scheduler(optimizer))

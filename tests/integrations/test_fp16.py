@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import pytest
 
+import zero_plugin as zp
 from tests.harness import run_ranks
 from tests.integrations import fp16_workers as fw
+from zero_plugin.integrations import _loss_scaling
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
@@ -50,3 +52,31 @@ def test_accelerate_fp16_skips_and_trains_like_ddp_grad_scaler(stage, ddp_refere
         assert got[rank]["loss_scale"] == ref[rank]["loss_scale"]
     assert got[0]["param_dtypes"] == ["torch.float32"]   # parameters stay fp32, as under Accelerate + DDP
     assert _max_weight_diff(got[0]["state"], ref[0]["state"]) < WEIGHT_ATOL
+
+
+def test_fp16_parameters_stay_an_explicit_opt_in(ddp_reference):
+    """``ZeroConfig(param_dtype="fp16")`` with the flag keeps fp16 parameters (fp32 masters): ranks still agree on
+    every skip and the first overflows are DDP's, but fp16 per-parameter gradients may overflow (and skip) where
+    DDP's fp32 ones do not, so the pattern is not held to DDP's."""
+    got = run_ranks(2, fw.accelerate_fp16_run, 2, "fp16")
+    assert got[0]["param_dtypes"] == ["torch.float16"]
+    assert got[0]["skipped"] == got[1]["skipped"] and got[0]["skipped"][:3] == ddp_reference[0]["skipped"][:3]
+    assert _max_rel_loss_diff(got[0]["losses"][:3], ddp_reference[0]["losses"][:3]) < 5e-3   # fp16 rounding
+
+
+@pytest.mark.parametrize("config, fragment", [
+    (zp.ZeroConfig(param_dtype="bf16"), "param_dtype=torch.bfloat16"),
+    (zp.ZeroConfig(loss_scaling=False), "loss_scaling=False"),
+])
+def test_fp16_flag_refuses_contradicting_configs(config, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        _loss_scaling.fp16_config(config, {}, "mixed_precision='fp16'")
+
+
+def test_grad_scaler_settings_map_onto_the_config():
+    settings = _loss_scaling.scaler_settings({"init_scale": 1024, "growth_interval": 10})
+    assert zp.ZeroConfig(loss_scaling=True, **settings).loss_scale_init == 1024.0
+    assert settings == {"loss_scale_init": 1024.0, "loss_scale_growth_interval": 10}
+    assert _loss_scaling.scaler_settings({"enabled": False}) == {"loss_scale": 1.0}
+    with pytest.raises(ValueError, match="growth_factor=3.0"):
+        _loss_scaling.scaler_settings({"growth_factor": 3.0})
