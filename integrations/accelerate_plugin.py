@@ -35,7 +35,7 @@ from zero_plugin.config import ZeroConfig
 from zero_plugin.engine import engine_of
 from zero_plugin.stage3.inference import InferenceEngine
 
-from . import _common
+from . import _common, _loss_scaling
 
 __all__ = ["Accelerator", "ZeroPlugin"]
 
@@ -97,6 +97,7 @@ class Accelerator(_AccelerateAccelerator):
                              f"{', '.join(given)} (choose the ZeRO stage with ZeroConfig instead)")
         super().__init__(*args, **kwargs)
         self._check_launch()
+        self._route_fp16()
 
     @property
     def zero_config(self) -> ZeroConfig:
@@ -114,10 +115,19 @@ class Accelerator(_AccelerateAccelerator):
                 f"{started} processes were started (WORLD_SIZE={started}) but Accelerate set up a single-process "
                 f"run ({self.distributed_type}), so each process would train alone. On a machine without GPUs set "
                 "ACCELERATE_USE_CPU=true (gloo), or launch with `zero-plugin launch`, which does that for you.")
-        if self.scaler is not None:
-            raise ValueError("zero_plugin: mixed_precision='fp16' uses Accelerate's GradScaler, which cannot see "
-                             "sharded gradients; use mixed_precision='bf16', or ZeroConfig(param_dtype='fp16') "
-                             "with Accelerate's mixed_precision='no'")
+
+    def _route_fp16(self) -> None:
+        """``mixed_precision="fp16"`` (argument, ``accelerate launch --mixed_precision fp16`` or config file):
+        parameters as they are, autocast fp16, and zero_plugin's synchronized loss scaler instead of Accelerate's
+        GradScaler ([Note: fp16 one-flag mapping] in ``_loss_scaling.py``)."""
+        if self.mixed_precision != "fp16":
+            return
+        kwargs = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
+        settings = _loss_scaling.scaler_settings(kwargs)
+        self.zero_plugin = ZeroPlugin(_loss_scaling.fp16_config(self.zero_config, settings,
+                                                                "Accelerate's mixed_precision='fp16'"))
+        self.scaler = None       # Accelerate's own GradScaler (made on accelerator devices) is never used
+        self.native_amp = True   # autocast fp16 on every device; Accelerate alone skips it on CPU
 
     # -- prepare ----------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None):
@@ -197,7 +207,7 @@ class Accelerator(_AccelerateAccelerator):
         zero_optimizer = _common.zero_optimizer_of(optimizer)
         if zero_optimizer is None:
             raise ValueError(f"zero_plugin: prepare_optimizer() alone cannot shard an optimizer; {_PAIR_HINT}")
-        prepared = AcceleratedOptimizer(zero_optimizer, device_placement=False, scaler=None)
+        prepared = _ZeroAcceleratedOptimizer(zero_optimizer, device_placement=False, scaler=None)
         self._optimizers.append(prepared)
         return prepared
 
@@ -207,7 +217,16 @@ class Accelerator(_AccelerateAccelerator):
         if not self._zero_pairs():
             return super().backward(loss, **kwargs)
         kwargs.pop("learning_rate", None)   # LOMO's argument; not an autograd one
-        (loss / self.gradient_accumulation_steps).backward(**kwargs)
+        self._scale(loss / self.gradient_accumulation_steps).backward(**kwargs)
+
+    def _scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """fp16: ``loss`` times the loss scale (one scaled backward serves one set-up model's scaler)."""
+        scaling = [o for _, o in self._zero_pairs() if _common.zero_optimizer_of(o).guard.scaling]
+        if len(scaling) > 1:
+            raise ValueError("zero_plugin: fp16 loss scaling with more than one set-up model per Accelerator is not "
+                             "supported (each optimizer keeps its own scale, so one scaled loss cannot serve both); "
+                             "use mixed_precision='bf16', or one model")
+        return _common.zero_optimizer_of(scaling[0]).scale_loss(loss) if scaling else loss
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
@@ -233,14 +252,25 @@ class Accelerator(_AccelerateAccelerator):
         model = self._zero_model_of(parameters, "clip_grad_value_")
         if model is None:
             return super().clip_grad_value_(parameters, clip_value)
+        for set_up, optimizer in self._zero_pairs():
+            if set_up is model:
+                _common.zero_optimizer_of(optimizer).unscale_()   # clamp true values, as Accelerate does
         for grad in _common.owned_grads(model):
             grad.clamp_(-clip_value, clip_value)
         return None
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
-        """Nothing to unscale: Accelerate's fp16 GradScaler is refused at construction (see _check_launch)."""
-        if not self._zero_pairs():
-            super().unscale_gradients(optimizer)
+        """fp16: divide this step's reduced gradients by the loss scale (once per step; ``clip_grad_norm_`` does it
+        itself).  ``optimizer``: one prepared optimizer, a list of them, or None for every one."""
+        pairs = self._zero_pairs()
+        if not pairs:
+            return super().unscale_gradients(optimizer)
+        chosen = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+        chosen_ids = {id(_common.zero_optimizer_of(o)) for o in chosen if o is not None}
+        for _, prepared in pairs:
+            zero_optimizer = _common.zero_optimizer_of(prepared)
+            if optimizer is None or id(zero_optimizer) in chosen_ids:
+                zero_optimizer.unscale_()
 
     # -- state ------------------------------------------------------------------------------------
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
@@ -323,6 +353,18 @@ class Accelerator(_AccelerateAccelerator):
             yield
         finally:
             self._models, self._optimizers = models, optimizers
+
+
+class _ZeroAcceleratedOptimizer(AcceleratedOptimizer):
+    """``AcceleratedOptimizer`` whose ``step_was_skipped`` reports zero_plugin's skip (inf/NaN on any rank), so
+    Accelerate's scheduler wrapper and the HF Trainer treat it as they treat a GradScaler's skip."""
+
+    def step(self, closure=None):
+        skipped_before = self.optimizer.skipped_steps
+        result = super().step(closure)
+        if self.gradient_state.sync_gradients:
+            self._is_overflow = self.optimizer.skipped_steps > skipped_before
+        return result
 
 
 @torch.no_grad()

@@ -156,8 +156,20 @@ class ZeroConfig:
     """Max global gradient norm (2-norm over every rank's shard), clipped in ZeroOptimizer.step right before the
     update, as torch's clip_grad_norm_ there would; an explicit zp.clip_grad_norm_ earlier in the step applies
     first, then this one (the smaller bound wins); > 0, None = no clipping. Default None."""
+    loss_scaling: bool | None = None
+    """Scale the loss before backward and unscale the gradients before clipping and the step, skipping a step
+    with inf/NaN on any rank on every rank (``optim/loss_scale.py``): None = on exactly when param_dtype is fp16;
+    True = also with parameters in another dtype, for a forward under ``torch.autocast(dtype=torch.float16)``
+    (torch AMP's recipe, fp32 parameters + GradScaler; Accelerate's ``mixed_precision="fp16"`` sets it);
+    False = off, even with fp16 parameters (inf/NaN steps are still skipped, with a warning). Default None."""
     loss_scale: str | float = "dynamic"
-    """fp16 loss scale: "dynamic" or a fixed factor > 0 (needs param_dtype fp16). Default "dynamic"."""
+    """Loss scale when loss scaling is on (see loss_scaling): "dynamic" (halved on inf/NaN, doubled after
+    loss_scale_growth_interval clean steps, as torch's GradScaler) or a fixed factor > 0. Default "dynamic"."""
+    loss_scale_init: float = 65536.0
+    """Dynamic loss scaling: the first scale (torch GradScaler's ``init_scale``); > 0. Default 65536.0."""
+    loss_scale_growth_interval: int = 2000
+    """Dynamic loss scaling: consecutive steps without inf/NaN after which the scale doubles (GradScaler's
+    ``growth_interval``); >= 1 steps. Default 2000."""
     trim_host_heap: bool = True
     """Stage 3 on CPU: hand freed heap pages back to the OS after each unit's release in forward and at the
     ends of forward and backward (lower peak RSS; the pages are faulted in again, which costs step time,
@@ -202,7 +214,11 @@ class ZeroConfig:
         put("unit_policy", _as_unit_policy(self.unit_policy))
         if self.clip_grad_norm is not None:
             put("clip_grad_norm", _as_positive_float("clip_grad_norm", self.clip_grad_norm))
+        if self.loss_scaling is not None and not isinstance(self.loss_scaling, bool):
+            raise _error("loss_scaling", "True, False or None", self.loss_scaling)
         put("loss_scale", _as_loss_scale(self.loss_scale))
+        put("loss_scale_init", _as_positive_float("loss_scale_init", self.loss_scale_init))
+        put("loss_scale_growth_interval", _as_int("loss_scale_growth_interval", self.loss_scale_growth_interval, 1))
         put("trim_host_heap", _as_bool("trim_host_heap", self.trim_host_heap))
         put("cpu_ram_efficient_loading", _as_bool("cpu_ram_efficient_loading", self.cpu_ram_efficient_loading))
         put("debug_collectives", _as_bool("debug_collectives", self.debug_collectives))
@@ -224,11 +240,17 @@ class ZeroConfig:
             raise ValueError(
                 "ZeroConfig.unit_classes and ZeroConfig.unit_policy are mutually exclusive, set at most one; "
                 f"got unit_classes={self.unit_classes!r} and unit_policy={_qualname(self.unit_policy)!r}")
-        if self.loss_scale != "dynamic" and self.param_dtype != torch.float16:
-            # Only fp16's narrow exponent range underflows gradients; elsewhere a fixed scale goes unused.
+        if self.loss_scale != "dynamic" and not self.scales_loss:
+            # Only fp16's narrow exponent range underflows gradients; without scaling a fixed scale goes unused.
             raise ValueError(
-                f"ZeroConfig.loss_scale={self.loss_scale!r} (fixed) requires ZeroConfig.param_dtype=fp16; "
-                f"got param_dtype={self.param_dtype!r}; use loss_scale='dynamic' otherwise")
+                f"ZeroConfig.loss_scale={self.loss_scale!r} (fixed) requires loss scaling: ZeroConfig.param_dtype="
+                f"fp16, or loss_scaling=True for an fp16-autocast forward; got param_dtype={self.param_dtype!r}, "
+                f"loss_scaling={self.loss_scaling!r}; use loss_scale='dynamic' otherwise")
+
+    @property
+    def scales_loss(self) -> bool:
+        """True when the loss is scaled (loss_scaling, or by default param_dtype fp16)."""
+        return self.param_dtype == torch.float16 if self.loss_scaling is None else self.loss_scaling
 
     @property
     def mixed_precision(self) -> bool:
@@ -345,7 +367,7 @@ _BOOL = (_text_bool, '"true"/"false" (or 1/0, yes/no, on/off)')
 _INT, _FLOAT = (int, "an integer"), (float, "a number")
 _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "stage": _INT, "prefetch_depth": _INT, "persistence_threshold": _INT,
-    "bucket_size_mb": _FLOAT, "timeout_s": _FLOAT,
+    "bucket_size_mb": _FLOAT, "timeout_s": _FLOAT, "loss_scale_init": _FLOAT, "loss_scale_growth_interval": _INT,
     "offload_params": _BOOL, "reshard_after_forward": _BOOL, "trim_host_heap": _BOOL, "debug_collectives": _BOOL,
     "cpu_ram_efficient_loading": _BOOL,
     "check_ranks": _BOOL, "state_dict_rank0_only": _BOOL,
@@ -356,6 +378,7 @@ _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "unit_classes": (lambda t: [c.strip() for c in t.split(",") if c.strip()], "comma-separated class names"),
     "unit_policy": (_or_none(_text_import), "an importable qualified name or none"),
     "clip_grad_norm": (_or_none(float), "a number or none"),
+    "loss_scaling": (_or_none(_text_bool), '"true", "false" or none'),
     "loss_scale": (lambda t: "dynamic" if t.lower() == "dynamic" else float(t), '"dynamic" or a number'),
 }
 

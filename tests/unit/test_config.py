@@ -112,6 +112,7 @@ def test_constructor_ignores_environment(monkeypatch):
     ("loss_scale", "static", "'static'"), ("loss_scale", 0, "0"), ("loss_scale", -2.0, "-2.0"),
     ("debug_collectives", 1, "1"), ("timeout_s", 0, "0"), ("timeout_s", math.inf, "inf"),
     ("check_ranks", "true", "'true'"), ("trim_host_heap", "no", "'no'"),
+    ("loss_scaling", "yes", "'yes'"), ("loss_scaling", 1, "1"),
 ])
 def test_invalid_field_value(field, value, shown):
     kwargs = {field: value}
@@ -147,6 +148,27 @@ def test_fixed_loss_scale_requires_fp16(param_dtype):
 
 def test_fixed_loss_scale_with_fp16_is_allowed():
     assert ZeroConfig(loss_scale=1024.0, param_dtype="fp16").loss_scale == 1024.0
+
+
+@pytest.mark.parametrize("param_dtype, loss_scaling, scales", [
+    (None, None, False), ("bf16", None, False), ("fp16", None, True),   # default: exactly fp16 parameters
+    (None, True, True), ("fp32", True, True), ("fp16", False, False),   # explicit: whatever the parameters
+])
+def test_loss_scaling_switch(param_dtype, loss_scaling, scales):
+    assert ZeroConfig(param_dtype=param_dtype, loss_scaling=loss_scaling).scales_loss is scales
+
+
+def test_fixed_loss_scale_with_fp32_parameters_and_loss_scaling_is_allowed():
+    assert ZeroConfig(loss_scale=1024.0, loss_scaling=True).loss_scale == 1024.0
+
+
+def test_fixed_loss_scale_with_loss_scaling_off_is_refused():
+    _raises(["loss_scale", "128", "loss_scaling=False"], loss_scale=128, param_dtype="fp16", loss_scaling=False)
+
+
+def test_loss_scaling_from_text():
+    assert ZeroConfig.from_dict({"loss_scaling": "true"}).loss_scaling is True
+    assert ZeroConfig.from_dict({"loss_scaling": "none"}).loss_scaling is None
 
 
 def test_reduce_dtype_without_param_dtype_is_allowed():
@@ -215,7 +237,8 @@ def test_round_trip():
                         reduce_dtype="fp32", master_dtype="fp64", bucket_size_mb=12.5, prefetch_depth=2,
                         persistence_threshold=100, reshard_after_forward=False, unit_policy=_policy,
                         clip_grad_norm=1.0, loss_scale=256.0, debug_collectives=True, timeout_s=30.0,
-                        check_ranks=False, trim_host_heap=False)
+                        check_ranks=False, trim_host_heap=False, loss_scaling=True, loss_scale_init=1024.0,
+                        loss_scale_growth_interval=10)
     assert config.to_dict()["unit_policy"] == f"{__name__}._policy"
     assert ZeroConfig.from_dict(config.to_dict()) == config
 

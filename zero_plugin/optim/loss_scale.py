@@ -1,9 +1,10 @@
 """Non-finite gradients: dynamic loss scaling for fp16, and a guard for every precision.
 
-fp16 (``param_dtype=float16``): scale the loss before backward (``optimizer.scale_loss(loss)``) so small
-gradients do not underflow; before the step, unscale the owned gradients and check them on every rank.
-If any rank saw inf/NaN, *every* rank skips the step (the flag is all-reduced, so the decision is the
-same everywhere), halves the scale, and training continues.  The scale doubles after
+fp16 (``param_dtype=float16``, or ``loss_scaling=True`` for fp32 parameters under an fp16-autocast forward):
+scale the loss before backward (``optimizer.scale_loss(loss)``) so small gradients do not underflow;
+before the step, unscale the owned gradients and check them on every rank.  If any rank saw inf/NaN,
+*every* rank skips the step (the flag is all-reduced, so the decision is the same everywhere), halves the
+scale, and training continues.  The scale doubles after
 ``growth_interval`` clean steps (the schedule of torch's GradScaler and DeepSpeed's dynamic scaler).
 
 Other precisions: no scaling, but a NaN/inf gradient is reported (warning + ``skipped_steps``) and the

@@ -37,9 +37,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
         cfg = engine.config
-        fp16 = cfg.param_dtype == torch.float16
-        fixed = cfg.loss_scale if fp16 and not isinstance(cfg.loss_scale, str) else None
-        self.guard = GradGuard(engine, dynamic_scale=fp16 and cfg.loss_scale == "dynamic", fixed_scale=fixed)
+        scaling = cfg.scales_loss
+        fixed = cfg.loss_scale if scaling and not isinstance(cfg.loss_scale, str) else None
+        self.guard = GradGuard(engine, dynamic_scale=scaling and cfg.loss_scale == "dynamic", fixed_scale=fixed,
+                               init_scale=cfg.loss_scale_init, growth_interval=cfg.loss_scale_growth_interval)
         # [Note: cache-blocked offload step]: with offload, separate host masters are stepped block by block,
         # gradients cast in (CPU-only) or waited for (CUDA) and masters written back on the way.
         self.blocked = BlockedStep(engine.slots) if cfg.offload and BlockedStep.wanted(engine.slots) else None
