@@ -34,6 +34,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
@@ -197,6 +198,9 @@ class ZeroStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        # As DDPStrategy.setup_distributed: back to seed_everything's seed, so that dropout masks and data made in
+        # train_dataloader() do not depend on what building the model drew (Fabric's DDP does not reset).
+        reset_seed()
         self.set_world_ranks()
         self._process_group_backend = (self._process_group_backend
                                        or _get_default_process_group_backend_for_device(self.root_device))
