@@ -44,7 +44,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import zero_plugin as zp
 from zero_plugin.meta_init import meta_parameters
@@ -149,6 +149,7 @@ class ZeroStrategy(ParallelStrategy):
         self._checkpoint = common.check_checkpoint_mode(checkpoint)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._hinted = False   # common.LOAD_HINT logged
         self.num_nodes = 1
 
     # -- precision: always our wrapper ------------------------------------------------------------
@@ -337,6 +338,9 @@ class ZeroStrategy(ParallelStrategy):
         common.save_sharded(path, self.lightning_module, self.optimizers[0] if with_optimizer else None, meta,
                             is_rank0=self.is_global_zero, barrier=self.barrier,
                             write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file))
+        if not self._hinted:
+            self._hinted = True
+            rank_zero_info(common.LOAD_HINT.format(path=path))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load into the sharded module (and, when fitting, the optimizer); return the rest for Lightning."""
@@ -347,7 +351,10 @@ class ZeroStrategy(ParallelStrategy):
         optimizer = self.optimizers[0] if fitting and self.optimizers else None
         if common.is_sharded_checkpoint(path):
             common.load_sharded(path, module, optimizer)
-            return self.checkpoint_io.load_checkpoint(path / common.META_FILE, weights_only=weights_only)
+            meta = self.checkpoint_io.load_checkpoint(path / common.META_FILE, weights_only=weights_only)
+            meta.pop(common.RECORD, None)
+            return meta
+        common.check_loadable_directory(path)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         opt_states = checkpoint.get("optimizer_states") or [None]
         common.load_full(checkpoint, module, optimizer, strict=module.strict_loading, optimizer_state=opt_states[0])
