@@ -41,6 +41,7 @@ import zero_plugin as zp
 from zero_plugin.meta_init import meta_parameters
 
 from . import _lightning_common as common
+from ._lightning_exit import release_groups_at_exit
 
 __all__ = ["ZeroFabricStrategy"]
 
@@ -137,8 +138,11 @@ class ZeroFabricStrategy(ParallelStrategy):
                                        or _get_default_process_group_backend_for_device(self.root_device))
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        creates_group = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               device_id=device_id)
+        if creates_group:   # [Note: gloo at interpreter exit] in _lightning_exit.py
+            release_groups_at_exit(self._timeout)
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
