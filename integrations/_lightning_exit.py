@@ -31,6 +31,7 @@ import gc
 import sys
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["release_groups_at_exit"]
@@ -63,7 +64,9 @@ def _exiting_on_error() -> bool:
 
 def _barrier(timeout: timedelta | None) -> None:
     try:
-        work = dist.barrier(async_op=True)
+        # NCCL needs the device, as Lightning's own barrier passes it (the root device is the current one).
+        device_ids = [torch.cuda.current_device()] if dist.get_backend() == "nccl" else None
+        work = dist.barrier(async_op=True, device_ids=device_ids)
         work.wait() if timeout is None else work.wait(timeout=timeout)
     except Exception:   # noqa: BLE001 - a peer that failed has gone; destroy anyway
         pass
