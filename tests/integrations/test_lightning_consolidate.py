@@ -102,3 +102,21 @@ def test_safetensors_export_accepts_the_lightning_directory(trained, tmp_path):
     assert "net.lm_head.weight" not in weights   # tied: stored under its first name only
     for name, value in weights.items():
         assert torch.equal(value, run["state"][name]), name
+
+
+def test_fabric_directory_consolidates_under_its_own_keys(tmp_path):
+    """A ZeroFabricStrategy directory becomes Fabric's full format: the module and optimizer state under the
+    keys passed to fabric.save, the other entries as saved."""
+    from tests.integrations import lightning_workers as lw
+
+    save = tmp_path / "fabric.ckpt"
+    run = run_ranks(2, lw.fabric_worker, "llama", "zero3", save=str(save))[0]
+    assert save.is_dir()
+    _consolidate(save, tmp_path / "one.ckpt")
+    saved = torch.load(tmp_path / "one.ckpt", weights_only=True)
+    assert saved["step"] == 3 and "zero_plugin" not in saved
+    net = lw.build_net("llama")
+    net.load_state_dict(saved["model"])   # strict, the tied lm_head name included
+    for name, value in run["mid"].items():   # fabric.save came right after the state "mid" was taken
+        assert torch.equal(net.state_dict()[name], value), name
+    assert saved["optimizer"]["state"] and len(saved["optimizer"]["param_groups"]) == 2
