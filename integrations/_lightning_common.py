@@ -14,7 +14,12 @@ A sharded checkpoint (the default) is a directory::
                        the same format as the Accelerate integration's checkpoints (``_common.py``)
     <path>/meta.pt     rank 0, written last (a directory without it is an interrupted save): everything
                        Lightning/Fabric saves except model and optimizer state (loops, callbacks,
-                       LR schedulers, user values), torch.save format
+                       LR schedulers, user values), torch.save format; plus the ``zero_plugin`` record
+                       (``zero_plugin/ckpt/lightning_file.py``: tied parameter names, Fabric's state keys)
+
+Lightning's own loaders (``LightningModule.load_from_checkpoint``, other strategies) open one file and
+raise ``IsADirectoryError`` before we run: ``zero-plugin consolidate <path> OUT.ckpt --format lightning``
+writes that file (:data:`LOAD_HINT`, logged at the first sharded save).
 
 A full checkpoint is one file in Lightning's usual format (full ``state_dict`` and the
 consolidated optimizer state), written by rank 0 and loadable without zero_plugin.
@@ -33,6 +38,7 @@ from torch import nn
 
 import zero_plugin as zp
 from zero_plugin import materialize
+from zero_plugin.ckpt import lightning_file
 from zero_plugin.meta_init import ModuleInitSource, check_initialisable, has_meta_buffers, safetensors_under
 from zero_plugin.engine import Engine, engine_of
 
@@ -44,7 +50,7 @@ __all__ = [
     "shard", "shard_for_inference", "rebind_optimizer", "zero_optimizer_of", "clip_grad_norm", "clip_grad_value",
     "full_parameters", "full_model_state", "full_optimizer_state", "uses_sharded_files", "is_sharded_checkpoint",
     "save_sharded", "load_sharded", "load_full", "move_to_device", "register_presets", "builds_on_meta",
-    "source_for",
+    "source_for", "check_loadable_directory", "LOAD_HINT", "RECORD",
 ]
 
 # One entry per registered strategy name; each value is a full ZeroConfig, nothing else varies.
@@ -65,8 +71,12 @@ _DESCRIPTIONS = {
 
 # Lightning precision flags whose plugin the strategies keep for dtypes/autocast (16-mixed: see check_precision).
 SUPPORTED_PRECISIONS = ("32-true", "64-true", "bf16-true", "16-true", "bf16-mixed")
-META_FILE = "meta.pt"
-SHARDS_DIR = "zero"
+META_FILE = lightning_file.META_FILE
+SHARDS_DIR = lightning_file.SHARDS_DIR
+RECORD = lightning_file.RECORD
+LOAD_HINT = ("zero_plugin: checkpoints are sharded directories ({path}). To load one without the ZeRO strategy "
+             "(LightningModule.load_from_checkpoint, fabric.load or another strategy), first write it as one "
+             "file: zero-plugin consolidate {path} OUT.ckpt --format lightning")
 _CHECKPOINT_MODES = ("sharded", "full")
 
 
@@ -308,8 +318,16 @@ def save_sharded(path: Path, module: nn.Module, optimizer: Any | None, meta: dic
     inner = None if optimizer is None else zero_optimizer_of(optimizer)
     zp.save_checkpoint(str(path / SHARDS_DIR), module, inner)
     if is_rank0:
-        write(meta, path / META_FILE)
+        record = {**meta.get(RECORD, {}), "aliases": lightning_file.tied_aliases(module)}
+        write({**meta, RECORD: record}, path / META_FILE)
     barrier()
+
+
+def check_loadable_directory(path: Path) -> None:
+    """A directory that is not a complete sharded checkpoint: say so, instead of torch.load's IsADirectoryError."""
+    if path.is_dir() and not is_sharded_checkpoint(path):
+        raise FileNotFoundError(f"zero_plugin: {path} is a directory without {META_FILE}: not a complete sharded "
+                                "checkpoint (an interrupted save, or a folder of another kind)")
 
 
 def load_sharded(path: Path, module: nn.Module, optimizer: Any | None) -> None:

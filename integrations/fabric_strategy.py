@@ -34,18 +34,19 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.fabric.utilities.types import ReduceOp, _Stateful
 
 import zero_plugin as zp
 from zero_plugin.meta_init import meta_parameters
 
 from . import _lightning_common as common
+from ._lightning_exit import release_groups_at_exit
 
 __all__ = ["ZeroFabricStrategy"]
 
 _SUPPORTED_PLUGINS = (Precision, DoublePrecision, HalfPrecision, MixedPrecision)
-_OWNER_KEY = "zero_plugin"   # in meta.pt: which state keys held the module and the optimizer
+_OWNER_KEY = common.RECORD   # in meta.pt: which state keys held the module and the optimizer (and tied names)
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
@@ -88,6 +89,7 @@ class ZeroFabricStrategy(ParallelStrategy):
         self._timeout = timeout
         self._backward_sync_control = _ZeroBackwardSyncControl()
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()   # set up here, for setup_optimizer
+        self._hinted = False   # common.LOAD_HINT logged
         self._num_nodes = 1
 
     @property
@@ -136,8 +138,11 @@ class ZeroFabricStrategy(ParallelStrategy):
                                        or _get_default_process_group_backend_for_device(self.root_device))
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        creates_group = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               device_id=device_id)
+        if creates_group:   # [Note: gloo at interpreter exit] in _lightning_exit.py
+            release_groups_at_exit(self._timeout)
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -249,11 +254,15 @@ class ZeroFabricStrategy(ParallelStrategy):
         meta[_OWNER_KEY] = {"module": module_key, "optimizer": opt_key}
         common.save_sharded(path, module, optimizer, meta, is_rank0=self.is_global_zero, barrier=self.barrier,
                             write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file))
+        if not self._hinted:
+            self._hinted = True
+            rank_zero_info(common.LOAD_HINT.format(path=path))
 
     def load_checkpoint(self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
                         strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(path)))
         if not common.is_sharded_checkpoint(path):
+            common.check_loadable_directory(path)
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if not isinstance(state, dict) or not state:
             raise ValueError("ZeroFabricStrategy: a sharded checkpoint loads into objects only; pass "

@@ -34,6 +34,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
@@ -43,12 +44,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import zero_plugin as zp
 from zero_plugin.meta_init import meta_parameters
 
 from . import _lightning_common as common
+from ._lightning_exit import release_groups_at_exit
 
 __all__ = ["ZeroStrategy", "ZeroPrecision", "ZeroSummary", "ZeroModelSummary", "ZeroRichModelSummary"]
 
@@ -148,6 +150,7 @@ class ZeroStrategy(ParallelStrategy):
         self._checkpoint = common.check_checkpoint_mode(checkpoint)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._hinted = False   # common.LOAD_HINT logged
         self.num_nodes = 1
 
     # -- precision: always our wrapper ------------------------------------------------------------
@@ -197,13 +200,19 @@ class ZeroStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        # As DDPStrategy.setup_distributed: back to seed_everything's seed, so that dropout masks and data made in
+        # train_dataloader() do not depend on what building the model drew (Fabric's DDP does not reset).
+        reset_seed()
         self.set_world_ranks()
         self._process_group_backend = (self._process_group_backend
                                        or _get_default_process_group_backend_for_device(self.root_device))
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        creates_group = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               device_id=device_id)
+        if creates_group:   # [Note: gloo at interpreter exit] in _lightning_exit.py
+            release_groups_at_exit(self._timeout)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -333,6 +342,9 @@ class ZeroStrategy(ParallelStrategy):
         common.save_sharded(path, self.lightning_module, self.optimizers[0] if with_optimizer else None, meta,
                             is_rank0=self.is_global_zero, barrier=self.barrier,
                             write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file))
+        if not self._hinted:
+            self._hinted = True
+            rank_zero_info(common.LOAD_HINT.format(path=path))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load into the sharded module (and, when fitting, the optimizer); return the rest for Lightning."""
@@ -343,7 +355,10 @@ class ZeroStrategy(ParallelStrategy):
         optimizer = self.optimizers[0] if fitting and self.optimizers else None
         if common.is_sharded_checkpoint(path):
             common.load_sharded(path, module, optimizer)
-            return self.checkpoint_io.load_checkpoint(path / common.META_FILE, weights_only=weights_only)
+            meta = self.checkpoint_io.load_checkpoint(path / common.META_FILE, weights_only=weights_only)
+            meta.pop(common.RECORD, None)
+            return meta
+        common.check_loadable_directory(path)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         opt_states = checkpoint.get("optimizer_states") or [None]
         common.load_full(checkpoint, module, optimizer, strict=module.strict_loading, optimizer_state=opt_states[0])

@@ -226,19 +226,25 @@ def _add_estimate(sub) -> None:
 
 
 def _add_consolidate(sub) -> None:
-    p = sub.add_parser("consolidate", help="a sharded zp.save_checkpoint folder to safetensors or a save_pretrained "
-                                           "folder (offline, one process, streaming)",
-                       description="Write a sharded checkpoint as standard files, one tensor at a time (see "
-                                   "zero_plugin/ckpt/consolidate.py). --format hf writes what save_pretrained "
-                                   "writes: config.json + weights, or for a PEFT model only the adapter "
-                                   "(adapter_model.safetensors + adapter_config.json).")
-    p.add_argument("checkpoint", help="folder written by zp.save_checkpoint")
-    p.add_argument("out", help="new folder to create (must not exist, or be empty)")
-    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors")
+    p = sub.add_parser("consolidate", help="a sharded checkpoint to safetensors, a save_pretrained folder or one "
+                                           "Lightning .ckpt file (offline, one process)",
+                       description="Write a sharded checkpoint as standard files (see zero_plugin/ckpt/"
+                                   "consolidate.py). --format hf writes what save_pretrained writes: config.json + "
+                                   "weights, or for a PEFT model only the adapter (adapter_model.safetensors + "
+                                   "adapter_config.json). --format lightning turns a sharded Lightning/Fabric "
+                                   "checkpoint directory (ZeroStrategy's epoch=N.ckpt/) into the one file that "
+                                   "LightningModule.load_from_checkpoint and other strategies read.")
+    p.add_argument("checkpoint", help="folder written by zp.save_checkpoint, or a sharded Lightning checkpoint "
+                                      "directory")
+    p.add_argument("out", help="new folder to create (must not exist, or be empty); --format lightning: new file")
+    p.add_argument("--format", choices=["safetensors", "hf", "lightning"], default="safetensors")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating-point tensors")
     p.add_argument("--max-shard-size", type=_parse_bytes, default=None, metavar="SIZE",
                    help="largest output file, like 5GB (the default) or 500MiB")
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint's files")
+    p.add_argument("--no-weights-only", action="store_true",
+                   help="--format lightning: unpickle meta.pt with torch.load(weights_only=False), as "
+                        "load_from_checkpoint(weights_only=False) does (trusted checkpoints only)")
     p.set_defaults(run=_consolidate)
 
 
@@ -256,8 +262,8 @@ def _consolidate(args: argparse.Namespace) -> int:
         written = consolidate(args.checkpoint, args.out, format=args.format,
                               dtype=_torch_dtype(args.dtype),
                               max_shard_bytes=int(args.max_shard_size or DEFAULT_MAX_SHARD_BYTES),
-                              verify=not args.no_verify)
-    except (CheckpointError, OSError) as exc:
+                              verify=not args.no_verify, weights_only=not args.no_weights_only)
+    except (CheckpointError, ValueError, OSError) as exc:
         print(f"zero-plugin consolidate: error: {exc}", file=sys.stderr)
         return 2
     for path in written:

@@ -1,6 +1,6 @@
 """``zero-plugin consolidate``: a sharded checkpoint to standard files, offline, in one process.
 
-    zero-plugin consolidate CKPT OUT [--format safetensors|hf] [--dtype bf16] [--max-shard-size 5GB]
+    zero-plugin consolidate CKPT OUT [--format safetensors|hf|lightning] [--dtype bf16] [--max-shard-size 5GB]
 
 * ``safetensors``: every parameter and persistent buffer under its saved name, in safetensors files of
   at most ``--max-shard-size`` (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` plus
@@ -11,6 +11,10 @@
   ``adapter_config.json`` (further adapters in subfolders named after them, as PEFT does) -- the folder
   loads with ``PeftModel.from_pretrained``.  Both need what ``save_checkpoint`` recorded about the
   model (``export_info.py``).
+* ``lightning``: a sharded Lightning / Fabric checkpoint directory (``ZeroStrategy``'s ``epoch=0.ckpt/``) as
+  the one file Lightning writes, for ``LightningModule.load_from_checkpoint`` and other strategies
+  (``lightning_file.py``).  ``OUT`` is a file.  The other formats also accept such a directory (they
+  export its ``zero/`` part).
 
 [Note: streaming consolidation]
 Memory stays near the largest single tensor: each one is assembled from its pieces in the rank files
@@ -39,7 +43,7 @@ from .verify import read_checked_index
 
 __all__ = ["FORMATS", "consolidate"]
 
-FORMATS = ("safetensors", "hf")
+FORMATS = ("safetensors", "hf", "lightning")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9   # transformers' default max_shard_size ("5GB")
 _ST_METADATA = {"format": "pt"}       # transformers refuses safetensors weights without it
 
@@ -60,13 +64,22 @@ class _Tensor:
 
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, format: str = "safetensors",
                 dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                verify: bool = True) -> list[str]:
-    """Write ``checkpoint`` as standard files into the new folder ``out``; returns the files written."""
+                verify: bool = True, weights_only: bool = True) -> list[str]:
+    """Write ``checkpoint`` as standard files into the new folder ``out`` (``lightning``: the new file ``out``);
+    returns the files written.  ``weights_only``: how ``lightning`` unpickles ``meta.pt`` ([Note: Lightning
+    file memory] in ``lightning_file.py``)."""
     if format not in FORMATS:
         raise ValueError(f"consolidate: format must be one of {FORMATS}; got {format!r}")
     if max_shard_bytes < 1:
         raise ValueError(f"consolidate: max_shard_bytes must be positive; got {max_shard_bytes!r}")
-    checkpoint, out = os.path.abspath(os.fspath(checkpoint)), os.path.abspath(os.fspath(out))
+    if format == "lightning":
+        from .lightning_file import consolidate_lightning
+
+        if dtype is not None:
+            raise ValueError("consolidate --format lightning: --dtype is not supported (the optimizer state "
+                             "must keep the dtype of the weights it belongs to)")
+        return consolidate_lightning(checkpoint, out, verify=verify, weights_only=weights_only)
+    checkpoint, out = _zero_part(os.path.abspath(os.fspath(checkpoint))), os.path.abspath(os.fspath(out))
     index = read_checked_index(checkpoint, verify=verify)
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         raise CheckpointError(f"consolidate: {out} already exists and is not an empty folder; choose a new one")
@@ -84,6 +97,13 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, format
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return [os.path.join(out, name) for name in written]
+
+
+def _zero_part(checkpoint: str) -> str:
+    """A sharded Lightning checkpoint directory holds its zp.save_checkpoint folder under ``zero/``."""
+    from .lightning_file import SHARDS_DIR, is_lightning_checkpoint
+
+    return os.path.join(checkpoint, SHARDS_DIR) if is_lightning_checkpoint(checkpoint) else checkpoint
 
 
 def _checked_export(export: Any, checkpoint: str) -> dict:
@@ -211,11 +231,15 @@ def full_tensor(reader: Reader, index: dict, source: str) -> torch.Tensor:
                                   f"{entry['shape']}")
         return value
     entry = index["params"][name]
-    stored = fmt.dtype_from_name(entry["dtype"])
-    flat = torch.empty(math.prod(entry["shape"]), dtype=stored)
-    for i, lo, hi in entry["shards"]:
-        flat[lo:hi] = reader.slice(i, source, hi - lo, stored)[:]
-    return flat.view(entry["shape"])
+    return assemble(reader, source, entry["shards"], fmt.dtype_from_name(entry["dtype"]), entry["shape"])
+
+
+def assemble(reader: Reader, key: str, shards: list, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """The full tensor ``key`` from its pieces ``[rank file, lo, hi)`` of the flattened whole."""
+    flat = torch.empty(math.prod(shape), dtype=dtype)
+    for i, lo, hi in shards:
+        flat[lo:hi] = reader.slice(i, key, hi - lo, dtype)[:]
+    return flat.view(shape)
 
 
 def _write_json(path: str, obj: Any) -> None:
