@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import pickle
 import random
 import shutil
@@ -397,15 +398,19 @@ def _train_llama(model, config: zp.ZeroConfig):
 def peft_adapter(directory: str) -> dict:
     from peft import PeftModel
 
-    model, opt, data = _train_llama(models.make_tiny_llama_lora(layers=2), zp.ZeroConfig(stage=3))
+    # A short timeout: recording the export metadata on rank 0 alone must not be a collective state_dict() call.
+    model, opt, data = _train_llama(models.make_tiny_llama_lora(layers=2), zp.ZeroConfig(stage=3, timeout_s=20))
     rank, _ = _rank_world()
     save_peft_adapter(model, directory)
-    save_checkpoint(directory + "-ckpt", model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_checkpoint(directory + "-ckpt", model, opt)
+    save_warnings = [str(x.message) for x in caught if "zp.save_checkpoint" in str(x.message)]
     ids = data[0]["input_ids"]
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     if rank != 0:
-        return {}
+        return {"save_warnings": save_warnings}
     from safetensors.torch import load_file
     saved = load_file(os.path.join(directory, "adapter_model.safetensors"))
     base = models.make_tiny_llama(layers=2)
@@ -413,7 +418,7 @@ def peft_adapter(directory: str) -> dict:
         base_logits = base(input_ids=ids).logits
         ref = PeftModel.from_pretrained(base, directory)(input_ids=ids).logits
     return {"keys": sorted(saved), "max_diff": float((ref - logits).abs().max()), "equal": torch.equal(ref, logits),
-            "adapter_effect": float((ref - base_logits).abs().max())}
+            "adapter_effect": float((ref - base_logits).abs().max()), "save_warnings": save_warnings}
 
 
 # -- offline export (zero-plugin consolidate) -----------------------------------------------------------------

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..state_dict import raw_state_dict
+
 __all__ = ["describe_model"]
 
 
@@ -30,7 +32,8 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
     """The ``export`` record; a model this cannot describe still saves (with a warning): only
     ``consolidate --format hf`` needs the record."""
     try:
-        return _describe(model)
+        with raw_state_dict(model):   # built on rank 0 alone: no collective state_dict() ([Note: stage-3 state dicts])
+            return _describe(model)
     except Exception as exc:   # noqa: BLE001 - a checkpoint must not fail over export metadata
         warnings.warn(f"zp.save_checkpoint: could not record the model's transformers/PEFT configuration "
                       f"({type(exc).__name__}: {exc}); `zero-plugin consolidate --format hf` will not be able "
