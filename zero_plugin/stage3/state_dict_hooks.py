@@ -99,6 +99,7 @@ class StateDictHooks:
         self._masters: dict[int, torch.Tensor] = {}   # separate fp32 masters, taken at the start of each call
         # id(module) of the modules with a sharded parameter at or below them
         self._covers = {id(m) for m in engine.model.modules() if any(id(p) in engine.sharded for p in m.parameters())}
+        self._keys_only = _peft_modules_to_save(engine.model)
         self._handles: list = []
 
     def register(self) -> None:
@@ -221,6 +222,8 @@ class StateDictHooks:
         if not call.stack:
             if id(module) not in self._covers:
                 return False
+            if call is self._save and id(module) in self._keys_only:
+                return False   # PEFT reads only the keys here, on the main process alone: _peft_modules_to_save
             self._agree(call)
             self._masters = {id(s.param): s.master for s in self.engine.slots if not s.is_identity}
         call.stack.append(module)
@@ -269,3 +272,19 @@ _FIX = ("call it on every rank at the same point, e.g. outside `if is_main_proce
         "..., is_main_process=...) is called on every rank and writes on the main one; set ZeroConfig("
         "state_dict_rank0_only=True) to keep the gathered result on rank 0 only, or use zp.full_state_dict("
         "model) (also on every rank).")
+
+
+def _peft_modules_to_save(model: nn.Module) -> set[int]:
+    """``id`` of the modules under PEFT's ``ModulesToSaveWrapper.modules_to_save`` copies.  PEFT's
+    ``get_peft_model_state_dict`` (so ``save_pretrained(..., state_dict=...)``, typically on the main process
+    only, after ``accelerator.get_state_dict``) calls ``modules_to_save[adapter].state_dict()`` for its *keys*
+    alone, and takes the values from the state dict it was given or from the whole model's.  A collective
+    gather there would wait for peers that never call it; torch's own state dict (this rank's shards) has the
+    same keys.  A direct call on such a copy returns shards (documented limit)."""
+    out: set[int] = set()
+    for module in model.modules():
+        if type(module).__name__ == "ModulesToSaveWrapper":
+            copies = getattr(module, "modules_to_save", None)
+            if isinstance(copies, nn.Module):
+                out.update(id(m) for m in copies.modules() if m is not copies)
+    return out
