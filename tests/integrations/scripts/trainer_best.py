@@ -9,25 +9,11 @@ import argparse
 import json
 import os
 
-import torch
-from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, set_seed
 
+from trainer_lora import Sequences   # this folder is the script's sys.path[0]
+
 SCORES = {1: 0.3, 2: 0.9, 3: 0.5, 4: 0.7}   # step -> eval_score; greater is better, so step 2 wins
-
-
-class Sequences(Dataset):
-    def __init__(self, rows, seed, length=16, vocab=128):
-        g = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, vocab, (rows, 1), generator=g)
-        stride = torch.randint(1, 4, (rows, 1), generator=g)
-        self.ids = (start + stride * torch.arange(length)) % vocab
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def build_model():
