@@ -33,6 +33,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	DS_BUILD_OPS=0 $(VPY) -m pip install -q --no-build-isolation deepspeed==0.19.8
 	$(VPY) -m pip install -q -e '.[bench]'
+	$(VPY) -m benchmarks.compare --size blocks34m --world-size 2
 	$(VPY) -m benchmarks.compare --size small --world-size 2
 
 clean:

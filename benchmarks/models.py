@@ -24,6 +24,8 @@ SIZES = {
     "blocks34m": ModelSize(hidden=512, layers=8, intermediate=1376, vocab=8192, heads=8),  # ~34M
     "35m": ModelSize(hidden=384, layers=6, intermediate=1024, vocab=32000, heads=6),       # ~35M
     "small": ModelSize(hidden=512, layers=8, intermediate=1376, vocab=32000, heads=8),     # ~58M
+    "blocks117m": ModelSize(hidden=768, layers=13, intermediate=2048, vocab=16384, heads=12),  # ~117M, blocks ~79%
+    "370m": ModelSize(hidden=1024, layers=24, intermediate=2816, vocab=32000, heads=16),      # ~374M, blocks ~82%
     "medium": ModelSize(hidden=768, layers=10, intermediate=2048, vocab=32000, heads=12),  # ~120M
 }
 

@@ -162,7 +162,9 @@ def markdown(rows: dict, skipped: dict, header: dict) -> str:
 _DEFINITIONS = [
     "- step: median over all timed steps of all rounds of the slowest rank's forward + backward + "
     "optimizer.step + zero_grad (DeepSpeed: `engine.backward`, `engine.step`, which also zeroes the gradients); "
-    "×DDP divides by DDP's median from the same run. best step: the fastest such "
+    "×DDP divides by the median of `ddp` from the same run: torch DDP as a careful user configures it "
+    "(`gradient_as_bucket_view=True`, `broadcast_buffers=False`); `ddp_default` is torch DDP with its defaults "
+    "(what `accelerate launch` gives), shown as a second row. best step: the fastest such "
     "step, each variant's own (other jobs only slow steps down, but one lucky quiet step skews it). "
     "CPU s / step: the same "
     "median of the process CPU time (all threads, `time.process_time`), which other jobs on the machine "
