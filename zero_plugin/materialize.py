@@ -27,6 +27,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import tensor_file
+
 __all__ = ["ParamSource", "empty_model", "from_safetensors", "from_init_fn", "pretrained_on_meta", "as_source",
            "record_source", "recorded_source"]
 
@@ -52,27 +54,22 @@ class _SafetensorsSource(ParamSource):
     def __init__(self, path: str | os.PathLike | list[Path],
                  prefix_map: Callable[[str], list[str]] | None = None) -> None:
         self.files = list(path) if isinstance(path, list) else _safetensors_files(Path(path))
-        self.where: dict[str, Path] = {}
-        from safetensors import safe_open
+        self.where: dict[str, tensor_file.TensorEntry] = {}
         for f in self.files:
-            with safe_open(str(f), framework="pt") as handle:
-                for key in handle.keys():
-                    self.where[key] = f
+            self.where.update(tensor_file.header(Path(f)))
         self.prefix_map = prefix_map or _candidate_keys
 
     def fill(self, owners) -> None:
-        from safetensors import safe_open
         for _, _, name, full in owners:
             key = next((k for k in self.prefix_map(name) if k in self.where), None)
             if key is None:
                 raise KeyError(f"zero_plugin: parameter {name!r} is not in {[str(f) for f in self.files]}; "
                                "the checkpoint does not match the model")
-            with safe_open(str(self.where[key]), framework="pt") as handle:
-                value = handle.get_tensor(key)
-            if tuple(value.shape) != tuple(full.shape):
-                raise ValueError(f"zero_plugin: {key!r} in {self.where[key]} has shape {tuple(value.shape)}, "
+            entry = self.where[key]
+            if entry.shape != tuple(full.shape):
+                raise ValueError(f"zero_plugin: {key!r} in {entry.path} has shape {entry.shape}, "
                                  f"the model expects {tuple(full.shape)}")
-            full.copy_(value)
+            tensor_file.read_into(entry, full)   # [Note: reading without a second copy]
 
 
 class _InitFnSource(ParamSource):
