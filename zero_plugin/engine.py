@@ -184,9 +184,10 @@ class Engine:
         raise NotImplementedError
 
     def remove(self) -> None:
-        guard = getattr(self, "frozen_guard", None)
-        if guard is not None:
-            guard.remove()
+        for attr in ("frozen_guard", "input_cast_handle"):   # set by zp.setup where the config asks for them
+            handle = getattr(self, attr, None)
+            if handle is not None:
+                handle.remove()
         unregister_engine(self.model)
 
 

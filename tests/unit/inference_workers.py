@@ -124,3 +124,28 @@ def evaluation_then_training(kind: str, steps: int) -> dict:
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return {"losses": losses, "state": zp.full_state_dict(model)}
+
+
+def _hook_count(model) -> int:
+    """Module hooks of every kind on every submodule, and autograd hooks on the parameters."""
+    count = _param_hooks(model)
+    for m in model.modules():
+        for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks,
+                  m._state_dict_hooks, m._state_dict_pre_hooks, m._load_state_dict_pre_hooks,
+                  m._load_state_dict_post_hooks):
+            count += len(d)
+    return count
+
+
+def release_removes_every_hook(stage: int, train: bool) -> dict:
+    """``zp.integrations._common.release`` (the engine's ``remove``) leaves no hook of zp.setup behind,
+    the input-casting hook of ``param_dtype`` included."""
+    from zero_plugin.integrations import _common
+
+    model = models.make_odd_mlp(dtype=torch.float32)
+    before = _hook_count(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if train else None
+    zp.setup(model, opt, zp.ZeroConfig(stage=stage, param_dtype="bf16"))
+    during = _hook_count(model)
+    _common.release(model)
+    return {"before": before, "during": during, "after": _hook_count(model)}

@@ -65,3 +65,10 @@ def test_evaluation_only_model_can_be_set_up_for_training_later(kind):
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-10)
     mean = [sum(r["losses"][i] for r in results) / 2 for i in range(steps)]
     assert mean == pytest.approx(losses, rel=1e-6)   # the mean of two half-batch means (the loss is float32)
+
+
+@pytest.mark.parametrize("stage,train", [(0, True), (1, True), (2, True), (3, True), (3, False)])
+def test_release_removes_every_hook_setup_registered(stage, train):
+    for r in run_ranks(2, w.release_removes_every_hook, stage, train):
+        assert r["during"] > r["before"]
+        assert r["after"] == r["before"], r

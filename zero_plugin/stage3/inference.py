@@ -98,7 +98,4 @@ class InferenceEngine(Stage3Engine):
             sp.param.data = full[id(sp)]
 
     def remove(self) -> None:
-        handle = getattr(self, "input_cast_handle", None)
-        if handle is not None:
-            handle.remove()
         super().remove()
