@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test lint demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -19,6 +19,11 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q tests
+
+# ruff's configuration is in pyproject.toml ([tool.ruff]).  Both checks always run and the target fails if
+# either does; the format check names the files (`ruff format --diff` shows the changes).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .; lint=$$?; $(VENV)/bin/ruff format --check --output-format concise . && exit $$lint
 
 # LoRA fine-tune of a small Llama-shaped model under ZeRO-3 on 2 CPU processes (examples/lora_finetune_accelerate.py):
 # loss, tokens/s and memory per rank while it trains; answers before/after; memory and comm per rank; the

@@ -59,7 +59,7 @@ def engine_fingerprint() -> str:
     root = Path(__file__).resolve().parent.parent / "zero_plugin"
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
-        if path.name not in ("planner.py", "planner_replay.py", "planner_trace.py", "cli.py"):
+        if path.relative_to(root).parts[0] != "planner" and path.name != "cli.py":
             digest.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
     return digest.hexdigest()[:12]
 
@@ -322,7 +322,7 @@ Two allocator modes ([Note: allocator modes] in the script):
   its own mapping, returned to the kernel when freed, and MKL keeps no gemm buffer cache, so RSS follows
   the bytes of live tensors. This checks the planner's accounting; the 10% bar applies here.
 - **default**: glibc and MKL as a user gets them, compared with `rss_glibc` = the live peak plus the
-  documented slack term (one activation peak, [Note: glibc slack] in `zero_plugin/planner.py`)."""
+  documented slack term (one activation peak, [Note: glibc slack] in `zero_plugin/planner/plan.py`)."""
 
 _FINDINGS = """\
 ## What the measurements taught the planner
@@ -362,7 +362,7 @@ def _stage_name(job: dict) -> str:
 
 def _table(allocator: str, rows: list[dict]) -> list[str]:
     """One allocator's runs.  exact: against ``peak.total``; default: against ``rss_glibc`` (the live
-    peak plus the documented slack term, see [Note: glibc slack] in zero_plugin/planner.py)."""
+    peak plus the documented slack term, see [Note: glibc slack] in zero_plugin/planner/plan.py)."""
     key = "rss_glibc" if allocator == "default" else "total"
     head = "predicted + slack MiB" if allocator == "default" else "predicted MiB"
     lines = [f"Compared with `{key}`.", "",

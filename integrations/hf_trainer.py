@@ -100,8 +100,8 @@ def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
     model = _set_up_model(self)
     if model is None:
         return _ORIGINALS["_save_optimizer_and_scheduler"](self, output_dir)
-    # Weights are in output_dir already (save_model); the sharded format stores them anyway.
-    _common.save_sharded(os.path.join(output_dir, CHECKPOINT_SUBDIR), model, self.optimizer, include_model=False)
+    # The sharded folder holds the weights too, beside save_model's files: _load_best_model reads them there.
+    _common.save_sharded(os.path.join(output_dir, CHECKPOINT_SUBDIR), model, self.optimizer)
     if self.args.should_save:
         from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 

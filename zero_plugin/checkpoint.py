@@ -7,11 +7,14 @@ Both are collective.  Every rank writes only its own region of each flattened
 parameter and of its optimizer state (safetensors), rank 0 adds buffers, scalars,
 ``extra`` and a JSON index, and the directory appears at ``path`` atomically once
 a ``COMPLETE`` manifest (sizes and sha256 of every file) is written.  Loading
-verifies the manifest, checks the index against the model and optimizer, reads
-only the slices this rank needs into temporaries and copies them in last; any
-error leaves the model and optimizer untouched.  Nothing is unpickled.  The
-layout is described in [Note: checkpoint layout] (``ckpt/format.py``) and
-[Note: checkpoint regions] (``ckpt/regions.py``).
+verifies the manifest, checks the index against the model and optimizer and
+every stored piece's header before it changes anything, so what those checks
+find leaves the model and optimizer untouched; it then reads only the slices
+this rank needs straight into the parameters, masters and optimizer state
+([Note: loading in place] in ``ckpt/load.py``: no second copy of the model
+state, and an I/O error part-way through that last phase leaves a partial
+load).  Nothing is unpickled.  The layout is described in [Note: checkpoint
+layout] (``ckpt/format.py``) and [Note: checkpoint regions] (``ckpt/regions.py``).
 
 All ranks must see the same ``path`` (a shared or node-local filesystem when
 every rank runs on one node).

@@ -105,7 +105,7 @@ def _table(rows: list[dict]) -> list[str]:
         slack = rows[0]["activations"]["peak"]
         lines.append(f"cpu: device and host are one memory (per rank: device + host); glibc's default malloc keeps "
                      f"freed blocks: expect about {slack / scale:.2f} {name} (one activation peak) more RSS, or run "
-                     "with MALLOC_MMAP_THRESHOLD_=131072 (see zero_plugin/planner.py, [Note: glibc slack])")
+                     "with MALLOC_MMAP_THRESHOLD_=131072 (see zero_plugin/planner/plan.py, [Note: glibc slack])")
     return lines
 
 

@@ -1,4 +1,6 @@
-"""``ZeroConfig``: the one frozen, validated configuration; the only place that reads the environment.
+"""``ZeroConfig``: the one frozen, validated configuration; ``ZeroConfig.from_env`` reads its ``ZERO_PLUGIN_*``
+variables.  The engine reads no other environment variable except one test switch,
+``ZERO_PLUGIN_BUFFERED_COLLECTIVES`` (``collectives.regions_in_place``: the NCCL layout on gloo).
 
 Values are normalised on construction (dtype names -> ``torch.dtype``, lists -> tuples) so that equal
 settings compare, hash and fingerprint equally on every rank, however they were written.
@@ -143,7 +145,9 @@ class ZeroConfig:
     prefetch_depth: int = 1
     """Stage 3: units all-gathered ahead of the one running; 0..8 units. Default 1."""
     persistence_threshold: int = 0
-    """Stage 3: parameters with numel <= this (elements) stay replicated, not sharded; >= 0. Default 0."""
+    """Stage 3: parameters with numel <= this (elements) join the root unit: still sharded, but gathered once per
+    step with the root instead of with their block ([Note: persistent parameters] in stage3/policy.py); >= 0.
+    Default 0."""
     reshard_after_forward: bool = True
     """Stage 3: free a unit's gathered params after forward; False keeps them until backward,
     trading memory for one less all-gather. Default True."""

@@ -21,8 +21,8 @@ from .optim.offload import synchronize_copies
 
 __all__ = ["Engine", "engine_of", "register_engine"]
 
-# [Note: engine registry] The engine lives in the model's __dict__ (not in a global map whose values
-# would keep every model alive): model -> engine -> model is a plain cycle the GC collects.
+# The engine lives in the model's __dict__ (not in a global map whose values would keep every model
+# alive): model -> engine -> model is a plain cycle the GC collects.
 _ATTR = "_zero_plugin_engine"
 
 

@@ -5,7 +5,7 @@
 
 The model is the one the script's own arguments name (``--model`` / ``--model_name_or_path``): a local
 folder or config file, or a Hub id already in the local Hugging Face cache.  Only its config is read
-(``local_files_only``: no network), the model is built on the meta device (``planner_trace``), and no
+(``local_files_only``: no network), the model is built on the meta device (``planner/trace.py``), and no
 weight is loaded.  The stage, offload and precision are the ``ZeroConfig`` the children will read
 (``ZERO_PLUGIN_*``), the world size is Accelerate's ``--num_processes``.  When the script passes
 ``--batch_size`` / ``--per_device_train_batch_size`` and ``--max_length`` / ``--block_size`` /
@@ -116,8 +116,7 @@ def plan_launch(model_config: Any, zero_config: ZeroConfig, world_size: int, mac
     Returns ``{"setting", "device", "full", "frozen"}``: the launched (stage, offload, offload_params), the
     planned device, and one fit result per row (``frozen`` is None when the model has no 1-D parameter).
     """
-    from .planner import SETTINGS, Planner
-    from .planner_trace import resolve_model
+    from .planner import SETTINGS, Planner, resolve_model
 
     device = "cpu" if machine.gpu_bytes is None else "cuda"
     setting = (zero_config.stage, zero_config.offload, zero_config.offload_params)

@@ -1,7 +1,6 @@
 """Accelerate / HF Trainer integration in one process, no launcher: ``accelerator.prepare()`` rules,
 ``ZeroPlugin`` configuration, the Trainer's refusals of unsupported features, and
-``integrations/_common.py`` checkpoints round-tripping across stages in both formats (2 ranks of the worker
-pool).  The end-to-end launches are in ``test_accelerate.py``.
+``integrations/_common.py`` checkpoints round-tripping across stages (2 ranks of the worker pool).  The end-to-end launches are in ``test_accelerate.py``.
 """
 from __future__ import annotations
 
@@ -118,62 +117,47 @@ def test_trainer_load_best_model_at_end_needs_the_sharded_folder():
         _check_supported(args)
 
 
-# -- integrations/_common.py checkpoints, both formats, resharding across stages ------------------
-def _checkpoint_roundtrip(path: str, save_stage: int, load_stage: int, fmt: str) -> float:
+# -- integrations/_common.py checkpoints, resharding across stages --------------------------------------------
+def _checkpoint_roundtrip(path: str, save_stage: int, load_stage: int) -> float:
     """Train 2 steps at save_stage, save_sharded, load into a fresh model at load_stage; both step once more."""
     import zero_plugin as zp
-    import zero_plugin.checkpoint as ckpt
     from zero_plugin.integrations import _common
 
-    saved = {name: getattr(zp, name) for name in ("save_checkpoint", "load_checkpoint") if hasattr(zp, name)}
-    for name in ("save_checkpoint", "load_checkpoint"):
-        if fmt == "sharded":
-            setattr(zp, name, getattr(ckpt, name))
-        elif hasattr(zp, name):
-            delattr(zp, name)
-    try:
-        rank = torch.distributed.get_rank()
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    data = [torch.randn(4, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * s + rank))
+            for s in range(3)]
+
+    def build(stage):
         torch.manual_seed(0)
-        data = [torch.randn(4, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * s + rank))
-                for s in range(3)]
+        model = torch.nn.Sequential(torch.nn.Linear(7, 15), torch.nn.Tanh(), torch.nn.Linear(15, 3)).double()
+        return zp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2), zp.ZeroConfig(stage=stage))
 
-        def build(stage):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(7, 15), torch.nn.Tanh(), torch.nn.Linear(15, 3)).double()
-            return zp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2), zp.ZeroConfig(stage=stage))
+    def step(model, optimizer, x):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
 
-        def step(model, optimizer, x):
-            model(x).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        model, optimizer = build(save_stage)
-        for x in data[:2]:
-            step(model, optimizer, x)
-        _common.save_sharded(path, model, optimizer)
-        other, other_opt = build(load_stage)
-        _common.load_sharded(path, other, other_opt)
-        step(model, optimizer, data[2])
-        step(other, other_opt, data[2])
-        a, b = zp.full_state_dict(model, rank0_only=False), zp.full_state_dict(other, rank0_only=False)
-        return max(float((a[k] - b[k]).abs().max()) for k in a)
-    finally:
-        for name in ("save_checkpoint", "load_checkpoint"):
-            if name in saved:
-                setattr(zp, name, saved[name])
-            elif hasattr(zp, name):
-                delattr(zp, name)
+    model, optimizer = build(save_stage)
+    for x in data[:2]:
+        step(model, optimizer, x)
+    _common.save_sharded(path, model, optimizer)
+    other, other_opt = build(load_stage)
+    _common.load_sharded(path, other, other_opt)
+    step(model, optimizer, data[2])
+    step(other, other_opt, data[2])
+    a, b = zp.full_state_dict(model, rank0_only=False), zp.full_state_dict(other, rank0_only=False)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("fmt,save_stage,load_stage", [("full", 1, 3), ("sharded", 3, 0)])
-def test_common_checkpoint_roundtrip_reshards(tmp_path, fmt, save_stage, load_stage):
-    if fmt == "sharded":
-        pytest.importorskip("zero_plugin.checkpoint")
+@pytest.mark.parametrize("save_stage,load_stage", [(1, 3), (3, 0)])
+def test_common_checkpoint_roundtrip_reshards(tmp_path, save_stage, load_stage):
     path = str(tmp_path / "ckpt")
-    errors = run_ranks(2, _checkpoint_roundtrip, path, save_stage, load_stage, fmt)
+    errors = run_ranks(2, _checkpoint_roundtrip, path, save_stage, load_stage)
     assert max(errors) < 1e-10, errors
-    marker = os.path.exists(os.path.join(path, "zero_plugin_full.json"))
-    assert marker == (fmt == "full")
+    from zero_plugin.ckpt.format import COMPLETE
+
+    assert os.path.isfile(os.path.join(path, COMPLETE))   # zp.save_checkpoint's sharded folder
 
 
 def test_stage3_evaluation_mode_shards_then_prepare_with_optimizer_trains():

@@ -103,7 +103,7 @@ def _discard_pool(world_size: int) -> None:
         pool.close(force=True)
 
 
-# Stage 0 all-reduces a flat bucket in either layout (planner_replay.py), so it runs once.
+# Stage 0 all-reduces a flat bucket in either layout (zero_plugin/planner/replay.py), so it runs once.
 STAGE_LAYOUTS = [(0, "in_place")] + [(stage, layout) for stage in STAGES[1:] for layout in LAYOUTS]
 BUCKETED = [(s, lay) for s, lay in STAGE_LAYOUTS if s < 3]
 

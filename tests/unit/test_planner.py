@@ -1,4 +1,4 @@
-"""Memory planner (zero_plugin/planner.py) and ``zero-plugin estimate``.
+"""Memory planner (zero_plugin/planner/) and ``zero-plugin estimate``.
 
 Model states must equal ``zp.memory_report``'s theory exactly; the activation trace is checked against a
 real CPU forward (saved tensors) and torch's allocation timeline; the whole prediction against the peak
@@ -198,6 +198,18 @@ def test_stage3_transient_counts_root_and_prefetched_blocks():
     root = sum(p.numel for p in plan.params if p.unit == 0) * 4
     assert r["at_peak"]["transient"]["gathered"] >= root
     assert r["peak"]["total"] >= r["model_states"]["params"] + r["model_states"]["optimizer"]
+
+
+def test_prefetch_span_is_the_runtimes_in_both_directions():
+    """``prefetch_span`` (stage3/hooks.py), called by the runtime and by the planner's replay: the next ``depth``
+    units of the order, none past its end, none for depth 0 or a unit outside it; backward passes the reverse."""
+    from zero_plugin.stage3.hooks import prefetch_span
+
+    order = [3, 1, 4, 2]
+    assert prefetch_span(order, 1, 2) == [4, 2]
+    assert prefetch_span(order, 2, 2) == []
+    assert prefetch_span(order[::-1], 4, 2) == [1, 3]
+    assert prefetch_span(order, 1, 0) == [] and prefetch_span(order, 9, 1) == []
 
 
 def test_any_module_with_inputs_and_units_from_no_split_modules():

@@ -25,7 +25,7 @@ Bitwise the same as the whole-tensor path: the kernel is elementwise, and every 
 multiple of ``ALIGN`` elements of its own tensor, so the kernel's vectorised body and scalar tail
 cover the same elements as in one call over the whole tensor (pieces cut at other offsets round
 differently in the last bit).  Several small tensors share a block; one kernel call steps a block.
-Measured on the CPU in ``benchmarks/offload_step.py``.
+Measured on the CPU by ``benchmarks/offload_step.py``: ``benchmarks/results/offload_step.md``.
 
 Used when :func:`~zero_plugin.optim.cpu_step.covered` allows a direct fused step (exact Adam/AdamW,
 nothing hooked into ``step``) and some master is a separate copy on the host; otherwise the step takes
@@ -46,7 +46,7 @@ __all__ = ["BlockedStep", "BLOCK", "ALIGN", "SINGLE_BLOCK", "block_elements"]
 BLOCK = 1 << 18   # elements per block: 1 MiB of fp32 gradient scratch, ~5 MiB touched per block
 # Separate masters of at most this many blocks in all are stepped as one block: all of it stays in cache
 # anyway, and each extra block costs a kernel launch over fewer elements (torch's fused kernel splits
-# 256K elements over two threads less evenly than 1M; measured 0.83x vs 0.97x DeepSpeed's at 1M).
+# 256K elements over two threads less evenly than 1M; measured in benchmarks/results/design_figures.md).
 SINGLE_BLOCK = 4
 ALIGN = 64        # pieces start at multiples of this many elements of their tensor (a multiple of any vector width)
 

@@ -327,7 +327,7 @@ def _keep_saved_values(params: list[nn.Parameter]):
 
 
 def _mark_for_synced_generate(model: nn.Module, comm: Comm) -> None:
-    """[Note: synced generate] Every stage-3 forward is collective, so a rank that finished generating
+    """Every stage-3 forward is collective, so a rank that finished generating
     must keep running forwards until all have.  transformers' ``generate`` does that (``synced_gpus``)
     for modules carrying ``_is_fsdp_managed_module``; we set it on the model's transformers modules."""
     if comm.world_size == 1:

@@ -35,9 +35,18 @@ from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .unit import BackwardState, Unit
 
-__all__ = ["Stage3Runtime"]
+__all__ = ["Stage3Runtime", "prefetch_span"]
 
 _MAX_INFLIGHT_REDUCES = 2
+
+
+def prefetch_span(order: list, unit, depth: int) -> list:
+    """The units gathered ahead when ``unit`` is entered: the ``depth`` after it in ``order`` (the memory
+    planner replays the same span)."""
+    if not depth or unit not in order:
+        return []
+    i = order.index(unit)
+    return order[i + 1: i + 1 + depth]
 
 
 def _in_backward() -> bool:
@@ -309,9 +318,6 @@ class Stage3Runtime:
         """The next units in the forward order, or in backward in the agreed backward list ([Note: backward
         gather order])."""
         order = self.forward_order if direction > 0 else self._backward_order
-        if not self.prefetch_depth or unit not in order:
-            return
-        i = order.index(unit)
-        for nxt in order[i + 1: i + 1 + self.prefetch_depth]:
+        for nxt in prefetch_span(order, unit, self.prefetch_depth):
             if nxt.state is ShardedState.SHARDED and not nxt.gathering:
                 nxt.unshard(async_op=True, checked=False)   # [Note: collective order]

@@ -4,6 +4,12 @@ Models come from ``resolve_model``: an ``nn.Module``, a transformers config, a b
 (``BUILTIN_MODELS``), a config file/folder or Hub id (built on the meta device), or a bare parameter
 count (``synthetic_trace``: equal blocks, no activations).
 
+The timeline is a list of events: ``("seg", peak, end)`` summarises the activation bytes between two
+structural events (their maximum and final value); the others mark where the engine acts:
+``("fwd_pre"|"fwd_post"|"bwd_pre"|"bwd_post", unit, in_backward)``, ``("grad", param_index)``,
+``("backward",)`` and ``("end",)``.  The trace does not depend on the stage or world size, so one trace
+serves every row of a plan.
+
 [Note: fake trace]
 The model runs once under ``FakeTensorMode`` (shapes and dtypes, no data, no memory), with a
 ``TorchDispatchMode`` above it that sees every op's outputs.  Each output's storage is counted once
@@ -13,11 +19,12 @@ live exactly as long as their ``TensorImpl`` (autograd's saved variables include
 counted.  When a parameter's gradient is accumulated its bytes leave the activation count: what
 happens to them (kept, bucketed, reduce-scattered) depends on the stage, which the planner replays.
 
-The timeline is a list of events: ``("seg", peak, end)`` summarises the activation bytes between two
-structural events (their maximum and final value); the others mark where the engine acts:
-``("fwd_pre"|"fwd_post"|"bwd_pre"|"bwd_post", unit, in_backward)``, ``("grad", param_index)``,
-``("backward",)`` and ``("end",)``.  The trace does not depend on the stage or world size, so one trace
-serves every row of a plan.
+[Note: eager masks]
+transformers takes fake tensors for compiler tracing and then skips its data-dependent shortcuts: it
+builds an explicit causal mask, and with a mask SDPA repeats grouped key/value heads, none of which an
+eager training step does.  During the trace fake tensors count as eager, and their boolean data checks
+(``mask.all()``) answer True: no padding, no packed sequences, as in the random-token batch being
+planned (``_eager_masks`` and ``_LiveBytes.__torch_dispatch__``).
 """
 from __future__ import annotations
 
@@ -220,11 +227,7 @@ def _fake_parameters(model: nn.Module, mode, param_dtype: torch.dtype | None) ->
 
 @contextlib.contextmanager
 def _eager_masks():
-    """[Note: eager masks] transformers takes fake tensors for compiler tracing and then skips its
-    data-dependent shortcuts: it builds an explicit causal mask, and with a mask SDPA repeats grouped
-    key/value heads, none of which an eager training step does.  During the trace fake tensors count as
-    eager, and their boolean data checks (``mask.all()``) answer True: no padding, no packed sequences,
-    as in the random-token batch being planned."""
+    """Fake tensors count as eager and their boolean data checks answer True ([Note: eager masks])."""
     masking = sys.modules.get("transformers.masking_utils")
     if masking is None or not hasattr(masking, "is_tracing"):
         yield
@@ -313,7 +316,7 @@ def _meta_model(config) -> nn.Module:
     the plan's precision is ``param_dtype`` over fp32 masters, not the dtype a checkpoint was saved in."""
     from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
 
-    from .materialize import empty_model
+    from ..materialize import empty_model
 
     if not isinstance(config, PretrainedConfig):
         raise ValueError(f"planner: expected an nn.Module, a transformers config, a model name or path, or a "

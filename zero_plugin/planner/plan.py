@@ -1,38 +1,39 @@
-"""Memory planner: per-rank device and host bytes of a training step for each ZeRO stage.
-
-    import zero_plugin.planner as zpp
-    zpp.estimate("llama-7b", world_size=8, stage=3, param_dtype="bf16", batch=1, seq=2048)
-    plan = zpp.Planner("llama-7b", param_dtype="bf16", batch=1, seq=2048)   # one trace, many rows
-    plan.fit(world_size=8, gpu_mem=24 * 2**30, host_mem=128 * 2**30)
+"""``Planner``: one model's activation trace planned for any stage, world size and offload setting.
 
 A step's memory is replayed as a timeline, not summed from maxima (that overestimates by the size of
 whatever is gone when the other peaks):
   * model states: ``memory.theory_bytes`` (ZeRO paper section 5, the same numbers ``zp.memory_report``
     prints as theory).  Parameters and optimizer state live all step; gradients exist from the
     backward that produces them to the ``zero_grad`` after the step;
-  * activations: one forward + backward traced on fake tensors (``planner_trace.py``);
+  * activations: one forward + backward traced on fake tensors (``trace.py``);
   * our transient buffers, replayed at the trace's events exactly as the engine allocates them, in
     the layout ``Comm`` uses on the planned backend ([Note: in-place region gather] in
     ``collectives.py``; device "cpu" plans gloo, "cuda" NCCL):
-    stages 0-2: a buffer per gradient bucket (``grads/bucket.py``), at most 2 buckets pending, then
-    (stages 1-2) the all-gather of updated parameters after the step, at most 2 buckets at once; in
-    place (stages 1-2 on gloo) no bucket buffer (the gradients themselves are summed, or a copy in the
-    reduce dtype), stage 2's region copied out at completion, and no buffer for the parameter gather;
+    stages 0-2: a buffer per gradient bucket (``grads/bucket.py``), as many buckets pending as
+    ``grads/reducer.py`` allows, then (stages 1-2) the all-gather of updated parameters after the step,
+    as many buckets at once as ``optim/param_sync.py`` allows; in place (stages 1-2 on gloo) no bucket
+    buffer (the gradients themselves are summed, or a copy in the reduce dtype), stage 2's region copied
+    out at completion, and no buffer for the parameter gather;
     stage 3: the root unit gathered for the whole step and the last unit of the forward order from its
     forward through its backward ([Note: last unit kept]), each other unit gathered around its forward
-    and backward with ``prefetch_depth`` more in flight; buffered (NCCL): input ``width+2`` and output
-    ``N*(width+2)`` in ``param_dtype``, reduce-scatter buffers ``N*(width+k)``; in place (gloo): the full
-    tensors from the launch and no buffers, gradients kept whole until their reduction completes;
-    at most 2 reductions in flight (``stage3/``);
+    and backward with ``prefetch_depth`` more in flight (``stage3/hooks.py``'s ``prefetch_span``);
+    buffered (NCCL): input ``width+t`` and output ``N*(width+t)`` in ``param_dtype`` (``t``: the unit
+    tag's elements, ``stage3/unit.py``), reduce-scatter buffers ``N*(width+k)``; in place (gloo): the
+    full tensors from the launch and no buffers, gradients kept whole until their reduction completes;
+    as many reductions in flight as ``stage3/hooks.py`` allows;
   * the optimizer step: AdamW on one tensor at a time allocates two parameter-sized temporaries
     (CPU default), ``foreach`` one list of all of them (CUDA default), the fused kernel none (offload).
 The estimate counts live tensor bytes: what ``torch.cuda.max_memory_allocated`` reports on a GPU, and
 the peak RSS of a CPU run whose allocator returns freed blocks (``benchmarks/planner_accuracy.py``,
-"exact" allocator).  [Note: glibc slack] With glibc's default malloc, freed blocks up to 32 MiB stay
-in the heap (its mmap threshold rises to the largest block freed), so a CPU run's peak RSS is higher:
-``rss_glibc`` (device "cpu" only) adds one activation peak, the documented slack term that the runs
-in ``benchmarks/results/planner.md`` support (the heap keeps the freed blocks of one step's
-activations; see the numbers there for how well it holds).
+"exact" allocator); ``rss_glibc`` adds the slack of glibc's default one ([Note: glibc slack]).  The
+constants of that schedule are imported from the engine modules named above (``replay.py``).
+
+[Note: glibc slack]
+With glibc's default malloc, freed blocks up to 32 MiB stay in the heap (its mmap threshold rises to
+the largest block freed), so a CPU run's peak RSS is higher than its live tensor bytes: ``rss_glibc``
+(device "cpu" only) adds one activation peak, the documented slack term that the runs in
+``benchmarks/results/planner.md`` support (the heap keeps the freed blocks of one step's activations;
+see the numbers there for how well it holds).
 """
 from __future__ import annotations
 
@@ -40,15 +41,14 @@ from typing import Any, Callable
 
 import torch
 
-from .collectives import regions_in_place
-from .config import ZeroConfig
-from .memory import theory_bytes
-from .planner_replay import Memory, ReplicatedReplay, Replay, Setting, Stage3Replay
-from .planner_trace import (BUILTIN_MODELS, SYNTHETIC_BLOCKS, ParamInfo, Trace, checkpointing, default_loss,
-                            hf_inputs, resolve_model, synthetic_trace, trace_model)
+from ..collectives import regions_in_place
+from ..config import ZeroConfig
+from ..memory import theory_bytes
+from .replay import Memory, ReplicatedReplay, Replay, Setting, Stage3Replay
+from .trace import (ParamInfo, Trace, checkpointing, default_loss, hf_inputs, resolve_model, synthetic_trace,
+                    trace_model)
 
-__all__ = ["BUILTIN_MODELS", "COST_MODEL", "SETTINGS", "SYNTHETIC_BLOCKS", "Planner", "cost", "estimate",
-           "resolve_model"]
+__all__ = ["COST_MODEL", "SETTINGS", "Planner", "cost", "estimate"]
 
 # Relative step cost used by ``Planner.fit`` to rank settings that fit (lower is faster):
 # communication per step in units of Ψ (ZeRO paper section 7: 2Ψ for stages 0-2, 3Ψ for stage 3),
@@ -105,7 +105,7 @@ class Planner:
         self.master_bytes = cfg.master_dtype.itemsize if self.mixed else self.param_bytes
 
     def _trace(self, inputs: Callable | None, loss_fn: Callable | None) -> Trace:
-        from .stage3.policy import assign_units
+        from ..stage3.policy import assign_units
 
         model = self.model
         modules, owner = assign_units(model, self.config)
@@ -225,6 +225,7 @@ def _result(plan: Planner, s: Setting, theory: dict[str, float], replay: Replay,
                     "grads": grads, "transient": transient, "activations": snapshot["activations"]},
         "peak": {"device": device_peak, "host": mem.peaks["host"][0], "total": mem.peaks["total"][0],
                  "phase": snapshot["phase"]},
+        # rss_glibc: live bytes plus the slack of [Note: glibc slack]
         **({"rss_glibc": mem.peaks["total"][0] + plan.trace.peak_bytes} if s.device == "cpu" else {}),
     }
 

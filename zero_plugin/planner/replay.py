@@ -1,10 +1,23 @@
 """The memory planner's replay of one training step: what the engine allocates and frees, event by event.
 
-``planner.py`` traces the model and builds a :class:`Setting` per row; :class:`ReplicatedReplay`
+``plan.py`` traces the model and builds a :class:`Setting` per row; :class:`ReplicatedReplay`
 (stages 0-2) and :class:`Stage3Replay` walk the trace's events and allocate exactly what
 ``grads/``, ``optim/`` and ``stage3/`` allocate at those points, in the collective layout of the
 planned backend; :class:`Memory` keeps the running totals and their peaks.  What each part counts
-is described in ``planner.py``'s module docstring.
+is described in ``plan.py``'s module docstring.
+
+The schedule is the engine's own: how many collectives may be pending at once, the extra elements of a
+stage-3 gather and which units a prefetch gathers are imported from the modules that run them, so the
+replay follows a change there instead of keeping a copy of it.
+
+[Note: collective buffers]
+When the bytes of a collective count (measured with the RSS of 2 and 4 gloo ranks, torch 2.13):
+  * all-gather: input and output at the launch; on CPU gloo also stages the output in a temporary of
+    its size until the collective completes (counted until our wait);
+  * reduce-scatter: the input at the launch; the output when written: on CUDA at the launch (the
+    allocation), on CPU at our wait (``Comm`` issues it on gloo as an in-place all-reduce and copies
+    this rank's row out in the wait);
+  * all-reduce: in place.
 """
 from __future__ import annotations
 
@@ -13,16 +26,16 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from ._flat import ShardLayout
-from .config import ZeroConfig
-from .grads.bucket import plan_buckets
-from .optim import blocked_step
+from .._flat import ShardLayout
+from ..config import ZeroConfig
+from ..grads.bucket import plan_buckets
+from ..grads.reducer import _MAX_INFLIGHT as _MAX_PENDING_BUCKETS   # gradient buckets during backward
+from ..optim import blocked_step
+from ..optim.param_sync import _MAX_INFLIGHT as _MAX_PENDING_GATHERS   # parameter buckets after the step
+from ..stage3.hooks import _MAX_INFLIGHT_REDUCES, prefetch_span
+from ..stage3.unit import _TAG as _GATHER_TAG   # elements appended to each rank's stage-3 gather input
 
 __all__ = ["Memory", "ReplicatedReplay", "Replay", "Setting", "Stage3Replay"]
-
-_MAX_INFLIGHT = 2           # grads/reducer.py, optim/param_sync.py: bucket collectives pending at once
-_MAX_INFLIGHT_REDUCES = 2   # stage3/hooks.py
-_GATHER_TAG = 2             # stage3/unit.py
 
 
 # -- timeline -----------------------------------------------------------------------------------------
@@ -114,16 +127,9 @@ class Replay:
     def on_grad(self, i: int) -> None:
         self.mem.add("device", "grads", self.plan.params[i].numel * self.pb)
 
-    # [Note: collective buffers] When the bytes of a collective count (measured with the RSS of 2 and
-    # 4 gloo ranks, torch 2.13):
-    #   * all-gather: input and output at the launch; on CPU gloo also stages the output in a temporary
-    #     of its size until the collective completes (counted until our wait);
-    #   * reduce-scatter: the input at the launch; the output when written: on CUDA at the launch (the
-    #     allocation), on CPU at our wait (``Comm`` issues it on gloo as an in-place all-reduce and copies
-    #     this rank's row out in the wait);
-    #   * all-reduce: in place.
     def gather_launch(self, category: str, inp: float, out: float) -> float:
-        """Allocate an all-gather's buffers; returns the temporary to release at completion."""
+        """Allocate an all-gather's buffers ([Note: collective buffers]); returns the temporary to release at
+        completion."""
         temp = out if self.s.device == "cpu" else 0.0
         self.mem.add("device", category, inp + out)
         self.mem.add("device", "collective_temp", temp)
@@ -185,7 +191,7 @@ class Replay:
 
 class ReplicatedReplay(Replay):
     """Stages 0-2 (``grads/reducer.py``, ``optim/param_sync.py``): full parameters; gradients bucketed and
-    all-reduced (0) or reduce-scattered (1-2), at most ``_MAX_INFLIGHT`` buckets pending."""
+    all-reduced (0) or reduce-scattered (1-2), at most ``_MAX_PENDING_BUCKETS`` buckets pending."""
 
     def __init__(self, plan: Any, s: Setting, theory: dict[str, float]) -> None:
         super().__init__(plan, s, theory)
@@ -218,7 +224,7 @@ class ReplicatedReplay(Replay):
         if self.ready[b] == len(self.buckets[b][0]):
             self.launch(b)
             self.inflight.append(b)
-            while len(self.inflight) > _MAX_INFLIGHT:
+            while len(self.inflight) > _MAX_PENDING_BUCKETS:
                 self.complete(self.inflight.pop(0))
 
     def bucket_numel(self, b: int) -> int:
@@ -268,13 +274,13 @@ class ReplicatedReplay(Replay):
     def after_step(self) -> None:
         if self.s.stage == 2:
             self.mem.bytes.pop((self.place("grad_shards"), "grad_shards"), None)
-        if self.s.stage in (1, 2) and self.n > 1 and not self.in_place:   # at most _MAX_INFLIGHT at once
+        if self.s.stage in (1, 2) and self.n > 1 and not self.in_place:   # at most _MAX_PENDING_GATHERS at once
             self.mem.phase = "all-gather"
             pending: list[tuple[float, float]] = []
             for _, width, _ in self.buckets:
                 inp, out = width * self.pb, self.n * width * self.pb
                 pending.append((inp + out, self.gather_launch("allgather_buffers", inp, out)))
-                if len(pending) > _MAX_INFLIGHT:
+                if len(pending) > _MAX_PENDING_GATHERS:
                     buffers, temp = pending.pop(0)
                     self.gather_complete(temp)
                     self.mem.add("device", "allgather_buffers", -buffers)
@@ -331,12 +337,10 @@ class Stage3Replay(Replay):
         self.gathered.add(u)
 
     def prefetch(self, u: int, direction: int) -> None:
-        depth = self.s.config.prefetch_depth
-        if not depth or u not in self.order:
-            return
-        i = self.order.index(u)
-        span = self.order[i + 1: i + 1 + depth] if direction > 0 else list(reversed(self.order[max(0, i - depth): i]))
-        for v in span:
+        """Backward prefetches along the reverse forward order: the runtime's agreed backward list when
+        every unit's output needed a gradient."""
+        order = self.order if direction > 0 else self.order[::-1]
+        for v in prefetch_span(order, u, self.s.config.prefetch_depth):
             if v not in self.gathered and v not in self.inflight:
                 self.gather(v)
 
