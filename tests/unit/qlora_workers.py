@@ -87,14 +87,15 @@ def lora_weights(state: dict) -> dict[str, torch.Tensor]:
 
 
 # -- rank workers ------------------------------------------------------------------------------------
-def train_worker(folder: str, stage: int, steps: int, out_dir: str | None = None) -> dict:
-    """QLoRA under zp at ``stage``: per-step losses (this rank's half of each global batch), the shard bytes
-    of the packed base, the state dict after training, and (``out_dir``) a sharded checkpoint."""
+def train_worker(folder: str, stage: int, steps: int, out_dir: str | None = None, config: dict | None = None) -> dict:
+    """QLoRA under zp at ``stage`` (and ``config``): per-step losses (this rank's half of each global batch),
+    the shard bytes of the packed base, the state dict after training, and (``out_dir``) a sharded checkpoint
+    and a PEFT ``save_pretrained`` folder."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = load_qlora(folder)
     before = packed_bits(model)
     opt = optimizer_for(model)
-    model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=stage))
+    model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=stage, **(config or {})))
     shard_bytes, full_bytes = _packed_bytes(model, engine_of(model, "test"))
     losses = []
     for ids in global_batches(steps, world):
