@@ -162,3 +162,13 @@ def evaluation_save_worker(folder: str, out: str) -> dict:
     logits = [model(input_ids=ids).logits.detach().clone() for _ in range(2)]   # eval mode, as loaded
     model.save_pretrained(out, is_main_process=rank == 0)
     return {"logits": logits}
+
+
+def resume_worker(folder: str, out_dir: str) -> dict:
+    """A fresh QLoRA model set up at stage 3 loads the sharded checkpoint ``train_worker`` saved."""
+    model = load_qlora(folder)
+    opt = optimizer_for(model)
+    model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3))
+    zp.load_checkpoint(os.path.join(out_dir, "ckpt"), model, opt)
+    state = model.state_dict()
+    return {"lora": lora_weights(state), "steps": [s.get("step") for s in opt.state.values()][:1]}

@@ -79,6 +79,10 @@ def test_qlora_matches_unsharded_single_process(base, stage, config, tmp_path):
             assert r["shard_bytes"] == r["full_bytes"]
     if out is not None:
         _check_saved(base, out, ref_lora)
+        resumed = run_ranks(2, w.resume_worker, base, out, timeout=300)
+        for rank, r in enumerate(resumed):   # the checkpoint holds exactly what training left
+            assert all(torch.equal(r["lora"][k], results[0]["lora"][k]) for k in ref_lora), f"rank {rank}: resumed LoRA"
+            assert float(r["steps"][0]) == STEPS, r["steps"]
 
 
 def _check_saved(base: str, out: str, ref_lora: dict) -> None:
