@@ -13,8 +13,9 @@ double quantization a nested state) that dequantization needs for the whole weig
   canonicalise the ~0.1 % of codes that happen to spell a NaN (bitsandbytes issue #1945, FSDP2).
 * The ``Params4bit`` object keeps its identity ([Note: stage-3 parameter storage] in ``stage3/param.py``),
   so its ``quant_state`` stays attached while ``.data`` switches between the 1-D shard and the gathered
-  packed tensor; bitsandbytes' forward finds it there.  The quant state is small (1/16 of the packed
-  bytes, less with double quantization) and stays replicated: setup broadcasts rank 0's and moves it to
+  packed tensor; bitsandbytes' forward finds it there.  The quant state is small (one fp32 absmax
+  per 64-element block: 1/8 of the packed bytes, 1/32 with double quantization, plus a code book of about
+  1 KiB per layer) and stays replicated: setup broadcasts rank 0's and moves it to
   the compute device.
 * ``state_dict()`` is bitsandbytes' own layout: ``Linear4bit._save_to_state_dict`` adds the quant state
   entries (``weight.absmax``, ``weight.quant_map``, ``weight.quant_state.bitsandbytes__nf4``, ...) beside
