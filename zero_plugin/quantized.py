@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["is_packed_4bit", "check_quantization", "prepare_quantized", "quantized_layers"]
+__all__ = ["check_quantization", "is_packed_4bit", "prepare_quantized", "quantized_layers"]
 
 _FIX_4BIT = ("load the model with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
              "bnb_4bit_quant_storage=torch.bfloat16, bnb_4bit_compute_dtype=torch.bfloat16) -- the FSDP-QLoRA layout "
@@ -75,7 +75,7 @@ def check_quantization(model: nn.Module) -> None:
                              f"not support; {_FIX_4BIT}")
         if not is_packed_4bit(p):
             continue
-        if p.dtype.is_floating_point is False:
+        if not p.dtype.is_floating_point:
             raise ValueError(
                 f"zp.setup: 4-bit weight {name!r} is stored as {p.dtype} (bnb_4bit_quant_storage is not set to a float "
                 f"dtype); zero_plugin shards the float-storage layout only: {_FIX_4BIT}")

@@ -55,8 +55,9 @@ def _train(folder: str, config: dict | None, steps: int = 3) -> dict:
 
 
 def part_qlora() -> dict:
-    from tests.gpu.check import _nccl_world1
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.gpu.check import _nccl_world1
 
     _nccl_world1()
     with tempfile.TemporaryDirectory() as folder:

@@ -132,7 +132,7 @@ def _packed_bytes(model, engine) -> tuple[int, int]:
 
 def load_state_dict_worker(folder: str) -> dict:
     """Stage 3: a full state dict of a trained copy loaded into a fresh set-up model gives that copy's loss."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     ids = global_batches(1, world)[0]
     trained = load_qlora(folder)
     with torch.no_grad():

@@ -89,6 +89,7 @@ def _check_saved(base: str, out: str, ref_lora: dict) -> None:
     """The PEFT adapter save_pretrained wrote, and the sharded checkpoint consolidated both ways."""
     from peft import PeftModel
     from safetensors.torch import load_file
+
     from zero_plugin.ckpt.consolidate import consolidate
 
     adapter = PeftModel.from_pretrained(w.load_base(base), os.path.join(out, "adapter"))
