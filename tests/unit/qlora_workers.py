@@ -172,3 +172,21 @@ def resume_worker(folder: str, out_dir: str) -> dict:
     zp.load_checkpoint(os.path.join(out_dir, "ckpt"), model, opt)
     state = model.state_dict()
     return {"lora": lora_weights(state), "steps": [s.get("step") for s in opt.state.values()][:1]}
+
+
+def base_checkpoint_worker(folder: str, out_dir: str) -> dict:
+    """Stage 3, no adapters: the 4-bit base frozen, its unquantized parameters (embeddings, norms, head)
+    trained one step, then a sharded checkpoint; returns the logits after the step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = load_base(folder)
+    model.train()
+    opt = optimizer_for(model)
+    model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3))
+    ids = global_batches(1, world)[0]
+    lm_loss(model, ids[rank * PER_RANK:(rank + 1) * PER_RANK]).backward()
+    opt.step()
+    opt.zero_grad()
+    zp.save_checkpoint(os.path.join(out_dir, "ckpt"), model, opt)
+    model.eval()
+    with torch.no_grad():
+        return {"logits": model(input_ids=ids).logits.clone()}

@@ -177,3 +177,25 @@ def test_trainable_4bit_weight_is_refused(base):
     weight = model.model.layers[0].self_attn.q_proj.weight
     weight.requires_grad_(True)
     assert "requires grad" in _setup_error(model)
+
+
+def test_consolidate_hf_of_a_4bit_base_loads_with_from_pretrained(base, tmp_path):
+    """``zero-plugin consolidate --format hf`` of a stage-3 checkpoint whose base is 4-bit: the folder is a
+    pre-quantized transformers checkpoint (packed weights, quant-state entries, quantization_config)."""
+    from transformers import AutoModelForCausalLM
+    from zero_plugin.ckpt.consolidate import consolidate
+
+    results = run_ranks(2, w.base_checkpoint_worker, base, str(tmp_path), timeout=300)
+    consolidate(str(tmp_path / "ckpt"), str(tmp_path / "hf"), format="hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert type(reloaded.model.layers[0].mlp.down_proj.weight).__name__ == "Params4bit"
+    for module in reloaded.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    with torch.no_grad():
+        got = reloaded(input_ids=w.global_batches(1, 2)[0]).logits
+    for rank, r in enumerate(results):
+        assert torch.allclose(got, r["logits"], rtol=1e-5, atol=1e-6), f"rank {rank}: consolidated 4-bit model differs"
+    with torch.no_grad():
+        untrained = w.load_base(base)(input_ids=w.global_batches(1, 2)[0]).logits
+    assert not torch.allclose(got, untrained, rtol=1e-3), "the step changed nothing: the check would not see lost updates"
