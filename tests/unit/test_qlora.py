@@ -183,6 +183,7 @@ def test_consolidate_hf_of_a_4bit_base_loads_with_from_pretrained(base, tmp_path
     """``zero-plugin consolidate --format hf`` of a stage-3 checkpoint whose base is 4-bit: the folder is a
     pre-quantized transformers checkpoint (packed weights, quant-state entries, quantization_config)."""
     from transformers import AutoModelForCausalLM
+
     from zero_plugin.ckpt.consolidate import consolidate
 
     results = run_ranks(2, w.base_checkpoint_worker, base, str(tmp_path), timeout=300)
