@@ -28,8 +28,8 @@ double quantization a nested state) that dequantization needs for the whole weig
   data replaced, so setup turns that path off for the model's 4-bit layers (``support_avx512bf16_for_cpu``,
   an attribute of each layer instance).  Results are the same; CPU inference is slower.
 
-Refused at setup, with the scheme named: 8-bit (``load_in_8bit``: ``Int8Params`` carry row statistics
-beside the weight that the layer rewrites during forward), 4-bit with integer storage (the default
+Refused at setup, with the scheme named: 8-bit (``load_in_8bit``: ``Linear8bitLt.forward`` replaces
+``weight.data`` by the int8 copy it keeps in the layer's state), 4-bit with integer storage (the default
 ``uint8``; the layout above is the supported one), a 4-bit weight that requires grad, and every other
 transformers quantizer (GPTQ, AWQ, HQQ, torchao, ...: packed integer buffers and kernels of their own).
 """
@@ -67,7 +67,8 @@ def check_quantization(model: nn.Module) -> None:
         if _get(config, "load_in_8bit"):
             raise ValueError(
                 "zp.setup: the model is loaded in 8-bit (BitsAndBytesConfig(load_in_8bit=True)), which zero_plugin "
-                f"does not support (Int8Params keep row statistics that the layer rewrites in forward); {_FIX_4BIT}")
+                "does not support (Linear8bitLt replaces weight.data by its own int8 copy in every forward, which a "
+                f"sharded parameter cannot allow); {_FIX_4BIT}")
     for name, p in model.named_parameters():
         kind = type(p).__name__
         if kind == "Int8Params":

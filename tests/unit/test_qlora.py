@@ -156,10 +156,10 @@ def test_4bit_with_integer_storage_is_refused(base):
 
 
 def test_8bit_is_refused(base):
-    from transformers import BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    model = w.load_base(base)
-    model.config.quantization_config = BitsAndBytesConfig(load_in_8bit=True)
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    assert any(type(p).__name__ == "Int8Params" for p in model.parameters())
     msg = _setup_error(model)
     assert "8-bit" in msg and "load_in_4bit=True" in msg, msg
 
