@@ -8,7 +8,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from . import _validate, materialize
+from . import _validate, materialize, quantized
 from .buffers import BufferSync
 from .collectives import Comm
 from .config import ZeroConfig
@@ -44,11 +44,13 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: Zer
         raise ValueError("zp.setup: this optimizer is already a ZeroOptimizer; pass the original model and optimizer once")
     if not isinstance(model, nn.Module):
         raise ValueError(f"zp.setup: model must be a torch.nn.Module, got {type(model).__name__}")
+    quantized.check_quantization(model)   # [Note: packed 4-bit weights]: before any collective
     if optimizer is not None:
         _release_evaluation_only(model)
     comm = Comm(group, timeout_s=config.timeout_s, debug=config.debug_collectives)
     trainable = _validate.trainable_parameters(model, optimizer) if optimizer is not None else []
     _validate.check_ranks_agree(model, config, comm)
+    quantized.prepare_quantized(model, comm, _compute_device(comm) if config.stage == 3 else None)
     source = materialize.as_source(param_source)
     if source is None and materialize.has_meta_params(model):
         source = materialize.recorded_source(model)   # [Note: recorded sources] in materialize.py
@@ -83,6 +85,11 @@ def _setup_for_evaluation(model: nn.Module, config: ZeroConfig, comm: Comm, sour
     register_engine(model, engine)
     _cast_inputs_of(model, engine, config)
     return model
+
+
+def _compute_device(comm: Comm) -> torch.device:
+    from .stage3.engine import compute_device
+    return compute_device(comm)
 
 
 def _release_evaluation_only(model: nn.Module) -> None:

@@ -22,6 +22,7 @@ from .optim.master import MasterParam
 from .optim.offload import host_for
 from .optim.param_sync import ParamAllGather
 from .optim.state import gather_full
+from .quantized import is_packed_4bit
 
 __all__ = ["ReplicatedEngine", "make_masters", "cast_frozen"]
 
@@ -34,7 +35,7 @@ def cast_frozen(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], con
         return
     trained = {id(p) for _, p in trainable}
     for p in model.parameters():
-        if id(p) not in trained and p.is_floating_point() and p.dtype != config.param_dtype:
+        if id(p) not in trained and p.is_floating_point() and p.dtype != config.param_dtype and not is_packed_4bit(p):
             p.data = p.data.to(config.param_dtype)
 
 

@@ -176,7 +176,9 @@ def _exit_after_success() -> None:
 
     atexit._run_exitfuncs()
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
+        # type(), not isinstance(): isinstance on a weakref.proxy whose object is gone raises ReferenceError
+        # (bitsandbytes / PEFT keep such proxies, seen after a QLoRA script)
+        if issubclass(type(obj), io.IOBase):
             try:
                 if not obj.closed:
                     obj.flush()

@@ -8,6 +8,8 @@
   1d. Lazy load (tests/gpu/lazy_load.py): a ~1.1 GB safetensors checkpoint through zero_plugin.run's lazy
      ``from_pretrained`` + LoRA + ``Accelerator.prepare`` (stage 3, parameter offload) under a 512 MiB cap:
      setup never holds the model on the device (peak < cap), two steps run.
+  1e. QLoRA (tests/gpu/qlora.py): a bitsandbytes 4-bit base (bf16 storage) + LoRA at stage 3, with and without
+     parameter offload, against the unsharded run; the packed weights stay bitwise the loaded ones.
   2. Fake process group, N = 8: per-rank peak CUDA memory of a ~1B-parameter model for stages 0-3
      against ``memory_report``'s theory.
   3. A 13B-parameter Llama-shaped model (random init, materialised unit by unit from the meta device)
@@ -196,8 +198,16 @@ def part_offload() -> dict:
     return run()
 
 
+def part_qlora() -> dict:
+    """tests/gpu/qlora.py: a bitsandbytes 4-bit base + LoRA at stage 3 on CUDA against the unsharded run."""
+    from tests.gpu.qlora import part_qlora as run
+
+    return run()
+
+
 PARTS = {"parity": part_parity, "overlap": part_overlap, "offload": part_offload, "fake_pg_memory": part_fake_pg_memory,
-         "lazy_load": part_lazy_load, "lora_13b": part_13b_lora, "speed_vs_fsdp2": part_speed_vs_fsdp2}
+         "lazy_load": part_lazy_load, "qlora": part_qlora, "lora_13b": part_13b_lora,
+         "speed_vs_fsdp2": part_speed_vs_fsdp2}
 
 
 def main() -> None:

@@ -148,12 +148,24 @@ def _write(reader: Reader, index: dict, export: dict, tmp: str, format: str, dty
 
 
 def _all_tensors(index: dict, dtype, rename: Callable[[str], str]) -> list[_Tensor]:
+    packed = _packed_4bit(index)
     out = []
     for kind, entries in (("p", index["params"]), ("b", index["buffers"])):
         for name, entry in entries.items():
             stored = fmt.dtype_from_name(entry["dtype"])
-            out.append(_Tensor(rename(name), f"{kind}/{name}", _cast_to(stored, dtype), tuple(entry["shape"])))
+            keep = name in packed or name.rpartition(".")[0] in packed or any(
+                name.startswith(p + ".quant_state.") for p in packed)
+            out.append(_Tensor(rename(name), f"{kind}/{name}", stored if keep else _cast_to(stored, dtype),
+                               tuple(entry["shape"])))
     return out
+
+
+def _packed_4bit(index: dict) -> set[str]:
+    """Parameters saved with a bitsandbytes quant state beside them (``<name>.quant_state.bitsandbytes__nf4``
+    among the buffers): packed 4-bit codes, which ``--dtype`` must not cast, nor their quant state
+    ([Note: packed 4-bit weights] in ``zero_plugin/quantized.py``)."""
+    marker = ".quant_state.bitsandbytes__"
+    return {b.split(marker, 1)[0] for b in index["buffers"] if marker in b} & set(index["params"])
 
 
 def _cast_to(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:

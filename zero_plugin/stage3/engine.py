@@ -21,6 +21,7 @@ from ..engine import Engine
 from ..hostmem import trim_host_heap
 from ..optim.master import MasterParam, copy_changed
 from ..optim.offload import host_for
+from ..quantized import is_packed_4bit
 from ..streams import StreamSet, streams_for
 from .hooks import Stage3Runtime
 from .param import ShardedParam, ShardedState
@@ -103,7 +104,7 @@ def _shard_one(p: nn.Parameter, name: str, full: torch.Tensor, comm: Comm, confi
     device = compute_device(comm)
     full = full.to(device).contiguous()
     comm.broadcast(full, src=0)   # every rank starts from rank 0's values (DDP semantics)
-    floating = p.dtype.is_floating_point
+    floating = p.dtype.is_floating_point and not is_packed_4bit(p)   # [Note: packed 4-bit weights]: never cast
     compute = (config.param_dtype or p.dtype) if floating else p.dtype
     # The shard doubles as the fp32 master unless offload moves the master to another device.
     offload_master = config.offload and host_for(device) is not None
