@@ -4,7 +4,8 @@
 module (inside Fabric's usual ``_FabricModule``) and the ``ZeroOptimizer``; ``setup_module``
 alone shards for inference (a later ``setup_optimizers`` binds the real optimizer).
 ``fabric.backward`` is plain autograd (the engine's hooks reduce), ``fabric.clip_gradients``
-clips by the global norm over every rank's shard, ``fabric.no_backward_sync`` maps to
+clips by the global norm over every rank's shard (``16-mixed``: zero_plugin's synchronized loss
+scaler stands in for the plugin's GradScaler, [Note: fp16 one-flag mapping] in ``_loss_scaling.py``), ``fabric.no_backward_sync`` maps to
 ``zp.no_sync``, and ``fabric.save`` / ``fabric.load`` use the layout in ``_lightning_common.py``.
 """
 from __future__ import annotations
@@ -102,8 +103,15 @@ class ZeroFabricStrategy(ParallelStrategy):
             if type(precision) not in _SUPPORTED_PLUGINS:
                 raise ValueError(f"ZeroFabricStrategy: the precision plugin {type(precision).__name__} is not "
                                  f"supported; use one of {', '.join(common.SUPPORTED_PRECISIONS)}")
-            common.check_precision(str(precision.precision), getattr(precision, "scaler", None) is not None)
+            common.check_precision(str(precision.precision))
+            common.loss_scaler_settings(precision)   # refuse a GradScaler zero_plugin's scaler cannot stand in for
         self._precision = precision
+
+    @property
+    def engine_config(self) -> zp.ZeroConfig:
+        """``config`` as the engine runs it: loss scaling on under 16-mixed, whose GradScaler it replaces."""
+        settings = None if self._precision is None else common.loss_scaler_settings(self._precision)
+        return common.engine_config(self.config, settings)
 
     # -- processes --------------------------------------------------------------------------------
     @property
@@ -154,13 +162,13 @@ class ZeroFabricStrategy(ParallelStrategy):
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
         """Shard the module and its one optimizer together (collective)."""
-        optimizer = common.shard(module, optimizers, self.config, self.param_source)
+        optimizer = common.shard(module, optimizers, self.engine_config, self.param_source)
         self._remember(module)
         return module, [optimizer], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard for inference; ``setup_optimizers`` may bind an optimizer later."""
-        common.shard_for_inference(module, self.config, self.param_source)
+        common.shard_for_inference(module, self.engine_config, self.param_source)
         self._remember(module)
         return module
 
@@ -170,7 +178,7 @@ class ZeroFabricStrategy(ParallelStrategy):
         owners = [m for m in self._modules if params & {id(p) for p in m.parameters()}]
         if len(owners) != 1:
             raise RuntimeError(self._err_msg_joint_setup_required())
-        return common.shard(owners[0], [optimizer], self.config)
+        return common.shard(owners[0], [optimizer], self.engine_config)
 
     def _remember(self, module: nn.Module) -> None:
         self._modules.add(module)
@@ -189,6 +197,23 @@ class ZeroFabricStrategy(ParallelStrategy):
         return stack
 
     # -- gradients -----------------------------------------------------------------------------------------
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        """16-mixed: the loss times zero_plugin's scale, instead of MixedPrecision.backward's GradScaler."""
+        if common.loss_scaler_settings(self.precision) is None:
+            return super().backward(tensor, module, *args, **kwargs)
+        tensor = common.scale_loss(self._modules if module is None else [module], tensor)
+        self.precision.pre_backward(tensor, module)
+        tensor.backward(*args, **kwargs)
+        self.precision.post_backward(tensor, module)
+        return None
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """16-mixed: the engine's step unscales and skips on every rank when any rank saw an inf/NaN gradient
+        (returning None then, as ``GradScaler.step`` does), instead of the plugin's GradScaler."""
+        if common.loss_scaler_settings(self.precision) is None:
+            return super().optimizer_step(optimizer, **kwargs)
+        return optimizer.step(**kwargs)
+
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
         total = common.clip_grad_norm(module, max_norm, norm_type)

@@ -6,9 +6,11 @@ no ``_sync_module_states``: ``zp.setup`` broadcasts rank 0's weights); every ste
 through the module's ``__call__`` so that stage 3 gathers the root unit.  Presets, clipping,
 setup rules and the checkpoint layout live in ``_lightning_common.py``, shared with Fabric.
 
-Precision: Lightning's own plugin keeps the dtype side (``bf16-mixed`` autocast, ``*-true``
-casts); :class:`ZeroPrecision` wraps it to run the closure, clip the sharded gradients by
-their global norm, then step the engine.  ``16-mixed`` raises NotImplementedError.
+Precision: Lightning's own plugin keeps the dtype side (``16-mixed`` / ``bf16-mixed`` autocast,
+``*-true`` casts); :class:`ZeroPrecision` wraps it to run the closure, clip the sharded gradients
+by their global norm, then step the engine.  Under ``16-mixed`` it also stands in for the
+plugin's GradScaler with zero_plugin's synchronized loss scaler ([Note: fp16 one-flag mapping]
+in ``_loss_scaling.py``).
 """
 from __future__ import annotations
 
@@ -61,15 +63,17 @@ _WRAPPABLE = (Precision, DoublePrecision, HalfPrecision, MixedPrecision)
 
 
 class ZeroPrecision(Precision):
-    """Lightning's precision plugin for dtypes and autocast; zero_plugin for the step and clipping."""
+    """Lightning's precision plugin for dtypes and autocast; zero_plugin for the step, clipping and (16-mixed)
+    loss scaling.  ``scaler_settings``: the ZeroConfig fields that replace a 16-mixed plugin's GradScaler, or None."""
 
     def __init__(self, inner: Optional[Precision] = None) -> None:
         inner = Precision() if inner is None else inner
         if type(inner) not in _WRAPPABLE:
             raise ValueError(f"ZeroStrategy: the precision plugin {type(inner).__name__} is not supported; use "
                              f"Trainer(precision=...) with one of {', '.join(common.SUPPORTED_PRECISIONS)}")
-        self.precision = common.check_precision(str(inner.precision), getattr(inner, "scaler", None) is not None)
-        self.inner = inner
+        self.precision = common.check_precision(str(inner.precision))
+        self.scaler_settings = common.loss_scaler_settings(inner)
+        self.inner = inner   # its GradScaler (16-mixed) is never called: the engine's scaler replaces it
 
     # -- dtypes: Lightning's plugin ------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -90,10 +94,17 @@ class ZeroPrecision(Precision):
     def convert_output(self, data: Any) -> Any:
         return self.inner.convert_output(data)
 
-    # -- step and clipping: the engine -------------------------------------------------------
+    # -- loss scaling, step and clipping: the engine ------------------------------------------------
+    def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:
+        """16-mixed: scale the loss, as MixedPrecision does with its GradScaler (callbacks see the scaled loss)."""
+        return super().pre_backward(common.scale_loss([module], tensor), module)
+
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Closure (forward + backward; reduction completes at the end of backward), clip, engine step."""
+        """Closure (forward + backward; reduction completes at the end of backward), unscale (16-mixed), clip,
+        engine step.  The engine skips the step on every rank when any rank saw an inf/NaN gradient and returns
+        None then, as ``GradScaler.step`` does; Lightning counts the step and steps schedulers either way."""
         closure_result = closure()
+        common.unscale(optimizer)   # before on_before_optimizer_step and clipping, as MixedPrecision unscales
         self._after_closure(model, optimizer)
         if isinstance(model, pl.LightningModule) and model.automatic_optimization and closure_result is None:
             raise MisconfigurationException("ZeroStrategy: skipping backward by returning None from training_step is "
@@ -166,6 +177,11 @@ class ZeroStrategy(ParallelStrategy):
             plugin = ZeroPrecision(plugin)
         self._precision_plugin = plugin
 
+    @property
+    def engine_config(self) -> zp.ZeroConfig:
+        """``config`` as the engine runs it: loss scaling on under 16-mixed, whose GradScaler it replaces."""
+        return common.engine_config(self.config, self.precision_plugin.scaler_settings)
+
     # -- processes -----------------------------------------------------------------------------------
     @property
     def root_device(self) -> torch.device:
@@ -232,9 +248,9 @@ class ZeroStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             with common.full_parameters(module):   # configure_optimizers after an earlier setup
                 self.setup_optimizers(trainer)
-            self.optimizers = [common.shard(module, self.optimizers, self.config, self.param_source)]
+            self.optimizers = [common.shard(module, self.optimizers, self.engine_config, self.param_source)]
         else:
-            common.shard_for_inference(module, self.config, self.param_source)
+            common.shard_for_inference(module, self.engine_config, self.param_source)
         self.model = module
         self.setup_precision_plugin()
 

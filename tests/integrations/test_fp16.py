@@ -7,7 +7,7 @@ zero_plugin's synchronized loss scaler ([Note: fp16 one-flag mapping] in ``integ
 So the skipped steps must be the same, step for step, and the losses and weights differ only by the order in
 which fp32 gradients are summed over ranks: 1e-5 relative.
 
-Lightning's ``precision="16-mixed"`` stays refused by ``ZeroStrategy`` (tested in ``test_lightning.py``).
+Lightning's ``precision="16-mixed"`` takes the same path: ``test_lightning_fp16.py``.
 """
 from __future__ import annotations
 
