@@ -125,14 +125,14 @@ def loss_scaler_settings(plugin: Any) -> dict | None:
     if str(plugin.precision) != "16-mixed":
         return None
     scaler = getattr(plugin, "scaler", None)
-    if scaler is None:
-        return _loss_scaling.scaler_settings({"enabled": False})
-    if type(scaler) not in (torch.amp.GradScaler, torch.cuda.amp.GradScaler):
+    if scaler is not None and type(scaler) not in (torch.amp.GradScaler, torch.cuda.amp.GradScaler):
         raise ValueError(f"zero_plugin: {_FP16_FLAG} with a {type(scaler).__name__} is not supported; zero_plugin "
                          "replaces the plugin's torch.amp.GradScaler by its own synchronized loss scaler, which "
                          "reproduces only torch's GradScaler (init_scale, growth_interval, enabled)")
+    if scaler is None or not scaler.is_enabled():   # a disabled GradScaler has no factors to read
+        return _loss_scaling.scaler_settings({"enabled": False})
     return _loss_scaling.scaler_settings({
-        "enabled": scaler.is_enabled(), "init_scale": scaler.get_scale(),
+        "init_scale": scaler.get_scale(),
         "growth_interval": scaler.get_growth_interval(), "growth_factor": scaler.get_growth_factor(),
         "backoff_factor": scaler.get_backoff_factor()})
 

@@ -87,3 +87,32 @@ def test_grad_scaler_settings_zero_plugin_cannot_reproduce_are_refused():
     out = run_ranks(2, fw.refusals_worker)[0]
     assert "growth_factor=4.0" in out["trainer_growth"], out
     assert "backoff_factor=0.25" in out["fabric_backoff"], out
+
+
+def test_the_plugin_scaler_maps_onto_the_config():
+    """Init scale and growth interval carry over, a disabled or absent scaler means no scaling, another scaler class
+    is refused, and other precisions keep the config as it is."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    import zero_plugin as zp
+    from zero_plugin.integrations import _lightning_common as common
+
+    default = common.loss_scaler_settings(MixedPrecision("16-mixed", "cpu"))
+    assert default == {"loss_scale_init": 65536.0, "loss_scale_growth_interval": 2000}
+    config = common.engine_config(zp.ZeroConfig(stage=2), default)
+    assert config.loss_scaling is True and config.stage == 2 and config.param_dtype is None
+    disabled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", enabled=False))
+    assert common.loss_scaler_settings(disabled) == {"loss_scale": 1.0}
+    absent = MixedPrecision("16-mixed", "cpu")
+    absent.scaler = None
+    assert common.loss_scaler_settings(absent) == {"loss_scale": 1.0}
+    assert common.loss_scaler_settings(MixedPrecision("bf16-mixed", "cpu")) is None
+    assert common.engine_config(zp.ZeroConfig(stage=3), None) == zp.ZeroConfig(stage=3)
+
+    class OwnScaler(torch.amp.GradScaler):
+        pass
+
+    with pytest.raises(ValueError, match="OwnScaler"):
+        common.loss_scaler_settings(MixedPrecision("16-mixed", "cpu", scaler=OwnScaler("cpu")))
+    with pytest.raises(ValueError, match="loss_scaling=False"):
+        common.engine_config(zp.ZeroConfig(loss_scaling=False), default)
