@@ -42,11 +42,12 @@ from zero_plugin.ckpt import lightning_file
 from zero_plugin.meta_init import ModuleInitSource, check_initialisable, has_meta_buffers, safetensors_under
 from zero_plugin.engine import Engine, engine_of
 
-from . import _common
+from . import _common, _loss_scaling
 from ._common import is_set_up
 
 __all__ = [
-    "PRESETS", "SUPPORTED_PRECISIONS", "resolve_config", "check_precision", "engine_or_none", "is_set_up",
+    "PRESETS", "SUPPORTED_PRECISIONS", "resolve_config", "check_precision", "loss_scaler_settings", "engine_config",
+    "scale_loss", "unscale", "engine_or_none", "is_set_up",
     "shard", "shard_for_inference", "rebind_optimizer", "zero_optimizer_of", "clip_grad_norm", "clip_grad_value",
     "full_parameters", "full_model_state", "full_optimizer_state", "uses_sharded_files", "is_sharded_checkpoint",
     "save_sharded", "load_sharded", "load_full", "move_to_device", "register_presets", "builds_on_meta",
@@ -69,8 +70,10 @@ _DESCRIPTIONS = {
     "zero3_offload": "ZeRO stage 3 with optimizer state and parameter shards on CPU",
 }
 
-# Lightning precision flags whose plugin the strategies keep for dtypes/autocast (16-mixed: see check_precision).
-SUPPORTED_PRECISIONS = ("32-true", "64-true", "bf16-true", "16-true", "bf16-mixed")
+# Lightning precision flags whose plugin the strategies keep for dtypes/autocast; 16-mixed's GradScaler is
+# replaced by zero_plugin's loss scaler (loss_scaler_settings).
+SUPPORTED_PRECISIONS = ("32-true", "64-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
+_FP16_FLAG = "Lightning's precision='16-mixed'"
 META_FILE = lightning_file.META_FILE
 SHARDS_DIR = lightning_file.SHARDS_DIR
 RECORD = lightning_file.RECORD
@@ -104,17 +107,67 @@ def check_checkpoint_mode(mode: str) -> str:
     return mode
 
 
-def check_precision(precision: str, has_scaler: bool = False) -> str:
+def check_precision(precision: str) -> str:
     """Raise a clear error for precision flags the engine cannot run; return the flag."""
-    if precision == "16-mixed" or has_scaler:
-        raise NotImplementedError(
-            "zero_plugin: precision='16-mixed' needs a loss scaler that unscales and checks the sharded "
-            "gradients, which zero_plugin's Lightning integration does not implement yet; use "
-            "precision='bf16-mixed', or precision='16-true' / ZeroConfig(param_dtype='fp16')")
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(f"zero_plugin: precision={precision!r} is not supported with ZeRO; choose one of "
                          f"{', '.join(SUPPORTED_PRECISIONS)}")
     return precision
+
+
+# -- fp16: Lightning's GradScaler replaced ([Note: fp16 one-flag mapping] in _loss_scaling.py) ------------------
+def loss_scaler_settings(plugin: Any) -> dict | None:
+    """The ZeroConfig fields that take over a ``16-mixed`` plugin's GradScaler; None for other precisions.
+
+    Its init scale (the current scale, for a scaler that has already run) and growth interval carry over; a
+    disabled or absent scaler means no scaling; any other scaler, or other factors, are refused.
+    """
+    if str(plugin.precision) != "16-mixed":
+        return None
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None and type(scaler) not in (torch.amp.GradScaler, torch.cuda.amp.GradScaler):
+        raise ValueError(f"zero_plugin: {_FP16_FLAG} with a {type(scaler).__name__} is not supported; zero_plugin "
+                         "replaces the plugin's torch.amp.GradScaler by its own synchronized loss scaler, which "
+                         "reproduces only torch's GradScaler (init_scale, growth_interval, enabled)")
+    if scaler is None or not scaler.is_enabled():   # a disabled GradScaler has no factors to read
+        return _loss_scaling.scaler_settings({"enabled": False})
+    return _loss_scaling.scaler_settings({
+        "init_scale": scaler.get_scale(),
+        "growth_interval": scaler.get_growth_interval(), "growth_factor": scaler.get_growth_factor(),
+        "backoff_factor": scaler.get_backoff_factor()})
+
+
+def engine_config(config: zp.ZeroConfig, scaler_settings: dict | None) -> zp.ZeroConfig:
+    """The config the engine runs: ``config``, with loss scaling on when a 16-mixed GradScaler is replaced."""
+    return config if scaler_settings is None else _loss_scaling.fp16_config(config, scaler_settings, _FP16_FLAG)
+
+
+def scale_loss(modules: Iterable[nn.Module], loss: torch.Tensor) -> torch.Tensor:
+    """fp16: ``loss`` times the loss scale of the set-up module's optimizer (one scaled backward serves one
+    scaler); other precisions, or no set-up module: ``loss``."""
+    trained = [m for m in modules if any(p.requires_grad for p in m.parameters())]   # not a frozen teacher
+    scaling = {id(o): o for o in map(_training_optimizer, trained) if o is not None and o.guard.scaling}
+    if len(scaling) > 1:
+        raise ValueError("zero_plugin: fp16 loss scaling with more than one set-up model: each optimizer keeps its "
+                         "own scale, so one scaled loss cannot serve both; pass model= to fabric.backward, use "
+                         "precision='bf16-mixed', or one model")
+    return next(iter(scaling.values())).scale_loss(loss) if scaling else loss
+
+
+def unscale(optimizer: Any) -> None:
+    """fp16: divide this step's reduced gradients by the loss scale (once per step; a no-op without scaling)."""
+    zero_optimizer_of(optimizer).unscale_()
+
+
+def _zero_optimizer_for(optimizer_or_module: Any) -> zp.ZeroOptimizer:
+    if isinstance(optimizer_or_module, nn.Module):
+        return engine_of(optimizer_or_module, "clip_grad_value").optimizer
+    return zero_optimizer_of(optimizer_or_module)
+
+
+def _training_optimizer(module: nn.Module) -> zp.ZeroOptimizer | None:
+    engine = engine_or_none(module)
+    return getattr(engine, "optimizer", None)
 
 
 # -- engine lookup ------------------------------------------------------------------
@@ -255,7 +308,9 @@ def clip_grad_norm(optimizer_or_module: Any, max_norm: float, norm_type: float =
 
 @torch.no_grad()
 def clip_grad_value(optimizer_or_module: Any, clip_val: float) -> None:
-    """Element-wise clipping is local, so clipping each rank's reduced shard is exact."""
+    """Element-wise clipping is local, so clipping each rank's reduced shard is exact.  fp16: of the true,
+    unscaled gradients, and an overflow the clamp would hide still skips the step (``check_before_clamp``)."""
+    _zero_optimizer_for(optimizer_or_module).guard.check_before_clamp()
     for grad in _common.owned_grads(_model_for(optimizer_or_module)):
         grad.clamp_(-float(clip_val), float(clip_val))
 

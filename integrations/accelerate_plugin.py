@@ -254,7 +254,8 @@ class Accelerator(_AccelerateAccelerator):
             return super().clip_grad_value_(parameters, clip_value)
         for set_up, optimizer in self._zero_pairs():
             if set_up is model:
-                _common.zero_optimizer_of(optimizer).unscale_()   # clamp true values, as Accelerate does
+                # clamp true values, as Accelerate does; an overflow the clamp hides still skips the step
+                _common.zero_optimizer_of(optimizer).guard.check_before_clamp()
         for grad in _common.owned_grads(model):
             grad.clamp_(-clip_value, clip_value)
         return None

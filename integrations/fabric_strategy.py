@@ -6,50 +6,48 @@ alone shards for inference (a later ``setup_optimizers`` binds the real optimize
 ``fabric.backward`` is plain autograd (the engine's hooks reduce), ``fabric.clip_gradients``
 clips by the global norm over every rank's shard, ``fabric.no_backward_sync`` maps to
 ``zp.no_sync``, and ``fabric.save`` / ``fabric.load`` use the layout in ``_lightning_common.py``.
+Under ``16-mixed`` zero_plugin's synchronized loss scaler stands in for the plugin's GradScaler
+([Note: fp16 one-flag mapping] in ``_loss_scaling.py``).
+
+The class is written once (``_ZeroFabricStrategy``) and built over one package's base classes by
+:func:`make_fabric_strategy`: here for ``lightning.fabric``, in ``_lightning_fabric_strategy.py``
+for ``lightning_fabric`` ([Note: one strategy source, two Lightning packages] in ``_lightning_names.py``).
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
-
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning.fabric.utilities.types import ReduceOp, _Stateful
 
 import zero_plugin as zp
 from zero_plugin.meta_init import meta_parameters
 
 from . import _lightning_common as common
-from ._lightning_exit import release_groups_at_exit
+from ._lightning_names import LightningNames, fabric_names
+from ._lightning_processes import ZeroProcesses
 
-__all__ = ["ZeroFabricStrategy"]
+if TYPE_CHECKING:
+    from lightning.fabric.accelerators import Accelerator
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.fabric.plugins.precision import Precision
+    from lightning.fabric.utilities.types import ReduceOp
 
-_SUPPORTED_PLUGINS = (Precision, DoublePrecision, HalfPrecision, MixedPrecision)
+__all__ = ["ZeroFabricStrategy", "make_fabric_strategy"]
+
 _OWNER_KEY = common.RECORD   # in meta.pt: which state keys held the module and the optimizer (and tied names)
 
 
-class _ZeroBackwardSyncControl(_BackwardSyncControl):
+class _ZeroBackwardSyncControl:
+    """Fabric's ``no_backward_sync`` as ``zp.no_sync`` (over Fabric's ``_BackwardSyncControl``)."""
+
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         if enabled and not common.is_set_up(module):
             raise TypeError("no_backward_sync: the module was not set up by the ZeRO strategy; "
@@ -57,13 +55,16 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
         return common.no_sync(module, enabled)
 
 
-class ZeroFabricStrategy(ParallelStrategy):
+class _ZeroFabricStrategy(ZeroProcesses):
     """ZeRO stages 0-3 (zero_plugin) for Lightning Fabric; see ``ZeroStrategy`` for the arguments.
 
     ``fabric.init_module()`` builds on the meta device at stage 3 (unless ``empty_init=False`` or
     ``meta_init=False``) and ``fabric.setup`` materialises one unit at a time: [Note: meta construction]
     in ``_lightning_common.py``.
     """
+
+    _lightning: LightningNames   # set by make_fabric_strategy, with _fabric_names (the same) and _sync_control
+    _sync_control: type
 
     def __init__(
         self,
@@ -81,36 +82,34 @@ class ZeroFabricStrategy(ParallelStrategy):
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
-        self.config = common.resolve_config(config)
-        self.param_source = param_source
-        self.meta_init = bool(meta_init)
-        self._checkpoint = common.check_checkpoint_mode(checkpoint)
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._backward_sync_control = _ZeroBackwardSyncControl()
+        self._set_options(config, checkpoint, param_source, meta_init, process_group_backend, timeout)
+        self._backward_sync_control = self._sync_control()
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()   # set up here, for setup_optimizer
-        self._hinted = False   # common.LOAD_HINT logged
         self._num_nodes = 1
 
     @property
     def precision(self) -> Precision:
-        return self._precision if self._precision is not None else Precision()
+        return self._precision if self._precision is not None else self._lightning.Precision()
 
     @precision.setter
     def precision(self, precision: Optional[Precision]) -> None:
+        names = self._lightning
         if precision is not None:
-            if type(precision) not in _SUPPORTED_PLUGINS:
+            if type(precision) not in (names.Precision, names.DoublePrecision, names.HalfPrecision,
+                                       names.MixedPrecision):
                 raise ValueError(f"ZeroFabricStrategy: the precision plugin {type(precision).__name__} is not "
                                  f"supported; use one of {', '.join(common.SUPPORTED_PRECISIONS)}")
-            common.check_precision(str(precision.precision), getattr(precision, "scaler", None) is not None)
+            common.check_precision(str(precision.precision))
+            common.loss_scaler_settings(precision)   # refuse a GradScaler zero_plugin's scaler cannot stand in for
         self._precision = precision
 
-    # -- processes --------------------------------------------------------------------------------
     @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+    def engine_config(self) -> zp.ZeroConfig:
+        """``config`` as the engine runs it: loss scaling on under 16-mixed, whose GradScaler it replaces."""
+        settings = None if self._precision is None else common.loss_scaler_settings(self._precision)
+        return common.engine_config(self.config, settings)
 
+    # -- processes (root_device, setup_environment, ranks: ZeroProcesses) ---------------------------------
     @property
     def num_nodes(self) -> int:
         return self._num_nodes
@@ -119,48 +118,22 @@ class ZeroFabricStrategy(ParallelStrategy):
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._set_world_ranks()
-        self._process_group_backend = (self._process_group_backend
-                                       or _get_default_process_group_backend_for_device(self.root_device))
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        creates_group = not _distributed_is_initialized()
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id)
-        if creates_group:   # [Note: gloo at interpreter exit] in _lightning_exit.py
-            release_groups_at_exit(self._timeout)
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._launcher = self._lightning.SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                                  self.num_nodes)
 
     # -- setup ------------------------------------------------------------------------------------------
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
         """Shard the module and its one optimizer together (collective)."""
-        optimizer = common.shard(module, optimizers, self.config, self.param_source)
+        optimizer = common.shard(module, optimizers, self.engine_config, self.param_source)
         self._remember(module)
         return module, [optimizer], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard for inference; ``setup_optimizers`` may bind an optimizer later."""
-        common.shard_for_inference(module, self.config, self.param_source)
+        common.shard_for_inference(module, self.engine_config, self.param_source)
         self._remember(module)
         return module
 
@@ -170,7 +143,7 @@ class ZeroFabricStrategy(ParallelStrategy):
         owners = [m for m in self._modules if params & {id(p) for p in m.parameters()}]
         if len(owners) != 1:
             raise RuntimeError(self._err_msg_joint_setup_required())
-        return common.shard(owners[0], [optimizer], self.config)
+        return common.shard(owners[0], [optimizer], self.engine_config)
 
     def _remember(self, module: nn.Module) -> None:
         self._modules.add(module)
@@ -189,6 +162,23 @@ class ZeroFabricStrategy(ParallelStrategy):
         return stack
 
     # -- gradients -----------------------------------------------------------------------------------------
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        """16-mixed: the loss times zero_plugin's scale, instead of MixedPrecision.backward's GradScaler."""
+        if common.loss_scaler_settings(self.precision) is None:
+            return super().backward(tensor, module, *args, **kwargs)
+        tensor = common.scale_loss(self._modules if module is None else [module], tensor)
+        self.precision.pre_backward(tensor, module)
+        tensor.backward(*args, **kwargs)
+        self.precision.post_backward(tensor, module)
+        return None
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """16-mixed: the engine's step unscales and skips on every rank when any rank saw an inf/NaN gradient
+        (returning None then, as ``GradScaler.step`` does), instead of the plugin's GradScaler."""
+        if common.loss_scaler_settings(self.precision) is None:
+            return super().optimizer_step(optimizer, **kwargs)
+        return optimizer.step(**kwargs)
+
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
         total = common.clip_grad_norm(module, max_norm, norm_type)
@@ -201,27 +191,10 @@ class ZeroFabricStrategy(ParallelStrategy):
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
         common.clip_grad_value(module, clip_val)
 
-    # -- collectives ------------------------------------------------------------------------------------------
+    # -- collectives (barrier, broadcast: ZeroProcesses) ----------------------------------------------------------
     def all_reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                    reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return self._reduce_tensor(tensor, group, reduce_op)
 
     # -- state and checkpoints ------------------------------------------------------------------------------------
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
@@ -249,14 +222,14 @@ class ZeroFabricStrategy(ParallelStrategy):
             raise TypeError("ZeroFabricStrategy: filter= and storage_options= need a full checkpoint; use "
                             "ZeroFabricStrategy(checkpoint='full')")
         (module_key, module), (opt_key, optimizer) = _module_and_optimizer(state)
-        meta = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in state.items()
+        meta = {k: (v.state_dict() if isinstance(v, self._lightning.Stateful) else v) for k, v in state.items()
                 if k not in (module_key, opt_key)}
         meta[_OWNER_KEY] = {"module": module_key, "optimizer": opt_key}
         common.save_sharded(path, module, optimizer, meta, is_rank0=self.is_global_zero, barrier=self.barrier,
                             write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file))
         if not self._hinted:
             self._hinted = True
-            rank_zero_info(common.LOAD_HINT.format(path=path))
+            self._lightning.rank_zero_info(common.LOAD_HINT.format(path=path))
 
     def load_checkpoint(self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
                         strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -271,12 +244,12 @@ class ZeroFabricStrategy(ParallelStrategy):
         meta = self.checkpoint_io.load_checkpoint(path / common.META_FILE, weights_only=weights_only)
         owners = meta.pop(_OWNER_KEY, {})
         saved = set(meta) | {k for k in (owners.get("module"), owners.get("optimizer")) if k is not None}
-        _validate_keys_for_strict_loading(state.keys(), saved, strict=strict)
+        self._lightning.validate_keys_for_strict_loading(state.keys(), saved, strict=strict)
         if opt_key is not None and opt_key != owners.get("optimizer"):
             optimizer = None   # not strict, and the checkpoint has no optimizer under this key
         common.load_sharded(path, module, optimizer)
         for key in [k for k in state if k not in (module_key, opt_key) and k in meta]:
-            if isinstance(state[key], _Stateful):
+            if isinstance(state[key], self._lightning.Stateful):
                 state[key].load_state_dict(meta.pop(key))
             else:
                 state[key] = meta.pop(key)
@@ -296,3 +269,21 @@ def _module_and_optimizer(state: dict[str, Any]) -> tuple[tuple[Any, nn.Module],
                          f"and at most one optimizer; got modules {[k for k, _ in modules]} and optimizers "
                          f"{[k for k, _ in optimizers]}. Use ZeroFabricStrategy(checkpoint='full') otherwise")
     return modules[0], (optimizers[0] if optimizers else (None, None))
+
+
+# -- the class, per Lightning package ([Note: one strategy source, two Lightning packages]) --------------------------
+@functools.cache
+def make_fabric_strategy(package: str = "lightning.fabric", module: str = __name__) -> type:
+    """The Fabric strategy over the base classes of ``package`` (``"lightning.fabric"`` or ``"lightning_fabric"``),
+    named as if defined in ``module`` (which exports it).  Cached: one class per package."""
+    names = fabric_names(package)
+
+    def build(name: str, body: type, base: type, **attrs: Any) -> type:
+        return type(name, (body, base), {"__module__": module, "__qualname__": name, "__doc__": body.__doc__,
+                                         "_lightning": names, "_fabric_names": names, **attrs})
+
+    sync_control = build("ZeroBackwardSyncControl", _ZeroBackwardSyncControl, names.BackwardSyncControl)
+    return build("ZeroFabricStrategy", _ZeroFabricStrategy, names.ParallelStrategy, _sync_control=sync_control)
+
+
+ZeroFabricStrategy = make_fabric_strategy()

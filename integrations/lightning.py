@@ -7,8 +7,10 @@
 
 The names are registered for the unified ``lightning`` package and, when installed, for the
 standalone ``pytorch_lightning`` / ``lightning_fabric`` packages, whose strategy base classes
-are distinct: there, the same source is loaded a second time against those packages (the way
-Lightning itself derives the standalone packages from one source tree).
+are distinct: their classes are built by the same factories over those packages' bases, in
+``_pytorch_lightning_strategy.py`` / ``_lightning_fabric_strategy.py`` (importable directly:
+``from zero_plugin.integrations._pytorch_lightning_strategy import ZeroStrategy``); see
+[Note: one strategy source, two Lightning packages] in ``_lightning_names.py``.
 
 ``register_strategies()`` is for launchers (``python -m zero_plugin.run``): with the names
 registered, ``PL_TRAINER_STRATEGY=zero3`` selects ZeRO in a script whose Trainer does not pass
@@ -20,8 +22,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
-from types import ModuleType
 from typing import Iterable, Optional
 
 from . import _lightning_common as common
@@ -39,46 +39,20 @@ __all__ = ["ZeroStrategy", "ZeroFabricStrategy", "ZeroPrecision", "ZeroSummary",
 
 PRESETS = common.PRESETS
 
-# (our module, its mirror's name, {unified package prefix: standalone package prefix})
+# standalone package -> (the module that builds its strategy class, that class's name)
 _STANDALONE = {
-    "pytorch_lightning": (f"{__package__}.lightning_strategy", f"{__package__}._pytorch_lightning_strategy",
-                          {"lightning.pytorch": "pytorch_lightning", "lightning.fabric": "lightning_fabric"}),
-    "lightning_fabric": (f"{__package__}.fabric_strategy", f"{__package__}._lightning_fabric_strategy",
-                         {"lightning.fabric": "lightning_fabric"}),
+    "pytorch_lightning": (f"{__package__}._pytorch_lightning_strategy", "ZeroStrategy"),
+    "lightning_fabric": (f"{__package__}._lightning_fabric_strategy", "ZeroFabricStrategy"),
 }
-
-
-def _mirror(source_module: str, mirror_name: str, renames: dict[str, str]) -> ModuleType:
-    """Load ``source_module``'s code again with its Lightning imports pointed at the standalone packages."""
-    if mirror_name in sys.modules:
-        return sys.modules[mirror_name]
-    spec = importlib.util.find_spec(source_module)
-    assert spec is not None and spec.origin is not None
-    with open(spec.origin, encoding="utf-8") as f:
-        code = f.read()
-    for unified, standalone in renames.items():
-        code = code.replace(f"{unified}.", f"{standalone}.").replace(f"import {unified} ", f"import {standalone} ")
-    module = ModuleType(mirror_name)
-    module.__file__ = spec.origin
-    module.__package__ = __package__
-    sys.modules[mirror_name] = module
-    try:
-        exec(compile(code, spec.origin, "exec"), module.__dict__)
-    except BaseException:
-        del sys.modules[mirror_name]
-        raise
-    return module
 
 
 def standalone_strategies(packages: Iterable[str] = tuple(_STANDALONE)) -> dict[str, type]:
     """``{"pytorch_lightning": ZeroStrategy, "lightning_fabric": ZeroFabricStrategy}`` for the installed ones."""
     out = {}
     for package in packages:
-        source, mirror, renames = _STANDALONE[package]
-        if importlib.util.find_spec(package) is None:
-            continue
-        module = _mirror(source, mirror, renames)
-        out[package] = module.ZeroStrategy if package == "pytorch_lightning" else module.ZeroFabricStrategy
+        module, name = _STANDALONE[package]
+        if importlib.util.find_spec(package) is not None:
+            out[package] = getattr(importlib.import_module(module), name)
     return out
 
 

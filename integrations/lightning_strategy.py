@@ -6,70 +6,67 @@ no ``_sync_module_states``: ``zp.setup`` broadcasts rank 0's weights); every ste
 through the module's ``__call__`` so that stage 3 gathers the root unit.  Presets, clipping,
 setup rules and the checkpoint layout live in ``_lightning_common.py``, shared with Fabric.
 
-Precision: Lightning's own plugin keeps the dtype side (``bf16-mixed`` autocast, ``*-true``
-casts); :class:`ZeroPrecision` wraps it to run the closure, clip the sharded gradients by
-their global norm, then step the engine.  ``16-mixed`` raises NotImplementedError.
+Precision: Lightning's own plugin keeps the dtype side (``16-mixed`` / ``bf16-mixed`` autocast,
+``*-true`` casts); :class:`ZeroPrecision` wraps it to run the closure, clip the sharded gradients
+by their global norm, then step the engine.  Under ``16-mixed`` it also stands in for the
+plugin's GradScaler with zero_plugin's synchronized loss scaler ([Note: fp16 one-flag mapping]
+in ``_loss_scaling.py``).
+
+The classes are written once as bodies (``_ZeroStrategy``, ``_ZeroPrecision``, the summaries) and
+built over one Lightning package's base classes by :func:`make_trainer_classes`: here for
+``lightning.pytorch``, in ``_pytorch_lightning_strategy.py`` for ``pytorch_lightning``
+([Note: one strategy source, two Lightning packages] in ``_lightning_names.py``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, NamedTuple, Optional, Union
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
-
-import lightning.pytorch as pl
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
-from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
-from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import zero_plugin as zp
 from zero_plugin.meta_init import meta_parameters
 
 from . import _lightning_common as common
-from ._lightning_exit import release_groups_at_exit
+from ._lightning_names import LightningNames, trainer_names
+from ._lightning_processes import ZeroProcesses
 
-__all__ = ["ZeroStrategy", "ZeroPrecision", "ZeroSummary", "ZeroModelSummary", "ZeroRichModelSummary"]
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.fabric.utilities.types import ReduceOp
+    from lightning.pytorch.plugins.precision import Precision
+
+__all__ = ["ZeroStrategy", "ZeroPrecision", "ZeroSummary", "ZeroModelSummary", "ZeroRichModelSummary",
+           "TrainerClasses", "make_trainer_classes"]
 
 log = logging.getLogger(__name__)
 
-# Lightning's plugins for the flags SUPPORTED_PRECISIONS lists; subclasses may change the step, so exact types.
-_WRAPPABLE = (Precision, DoublePrecision, HalfPrecision, MixedPrecision)
 
+class _ZeroPrecision:
+    """Lightning's precision plugin for dtypes and autocast; zero_plugin for the step, clipping and (16-mixed)
+    loss scaling.  ``scaler_settings``: the ZeroConfig fields that replace a 16-mixed plugin's GradScaler, or None."""
 
-class ZeroPrecision(Precision):
-    """Lightning's precision plugin for dtypes and autocast; zero_plugin for the step and clipping."""
+    _lightning: LightningNames   # set by make_trainer_classes, as every class body here
 
     def __init__(self, inner: Optional[Precision] = None) -> None:
-        inner = Precision() if inner is None else inner
-        if type(inner) not in _WRAPPABLE:
+        names = self._lightning
+        inner = names.Precision() if inner is None else inner
+        # Lightning's plugins for the flags SUPPORTED_PRECISIONS lists; subclasses may change the step: exact types.
+        if type(inner) not in (names.Precision, names.DoublePrecision, names.HalfPrecision, names.MixedPrecision):
             raise ValueError(f"ZeroStrategy: the precision plugin {type(inner).__name__} is not supported; use "
                              f"Trainer(precision=...) with one of {', '.join(common.SUPPORTED_PRECISIONS)}")
-        self.precision = common.check_precision(str(inner.precision), getattr(inner, "scaler", None) is not None)
-        self.inner = inner
+        self.precision = common.check_precision(str(inner.precision))
+        self.scaler_settings = common.loss_scaler_settings(inner)
+        self.inner = inner   # its GradScaler (16-mixed) is never called: the engine's scaler replaces it
 
     # -- dtypes: Lightning's plugin ------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -90,14 +87,23 @@ class ZeroPrecision(Precision):
     def convert_output(self, data: Any) -> Any:
         return self.inner.convert_output(data)
 
-    # -- step and clipping: the engine -------------------------------------------------------
+    # -- loss scaling, step and clipping: the engine ------------------------------------------------
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
+        """16-mixed: scale the loss, as MixedPrecision does with its GradScaler (callbacks see the scaled loss)."""
+        return super().pre_backward(common.scale_loss([module], tensor), module)
+
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Closure (forward + backward; reduction completes at the end of backward), clip, engine step."""
+        """Closure (forward + backward; reduction completes at the end of backward), unscale (16-mixed), clip,
+        engine step.  The engine skips the step on every rank when any rank saw an inf/NaN gradient and returns
+        None then, as ``GradScaler.step`` does; Lightning counts the step and steps schedulers either way."""
         closure_result = closure()
+        common.unscale(optimizer)   # before on_before_optimizer_step and clipping, as MixedPrecision unscales
         self._after_closure(model, optimizer)
-        if isinstance(model, pl.LightningModule) and model.automatic_optimization and closure_result is None:
-            raise MisconfigurationException("ZeroStrategy: skipping backward by returning None from training_step is "
-                                            "not supported (every rank must take part in every step)")
+        names = self._lightning
+        if isinstance(model, names.LightningModule) and model.automatic_optimization and closure_result is None:
+            raise names.MisconfigurationException("ZeroStrategy: skipping backward by returning None from "
+                                                  "training_step is not supported (every rank must take part in "
+                                                  "every step)")
         return optimizer.step(**kwargs)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
@@ -107,7 +113,7 @@ class ZeroPrecision(Precision):
         common.clip_grad_value(optimizer, clip_val)
 
 
-class ZeroStrategy(ParallelStrategy):
+class _ZeroStrategy(ZeroProcesses):
     """ZeRO stages 0-3 (zero_plugin) for the Lightning Trainer.
 
     Args:
@@ -126,12 +132,15 @@ class ZeroStrategy(ParallelStrategy):
     """
 
     strategy_name = "zero"
+    _lightning: LightningNames
+    _zero: TrainerClasses
+    _resets_seed = True   # as DDPStrategy (ZeroProcesses.setup_environment)
 
     def __init__(
         self,
         config: Union[zp.ZeroConfig, str, Mapping, None] = None,
         checkpoint: Literal["sharded", "full"] = "sharded",
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        accelerator: Optional[pl.accelerators.Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -144,46 +153,32 @@ class ZeroStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self.config = common.resolve_config(config)
-        self.param_source = param_source
-        self.meta_init = bool(meta_init)
-        self._checkpoint = common.check_checkpoint_mode(checkpoint)
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._hinted = False   # common.LOAD_HINT logged
+        self._set_options(config, checkpoint, param_source, meta_init, process_group_backend, timeout)
         self.num_nodes = 1
 
     # -- precision: always our wrapper ------------------------------------------------------------
     @property
-    def precision_plugin(self) -> ZeroPrecision:
+    def precision_plugin(self) -> _ZeroPrecision:
         if self._precision_plugin is None:
-            self._precision_plugin = ZeroPrecision()
+            self._precision_plugin = self._zero.ZeroPrecision()
         return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        if plugin is not None and not isinstance(plugin, ZeroPrecision):
-            plugin = ZeroPrecision(plugin)
+        if plugin is not None and not isinstance(plugin, self._zero.ZeroPrecision):
+            plugin = self._zero.ZeroPrecision(plugin)
         self._precision_plugin = plugin
 
-    # -- processes -----------------------------------------------------------------------------------
     @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+    def engine_config(self) -> zp.ZeroConfig:
+        """``config`` as the engine runs it: loss scaling on under 16-mixed, whose GradScaler it replaces."""
+        return common.engine_config(self.config, self.precision_plugin.scaler_settings)
 
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
+    # -- processes (root_device, setup_environment, ranks: ZeroProcesses) -----------------------------
     @property
     def is_distributed(self) -> bool:
         # Read by the connector for custom strategies: turns on the DistributedSampler.
         return True
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -196,45 +191,24 @@ class ZeroStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        # As DDPStrategy.setup_distributed: back to seed_everything's seed, so that dropout masks and data made in
-        # train_dataloader() do not depend on what building the model drew (Fabric's DDP does not reset).
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = (self._process_group_backend
-                                       or _get_default_process_group_backend_for_device(self.root_device))
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        creates_group = not _distributed_is_initialized()
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id)
-        if creates_group:   # [Note: gloo at interpreter exit] in _lightning_exit.py
-            release_groups_at_exit(self._timeout)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+            self._launcher = self._lightning.SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                                      self.num_nodes)
 
     # -- model and optimizer ---------------------------------------------------------------------------
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        _use_full_count_summaries(trainer)
+        _use_full_count_summaries(trainer, self._lightning, self._zero)
         module = self.lightning_module
         if not common.is_set_up(module):
             self.model = self.precision_plugin.convert_module(module)
             self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == self._lightning.TrainerFn.FITTING:
             with common.full_parameters(module):   # configure_optimizers after an earlier setup
                 self.setup_optimizers(trainer)
-            self.optimizers = [common.shard(module, self.optimizers, self.config, self.param_source)]
+            self.optimizers = [common.shard(module, self.optimizers, self.engine_config, self.param_source)]
         else:
-            common.shard_for_inference(module, self.config, self.param_source)
+            common.shard_for_inference(module, self.engine_config, self.param_source)
         self.model = module
         self.setup_precision_plugin()
 
@@ -288,27 +262,10 @@ class ZeroStrategy(ParallelStrategy):
         assert module is not None
         return self._forward_redirection(module, module, method, *args, **kwargs)
 
-    # -- collectives ----------------------------------------------------------------------------------------
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
+    # -- collectives (barrier, broadcast: ZeroProcesses) ----------------------------------------------------
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._reduce_tensor(tensor, group, reduce_op)
 
     # -- state and checkpoints ----------------------------------------------------------------------------
     def _sharded_files(self) -> bool:
@@ -344,14 +301,14 @@ class ZeroStrategy(ParallelStrategy):
                             write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file))
         if not self._hinted:
             self._hinted = True
-            rank_zero_info(common.LOAD_HINT.format(path=path))
+            self._lightning.rank_zero_info(common.LOAD_HINT.format(path=path))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load into the sharded module (and, when fitting, the optimizer); return the rest for Lightning."""
         module = self.lightning_module
         assert module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
-        fitting = module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        fitting = module._trainer is not None and module.trainer.state.fn == self._lightning.TrainerFn.FITTING
         optimizer = self.optimizers[0] if fitting and self.optimizers else None
         if common.is_sharded_checkpoint(path):
             common.load_sharded(path, module, optimizer)
@@ -381,7 +338,9 @@ def _full_numel(module: nn.Module) -> Callable[[nn.Parameter], int]:
     return engine.full_numel if engine is not None else (lambda p: p.numel())
 
 
-class _FullCountLayerSummary(LayerSummary):
+class _FullCountLayerSummary:
+    """Lightning's LayerSummary, counting each stage-3 parameter at its full size."""
+
     def __init__(self, module: nn.Module, numel: Callable[[nn.Parameter], int]) -> None:
         super().__init__(module)
         self._numel = numel
@@ -391,19 +350,22 @@ class _FullCountLayerSummary(LayerSummary):
         return sum(self._numel(p) for p in self._module.parameters())
 
 
-class ZeroSummary(Summary):
+class _ZeroSummary:
     """Lightning's ModelSummary, counting each stage-3 parameter at its full size, not its shard's."""
 
-    def __init__(self, model: "pl.LightningModule", max_depth: int = 1) -> None:
+    _zero: TrainerClasses
+
+    def __init__(self, model: pl.LightningModule, max_depth: int = 1) -> None:
         self._numel = _full_numel(model)
         super().__init__(model, max_depth=max_depth)
 
-    def summarize(self) -> dict[str, LayerSummary]:
-        summary = OrderedDict((name, _FullCountLayerSummary(m, self._numel)) for name, m in self.named_modules)
+    def summarize(self) -> dict[str, Any]:
+        layer = self._zero.FullCountLayerSummary
+        summary = OrderedDict((name, layer(m, self._numel)) for name, m in self.named_modules)
         if self._model.example_input_array is not None:
             self._forward_example_input()
-        for layer in summary.values():
-            layer.detach_hook()
+        for each in summary.values():
+            each.detach_hook()
         if self._max_depth >= 1:
             for name in [k for k in summary if k.count(".") >= self._max_depth]:
                 del summary[name]
@@ -419,25 +381,59 @@ class ZeroSummary(Summary):
 
 
 class _FullCountSummaryMixin:
-    def _summary(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Summary:
-        return ZeroSummary(pl_module, max_depth=self._max_depth)
+    """The (Rich)ModelSummary callback with full parameter counts (installed automatically by ZeroStrategy)."""
+
+    _zero: TrainerClasses
+
+    def _summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+        return self._zero.ZeroSummary(pl_module, max_depth=self._max_depth)
 
 
-class ZeroModelSummary(_FullCountSummaryMixin, ModelSummary):
-    """The ModelSummary callback with full parameter counts (installed automatically by ZeroStrategy)."""
-
-
-class ZeroRichModelSummary(_FullCountSummaryMixin, RichModelSummary):
-    """The RichModelSummary callback with full parameter counts (installed automatically by ZeroStrategy)."""
-
-
-def _use_full_count_summaries(trainer: "pl.Trainer") -> None:
+def _use_full_count_summaries(trainer: pl.Trainer, names: LightningNames, zero: TrainerClasses) -> None:
     """Swap Lightning's stock summary callbacks (its default included) for the full-count ones.
 
     Lightning special-cases only DeepSpeed in ``ModelSummary._summary``; there is no strategy hook.
     """
-    replacements = {ModelSummary: ZeroModelSummary, RichModelSummary: ZeroRichModelSummary}
+    replacements = {names.ModelSummary: zero.ZeroModelSummary, names.RichModelSummary: zero.ZeroRichModelSummary}
     for i, callback in enumerate(trainer.callbacks):
         new_cls = replacements.get(type(callback))
         if new_cls is not None:
             trainer.callbacks[i] = new_cls(callback._max_depth, **callback._summarize_kwargs)
+
+
+# -- the classes, per Lightning package ([Note: one strategy source, two Lightning packages]) ------------------------
+class TrainerClasses(NamedTuple):
+    ZeroStrategy: type
+    ZeroPrecision: type
+    ZeroSummary: type
+    ZeroModelSummary: type
+    ZeroRichModelSummary: type
+    FullCountLayerSummary: type
+
+
+@functools.cache
+def make_trainer_classes(package: str = "lightning.pytorch", fabric: str = "lightning.fabric",
+                         module: str = __name__) -> TrainerClasses:
+    """The Trainer strategy's classes over the base classes of ``package`` (``"lightning.pytorch"`` or
+    ``"pytorch_lightning"``) and its Fabric (``"lightning.fabric"`` / ``"lightning_fabric"``), named as if defined
+    in ``module`` (which exports them).  Cached: one class per package, so registration stays idempotent."""
+    names = trainer_names(package, fabric)
+
+    def build(name: str, body: type, base: type) -> type:
+        return type(name, (body, base), {"__module__": module, "__qualname__": name, "__doc__": body.__doc__,
+                                         "_lightning": names, "_fabric_names": names.fabric})
+
+    zero = TrainerClasses(
+        ZeroStrategy=build("ZeroStrategy", _ZeroStrategy, names.ParallelStrategy),
+        ZeroPrecision=build("ZeroPrecision", _ZeroPrecision, names.Precision),
+        ZeroSummary=build("ZeroSummary", _ZeroSummary, names.Summary),
+        ZeroModelSummary=build("ZeroModelSummary", _FullCountSummaryMixin, names.ModelSummary),
+        ZeroRichModelSummary=build("ZeroRichModelSummary", _FullCountSummaryMixin, names.RichModelSummary),
+        FullCountLayerSummary=build("FullCountLayerSummary", _FullCountLayerSummary, names.LayerSummary))
+    for cls in zero:
+        cls._zero = zero
+    return zero
+
+
+ZeroStrategy, ZeroPrecision, ZeroSummary, ZeroModelSummary, ZeroRichModelSummary, FullCountLayerSummary = (
+    make_trainer_classes())

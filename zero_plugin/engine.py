@@ -85,6 +85,7 @@ class Engine:
         # backward (after_backward) reset it.
         self.step_grad_norm: float | None = None   # global norm from clip_grad_norm_, reused by the inf/NaN check
         self.grads_unscaled = False                # fp16: the owned gradients were divided by the loss scale
+        self.step_nonfinite: bool | None = None    # fp16: the inf/NaN answer taken before clamping could hide it
 
     # -- step ---------------------------------------------------------------
     def before_step(self, blocked: bool = False) -> None:
@@ -125,6 +126,7 @@ class Engine:
         ([Note: per-step state]).  A cached norm is dropped (the step's inf/NaN check looks again); fp16
         gradients already divided by the loss scale cannot be mixed with newly scaled ones."""
         self.step_grad_norm = None
+        self.step_nonfinite = None
         if self.grads_unscaled:
             self.grads_unscaled = False
             raise RuntimeError(
@@ -136,6 +138,7 @@ class Engine:
         """[Note: per-step state]"""
         self.step_grad_norm = None
         self.grads_unscaled = False
+        self.step_nonfinite = None
 
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
         raise NotImplementedError

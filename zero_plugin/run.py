@@ -92,7 +92,8 @@ def _lightning_registrar(package: str) -> Callable[[], None]:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``callback`` right after module ``name`` is executed (transformers imports it lazily)."""
+    """Runs ``callback`` right after module ``name`` is executed (transformers imports it lazily).  It finds the
+    module's own spec and hands it back with its loader wrapped in :class:`_ThenCall`; no code is changed."""
 
     def __init__(self, name: str, callback: Callable[[], None]) -> None:
         self.name, self.callback = name, callback
@@ -102,16 +103,25 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module, callback = spec.loader.exec_module, self.callback
-
-        def exec_then_patch(module):
-            exec_module(module)
-            callback()
-
-        spec.loader.exec_module = exec_then_patch
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenCall(spec.loader, self.callback)
         return spec
+
+
+class _ThenCall(importlib.abc.Loader):
+    """The module's loader, then ``callback``; the module keeps the real loader as ``__loader__``."""
+
+    def __init__(self, loader: importlib.abc.Loader, callback: Callable[[], None]) -> None:
+        self.loader, self.callback = loader, callback
+
+    def create_module(self, spec):
+        create = getattr(self.loader, "create_module", None)   # optional for loaders (PEP 451)
+        return None if create is None else create(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        self.callback()
 
 
 def _after_import(name: str, callback: Callable[[], None]) -> None:

@@ -18,6 +18,7 @@ GROWTH_INTERVAL = 2
 STEPS = 8
 PER_RANK_BATCH = 2
 CLIP = 1.0
+CLIP_VALUE = 0.01   # clip="value": elementwise, so exact on shards; a clamp must not hide an overflow's inf
 
 
 def _batches(steps: int = STEPS) -> list:
@@ -42,8 +43,8 @@ def _accelerator(config, **kwargs):
     return Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[handler], zero_plugin=config, **kwargs)
 
 
-def accelerate_fp16_run(stage: int, param_dtype: str | None = None) -> dict:
-    """The usual Accelerate loop with clipping and a scheduler prepared with the optimizer."""
+def accelerate_fp16_run(stage: int, param_dtype: str | None = None, clip: str = "norm") -> dict:
+    """The usual Accelerate loop with clipping (by ``clip``) and a scheduler prepared with the optimizer."""
     import zero_plugin as zp
 
     accelerator = _accelerator(zp.ZeroConfig(stage=stage, param_dtype=param_dtype))
@@ -55,7 +56,10 @@ def accelerate_fp16_run(stage: int, param_dtype: str | None = None) -> dict:
     for batch in _batches():
         loss = models.loss_fn(model, models.shard_batch(batch, rank, world))
         accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), CLIP)
+        if clip == "norm":
+            accelerator.clip_grad_norm_(model.parameters(), CLIP)
+        else:
+            accelerator.clip_grad_value_(model.parameters(), CLIP_VALUE)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -69,7 +73,7 @@ def accelerate_fp16_run(stage: int, param_dtype: str | None = None) -> dict:
             "loss_scale": float(optimizer.optimizer.loss_scale)}
 
 
-def ddp_grad_scaler_run() -> dict:
+def ddp_grad_scaler_run(clip: str = "norm") -> dict:
     """The reference: DDP, fp32 parameters, autocast fp16 and torch's GradScaler, as Accelerate does on a GPU.
     The scheduler steps as Accelerate's AcceleratedScheduler steps it: only after a step the scaler took, and
     then once per process (batches are not split)."""
@@ -87,7 +91,10 @@ def ddp_grad_scaler_run() -> dict:
             loss = models.loss_fn(ddp, models.shard_batch(batch, rank, world)).float()
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if clip == "norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        else:
+            torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)
         before = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()

@@ -343,16 +343,10 @@ def env_strategy_worker() -> dict:
 
 def errors_worker() -> dict:
     """The messages of configurations the integration refuses."""
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    from zero_plugin.integrations.lightning import ZeroPrecision, ZeroStrategy
+    from zero_plugin.integrations.lightning import ZeroStrategy
 
     out = {}
     with lightning_ranks(), tempfile.TemporaryDirectory() as root:
-        try:
-            ZeroPrecision(MixedPrecision("16-mixed", "cpu"))
-        except NotImplementedError as exc:
-            out["fp16"] = str(exc)
         try:
             ZeroStrategy(config="zero4")
         except ValueError as exc:

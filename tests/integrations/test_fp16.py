@@ -7,7 +7,7 @@ zero_plugin's synchronized loss scaler ([Note: fp16 one-flag mapping] in ``integ
 So the skipped steps must be the same, step for step, and the losses and weights differ only by the order in
 which fp32 gradients are summed over ranks: 1e-5 relative.
 
-Lightning's ``precision="16-mixed"`` stays refused by ``ZeroStrategy`` (tested in ``test_lightning.py``).
+Lightning's ``precision="16-mixed"`` takes the same path: ``test_lightning_fp16.py``.
 """
 from __future__ import annotations
 
@@ -52,6 +52,27 @@ def test_accelerate_fp16_skips_and_trains_like_ddp_grad_scaler(stage, ddp_refere
         assert got[rank]["loss_scale"] == ref[rank]["loss_scale"]
     assert got[0]["param_dtypes"] == ["torch.float32"]   # parameters stay fp32, as under Accelerate + DDP
     assert _max_weight_diff(got[0]["state"], ref[0]["state"]) < WEIGHT_ATOL
+
+
+@pytest.fixture(scope="module")
+def ddp_value_clip_reference():
+    ref = run_ranks(2, fw.ddp_grad_scaler_run, "value")
+    assert any(ref[0]["skipped"]) and not all(ref[0]["skipped"]), ref[0]["skipped"]
+    return ref
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_accelerate_fp16_clip_by_value_skips_as_ddp(stage, ddp_value_clip_reference):
+    """``clip_grad_value_`` under fp16: the skips are DDP's, and elementwise clipping makes the run DDP's bit for
+    bit.  (Here the overflows reach the gradients as NaN, which a clamp keeps; an inf that the clamp would make
+    finite must still skip the step, which ``test_lightning_fp16.py``'s Trainer runs show: they fail without
+    ``GradGuard.check_before_clamp``.)"""
+    ref = ddp_value_clip_reference
+    got = run_ranks(2, fw.accelerate_fp16_run, stage, None, "value")
+    for rank in range(2):
+        assert got[rank]["skipped"] == ref[rank]["skipped"], (rank, got[rank]["skipped"], ref[rank]["skipped"])
+        assert got[rank]["losses"] == ref[rank]["losses"] and got[rank]["loss_scale"] == ref[rank]["loss_scale"]
+    assert _max_weight_diff(got[0]["state"], ref[0]["state"]) == 0.0
 
 
 def test_fp16_parameters_stay_an_explicit_opt_in(ddp_reference):

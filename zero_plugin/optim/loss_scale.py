@@ -54,6 +54,8 @@ class GradGuard:
         without communicating.  Otherwise one fp32 sum per gradient (a single read pass; an inf or NaN
         anywhere makes the sum non-finite) and an all-reduce of one flag.
         """
+        if self.engine.step_nonfinite is not None:
+            return self.engine.step_nonfinite
         norm = self.engine.step_grad_norm
         if norm is not None:
             return not math.isfinite(norm)
@@ -67,6 +69,14 @@ class GradGuard:
             flag.fill_(1.0)
         self.engine.comm.all_reduce(flag, op="max", tag="nonfinite-check")
         return bool(flag.item())
+
+    def check_before_clamp(self) -> None:
+        """Loss scaling: unscale and take this step's inf/NaN answer now (collective, once per step), before
+        clipping by value turns an inf into a finite value the step's check would miss.  torch's GradScaler
+        likewise records infs when it unscales, so a clamped overflow still skips the step as under DDP."""
+        if self.scaling:
+            self.unscale()
+            self.engine.step_nonfinite = self.found_nonfinite()
 
     def should_step(self) -> bool:
         """Unscale, check every rank, update the scale; False means skip this step on every rank."""

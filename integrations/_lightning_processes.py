@@ -1,0 +1,94 @@
+"""What both ZeRO strategies share beyond ``_lightning_common.py``: their own constructor options, ranks, the
+process group, and the collectives Lightning asks a strategy for (as Lightning's DDP strategies provide them).
+
+A mixin over either package's ``ParallelStrategy``, reaching Lightning only through ``self._fabric_names``
+([Note: one strategy source, two Lightning packages] in ``_lightning_names.py``)."""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+from . import _lightning_common as common
+from ._lightning_exit import release_groups_at_exit
+from ._lightning_names import LightningNames
+
+__all__ = ["ZeroProcesses"]
+
+
+class ZeroProcesses:
+    """Ranks and the process group of a strategy whose ``_fabric_names`` are set by its factory."""
+
+    _fabric_names: LightningNames
+    _resets_seed = False   # the Trainer strategy: as DDPStrategy, back to seed_everything's seed at setup
+
+    def _set_options(self, config: Any, checkpoint: str, param_source: Any, meta_init: bool,
+                     process_group_backend: Optional[str], timeout: Optional[timedelta]) -> None:
+        """The constructor arguments both strategies take beyond Lightning's own (see ``ZeroStrategy``)."""
+        self.config = common.resolve_config(config)
+        self.param_source = param_source
+        self.meta_init = bool(meta_init)
+        self._checkpoint = common.check_checkpoint_mode(checkpoint)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._hinted = False   # common.LOAD_HINT logged
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        names = self._fabric_names
+        if self._resets_seed:
+            # As DDPStrategy.setup_distributed: dropout masks and data made in train_dataloader() do not depend
+            # on what building the model drew (Fabric's DDP does not reset).
+            names.reset_seed()
+        self._set_world_ranks()
+        self._process_group_backend = (self._process_group_backend
+                                       or names.default_process_group_backend_for_device(self.root_device))
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        creates_group = not names.distributed_is_initialized()
+        names.init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                                   device_id=device_id)
+        if creates_group:   # [Note: gloo at interpreter exit] in _lightning_exit.py
+            release_groups_at_exit(self._timeout)
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        self._fabric_names.rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self._fabric_names.distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self._fabric_names.distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=self._fabric_names.group.WORLD)
+        return box[0]
+
+    def _reduce_tensor(self, tensor: Union[Tensor, Any], group: Optional[Any], reduce_op: Any) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return self._fabric_names.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
