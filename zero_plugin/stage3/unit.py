@@ -1,22 +1,26 @@
 """A stage-3 unit: parameters gathered, released and reduced together.
 
-Pipelines (one collective per dtype present in the unit):
+Pipelines (one collective per dtype present in the unit), in the layouts of [Note: collective layouts]
+in ``zero_plugin/comm_layout.py``:
   unshard:      copy_in (local shards) -> all_gather (async) -> [wait] -> copy_out (to_unsharded)
   reduce_grads: copy_in (full grads, padded) -> reduce_scatter (async) -> [wait] -> accumulate shard grads
 In the buffered layout (NCCL) each pipeline runs on a side stream ([Note: side streams] in
 ``zero_plugin/streams.py``); the compute stream waits for it only before the result is used, and buffers
 go back to the pool (and full gradients are let go) only after that wait.
+
+[Note: gather tag]
+In the buffered layout every all-gather also carries its unit's index (``_TAG`` trailing elements per
+rank), a second line of defence behind [Note: collective order] (``order.py``) that costs nothing extra on
+the wire: a rank that receives another unit's index raises instead of computing on mixed weights.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from .._flat import copy_padded_rows
+from .. import comm_layout
 from ..collectives import Comm
 from ..streams import NO_STREAMS, StreamSet
 from .order import OrderGuard
@@ -25,26 +29,13 @@ from .pool import BufferPool
 
 __all__ = ["Unit", "BackwardState"]
 
-_TAG = 2   # elements appended to each rank's all-gather input: the unit's index (see _check_tags)
+_TAG = 2   # elements appended to each rank's all-gather input: the unit's index ([Note: gather tag])
 
 
 class BackwardState(enum.Enum):
     IDLE = "idle"                  # no backward of this unit in flight
     PRE_BACKWARD = "pre_backward"  # gathered for backward, gradients pending
     POST_BACKWARD = "post_backward"  # the unit's backward ops finished (inputs' grads computed)
-
-
-@dataclass(eq=False)
-class _Pending:
-    """One in-flight collective with the buffers it needs until completion."""
-
-    params: list[ShardedParam]
-    offsets: list[int]
-    width: int
-    output: torch.Tensor
-    work: Any
-    buffer: Any = None   # input buffer, or the full gradients reduced in place
-    sources: list | None = None   # full gradients a side stream reads: alive until the compute stream waited
 
 
 class Unit:
@@ -67,7 +58,7 @@ class Unit:
         self.ready: set[int] = set()          # id(param) of trainable params whose grad is final
         self.reduced = False                  # this backward's reduce-scatter was launched
         self.wrapped_inputs = False           # a post-backward hook sits on this forward's inputs
-        self._gather: list[_Pending] = []
+        self._gather: list[comm_layout.InPlaceGather | comm_layout.BufferedGather] = []
         self.guard: OrderGuard | None = None   # set by the runtime: [Note: collective order]
 
     def __repr__(self) -> str:
@@ -96,38 +87,22 @@ class Unit:
             self.wait_unshard()
 
     def _gather_in_place(self) -> None:
-        """gloo: every rank's region is broadcast straight into the unsharded tensors ([Note: in-place
-        region gather] in collectives.py)."""
-        regions: list[list[torch.Tensor]] = [[] for _ in range(self.comm.world_size)]
-        opened = []
-        for sp in self.params:
-            if sp.layout.numel:
-                flat = sp.open_unsharded()
-                opened.append(sp)
-                for r, views in enumerate(regions):
-                    lo, hi = sp.layout.bounds(r)
-                    views.append(flat[lo:hi])
-        work = self.comm.gather_regions(regions, async_op=True, tag=self.name)
-        self._gather.append(_Pending(opened, [], 0, None, work))
+        """gloo: every rank's region is broadcast straight into the unsharded tensors."""
+        opened = [sp for sp in self.params if sp.layout.numel]
+        flats = [sp.open_unsharded() for sp in opened]
+        self._gather.append(comm_layout.gather_in_place(self.comm, opened, flats, tag=self.name))
 
     def _gather_buffered(self) -> None:
-        n = self.comm.world_size
         with self.streams.gather():   # after the compute stream's writes to the shards (the last step)
             for dtype, group in _by_dtype(self.params, lambda sp: sp.unsharded.dtype).items():
-                offsets, width = _offsets(group)
-                device = group[0].unsharded.device
-                inp = self.pool.take(width + _TAG, dtype, device)
-                for sp, off in zip(group, offsets):
-                    sp.copy_local_into(inp[off: off + sp.layout.shard_numel])
-                inp[width:] = torch.tensor(self._tag(), dtype=dtype)
-                out = self.pool.take(n * (width + _TAG), dtype, device)
-                work = self.comm.all_gather(out, inp, async_op=True, tag=self.name)
-                self._gather.append(_Pending(group, offsets, width, out, work, inp))
+                self._gather.append(comm_layout.gather_buffered(
+                    self.comm, group, dtype, group[0].unsharded.device, ShardedParam.copy_local_into,
+                    self.pool, trailer=self._tag(), tag=self.name))
 
     @torch.no_grad()
     def wait_unshard(self) -> None:
         pending, self._gather = self._gather, []
-        if pending and pending[0].output is None:
+        if pending and isinstance(pending[0], comm_layout.InPlaceGather):
             self._expose_in_place(pending[0])
         elif pending:
             self._copy_out(pending)
@@ -136,34 +111,31 @@ class Unit:
                 sp.to_unsharded(torch.empty(self.comm.world_size, 0, dtype=sp.unsharded.dtype))
         self.state = ShardedState.UNSHARDED
 
-    def _expose_in_place(self, p: _Pending) -> None:
-        self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
-        for sp in p.params:
+    def _expose_in_place(self, pending: comm_layout.InPlaceGather) -> None:
+        pending.wait(f"all-gather of unit {self.name!r}")
+        for sp in pending.members:
             sp.expose()
 
-    def _copy_out(self, pending: list[_Pending]) -> None:
+    def _copy_out(self, pending: list[comm_layout.BufferedGather]) -> None:
         """Buffered layout: copy-out on the gather stream, then the compute stream waits for it before the
         parameters are used; buffers return to the pool only after that wait ([Note: side streams])."""
         with self.streams.gather():
             for p in pending:
-                self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
-                rows = p.output.view(self.comm.world_size, p.width + _TAG)
-                self._check_tags(rows[:, p.width:])
-                for sp, off in zip(p.params, p.offsets):
-                    sp.to_unsharded(rows[:, off: off + sp.layout.shard_numel])
+                rows = p.wait(f"all-gather of unit {self.name!r}")
+                self._check_tags(p.trailing(rows))
+                for sp, columns in p.columns(rows):
+                    sp.to_unsharded(columns)
             copied = self.streams.record()
         self.streams.wait(copied)
         for p in pending:
-            self.pool.give(p.buffer)
-            self.pool.give(p.output)
+            p.release()
 
     def _tag(self) -> tuple[int, int]:
         # Exact in every float dtype (values <= 129), unique per unit index.
         return (self.index // 128 + 1, self.index % 128 + 1)
 
     def _check_tags(self, tags: torch.Tensor) -> None:
-        """Buffered layout: every gather also carries its unit's index, a second line of defence behind
-        [Note: collective order] (order.py) that costs nothing extra on the wire."""
+        """[Note: gather tag]: every rank's trailing elements must be this unit's index."""
         if self.comm.backend == "fake":
             return   # torch's fake process group (memory planning) moves no data
         expected = torch.tensor(self._tag(), dtype=tags.dtype, device=tags.device)
@@ -192,80 +164,24 @@ class Unit:
         return len(self.ready) >= len(self.trainable)
 
     @torch.no_grad()
-    def reduce_grads(self) -> list[_Pending]:
-        """Launch the reduce-scatter of this unit's full grads (missing ones count as zeros)."""
+    def reduce_grads(self) -> list[comm_layout.InPlaceReduce | comm_layout.BufferedReduce]:
+        """Launch the reduce-scatter of this unit's full grads (missing ones count as zeros); the full
+        gradients are let go (the records hold them until the reductions complete)."""
         self.reduced = True
+        groups = _by_dtype(self.trainable, lambda sp: self.reduce_dtype or sp.unsharded.dtype)
         if self.reduce_comm.gathers_regions_in_place:
-            return self._reduce_in_place()
-        launched = []
-        grad_dtype = lambda sp: self.reduce_dtype or sp.unsharded.dtype  # noqa: E731
+            return [comm_layout.reduce_in_place(self.reduce_comm, group, dtype, group[0].unsharded.device,
+                                                release_grads=True, tag=self.name)
+                    for dtype, group in groups.items()]
         with self.streams.reduce():   # after the compute stream's backward wrote the gradients
-            for dtype, group in _by_dtype(self.trainable, grad_dtype).items():
-                launched.append(self._launch_reduce_scatter(dtype, group))
-        return launched
-
-    def _launch_reduce_scatter(self, dtype: torch.dtype, group: list[ShardedParam]) -> _Pending:
-        n = self.reduce_comm.world_size
-        offsets, width = _offsets(group)
-        k = len(group)
-        buf = self.pool.take(n * (width + k), dtype, group[0].unsharded.device).view(n, width + k)
-        sources = []
-        for i, (sp, off) in enumerate(zip(group, offsets)):
-            grad = sp.param.grad
-            copy_padded_rows(buf[:, off: off + sp.layout.shard_numel],
-                             None if grad is None else grad.reshape(-1), sp.layout)
-            buf[:, width + i] = float(grad is not None)   # see [Note: unused parameters] in grads/reducer.py
-            if grad is not None:
-                sources.append(grad)
-            sp.param.grad = None
-        out = self.pool.take(width + k, dtype, buf.device)
-        work = self.reduce_comm.reduce_scatter(out, buf.view(-1), async_op=True, tag=self.name)
-        # The reduce stream may still be reading the gradients: they stay referenced until the compute
-        # stream waited for it (complete_reduce), or the allocator could hand their memory to new work.
-        return _Pending(group, offsets, width, out, work, buf, sources if self.streams.overlaps else None)
-
-    def _reduce_in_place(self) -> list[_Pending]:
-        """gloo: sum every full gradient in place (no rank-major buffer) and keep this rank's region;
-        one small all-reduce carries the "has a gradient" flags."""
-        launched = []
-        grad_dtype = lambda sp: self.reduce_dtype or sp.unsharded.dtype  # noqa: E731
-        for dtype, group in _by_dtype(self.trainable, grad_dtype).items():
-            grads, present = [], []
-            for sp in group:
-                grad = sp.param.grad
-                present.append(float(grad is not None))
-                if grad is None:
-                    grad = torch.zeros(sp.layout.numel, dtype=dtype, device=sp.unsharded.device)
-                grads.append(grad.reshape(-1).to(dtype))
-                sp.param.grad = None
-            flags = torch.tensor(present, dtype=torch.float32)
-            work = self.reduce_comm.reduce_in_place(grads, flags, async_op=True, tag=self.name)
-            launched.append(_Pending(group, [], 0, flags, work, grads))
-        return launched
+            return [comm_layout.reduce_buffered(self.reduce_comm, group, dtype, group[0].unsharded.device,
+                                                release_grads=True, buffers=self.pool, streams=self.streams,
+                                                tag=self.name)
+                    for dtype, group in groups.items()]
 
     @torch.no_grad()
-    def complete_reduce(self, pending: _Pending) -> None:
-        what = f"reduce-scatter of unit {self.name!r}"
-        if isinstance(pending.buffer, list):   # reduced in place: pending.output holds the flags
-            self.reduce_comm.wait(pending.work, what)
-            n = self.reduce_comm.world_size
-            for sp, grad, has_grad in zip(pending.params, pending.buffer, pending.output.tolist()):
-                if has_grad:
-                    region = sp.layout.local_view(grad)
-                    sp.accumulate_grad(region.div_(n))
-            return
-        with self.streams.reduce():   # waiting here makes the reduce stream (not compute) wait for NCCL
-            self.reduce_comm.wait(pending.work, what)
-            present = pending.output[pending.width:].tolist()
-            pending.output.div_(self.reduce_comm.world_size)
-            for sp, off, has_grad in zip(pending.params, pending.offsets, present):
-                if has_grad:
-                    sp.accumulate_grad(pending.output[off: off + sp.layout.local_numel])
-            reduced = self.streams.record()
-        self.streams.wait(reduced)   # [Note: side streams]: only now may the memory be reused
-        pending.sources = None
-        self.pool.give(pending.buffer)
-        self.pool.give(pending.output)
+    def complete_reduce(self, pending: comm_layout.InPlaceReduce | comm_layout.BufferedReduce) -> None:
+        pending.complete(f"reduce-scatter of unit {self.name!r}", ShardedParam.accumulate_grad)
 
     def reset_backward(self) -> None:
         self.ready.clear()
@@ -281,10 +197,3 @@ def _by_dtype(params: list[ShardedParam], key) -> dict[torch.dtype, list[Sharded
             groups.setdefault(key(sp), []).append(sp)
     return groups
 
-
-def _offsets(group: list[ShardedParam]) -> tuple[list[int], int]:
-    offsets, width = [], 0
-    for sp in group:
-        offsets.append(width)
-        width += sp.layout.shard_numel
-    return offsets, width
