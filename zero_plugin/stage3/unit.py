@@ -8,6 +8,22 @@ In the buffered layout (NCCL) each pipeline runs on a side stream ([Note: side s
 ``zero_plugin/streams.py``); the compute stream waits for it only before the result is used, and buffers
 go back to the pool (and full gradients are let go) only after that wait.
 
+[Note: unit transitions]
+The runtime's hooks (``hooks.py``) tell a unit where the step is; the unit decides what that means for it:
+  * ``pre_forward``: gathered (waiting for a prefetch in flight);
+  * ``post_forward``: released, unless a backward follows and either ``reshard_after_forward`` is off or
+    backward needs the unit first (the last unit of the forward, [Note: last unit kept] in ``hooks.py``;
+    the root, [Note: root unit]);
+  * ``pre_backward`` (an output got its gradient): IDLE -> PRE_BACKWARD;
+  * ``post_backward`` (its backward ran, the inputs' gradients were computed): -> POST_BACKWARD; released
+    at once if its reduction was launched already (or it trains nothing), else ready for its reduction,
+    whose launch (``launch_reduce``) releases it; before its backward ran it stays gathered, except
+    where no post-backward hook sits on its inputs (nothing would report that backward ran);
+  * ``end_backward`` (the final callback): released, back to IDLE.
+``TrainingState`` moves only forward within one backward (``_LEGAL``, asserted); a unit entered twice in
+one forward sees ``pre_backward`` and ``post_backward`` twice, which leave a later state as it is.  The
+root unit is never released by a reduction: only in the final callback.
+
 [Note: gather tag]
 In the buffered layout every all-gather also carries its unit's index (``_TAG`` trailing elements per
 rank), a second line of defence behind [Note: collective order] (``order.py``) that costs nothing extra on
@@ -27,15 +43,26 @@ from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .pool import BufferPool
 
-__all__ = ["Unit", "BackwardState"]
+__all__ = ["Unit", "TrainingState"]
 
 _TAG = 2   # elements appended to each rank's all-gather input: the unit's index ([Note: gather tag])
 
 
-class BackwardState(enum.Enum):
-    IDLE = "idle"                  # no backward of this unit in flight
-    PRE_BACKWARD = "pre_backward"  # gathered for backward, gradients pending
+class TrainingState(enum.Enum):
+    """Where this backward is for one unit ([Note: unit transitions])."""
+
+    IDLE = "idle"                    # no backward of this unit in flight
+    PRE_BACKWARD = "pre_backward"    # gathered for backward, gradients pending
     POST_BACKWARD = "post_backward"  # the unit's backward ops finished (inputs' grads computed)
+
+
+# [Note: unit transitions]: a backward reaches a unit's inputs without its outputs' hook where the graph
+# leaves the unit through a tensor other than its outputs, hence IDLE -> POST_BACKWARD.
+_LEGAL = {
+    TrainingState.IDLE: {TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD},
+    TrainingState.PRE_BACKWARD: {TrainingState.POST_BACKWARD},
+    TrainingState.POST_BACKWARD: set(),
+}
 
 
 class Unit:
@@ -54,20 +81,99 @@ class Unit:
         self.pool = pool if pool is not None else BufferPool()   # [Note: buffer reuse]
         self.streams = streams   # [Note: side streams]
         self.state = ShardedState.SHARDED
-        self.backward_state = BackwardState.IDLE
+        self.training_state = TrainingState.IDLE
         self.ready: set[int] = set()          # id(param) of trainable params whose grad is final
-        self.reduced = False                  # this backward's reduce-scatter was launched
-        self.wrapped_inputs = False           # a post-backward hook sits on this forward's inputs
+        self._reduced = False                 # this backward's reduce-scatter was launched
+        self._inputs_hooked = False           # a post-backward hook sits on this forward's inputs
         self._gather: list[comm_layout.InPlaceGather | comm_layout.BufferedGather] = []
         self.guard: OrderGuard | None = None   # set by the runtime: [Note: collective order]
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, {self.state.value})"
 
+    @property
+    def is_root(self) -> bool:
+        return self.index == 0   # policy.assign_units: [Note: root unit] in hooks.py
+
+    # -- transitions ([Note: unit transitions]) --------------------------------------
+    def pre_forward(self) -> None:
+        self.ensure_unsharded()
+
+    def post_forward(self, grad: bool, reshard_after_forward: bool, needed_first: bool) -> bool:
+        """After a forward outside backward; ``grad``: a backward may follow, ``needed_first``: it needs
+        this unit first.  True when released."""
+        if grad and (not reshard_after_forward or needed_first):
+            return False
+        self.reshard()
+        return True
+
+    def hooked_inputs(self) -> None:
+        """A post-backward hook sits on this forward's inputs: its backward will report when it ran."""
+        self._inputs_hooked = True
+
+    def pre_backward(self) -> None:
+        if self.training_state is TrainingState.IDLE:
+            self._to(TrainingState.PRE_BACKWARD)
+
+    def post_backward(self) -> bool:
+        """The unit's backward ran.  True when the unit is now ready for its reduction (a param still
+        without a gradient gets none on this rank: zeros); released instead if there is nothing to wait
+        for."""
+        if self.training_state is not TrainingState.POST_BACKWARD:
+            self._to(TrainingState.POST_BACKWARD)
+        if self._reduced or not self.trainable:
+            self.reshard()
+            return False
+        return True
+
+    @property
+    def reduce_launched(self) -> bool:
+        """This backward's reduction was launched: a gradient now is a late one."""
+        return self._reduced
+
+    def launch_reduce(self) -> list:
+        """The reduction's turn came (or its second one, for late gradients): launch it, and release the
+        parameters unless the unit's backward may still need them."""
+        assert self.trainable, f"unit {self.name!r}: a reduction of a unit that trains nothing"
+        launched = self.reduce_grads()
+        if not self.is_root and (self.training_state is TrainingState.POST_BACKWARD or not self._inputs_hooked):
+            self.reshard()
+        return launched
+
+    def end_backward(self) -> None:
+        """The final callback: every reduction completed; release, forget this backward."""
+        self.reshard()
+        self.ready.clear()
+        self._reduced = False
+        self._inputs_hooked = False
+        self.training_state = TrainingState.IDLE
+
+    def _to(self, state: TrainingState) -> None:
+        assert state in _LEGAL[self.training_state], \
+            f"unit {self.name!r}: {self.training_state.value} -> {state.value} is not a transition"
+        self.training_state = state
+
     # -- gather ---------------------------------------------------------------
     @property
     def gathering(self) -> bool:
         return bool(self._gather)
+
+    @property
+    def holds_gathered(self) -> bool:
+        """Unsharded, or with a gather in flight (its memory is held either way)."""
+        return self.state is ShardedState.UNSHARDED or bool(self._gather)
+
+    def ensure_unsharded(self, checked: bool = True) -> None:
+        if self.state is ShardedState.SHARDED:
+            self.unshard(async_op=False, checked=checked)
+        elif self._gather:
+            self.wait_unshard()
+
+    def prefetch(self) -> None:
+        """Start this unit's gather without waiting; the caller's order keeps it paired ([Note: collective
+        order] in order.py)."""
+        if self.state is ShardedState.SHARDED and not self._gather:
+            self.unshard(async_op=True, checked=False)
 
     @torch.no_grad()
     def unshard(self, async_op: bool = False, checked: bool = True) -> None:
@@ -167,7 +273,7 @@ class Unit:
     def reduce_grads(self) -> list[comm_layout.InPlaceReduce | comm_layout.BufferedReduce]:
         """Launch the reduce-scatter of this unit's full grads (missing ones count as zeros); the full
         gradients are let go (the records hold them until the reductions complete)."""
-        self.reduced = True
+        self._reduced = True
         groups = _by_dtype(self.trainable, lambda sp: self.reduce_dtype or sp.unsharded.dtype)
         if self.reduce_comm.gathers_regions_in_place:
             return [comm_layout.reduce_in_place(self.reduce_comm, group, dtype, group[0].unsharded.device,
@@ -182,12 +288,6 @@ class Unit:
     @torch.no_grad()
     def complete_reduce(self, pending: comm_layout.InPlaceReduce | comm_layout.BufferedReduce) -> None:
         pending.complete(f"reduce-scatter of unit {self.name!r}", ShardedParam.accumulate_grad)
-
-    def reset_backward(self) -> None:
-        self.ready.clear()
-        self.reduced = False
-        self.wrapped_inputs = False
-        self.backward_state = BackwardState.IDLE
 
 
 def _by_dtype(params: list[ShardedParam], key) -> dict[torch.dtype, list[ShardedParam]]:
