@@ -53,7 +53,9 @@ def _release_groups(timeout: timedelta | None) -> None:
         if not _exiting_on_error():
             _barrier(timeout)
         dist.destroy_process_group()
-    _drop_cached_groups()
+    from zero_plugin.collectives import release_groups
+
+    release_groups()   # zero_plugin's cached groups also hold the default group
     gc.collect()   # the default group's last references are gone: its threads are joined here
 
 
@@ -70,14 +72,3 @@ def _barrier(timeout: timedelta | None) -> None:
         work.wait() if timeout is None else work.wait(timeout=timeout)
     except Exception:   # noqa: BLE001 - a peer that failed has gone; destroy anyway
         pass
-
-
-def _drop_cached_groups() -> None:
-    """Forget ``zero_plugin.collectives``' groups of the same ranks, whose cache entries also hold the default
-    group.  The cache belongs to collectives.py, which should offer this itself; until then, stale entries
-    (their default group destroyed) are what ``_group_of_same_ranks`` would replace anyway."""
-    from zero_plugin import collectives
-
-    cache = getattr(collectives, "_SAME_RANKS", None)
-    if isinstance(cache, dict):
-        cache.clear()

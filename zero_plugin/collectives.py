@@ -13,6 +13,25 @@ per-rank volume of each primitive, measured on the full buffer:
 So DDP moves 2Ψ per step, ZeRO-1/2 move Ψ (reduce-scatter) + Ψ (all-gather)
 = 2Ψ, and ZeRO-3 moves 3Ψ.  gloo sends a reduce-scatter as an all-reduce on the
 wire; the logical count is what we hold against theory.
+
+[Note: in-place region gather]
+On gloo an all-gather copies twice (into gloo's own flat temporary, then into the output) and needs a
+rank-major buffer filled and emptied by the caller; broadcasting each rank's region straight into the
+destination tensors moves the same bytes with no copy and no temporary (``Comm.gather_regions``), and
+gradients are summed in place with each rank keeping its region (``Comm.reduce_in_place``).  NCCL keeps
+the all-gather and the reduce-scatter (one launch instead of N per tensor, and real wire savings).
+``ZERO_PLUGIN_BUFFERED_COLLECTIVES=1`` forces the buffered (NCCL) layout on gloo, which is how the CPU
+tests cover it; ``regions_in_place`` is the one place that decides, and the memory planner asks it too.
+Both layouts are laid out in ``comm_layout.py`` ([Note: collective layouts]).
+
+[Note: control channel]
+A second gloo group over the same ranks (``Comm.open_control_channel``), for small blocking exchanges
+that must not queue behind the payload collectives in flight on the main group (gloo runs a group's
+collectives in order), e.g. stage 3's check that every rank gathers the same unit before any payload is
+sent.  Host-only, so on NCCL it costs no device synchronisation.  Collective: every rank of the group
+opens it at the same point (setup).  One channel per group, shared by engines; like the sibling groups
+(``Comm.sibling``) it is cached per (ranks, purpose) while the default group lives, and
+:func:`release_groups` drops the cache when the default group is destroyed.
 """
 from __future__ import annotations
 
@@ -26,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "comm_stats", "regions_in_place", "reset_comm_stats", "world_comm"]
+__all__ = ["Comm", "comm_stats", "regions_in_place", "release_groups", "reset_comm_stats"]
 
 
 @dataclass(slots=True)
@@ -56,16 +75,18 @@ def _issued(name: str) -> None:
 
 
 def physical_calls() -> dict[str, int]:
-    """torch.distributed calls issued since the last :func:`reset_physical_calls`, by function name.
+    """torch.distributed calls issued since the last :func:`reset_comm_stats`, by function name.
     Logical collectives (``comm_stats``) may be issued as several calls, e.g. an in-place region
     gather as one broadcast per region."""
     with _LOCK:
         return dict(_PHYSICAL)
 
 
-def reset_physical_calls() -> None:
-    with _LOCK:
-        _PHYSICAL.clear()
+def release_groups() -> None:
+    """Forget the cached control and sibling groups ([Note: control channel]), whose cache entries also
+    hold the default group: call it after ``destroy_process_group()``, so that the last references to the
+    groups go and torch joins their threads (``integrations/_lightning_exit.py``, ``run.py``)."""
+    _SAME_RANKS.clear()
 
 
 def _record(kind: str, nbytes: int) -> None:
@@ -126,8 +147,7 @@ class _Works:
 
 def regions_in_place(backend: str) -> bool:
     """Whether ``Comm`` on ``backend`` gathers and reduces regions in place ([Note: in-place region
-    gather]): gloo, unless ZERO_PLUGIN_BUFFERED_COLLECTIVES=1 forces the buffered (NCCL) layout, which is
-    how the CPU tests cover it.  The memory planner asks the same question."""
+    gather]): gloo, unless ZERO_PLUGIN_BUFFERED_COLLECTIVES=1."""
     return backend == "gloo" and os.environ.get("ZERO_PLUGIN_BUFFERED_COLLECTIVES", "0") != "1"
 
 
@@ -150,18 +170,12 @@ class Comm:
             self.backend = dist.get_backend(group)
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
-        # [Note: in-place region gather]; ZERO_PLUGIN_BUFFERED_COLLECTIVES=1 forces the buffered (NCCL)
-        # layout on gloo too, which is how the CPU tests cover it.
-        self._in_place = regions_in_place(self.backend)
+        self._in_place = regions_in_place(self.backend)   # [Note: in-place region gather]
         self._control: Any = None   # [Note: control channel]
 
     # -- control channel ------------------------------------------------------
     def open_control_channel(self) -> None:
-        """[Note: control channel] A second gloo group over the same ranks, for small blocking exchanges
-        that must not queue behind the payload collectives in flight on the main group (gloo runs a
-        group's collectives in order), e.g. stage 3's check that every rank gathers the same unit before
-        any payload is sent.  Host-only, so on NCCL it costs no device synchronisation.  Collective: every
-        rank of the group calls it at the same point (setup).  One channel per group, shared by engines."""
+        """Open this group's control channel ([Note: control channel]); collective, at setup."""
         if self.world_size == 1 or self.backend == "fake" or self._control is not None:
             return
         self._control = self._group_of_same_ranks("control", "gloo")
@@ -291,10 +305,7 @@ class Comm:
 
     @property
     def gathers_regions_in_place(self) -> bool:
-        """[Note: in-place region gather] On gloo an all-gather copies twice (into gloo's own flat
-        temporary, then into the output) and needs a rank-major buffer filled and emptied by the caller;
-        broadcasting each rank's region straight into the destination tensors moves the same bytes with
-        no copy and no temporary.  NCCL keeps the all-gather (one launch instead of N per tensor)."""
+        """Whether this group's collectives use the in-place layout ([Note: in-place region gather])."""
         return self._in_place
 
     def gather_regions(self, regions: list[list[torch.Tensor]], async_op: bool = False, tag: str = ""):
@@ -407,7 +418,3 @@ def _reduce_op(op: str, backend: str):
         assert backend == "nccl", "ReduceOp.AVG is NCCL-only; divide explicitly"
         return dist.ReduceOp.AVG
     raise ValueError(f"unknown reduce op {op!r}")
-
-
-def world_comm(group: Any = None) -> Comm:
-    return Comm(group)

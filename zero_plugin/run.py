@@ -220,6 +220,9 @@ def _shut_down_process_group() -> None:
         except Exception:   # noqa: BLE001 - a peer that failed has gone; destroy anyway
             pass
         dist.destroy_process_group()
+        from .collectives import release_groups
+
+        release_groups()   # zero_plugin's cached groups also hold the default group
 
 
 # -- parent -----------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .._flat import copy_padded_rows
+from .. import comm_layout
 from ..collectives import Comm
 from ..optim.master import MasterParam
 from .._hooks import WeakHook
@@ -58,13 +58,13 @@ class GradReducer:
         self.require_sync = True
         self._callback_queued = False
         self._handles: list = []
-        self.schedule = ReductionSchedule(self._launch_bucket, self._complete_bucket, _MAX_INFLIGHT)
+        self.schedule = ReductionSchedule(self._launch_bucket, self._complete, _MAX_INFLIGHT)
         self.schedule.start(self.buckets)   # fixed at setup: [Note: rank-agreed reduction order]
         if self.supports_late:
             comm.open_control_channel()   # collective: every rank builds the same reducer at setup
             self._late_agreement = LateFlags(comm)
         self._late: list[Bucket] = []
-        self.after_backward = lambda: None   # the engine's: [Note: per-step state] in engine.py
+        self.after_backward = lambda: None   # the engine's: [Note: per-step state] in zero_plugin/engine.py
 
     # -- hooks --------------------------------------------------------------
     def register(self, root: nn.Module) -> None:
@@ -130,15 +130,9 @@ class GradReducer:
             bucket.reset()
         self.after_backward()
 
-    def _launch_bucket(self, bucket: Bucket) -> list[Bucket]:
-        self._launch(bucket)
-        return [bucket]
-
-    def _complete_bucket(self, bucket: Bucket, _: Bucket) -> None:
-        self.comm.wait(bucket.work, "gradient reduction")
-        bucket.work = None
-        self._complete(bucket)
-        bucket.buffer = bucket.output = None
+    def _launch_bucket(self, bucket: Bucket) -> list:
+        bucket.launched = True
+        return [self._launch(bucket)]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -165,10 +159,13 @@ class GradReducer:
         return list(self.owned.values())
 
     # -- per-kind -----------------------------------------------------------
-    def _launch(self, bucket: Bucket) -> None:
+    def _launch(self, bucket: Bucket):
+        """Copy in and issue the bucket's collective; its record ([Note: collective layouts] in
+        ``comm_layout.py``)."""
         raise NotImplementedError
 
-    def _complete(self, bucket: Bucket) -> None:
+    def _complete(self, bucket: Bucket, pending) -> None:
+        """Wait for the bucket's collective and keep the averaged gradients."""
         raise NotImplementedError
 
     def _buffer_dtype(self, bucket: Bucket) -> torch.dtype:
@@ -179,34 +176,25 @@ class AllReduceReducer(GradReducer):
     """Stage 0 (DDP): average full gradients with a bucketed all-reduce."""
 
     @torch.no_grad()
-    def _launch(self, bucket: Bucket) -> None:
-        param0 = bucket.slots[0].param
-        k = len(bucket.slots)
-        buf = torch.empty(bucket.width + k, dtype=self._buffer_dtype(bucket), device=param0.device)
-        for i, (slot, off) in enumerate(zip(bucket.slots, bucket.offsets)):
-            dst = buf[off: off + slot.layout.numel]
-            grad = slot.param.grad
-            dst.copy_(grad.view(-1)) if grad is not None else dst.zero_()
-            buf[bucket.width + i] = float(grad is not None)
-        bucket.buffer, bucket.launched = buf, True
-        bucket.work = self.comm.all_reduce(buf, async_op=True)
+    def _launch(self, bucket: Bucket) -> comm_layout.FlatAllReduce:
+        return comm_layout.all_reduce_flat(self.comm, bucket.slots, self._buffer_dtype(bucket),
+                                           bucket.slots[0].param.device)
 
     @torch.no_grad()
-    def _complete(self, bucket: Bucket) -> None:
-        buf = bucket.buffer
-        present = buf[bucket.width:].tolist()
-        buf.div_(self.comm.world_size)
-        for slot, off, has_grad in zip(bucket.slots, bucket.offsets, present):
-            p = slot.param
-            if not has_grad:
-                continue   # unused on every rank: no gradient, the optimizer skips it (as DDP)
-            src = buf[off: off + slot.layout.numel].view_as(p)
-            if p.grad is None:
-                p.grad = src.to(p.dtype, copy=True)
-            else:
-                p.grad.copy_(src)
-            # reduce_dtype above param_dtype: the master steps on the reduced precision, as at stages 1-3
-            self.owned[id(p)] = p.grad if src.dtype == p.dtype else src
+    def _complete(self, bucket: Bucket, pending: comm_layout.FlatAllReduce) -> None:
+        pending.complete("gradient reduction", self._store)
+
+    def _store(self, slot: MasterParam, reduced: torch.Tensor) -> None:
+        """The average into ``param.grad``; never called for a parameter unused on every rank, which keeps no
+        gradient, so the optimizer skips it (as DDP)."""
+        p = slot.param
+        src = reduced.view_as(p)
+        if p.grad is None:
+            p.grad = src.to(p.dtype, copy=True)
+        else:
+            p.grad.copy_(src)
+        # reduce_dtype above param_dtype: the master steps on the reduced precision, as at stages 1-3
+        self.owned[id(p)] = p.grad if src.dtype == p.dtype else src
 
 
 class ReduceScatterReducer(GradReducer):
@@ -241,42 +229,12 @@ class ReduceScatterReducer(GradReducer):
         return grad
 
     @torch.no_grad()
-    def _launch(self, bucket: Bucket) -> None:
-        if self.comm.gathers_regions_in_place:
-            self._launch_in_place(bucket)
-            return
-        n = self.comm.world_size
-        param0 = bucket.slots[0].param
-        k = len(bucket.slots)
-        buf = torch.empty(n, bucket.width + k, dtype=self._buffer_dtype(bucket), device=param0.device)
-        for i, (slot, off) in enumerate(zip(bucket.slots, bucket.offsets)):
-            grad = slot.param.grad
-            rows = buf[:, off: off + slot.layout.shard_numel]
-            copy_padded_rows(rows, None if grad is None else grad.view(-1), slot.layout)
-            buf[:, bucket.width + i] = float(grad is not None)   # [Note: unused parameters]
-            if not self.keep_full_grad:
-                slot.param.grad = None   # ZeRO-2: the full gradient is not kept
-        out = torch.empty(bucket.width + k, dtype=buf.dtype, device=buf.device)
-        bucket.buffer, bucket.output, bucket.launched = buf, out, True
-        bucket.work = self.comm.reduce_scatter(out, buf.view(-1), async_op=True)
-
-    def _launch_in_place(self, bucket: Bucket) -> None:
-        """gloo: sum the full gradients in place, no rank-major copy ([Note: in-place region gather]
-        in collectives.py); each rank then keeps its own region.  The flags ride along."""
-        dtype = self._buffer_dtype(bucket)
-        grads, present = [], []
-        for slot in bucket.slots:
-            grad = slot.param.grad
-            present.append(float(grad is not None))
-            if grad is None:
-                grad = torch.zeros(slot.layout.numel, dtype=dtype, device=slot.param.device)
-            flat = grad.reshape(-1)
-            grads.append(flat if flat.dtype == dtype else flat.to(dtype))
-            if not self.keep_full_grad:
-                slot.param.grad = None   # ZeRO-2: the full gradient lives only until its reduction completes
-        flags = torch.tensor(present, dtype=torch.float32)
-        bucket.buffer, bucket.output, bucket.launched = grads, flags, True
-        bucket.work = self.comm.reduce_in_place(grads, flags, async_op=True)
+    def _launch(self, bucket: Bucket) -> comm_layout.InPlaceReduce | comm_layout.BufferedReduce:
+        """The full gradients are let go at once (ZeRO-2: the reduction holds them until it completes), or
+        kept (ZeRO-1); in place on gloo, each rank then keeps its own region ([Note: collective layouts])."""
+        launch = comm_layout.reduce_in_place if self.comm.gathers_regions_in_place else comm_layout.reduce_buffered
+        return launch(self.comm, bucket.slots, self._buffer_dtype(bucket), bucket.slots[0].param.device,
+                      release_grads=not self.keep_full_grad)
 
     def _late_gradient(self, bucket: Bucket, index: int) -> None:
         if self.keep_full_grad:
@@ -288,19 +246,9 @@ class ReduceScatterReducer(GradReducer):
             self._late.append(bucket)
 
     @torch.no_grad()
-    def _complete(self, bucket: Bucket) -> None:
-        if isinstance(bucket.buffer, list):   # reduced in place; bucket.output holds the flags
-            n = self.comm.world_size
-            for slot, grad, has_grad in zip(bucket.slots, bucket.buffer, bucket.output.tolist()):
-                if has_grad:
-                    self._store(slot, slot.layout.local_view(grad).div_(n), region_of_temporary=True)
-            return
-        out = bucket.output
-        present = out[bucket.width:].tolist()
-        out.div_(self.comm.world_size)
-        for slot, off, has_grad in zip(bucket.slots, bucket.offsets, present):
-            if has_grad:
-                self._store(slot, out[off: off + slot.layout.local_numel])
+    def _complete(self, bucket: Bucket, pending: comm_layout.InPlaceReduce | comm_layout.BufferedReduce) -> None:
+        temporary = pending.results_in_full_tensors
+        pending.complete("gradient reduction", lambda slot, reduced: self._store(slot, reduced, temporary))
 
     def _store(self, slot: MasterParam, reduced: torch.Tensor, region_of_temporary: bool = False) -> None:
         """Keep this rank's averaged region: in ``param.grad`` (stage 1, same dtype), else a view of the

@@ -2,21 +2,23 @@
 
 Pipeline per bucket: ``copy_in (own region) -> all_gather (async) -> wait -> copy_out``.
 At most two buckets are in flight, so copies overlap communication while buffers stay bounded.
-On gloo every rank's region is instead broadcast straight into the parameters (no buffer, no copy;
-[Note: in-place region gather] in ``collectives.py``).
+On gloo every rank's region is instead broadcast straight into the parameters (no buffer, no copy):
+[Note: collective layouts] in ``comm_layout.py``.
 """
 from __future__ import annotations
 
 import torch
 
+from .. import comm_layout
 from .._flat import copy_from_rows
 from ..collectives import Comm
-from ..grads.bucket import plan_buckets
+from ..grads.bucket import Bucket, plan_buckets
 from .master import MasterParam
 
 __all__ = ["ParamAllGather"]
 
 _MAX_INFLIGHT = 2
+_WHAT = "parameter all-gather after the step"
 
 
 class ParamAllGather:
@@ -30,39 +32,30 @@ class ParamAllGather:
         if self.comm.world_size == 1:
             return   # the masters are the parameters' own (only) region
         if self.comm.gathers_regions_in_place:
-            self._run_in_place()
+            flats = [slot.param.data.view(-1) for slot in self.slots]
+            comm_layout.gather_in_place(self.comm, self.slots, flats, tag="parameters after the step").wait(_WHAT)
             return
-        inflight: list = []
+        inflight: list[comm_layout.BufferedGather] = []
         for bucket in self.buckets:
             inflight.append(self._launch(bucket))
             if len(inflight) > _MAX_INFLIGHT:   # bounded: at most this many output buffers alive
-                self._complete(*inflight.pop(0))
-        for item in inflight:
-            self._complete(*item)
+                self._complete(inflight.pop(0))
+        for pending in inflight:
+            self._complete(pending)
 
-    def _run_in_place(self) -> None:
-        regions: list[list[torch.Tensor]] = [[] for _ in range(self.comm.world_size)]
-        for slot in self.slots:
-            flat = slot.param.data.view(-1)
-            for r, views in enumerate(regions):
-                lo, hi = slot.layout.bounds(r)
-                views.append(flat[lo:hi])
-        self.comm.wait(self.comm.gather_regions(regions, async_op=True, tag="parameters after the step"),
-                       "parameter all-gather after the step")
-
-    def _launch(self, bucket):
+    def _launch(self, bucket: Bucket) -> comm_layout.BufferedGather:
         p0 = bucket.slots[0].param
-        inp = torch.empty(bucket.width, dtype=p0.dtype, device=p0.device)
-        for slot, off in zip(bucket.slots, bucket.offsets):
-            n_local = slot.layout.local_numel
-            inp[off: off + n_local].copy_(slot.local.reshape(-1))
-            inp[off + n_local: off + slot.layout.shard_numel].zero_()   # padding only
-        out = torch.empty(self.comm.world_size * bucket.width, dtype=inp.dtype, device=inp.device)
-        return bucket, out, self.comm.all_gather(out, inp, async_op=True)
+        return comm_layout.gather_buffered(self.comm, bucket.slots, p0.dtype, p0.device, _fill_own_chunk)
 
-    def _complete(self, bucket, out, work) -> None:
-        self.comm.wait(work, "parameter all-gather after the step")
-        rows = out.view(self.comm.world_size, bucket.width)
-        for slot, off in zip(bucket.slots, bucket.offsets):
-            copy_from_rows(slot.param.data.view(-1), rows[:, off: off + slot.layout.shard_numel], slot.layout,
+    def _complete(self, pending: comm_layout.BufferedGather) -> None:
+        rows = pending.wait(_WHAT)
+        for slot, columns in pending.columns(rows):
+            copy_from_rows(slot.param.data.view(-1), columns, slot.layout,
                            skip_rank=self.comm.rank)   # our own region is already up to date
+
+
+def _fill_own_chunk(slot: MasterParam, chunk: torch.Tensor) -> None:
+    """Copy-in: this rank's updated region, zero padding after it."""
+    n_local = slot.layout.local_numel
+    chunk[:n_local].copy_(slot.local.reshape(-1))
+    chunk[n_local:].zero_()

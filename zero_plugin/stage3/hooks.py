@@ -1,15 +1,24 @@
-"""Stage-3 runtime: module and autograd hooks that drive each unit's lifecycle.
+"""Stage-3 runtime: module and autograd hooks that drive each unit's transitions.
 
-Forward:  pre_forward  -> unshard (wait for prefetch), prefetch the next units, hook inputs
-          post_forward -> reshard (unless recomputing in backward), hook outputs
-Backward: output grad hook (pre_backward) -> unshard again, prefetch the previous units
+The runtime owns what spans units: the hooks (registered here, handles kept), the order recorded in each
+forward and checked with the peers, prefetch, the backward gather list, the reduction schedule and the
+final callback.  What one unit does at each point, and when it releases its parameters, is the unit's own
+([Note: unit transitions] in ``unit.py``).
+
+Forward:  pre_forward  -> Unit.pre_forward (unshard, waiting for a prefetch), prefetch the next units,
+                          hook inputs
+          post_forward -> Unit.post_forward (reshard unless backward needs it at once; not when
+                          recomputing in backward), hook outputs
+Backward: output grad hook (pre_backward) -> Unit.pre_backward, unshard again in the agreed backward
+                                             order, prefetch the previous units
           param post-accumulate hook -> when every trainable param of the unit is ready, the unit is
                                         ready; its reduce-scatter is issued when its turn in the
                                         rank-agreed order comes ([Note: rank-agreed reduction order])
-          input grad hook (post_backward) -> the unit is ready (params without a gradient stay without);
-                                             reshard once the unit's grads were reduced
+          input grad hook (post_backward) -> Unit.post_backward: the unit is ready (params without a
+                                             gradient stay without); reshard once its grads were reduced
           final callback (finalize_backward) -> reduce units whose turn did not come, in order,
-                                                wait for every reduction, reshard everything
+                                                wait for every reduction, Unit.end_backward for every unit
+
 [Note: reductions on their own group]
 Backward issues gathers (where outputs got gradients) and reductions (in the rank-agreed order, [Note:
 rank-agreed reduction order]); each sequence is the same on every rank, but when ranks use parameters
@@ -17,9 +26,35 @@ unevenly a reduction waits for its turn longer on one rank than on another, so t
 interleave differently.  Collectives on one group pair up by position, so stage 3 reduces on a second
 group of the same ranks (``Comm.sibling``), and each group sees one agreed sequence.
 
-[Note: root unit] The root unit (parameters outside every block, e.g. embeddings,
-final norm, LM head) is gathered for the whole forward, kept gathered after a
-forward with grad (backward needs it first) and released in the final callback.
+[Note: root unit]
+The root unit (index 0) holds the parameters outside every block and every leaf unit ([Note: leaf
+units] in ``policy.py``): final norm, small leftovers, tied embeddings and heads, an embedding or head
+below the leaf size or under a custom ``unit_policy``, and with ``persistence_threshold`` the small
+parameters of every block ([Note: persistent parameters]).  It is gathered for the whole forward, kept
+gathered after a forward with grad (backward needs it first) and released in the final callback; its
+reduction goes last.  A leaf unit (an untied ``embed_tokens`` or ``lm_head``) is gathered only around its
+own forward and backward, like a block.
+
+[Note: root entries]
+The root's hooks sit on the set-up module, plus every inner module a caller may enter directly
+(transformers models with ``generate``: a PEFT or Lightning wrapper's ``generate`` calls the inner model's
+forward, bypassing the wrapper's hooks).  Nested entries count once (``_root_depth``).
+
+[Note: last unit kept]
+The last unit of the recorded forward order (an LM head) is the first one backward needs: releasing it
+after forward and gathering it again right away would only add a gather; it stays unsharded, as the root
+does, until its gradients are reduced.
+
+[Note: backward gather order]
+Backward reaches a unit only where its output got a gradient, so a rank that ignored a block's output
+(legal, as under DDP) would skip that block's gather while its peers gather it, and the gathers would pair
+across units.  So backward gathers follow one list every rank agreed on at the end of the forward: the
+reverse forward order, restricted to the units whose outputs needed a gradient on any rank.  Before
+gathering a unit every unit before it in that list is gathered too (at the end of backward, every unit
+left), and stays gathered until the end of backward if this rank never reaches it (its reduction then
+carries zeros); prefetches follow the same list.  Gathers in that list need no order check; a unit
+gathered again in the same backward (entered twice) is checked.  In the usual case backward arrives in
+list order and nothing extra happens.
 """
 from __future__ import annotations
 
@@ -33,7 +68,7 @@ from ..grads.schedule import ReductionSchedule
 from ..hostmem import trim_host_heap
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
-from .unit import BackwardState, Unit
+from .unit import Unit
 
 __all__ = ["Stage3Runtime", "prefetch_span"]
 
@@ -115,9 +150,7 @@ class Stage3Runtime:
 
     # -- root entry points ----------------------------------------------------------
     def _root_entries(self) -> list:
-        """[Note: root entries] The set-up module, plus every inner module a caller may enter directly
-        (transformers models with ``generate``: a PEFT or Lightning wrapper's ``generate`` calls the inner
-        model's forward, bypassing the wrapper's hooks).  Nested entries count once (``_root_depth``)."""
+        """The modules the root's hooks sit on ([Note: root entries])."""
         top = self.root.module
         return [top] + [m for m in top.modules() if m is not top and callable(getattr(m, "generate", None))]
 
@@ -125,7 +158,7 @@ class Stage3Runtime:
         self._root_depth += 1
         if self._root_depth == 1:
             return self.pre_forward(self.root, module, args, kwargs)
-        self._ensure_unsharded(self.root)   # a nested entry: the root is gathered already
+        self.root.ensure_unsharded()   # a nested entry: the root is gathered already
         return args, kwargs
 
     def _root_post(self, module, args, output):
@@ -145,11 +178,11 @@ class Stage3Runtime:
                 self._outputs_need_grad = set()
             elif unit not in self._recording:
                 self._recording.append(unit)
-            if unit.state is ShardedState.UNSHARDED or unit.gathering:
+            if unit.holds_gathered:
                 self.guard.entered(unit)   # [Note: collective order]: checked at the next entry
             else:
                 self.guard.settle()
-        self._ensure_unsharded(unit)
+        unit.pre_forward()
         if not in_backward:
             self._prefetch(unit, +1)
         if unit is not self.root and torch.is_grad_enabled():
@@ -172,23 +205,19 @@ class Stage3Runtime:
             else:
                 self.guard.settle()   # [Note: collective order]: every entry of this forward compared
             for other in self.units[1:]:
-                if other.state is ShardedState.UNSHARDED or other.gathering:
-                    if not grad or (self.reshard_after_forward and not self._kept_for_backward(other)):
-                        other.reshard()
-            if not grad:
-                self.root.reshard()
+                if other.holds_gathered:
+                    other.post_forward(grad, self.reshard_after_forward, self._needed_first(other))
+            self.root.post_forward(grad, self.reshard_after_forward, needed_first=True)   # [Note: root unit]
             if self.trim_heap:
                 trim_host_heap()
-        elif not grad or (self.reshard_after_forward and not self._kept_for_backward(unit)):
-            unit.reshard()
+        elif unit.post_forward(grad, self.reshard_after_forward, self._needed_first(unit)):
             if self.trim_heap and grad:
                 trim_host_heap()   # the activations kept for backward grow around freed units
         return None
 
-    def _kept_for_backward(self, unit: Unit) -> bool:
-        """[Note: last unit kept] The last unit of the recorded forward order (an LM head) is the first
-        one backward needs: releasing it after forward and gathering it again right away would only
-        add a gather; it stays unsharded, as the root does, until its gradients are reduced."""
+    def _needed_first(self, unit: Unit) -> bool:
+        """Whether backward needs ``unit`` first: the last of the recorded forward order ([Note: last unit
+        kept])."""
         return bool(self.forward_order) and unit is self.forward_order[-1]
 
     def _hook_inputs(self, unit: Unit, args, kwargs):
@@ -199,7 +228,7 @@ class Stage3Runtime:
         outs = _PostBackward.apply(functools.partial(self.post_backward, unit), *[leaves[i] for i in picks])
         for i, t in zip(picks, outs):
             leaves[i] = t
-        unit.wrapped_inputs = True
+        unit.hooked_inputs()
         return pytree.tree_unflatten(leaves, spec)
 
     def _hook_outputs(self, unit: Unit, output) -> None:
@@ -214,29 +243,21 @@ class Stage3Runtime:
 
     def pre_backward(self, unit: Unit) -> None:
         self._queue_final_callback()
-        if unit.backward_state is BackwardState.IDLE:
-            unit.backward_state = BackwardState.PRE_BACKWARD
+        unit.pre_backward()
         self._backward_gather(unit)
         self._prefetch(unit, -1)
 
     def _backward_gather(self, unit: Unit | None) -> None:
-        """[Note: backward gather order] Backward reaches a unit only where its output got a gradient, so a
-        rank that ignored a block's output (legal, as under DDP) would skip that block's gather while its
-        peers gather it, and the gathers would pair across units.  So backward gathers follow one list every
-        rank agreed on at the end of the forward: the reverse forward order, restricted to the units whose
-        outputs needed a gradient on any rank.  Before gathering ``unit`` every unit before it in that list
-        is gathered too (``None``: the end of backward, every unit left), and stays gathered until the end of
-        backward if this rank never reaches it (its reduction then carries zeros); prefetches follow the same
-        list.  Gathers in that list need no order check; a unit gathered again in the same backward (entered
-        twice) is checked.  In the usual case backward arrives in list order and nothing extra happens."""
+        """Gather ``unit`` and every unit before it in the agreed backward list (``None``: the end of
+        backward, every unit left): [Note: backward gather order]."""
         order = self._backward_order
         position = len(order) if unit is None else order.index(unit) if unit in order else -1
         if position < self._backward_cursor:   # outside the list, or a second gather in this backward
             if unit is not None:
-                self._ensure_unsharded(unit)
+                unit.ensure_unsharded()
             return
         for listed in order[self._backward_cursor:position + 1]:
-            self._ensure_unsharded(listed, checked=False)
+            listed.ensure_unsharded(checked=False)
         self._backward_cursor = position + 1
 
     def pre_accumulate(self, unit: Unit, sp: ShardedParam, grad: torch.Tensor) -> None:
@@ -253,18 +274,14 @@ class Stage3Runtime:
     def post_accumulate(self, unit: Unit, sp: ShardedParam, param: torch.Tensor) -> None:
         sp.end_lend()
         self._queue_final_callback()
-        if unit.reduced:
+        if unit.reduce_launched:
             if unit not in self._late:   # a second gradient for a param in one backward
                 self._late.append(unit)
-            return
-        if unit.mark_ready(param):
+        elif unit.mark_ready(param):
             self.schedule.mark_ready(unit)
 
     def post_backward(self, unit: Unit) -> None:
-        unit.backward_state = BackwardState.POST_BACKWARD
-        if unit.reduced or not unit.trainable:
-            unit.reshard()
-        else:   # its backward ran: a param still without a gradient gets none on this rank (zeros)
+        if unit.post_backward():
             self.schedule.mark_ready(unit)
 
     def _reduce_order(self) -> list[Unit]:
@@ -274,12 +291,9 @@ class Stage3Runtime:
         rest = [u for u in self.units if u.trainable and u is not self.root and u not in ran]
         return ran + rest + ([self.root] if self.root.trainable else [])
 
-    def _launch_reduce(self, unit: Unit) -> list:
-        launched = unit.reduce_grads()
-        if unit is not self.root and (unit.backward_state is BackwardState.POST_BACKWARD
-                                      or not unit.wrapped_inputs):
-            unit.reshard()
-        return launched
+    @staticmethod
+    def _launch_reduce(unit: Unit) -> list:
+        return unit.launch_reduce()
 
     @staticmethod
     def _complete_reduce(unit: Unit, pending) -> None:
@@ -299,8 +313,7 @@ class Stage3Runtime:
         self.after_backward()
         self._backward_cursor = 0
         for unit in self.units:
-            unit.reshard()
-            unit.reset_backward()
+            unit.end_backward()
         if self.trim_heap:
             trim_host_heap()
 
@@ -308,16 +321,9 @@ class Stage3Runtime:
         self.schedule.drain()
 
     # -- helpers ------------------------------------------------------------------
-    def _ensure_unsharded(self, unit: Unit, checked: bool = True) -> None:
-        if unit.state is ShardedState.SHARDED:
-            unit.unshard(async_op=False, checked=checked)
-        elif unit.gathering:
-            unit.wait_unshard()
-
     def _prefetch(self, unit: Unit, direction: int) -> None:
         """The next units in the forward order, or in backward in the agreed backward list ([Note: backward
         gather order])."""
         order = self.forward_order if direction > 0 else self._backward_order
         for nxt in prefetch_span(order, unit, self.prefetch_depth):
-            if nxt.state is ShardedState.SHARDED and not nxt.gathering:
-                nxt.unshard(async_op=True, checked=False)   # [Note: collective order]
+            nxt.prefetch()

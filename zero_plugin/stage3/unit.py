@@ -1,50 +1,68 @@
 """A stage-3 unit: parameters gathered, released and reduced together.
 
-Pipelines (one collective per dtype present in the unit):
+Pipelines (one collective per dtype present in the unit), in the layouts of [Note: collective layouts]
+in ``zero_plugin/comm_layout.py``:
   unshard:      copy_in (local shards) -> all_gather (async) -> [wait] -> copy_out (to_unsharded)
   reduce_grads: copy_in (full grads, padded) -> reduce_scatter (async) -> [wait] -> accumulate shard grads
 In the buffered layout (NCCL) each pipeline runs on a side stream ([Note: side streams] in
 ``zero_plugin/streams.py``); the compute stream waits for it only before the result is used, and buffers
 go back to the pool (and full gradients are let go) only after that wait.
+
+[Note: unit transitions]
+The runtime's hooks (``hooks.py``) tell a unit where the step is; the unit decides what that means for it:
+  * ``pre_forward``: gathered (waiting for a prefetch in flight);
+  * ``post_forward``: released, unless a backward follows and either ``reshard_after_forward`` is off or
+    backward needs the unit first (the last unit of the forward, [Note: last unit kept] in ``hooks.py``;
+    the root, [Note: root unit]);
+  * ``pre_backward`` (an output got its gradient): IDLE -> PRE_BACKWARD;
+  * ``post_backward`` (its backward ran, the inputs' gradients were computed): -> POST_BACKWARD; released
+    at once if its reduction was launched already (or it trains nothing), else ready for its reduction,
+    whose launch (``launch_reduce``) releases it; before its backward ran it stays gathered, except
+    where no post-backward hook sits on its inputs (nothing would report that backward ran);
+  * ``end_backward`` (the final callback): released, back to IDLE.
+``TrainingState`` moves only forward within one backward (``_LEGAL``, asserted); a unit entered twice in
+one forward sees ``pre_backward`` and ``post_backward`` twice, which leave a later state as it is.  The
+root unit is never released by a reduction: only in the final callback.
+
+[Note: gather tag]
+In the buffered layout every all-gather also carries its unit's index (``_TAG`` trailing elements per
+rank), a second line of defence behind [Note: collective order] (``order.py``) that costs nothing extra on
+the wire: a rank that receives another unit's index raises instead of computing on mixed weights.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from .._flat import copy_padded_rows
+from .. import comm_layout
 from ..collectives import Comm
 from ..streams import NO_STREAMS, StreamSet
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .pool import BufferPool
 
-__all__ = ["Unit", "BackwardState"]
+__all__ = ["Unit", "TrainingState"]
 
-_TAG = 2   # elements appended to each rank's all-gather input: the unit's index (see _check_tags)
+_TAG = 2   # elements appended to each rank's all-gather input: the unit's index ([Note: gather tag])
 
 
-class BackwardState(enum.Enum):
-    IDLE = "idle"                  # no backward of this unit in flight
-    PRE_BACKWARD = "pre_backward"  # gathered for backward, gradients pending
+class TrainingState(enum.Enum):
+    """Where this backward is for one unit ([Note: unit transitions])."""
+
+    IDLE = "idle"                    # no backward of this unit in flight
+    PRE_BACKWARD = "pre_backward"    # gathered for backward, gradients pending
     POST_BACKWARD = "post_backward"  # the unit's backward ops finished (inputs' grads computed)
 
 
-@dataclass(eq=False)
-class _Pending:
-    """One in-flight collective with the buffers it needs until completion."""
-
-    params: list[ShardedParam]
-    offsets: list[int]
-    width: int
-    output: torch.Tensor
-    work: Any
-    buffer: Any = None   # input buffer, or the full gradients reduced in place
-    sources: list | None = None   # full gradients a side stream reads: alive until the compute stream waited
+# [Note: unit transitions]: a backward reaches a unit's inputs without its outputs' hook where the graph
+# leaves the unit through a tensor other than its outputs, hence IDLE -> POST_BACKWARD.
+_LEGAL = {
+    TrainingState.IDLE: {TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD},
+    TrainingState.PRE_BACKWARD: {TrainingState.POST_BACKWARD},
+    TrainingState.POST_BACKWARD: set(),
+}
 
 
 class Unit:
@@ -63,20 +81,99 @@ class Unit:
         self.pool = pool if pool is not None else BufferPool()   # [Note: buffer reuse]
         self.streams = streams   # [Note: side streams]
         self.state = ShardedState.SHARDED
-        self.backward_state = BackwardState.IDLE
+        self.training_state = TrainingState.IDLE
         self.ready: set[int] = set()          # id(param) of trainable params whose grad is final
-        self.reduced = False                  # this backward's reduce-scatter was launched
-        self.wrapped_inputs = False           # a post-backward hook sits on this forward's inputs
-        self._gather: list[_Pending] = []
+        self._reduced = False                 # this backward's reduce-scatter was launched
+        self._inputs_hooked = False           # a post-backward hook sits on this forward's inputs
+        self._gather: list[comm_layout.InPlaceGather | comm_layout.BufferedGather] = []
         self.guard: OrderGuard | None = None   # set by the runtime: [Note: collective order]
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, {self.state.value})"
 
+    @property
+    def is_root(self) -> bool:
+        return self.index == 0   # policy.assign_units: [Note: root unit] in hooks.py
+
+    # -- transitions ([Note: unit transitions]) --------------------------------------
+    def pre_forward(self) -> None:
+        self.ensure_unsharded()
+
+    def post_forward(self, grad: bool, reshard_after_forward: bool, needed_first: bool) -> bool:
+        """After a forward outside backward; ``grad``: a backward may follow, ``needed_first``: it needs
+        this unit first.  True when released."""
+        if grad and (not reshard_after_forward or needed_first):
+            return False
+        self.reshard()
+        return True
+
+    def hooked_inputs(self) -> None:
+        """A post-backward hook sits on this forward's inputs: its backward will report when it ran."""
+        self._inputs_hooked = True
+
+    def pre_backward(self) -> None:
+        if self.training_state is TrainingState.IDLE:
+            self._to(TrainingState.PRE_BACKWARD)
+
+    def post_backward(self) -> bool:
+        """The unit's backward ran.  True when the unit is now ready for its reduction (a param still
+        without a gradient gets none on this rank: zeros); released instead if there is nothing to wait
+        for."""
+        if self.training_state is not TrainingState.POST_BACKWARD:
+            self._to(TrainingState.POST_BACKWARD)
+        if self._reduced or not self.trainable:
+            self.reshard()
+            return False
+        return True
+
+    @property
+    def reduce_launched(self) -> bool:
+        """This backward's reduction was launched: a gradient now is a late one."""
+        return self._reduced
+
+    def launch_reduce(self) -> list:
+        """The reduction's turn came (or its second one, for late gradients): launch it, and release the
+        parameters unless the unit's backward may still need them."""
+        assert self.trainable, f"unit {self.name!r}: a reduction of a unit that trains nothing"
+        launched = self.reduce_grads()
+        if not self.is_root and (self.training_state is TrainingState.POST_BACKWARD or not self._inputs_hooked):
+            self.reshard()
+        return launched
+
+    def end_backward(self) -> None:
+        """The final callback: every reduction completed; release, forget this backward."""
+        self.reshard()
+        self.ready.clear()
+        self._reduced = False
+        self._inputs_hooked = False
+        self.training_state = TrainingState.IDLE
+
+    def _to(self, state: TrainingState) -> None:
+        assert state in _LEGAL[self.training_state], \
+            f"unit {self.name!r}: {self.training_state.value} -> {state.value} is not a transition"
+        self.training_state = state
+
     # -- gather ---------------------------------------------------------------
     @property
     def gathering(self) -> bool:
         return bool(self._gather)
+
+    @property
+    def holds_gathered(self) -> bool:
+        """Unsharded, or with a gather in flight (its memory is held either way)."""
+        return self.state is ShardedState.UNSHARDED or bool(self._gather)
+
+    def ensure_unsharded(self, checked: bool = True) -> None:
+        if self.state is ShardedState.SHARDED:
+            self.unshard(async_op=False, checked=checked)
+        elif self._gather:
+            self.wait_unshard()
+
+    def prefetch(self) -> None:
+        """Start this unit's gather without waiting; the caller's order keeps it paired ([Note: collective
+        order] in order.py)."""
+        if self.state is ShardedState.SHARDED and not self._gather:
+            self.unshard(async_op=True, checked=False)
 
     @torch.no_grad()
     def unshard(self, async_op: bool = False, checked: bool = True) -> None:
@@ -96,38 +193,22 @@ class Unit:
             self.wait_unshard()
 
     def _gather_in_place(self) -> None:
-        """gloo: every rank's region is broadcast straight into the unsharded tensors ([Note: in-place
-        region gather] in collectives.py)."""
-        regions: list[list[torch.Tensor]] = [[] for _ in range(self.comm.world_size)]
-        opened = []
-        for sp in self.params:
-            if sp.layout.numel:
-                flat = sp.open_unsharded()
-                opened.append(sp)
-                for r, views in enumerate(regions):
-                    lo, hi = sp.layout.bounds(r)
-                    views.append(flat[lo:hi])
-        work = self.comm.gather_regions(regions, async_op=True, tag=self.name)
-        self._gather.append(_Pending(opened, [], 0, None, work))
+        """gloo: every rank's region is broadcast straight into the unsharded tensors."""
+        opened = [sp for sp in self.params if sp.layout.numel]
+        flats = [sp.open_unsharded() for sp in opened]
+        self._gather.append(comm_layout.gather_in_place(self.comm, opened, flats, tag=self.name))
 
     def _gather_buffered(self) -> None:
-        n = self.comm.world_size
         with self.streams.gather():   # after the compute stream's writes to the shards (the last step)
             for dtype, group in _by_dtype(self.params, lambda sp: sp.unsharded.dtype).items():
-                offsets, width = _offsets(group)
-                device = group[0].unsharded.device
-                inp = self.pool.take(width + _TAG, dtype, device)
-                for sp, off in zip(group, offsets):
-                    sp.copy_local_into(inp[off: off + sp.layout.shard_numel])
-                inp[width:] = torch.tensor(self._tag(), dtype=dtype)
-                out = self.pool.take(n * (width + _TAG), dtype, device)
-                work = self.comm.all_gather(out, inp, async_op=True, tag=self.name)
-                self._gather.append(_Pending(group, offsets, width, out, work, inp))
+                self._gather.append(comm_layout.gather_buffered(
+                    self.comm, group, dtype, group[0].unsharded.device, ShardedParam.copy_local_into,
+                    self.pool, trailer=self._tag(), tag=self.name))
 
     @torch.no_grad()
     def wait_unshard(self) -> None:
         pending, self._gather = self._gather, []
-        if pending and pending[0].output is None:
+        if pending and isinstance(pending[0], comm_layout.InPlaceGather):
             self._expose_in_place(pending[0])
         elif pending:
             self._copy_out(pending)
@@ -136,34 +217,31 @@ class Unit:
                 sp.to_unsharded(torch.empty(self.comm.world_size, 0, dtype=sp.unsharded.dtype))
         self.state = ShardedState.UNSHARDED
 
-    def _expose_in_place(self, p: _Pending) -> None:
-        self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
-        for sp in p.params:
+    def _expose_in_place(self, pending: comm_layout.InPlaceGather) -> None:
+        pending.wait(f"all-gather of unit {self.name!r}")
+        for sp in pending.members:
             sp.expose()
 
-    def _copy_out(self, pending: list[_Pending]) -> None:
+    def _copy_out(self, pending: list[comm_layout.BufferedGather]) -> None:
         """Buffered layout: copy-out on the gather stream, then the compute stream waits for it before the
         parameters are used; buffers return to the pool only after that wait ([Note: side streams])."""
         with self.streams.gather():
             for p in pending:
-                self.comm.wait(p.work, f"all-gather of unit {self.name!r}")
-                rows = p.output.view(self.comm.world_size, p.width + _TAG)
-                self._check_tags(rows[:, p.width:])
-                for sp, off in zip(p.params, p.offsets):
-                    sp.to_unsharded(rows[:, off: off + sp.layout.shard_numel])
+                rows = p.wait(f"all-gather of unit {self.name!r}")
+                self._check_tags(p.trailing(rows))
+                for sp, columns in p.columns(rows):
+                    sp.to_unsharded(columns)
             copied = self.streams.record()
         self.streams.wait(copied)
         for p in pending:
-            self.pool.give(p.buffer)
-            self.pool.give(p.output)
+            p.release()
 
     def _tag(self) -> tuple[int, int]:
         # Exact in every float dtype (values <= 129), unique per unit index.
         return (self.index // 128 + 1, self.index % 128 + 1)
 
     def _check_tags(self, tags: torch.Tensor) -> None:
-        """Buffered layout: every gather also carries its unit's index, a second line of defence behind
-        [Note: collective order] (order.py) that costs nothing extra on the wire."""
+        """[Note: gather tag]: every rank's trailing elements must be this unit's index."""
         if self.comm.backend == "fake":
             return   # torch's fake process group (memory planning) moves no data
         expected = torch.tensor(self._tag(), dtype=tags.dtype, device=tags.device)
@@ -192,86 +270,24 @@ class Unit:
         return len(self.ready) >= len(self.trainable)
 
     @torch.no_grad()
-    def reduce_grads(self) -> list[_Pending]:
-        """Launch the reduce-scatter of this unit's full grads (missing ones count as zeros)."""
-        self.reduced = True
+    def reduce_grads(self) -> list[comm_layout.InPlaceReduce | comm_layout.BufferedReduce]:
+        """Launch the reduce-scatter of this unit's full grads (missing ones count as zeros); the full
+        gradients are let go (the records hold them until the reductions complete)."""
+        self._reduced = True
+        groups = _by_dtype(self.trainable, lambda sp: self.reduce_dtype or sp.unsharded.dtype)
         if self.reduce_comm.gathers_regions_in_place:
-            return self._reduce_in_place()
-        launched = []
-        grad_dtype = lambda sp: self.reduce_dtype or sp.unsharded.dtype  # noqa: E731
+            return [comm_layout.reduce_in_place(self.reduce_comm, group, dtype, group[0].unsharded.device,
+                                                release_grads=True, tag=self.name)
+                    for dtype, group in groups.items()]
         with self.streams.reduce():   # after the compute stream's backward wrote the gradients
-            for dtype, group in _by_dtype(self.trainable, grad_dtype).items():
-                launched.append(self._launch_reduce_scatter(dtype, group))
-        return launched
-
-    def _launch_reduce_scatter(self, dtype: torch.dtype, group: list[ShardedParam]) -> _Pending:
-        n = self.reduce_comm.world_size
-        offsets, width = _offsets(group)
-        k = len(group)
-        buf = self.pool.take(n * (width + k), dtype, group[0].unsharded.device).view(n, width + k)
-        sources = []
-        for i, (sp, off) in enumerate(zip(group, offsets)):
-            grad = sp.param.grad
-            copy_padded_rows(buf[:, off: off + sp.layout.shard_numel],
-                             None if grad is None else grad.reshape(-1), sp.layout)
-            buf[:, width + i] = float(grad is not None)   # see [Note: unused parameters] in grads/reducer.py
-            if grad is not None:
-                sources.append(grad)
-            sp.param.grad = None
-        out = self.pool.take(width + k, dtype, buf.device)
-        work = self.reduce_comm.reduce_scatter(out, buf.view(-1), async_op=True, tag=self.name)
-        # The reduce stream may still be reading the gradients: they stay referenced until the compute
-        # stream waited for it (complete_reduce), or the allocator could hand their memory to new work.
-        return _Pending(group, offsets, width, out, work, buf, sources if self.streams.overlaps else None)
-
-    def _reduce_in_place(self) -> list[_Pending]:
-        """gloo: sum every full gradient in place (no rank-major buffer) and keep this rank's region;
-        one small all-reduce carries the "has a gradient" flags."""
-        launched = []
-        grad_dtype = lambda sp: self.reduce_dtype or sp.unsharded.dtype  # noqa: E731
-        for dtype, group in _by_dtype(self.trainable, grad_dtype).items():
-            grads, present = [], []
-            for sp in group:
-                grad = sp.param.grad
-                present.append(float(grad is not None))
-                if grad is None:
-                    grad = torch.zeros(sp.layout.numel, dtype=dtype, device=sp.unsharded.device)
-                grads.append(grad.reshape(-1).to(dtype))
-                sp.param.grad = None
-            flags = torch.tensor(present, dtype=torch.float32)
-            work = self.reduce_comm.reduce_in_place(grads, flags, async_op=True, tag=self.name)
-            launched.append(_Pending(group, [], 0, flags, work, grads))
-        return launched
+            return [comm_layout.reduce_buffered(self.reduce_comm, group, dtype, group[0].unsharded.device,
+                                                release_grads=True, buffers=self.pool, streams=self.streams,
+                                                tag=self.name)
+                    for dtype, group in groups.items()]
 
     @torch.no_grad()
-    def complete_reduce(self, pending: _Pending) -> None:
-        what = f"reduce-scatter of unit {self.name!r}"
-        if isinstance(pending.buffer, list):   # reduced in place: pending.output holds the flags
-            self.reduce_comm.wait(pending.work, what)
-            n = self.reduce_comm.world_size
-            for sp, grad, has_grad in zip(pending.params, pending.buffer, pending.output.tolist()):
-                if has_grad:
-                    region = sp.layout.local_view(grad)
-                    sp.accumulate_grad(region.div_(n))
-            return
-        with self.streams.reduce():   # waiting here makes the reduce stream (not compute) wait for NCCL
-            self.reduce_comm.wait(pending.work, what)
-            present = pending.output[pending.width:].tolist()
-            pending.output.div_(self.reduce_comm.world_size)
-            for sp, off, has_grad in zip(pending.params, pending.offsets, present):
-                if has_grad:
-                    sp.accumulate_grad(pending.output[off: off + sp.layout.local_numel])
-            reduced = self.streams.record()
-        self.streams.wait(reduced)   # [Note: side streams]: only now may the memory be reused
-        pending.sources = None
-        self.pool.give(pending.buffer)
-        self.pool.give(pending.output)
-
-    def reset_backward(self) -> None:
-        self.ready.clear()
-        self.reduced = False
-        self.wrapped_inputs = False
-        self.backward_state = BackwardState.IDLE
+    def complete_reduce(self, pending: comm_layout.InPlaceReduce | comm_layout.BufferedReduce) -> None:
+        pending.complete(f"reduce-scatter of unit {self.name!r}", ShardedParam.accumulate_grad)
 
 
 def _by_dtype(params: list[ShardedParam], key) -> dict[torch.dtype, list[ShardedParam]]:
@@ -281,10 +297,3 @@ def _by_dtype(params: list[ShardedParam], key) -> dict[torch.dtype, list[Sharded
             groups.setdefault(key(sp), []).append(sp)
     return groups
 
-
-def _offsets(group: list[ShardedParam]) -> tuple[list[int], int]:
-    offsets, width = [], 0
-    for sp in group:
-        offsets.append(width)
-        width += sp.layout.shard_numel
-    return offsets, width

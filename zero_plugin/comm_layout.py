@@ -1,0 +1,294 @@
+"""The two layouts of the sharded collectives, and one record per kind of collective in flight.
+
+Stages 0-2 (``grads/reducer.py``, ``optim/param_sync.py``) and stage 3 (``stage3/unit.py``) move their
+parameters and gradients through the functions here; the collectives themselves are ``Comm``'s.
+
+[Note: collective layouts]
+A collective serves a group of *members*: objects with ``.param`` and ``.layout`` (a ``ShardLayout``), a
+bucket of ``MasterParam`` at stages 0-2, the parameters of one dtype of a unit at stage 3.  It uses one of
+two layouts, chosen by ``Comm.gathers_regions_in_place`` ([Note: in-place region gather] in
+``collectives.py``):
+  * in place (gloo): a gather broadcasts each rank's region of every flattened tensor straight into the
+    tensors (``rank_regions``); a reduction sums each full gradient in place and every rank keeps its own
+    region.  The has-gradient flags ([Note: unused parameters] in ``grads/reducer.py``) go in one small
+    float32 all-reduce beside it.  No buffer, no copy.
+  * buffered (NCCL; ``ZERO_PLUGIN_BUFFERED_COLLECTIVES=1`` forces it on gloo): a rank-major
+    ``(world_size, width + k)`` buffer whose row r holds rank r's padded chunk of member i at columns
+    ``offsets[i]`` to ``offsets[i] + shard_numel``, then ``k`` trailing columns: the has-gradient flags
+    of a reduction, the unit's tag of a stage-3 gather ([Note: gather tag] in ``stage3/unit.py``).  A
+    reduce-scatter hands each rank exactly its row; an all-gather gives every rank every row.
+Stage 0's all-reduce is the flat variant of the buffered layout: one ``width + k`` buffer, member i whole
+at ``offsets[i]``, the flags last.
+
+A launch copies in, issues the collective asynchronously and returns a record of what the collective
+needs until it completes: one record type per kind (``InPlaceGather``, ``BufferedGather``,
+``InPlaceReduce``, ``BufferedReduce``, ``FlatAllReduce``).  Completing a reduction waits, reads the
+summed flags, averages and hands each member that has a gradient on some rank its result; what the
+caller keeps (``param.grad``, a shard gradient) is the caller's.  Buffers come from a ``Buffers``
+source (stage 3's ``BufferPool``, [Note: buffer reuse]; fresh tensors at stages 0-2) and go back to it
+only after the completion, and on CUDA after the compute stream waited for the side stream that used
+them ([Note: side streams] in ``streams.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+
+import torch
+
+from ._flat import ShardLayout, copy_padded_rows
+from .collectives import Comm
+from .streams import NO_STREAMS, StreamSet
+
+__all__ = ["Buffers", "FreshBuffers", "packed_offsets", "rank_regions",
+           "InPlaceGather", "BufferedGather", "InPlaceReduce", "BufferedReduce", "FlatAllReduce",
+           "gather_in_place", "gather_buffered", "reduce_in_place", "reduce_buffered", "all_reduce_flat"]
+
+Store = Callable[[Any, torch.Tensor], None]   # (member, its averaged result)
+
+
+class Buffers(Protocol):
+    """Where a buffered collective's buffers come from and go back to (``stage3.pool.BufferPool``)."""
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    def give(self, tensor: torch.Tensor | None) -> None: ...
+
+
+class FreshBuffers:
+    """A new tensor per collective, never reused: stages 0-2 keep views of a reduction's output as the
+    reduced gradients."""
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, tensor: torch.Tensor | None) -> None:
+        pass
+
+
+FRESH = FreshBuffers()
+
+
+def packed_offsets(widths: Iterable[int]) -> tuple[list[int], int]:
+    """Columns of the given widths side by side: each one's offset, and the total width."""
+    offsets, width = [], 0
+    for w in widths:
+        offsets.append(width)
+        width += w
+    return offsets, width
+
+
+def rank_regions(flats: Sequence[torch.Tensor], layouts: Sequence[ShardLayout],
+                 world_size: int) -> list[list[torch.Tensor]]:
+    """In-place layout: ``regions[r]`` are rank r's regions of the flat tensors, in order."""
+    regions: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    for flat, layout in zip(flats, layouts):
+        for r, views in enumerate(regions):
+            lo, hi = layout.bounds(r)
+            views.append(flat[lo:hi])
+    return regions
+
+
+# -- records ------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class InPlaceGather:
+    """Every rank's regions broadcast into ``members``' full tensors; they hold the gathered values after
+    :meth:`wait`."""
+
+    comm: Comm
+    members: list
+    work: Any
+
+    def wait(self, what: str) -> None:
+        self.comm.wait(self.work, what)
+
+
+@dataclass(eq=False)
+class BufferedGather:
+    """An all-gather of rank-major rows: ``output`` holds ``world_size`` rows of ``width + trailer``."""
+
+    comm: Comm
+    members: list
+    offsets: list[int]
+    width: int
+    trailer: int
+    input: torch.Tensor
+    output: torch.Tensor
+    work: Any
+    buffers: Buffers
+
+    def wait(self, what: str) -> torch.Tensor:
+        """Wait for the collective; the gathered ``(world_size, width + trailer)`` rows."""
+        self.comm.wait(self.work, what)
+        return self.output.view(self.comm.world_size, self.width + self.trailer)
+
+    def columns(self, rows: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
+        """Each member with its ``(world_size, shard_numel)`` columns of ``rows``."""
+        for member, off in zip(self.members, self.offsets):
+            yield member, rows[:, off: off + member.layout.shard_numel]
+
+    def trailing(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows[:, self.width:]
+
+    def release(self) -> None:
+        """The buffers back to their source: only after the completion (and on CUDA after the compute
+        stream waited for it, [Note: side streams])."""
+        self.buffers.give(self.input)
+        self.buffers.give(self.output)
+
+
+@dataclass(eq=False)
+class InPlaceReduce:
+    """Full gradients (one flat tensor per member, zeros where this rank had none) summed in place, with
+    their has-gradient flags."""
+
+    comm: Comm
+    members: list
+    grads: list[torch.Tensor]
+    flags: torch.Tensor
+    work: Any
+    results_in_full_tensors = True   # a result is a region of a full-size temporary
+    sources = None   # no side stream reads the gradients: in place is gloo's layout (BufferedReduce.sources)
+
+    def complete(self, what: str, store: Store) -> None:
+        self.comm.wait(self.work, what)
+        n = self.comm.world_size
+        for member, grad, has_grad in zip(self.members, self.grads, self.flags.tolist()):
+            if has_grad:
+                store(member, member.layout.local_view(grad).div_(n))
+
+
+@dataclass(eq=False)
+class BufferedReduce:
+    """A reduce-scatter of rank-major rows with the flags in the last ``len(members)`` columns; this rank's
+    row lands in ``output``."""
+
+    comm: Comm
+    members: list
+    offsets: list[int]
+    width: int
+    input: torch.Tensor
+    output: torch.Tensor
+    work: Any
+    buffers: Buffers
+    streams: StreamSet
+    # The full gradients a side stream may still read: referenced until the compute stream waited for it,
+    # or the allocator could hand their memory to new work ([Note: side streams]); None without side streams.
+    sources: list | None
+    results_in_full_tensors = False   # a result is a view of the shard-sized output
+
+    def complete(self, what: str, store: Store) -> None:
+        with self.streams.reduce():   # waiting here makes the reduce stream (not compute) wait for NCCL
+            self.comm.wait(self.work, what)
+            _average_flagged(self, self.output, store, lambda layout: layout.local_numel)
+            reduced = self.streams.record()
+        self.streams.wait(reduced)   # [Note: side streams]: only now may the memory be reused
+        self.sources = None
+        self.buffers.give(self.input)
+        self.buffers.give(self.output)
+
+
+@dataclass(eq=False)
+class FlatAllReduce:
+    """Stage 0: full gradients side by side in one flat buffer, then the flags, all-reduced."""
+
+    comm: Comm
+    members: list
+    offsets: list[int]
+    width: int
+    buffer: torch.Tensor
+    work: Any
+
+    def complete(self, what: str, store: Store) -> None:
+        self.comm.wait(self.work, what)
+        _average_flagged(self, self.buffer, store, lambda layout: layout.numel)
+
+
+def _average_flagged(record: BufferedReduce | FlatAllReduce, flat: torch.Tensor, store: Store,
+                     numel: Callable[[ShardLayout], int]) -> None:
+    """A completed reduction's ``flat`` result, the summed flags after ``record.width``: average, and store
+    ``numel(layout)`` elements at its offset for each member that some rank had a gradient for."""
+    present = flat[record.width:].tolist()
+    flat.div_(record.comm.world_size)
+    for member, off, has_grad in zip(record.members, record.offsets, present):
+        if has_grad:
+            store(member, flat[off: off + numel(member.layout)])
+
+
+# -- launches -----------------------------------------------------------------------------------------------
+def gather_in_place(comm: Comm, members: list, flats: Sequence[torch.Tensor], tag: str = "") -> InPlaceGather:
+    """Gather into ``flats`` (each member's full flat tensor, this rank's region already filled)."""
+    regions = rank_regions(flats, [m.layout for m in members], comm.world_size)
+    return InPlaceGather(comm, members, comm.gather_regions(regions, async_op=True, tag=tag))
+
+
+def gather_buffered(comm: Comm, members: list, dtype: torch.dtype, device: torch.device,
+                    fill: Callable[[Any, torch.Tensor], None], buffers: Buffers = FRESH,
+                    trailer: tuple = (), tag: str = "") -> BufferedGather:
+    """``fill(member, chunk)`` writes this rank's padded chunk (``shard_numel`` long) of ``member``;
+    ``trailer``: values appended to this rank's input (exact in ``dtype``)."""
+    offsets, width = packed_offsets(m.layout.shard_numel for m in members)
+    extra = len(trailer)
+    inp = buffers.take(width + extra, dtype, device)
+    for member, off in zip(members, offsets):
+        fill(member, inp[off: off + member.layout.shard_numel])
+    if extra:
+        inp[width:] = torch.tensor(trailer, dtype=dtype)
+    out = buffers.take(comm.world_size * (width + extra), dtype, device)
+    work = comm.all_gather(out, inp, async_op=True, tag=tag)
+    return BufferedGather(comm, members, offsets, width, extra, inp, out, work, buffers)
+
+
+def reduce_in_place(comm: Comm, members: list, dtype: torch.dtype, device: torch.device,
+                    release_grads: bool, tag: str = "") -> InPlaceReduce:
+    """Sum every member's full ``param.grad`` (zeros where it has none) in ``dtype``, in place.
+    ``release_grads``: drop ``param.grad`` (the reduction holds the gradient until it completes)."""
+    grads, present = [], []
+    for member in members:
+        grad = member.param.grad
+        present.append(float(grad is not None))
+        if grad is None:
+            grad = torch.zeros(member.layout.numel, dtype=dtype, device=device)
+        flat = grad.reshape(-1)
+        grads.append(flat if flat.dtype == dtype else flat.to(dtype))
+        if release_grads:
+            member.param.grad = None
+    flags = torch.tensor(present, dtype=torch.float32)
+    return InPlaceReduce(comm, members, grads, flags, comm.reduce_in_place(grads, flags, async_op=True, tag=tag))
+
+
+def reduce_buffered(comm: Comm, members: list, dtype: torch.dtype, device: torch.device, release_grads: bool,
+                    buffers: Buffers = FRESH, streams: StreamSet = NO_STREAMS, tag: str = "") -> BufferedReduce:
+    """Copy every member's ``param.grad`` (zeros where it has none) into rank-major rows with the flags and
+    reduce-scatter them.  Call it on the stream the copies should run on (stage 3: inside
+    ``streams.reduce()``); ``streams`` is where the completion runs."""
+    n = comm.world_size
+    offsets, width = packed_offsets(m.layout.shard_numel for m in members)
+    k = len(members)
+    buf = buffers.take(n * (width + k), dtype, device).view(n, width + k)
+    sources = [] if streams.overlaps else None
+    for i, (member, off) in enumerate(zip(members, offsets)):
+        grad = member.param.grad
+        copy_padded_rows(buf[:, off: off + member.layout.shard_numel],
+                         None if grad is None else grad.reshape(-1), member.layout)
+        buf[:, width + i] = float(grad is not None)   # [Note: unused parameters] in grads/reducer.py
+        if grad is not None and sources is not None:
+            sources.append(grad)
+        if release_grads:
+            member.param.grad = None
+    out = buffers.take(width + k, dtype, buf.device)
+    work = comm.reduce_scatter(out, buf.view(-1), async_op=True, tag=tag)
+    return BufferedReduce(comm, members, offsets, width, buf, out, work, buffers, streams, sources)
+
+
+def all_reduce_flat(comm: Comm, members: list, dtype: torch.dtype, device: torch.device) -> FlatAllReduce:
+    """Stage 0: every member's full ``param.grad`` (zeros where it has none) and the flags, all-reduced."""
+    offsets, width = packed_offsets(m.layout.numel for m in members)
+    k = len(members)
+    buf = torch.empty(width + k, dtype=dtype, device=device)
+    for i, (member, off) in enumerate(zip(members, offsets)):
+        dst = buf[off: off + member.layout.numel]
+        grad = member.param.grad
+        dst.copy_(grad.view(-1)) if grad is not None else dst.zero_()
+        buf[width + i] = float(grad is not None)
+    return FlatAllReduce(comm, members, offsets, width, buf, comm.all_reduce(buf, async_op=True))
