@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-test: $(STAMP)
+# The lint runs first: a lint error fails `make test` (and so CI) before the suite starts.
+test: lint
 	$(VPY) -m pytest -q tests
 
 # ruff's configuration is in pyproject.toml ([tool.ruff]).  Both checks always run and the target fails if

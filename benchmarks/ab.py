@@ -8,6 +8,7 @@ the variants ``zpN`` (this tree) and ``zpN_base`` interleaved round by round, so
 both alike.  The report (``benchmarks/results/ab-<size>.md`` unless ``--out``) has one row per variant;
 the ratio that matters is ``zpN`` / ``zpN_base``, printed at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ PACKAGE = "zero_plugin_base"
 
 
 def _export(rev: str, into: Path) -> None:
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", rev, "zero_plugin"], check=True,
-                         capture_output=True).stdout
+    tar = subprocess.run(
+        ["git", "-C", str(REPO), "archive", rev, "zero_plugin"], check=True, capture_output=True
+    ).stdout
     with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
         archive.extractall(into, filter="data")
     (into / "zero_plugin").rename(into / PACKAGE)
@@ -60,9 +62,11 @@ def _ratios(report: Path, stages: list[int]) -> list[str]:
                 continue
             paired = [new[r] / base[r] for r in rounds]
             overall = statistics.median(new.values()) / statistics.median(base.values())
-            lines.append(f"stage {stage} {label}: {statistics.median(new.values()):.4f} s vs "
-                         f"{statistics.median(base.values()):.4f} s at the base revision: {overall:.3f}x; "
-                         f"per round {', '.join(f'{x:.3f}' for x in paired)} (median {statistics.median(paired):.3f}x)")
+            lines.append(
+                f"stage {stage} {label}: {statistics.median(new.values()):.4f} s vs "
+                f"{statistics.median(base.values()):.4f} s at the base revision: {overall:.3f}x; "
+                f"per round {', '.join(f'{x:.3f}' for x in paired)} (median {statistics.median(paired):.3f}x)"
+            )
     return lines
 
 

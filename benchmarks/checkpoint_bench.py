@@ -17,6 +17,7 @@ Throughput is bytes of model state (parameters + optimizer state over all ranks)
 Memory is about 16 bytes per parameter per framework (spread over the ranks) plus 4 bytes per
 parameter on rank 0 for the consolidation; the frameworks run one after the other.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,17 @@ def llama_config(params: float):
     intermediate = 64 * round(8 / 3 * hidden / 64)
     per_layer = 4 * hidden * hidden + 3 * hidden * intermediate
     layers = max(1, round((params - 2 * VOCAB * hidden) / per_layer))
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128,
-                       max_position_embeddings=256, tie_word_embeddings=False, use_cache=False)
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=hidden // 128,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
 
 
 def _one_step(model, opt) -> None:
@@ -76,7 +85,7 @@ def _timed(fn) -> float:
 
 
 def _peak(fn) -> int:
-    release_memory()   # freed heap kept by malloc would hide the consolidation's growth
+    release_memory()  # freed heap kept by malloc would hide the consolidation's growth
     meter = RssPeak()
     meter.start()
     result = fn()
@@ -86,22 +95,26 @@ def _peak(fn) -> int:
 
 
 def bench_zero(cfg, directory: str) -> dict:
+    from transformers import LlamaForCausalLM
+
     import zero_plugin as zp
     from zero_plugin.materialize import empty_model, from_init_fn
-    from transformers import LlamaForCausalLM
 
     model = empty_model(lambda: LlamaForCausalLM(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3), param_source=from_init_fn(model._init_weights))
     _one_step(model, opt)
-    state = [p for p in model.parameters()] + [v for s in opt.state.values() for v in s.values()
-                                                 if isinstance(v, torch.Tensor)]
+    state = [p for p in model.parameters()] + [
+        v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
     total = _all_sum(_state_bytes(state))
     path = os.path.join(directory, "zero")
-    out = {"state_bytes": total,
-           "save_s": _timed(lambda: zp.save_checkpoint(path, model, opt, extra={"step": 1})),
-           "load_s": _timed(lambda: zp.load_checkpoint(path, model, opt)),
-           "load_noverify_s": _timed(lambda: zp.load_checkpoint(path, model, opt, verify=False))}
+    out = {
+        "state_bytes": total,
+        "save_s": _timed(lambda: zp.save_checkpoint(path, model, opt, extra={"step": 1})),
+        "load_s": _timed(lambda: zp.load_checkpoint(path, model, opt)),
+        "load_noverify_s": _timed(lambda: zp.load_checkpoint(path, model, opt, verify=False)),
+    }
     dist.barrier()
     out["consolidate_peak_bytes"] = _peak(lambda: zp.full_state_dict(model))
     out["files_bytes"] = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
@@ -113,16 +126,20 @@ def bench_zero(cfg, directory: str) -> dict:
 
 def bench_fsdp2(cfg, directory: str) -> dict:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                         set_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
     from zero_plugin.materialize import empty_model
 
-    model = empty_model(lambda: LlamaForCausalLM(cfg))   # parameters on meta, buffers real
-    buffers = {n: b.clone() for n, b in model.named_buffers()}   # to_empty would wipe them (rotary tables)
+    model = empty_model(lambda: LlamaForCausalLM(cfg))  # parameters on meta, buffers real
+    buffers = {n: b.clone() for n, b in model.named_buffers()}  # to_empty would wipe them (rotary tables)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -135,8 +152,9 @@ def bench_fsdp2(cfg, directory: str) -> dict:
             b.copy_(buffers[n])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     _one_step(model, opt)
-    state = [p for p in model.parameters()] + [v for s in opt.state.values() for v in s.values()
-                                                 if isinstance(v, torch.Tensor)]
+    state = [p for p in model.parameters()] + [
+        v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
     total = _all_sum(_state_bytes(state))
     path = os.path.join(directory, "dcp")
 
@@ -184,14 +202,20 @@ def _report(cfg, results: dict, args) -> None:
 
     with torch.device("meta"):
         n = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
-    print(f"model: {n / 1e9:.3f}B params (hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers), "
-          f"{args.world_size} ranks, gloo/CPU")
-    print(f"{'':18}{'state GB':>9}{'files GB':>9}{'save s':>8}{'save GB/s':>10}{'load s':>8}{'load GB/s':>10}"
-          f"{'rank0 consolidation peak GB':>29}")
+    print(
+        f"model: {n / 1e9:.3f}B params (hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers), "
+        f"{args.world_size} ranks, gloo/CPU"
+    )
+    print(
+        f"{'':18}{'state GB':>9}{'files GB':>9}{'save s':>8}{'save GB/s':>10}{'load s':>8}{'load GB/s':>10}"
+        f"{'rank0 consolidation peak GB':>29}"
+    )
     for name, r in results.items():
         gb = r["state_bytes"] / 1e9
-        print(f"{name:18}{gb:9.2f}{r['files_bytes'] / 1e9:9.2f}{r['save_s']:8.2f}{gb / r['save_s']:10.2f}"
-              f"{r['load_s']:8.2f}{gb / r['load_s']:10.2f}{r['consolidate_peak_bytes'] / 1e9:29.2f}")
+        print(
+            f"{name:18}{gb:9.2f}{r['files_bytes'] / 1e9:9.2f}{r['save_s']:8.2f}{gb / r['save_s']:10.2f}"
+            f"{r['load_s']:8.2f}{gb / r['load_s']:10.2f}{r['consolidate_peak_bytes'] / 1e9:29.2f}"
+        )
         if "load_noverify_s" in r:
             print(f"{'  load, no sha256':36}{'':18}{r['load_noverify_s']:8.2f}{gb / r['load_noverify_s']:10.2f}")
     if args.json:

@@ -6,6 +6,7 @@ Per collective: median wall time of issue (the async call returning) and of
 issue + wait, and the process CPU time, on ``world_size`` ranks.  Answers
 "what does one 25 MiB reduce-scatter cost next to an all-reduce on this machine".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ def _cases(numel: int, n: int) -> dict:
     gathered = torch.empty(numel // n * n)
     return {
         "all_reduce (in place, full)": lambda: dist.all_reduce(full, async_op=True),
-        "reduce_scatter_single (full in, 1/N out)": lambda: dist.reduce_scatter_single(shard, full[: numel // n * n],
-                                                                                       async_op=True),
+        "reduce_scatter_single (full in, 1/N out)": lambda: dist.reduce_scatter_single(
+            shard, full[: numel // n * n], async_op=True
+        ),
         "all_gather_single (1/N in, full out)": lambda: dist.all_gather_single(gathered, shard, async_op=True),
         "broadcast (full)": lambda: dist.broadcast(full, src=0, async_op=True),
         "reduce to one rank (full)": lambda: dist.reduce(full, dst=0, async_op=True),
@@ -57,7 +59,7 @@ def _worker(rank: int, world_size: int, port: int, numel: int, iters: int, threa
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         for name, fn in _cases(numel, world_size).items():
-            fn().wait()   # warm up
+            fn().wait()  # warm up
             issue, total, cpu = _measure(fn, iters)
             if rank == 0:
                 print(f"| {name} | {issue * 1e3:.1f} | {total * 1e3:.1f} | {cpu * 1e3:.1f} |", flush=True)
@@ -72,11 +74,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args(argv)
     numel = int(args.mb * 2**20 / 4)
-    print(f"gloo, {args.world_size} ranks, {args.mb} MiB fp32 buffer, median of {args.iters}; "
-          f"load average {os.getloadavg()[0]:.2f}\n")
+    print(
+        f"gloo, {args.world_size} ranks, {args.mb} MiB fp32 buffer, median of {args.iters}; "
+        f"load average {os.getloadavg()[0]:.2f}\n"
+    )
     print("| collective | issue (ms) | issue + wait (ms) | process CPU (ms) |\n|---|---|---|---|")
-    mp.spawn(_worker, args=(args.world_size, _free_port(), numel, args.iters,
-                            max(1, _cores() // args.world_size)), nprocs=args.world_size, join=True)
+    mp.spawn(
+        _worker,
+        args=(args.world_size, _free_port(), numel, args.iters, max(1, _cores() // args.world_size)),
+        nprocs=args.world_size,
+        join=True,
+    )
 
 
 if __name__ == "__main__":

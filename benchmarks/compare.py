@@ -8,6 +8,7 @@ round-robin over ``--rounds`` so that machine noise hits all alike.  The report
 is printed and written to ``benchmarks/results/<size>-ws<N>.md`` (plus a PNG
 when matplotlib is installed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,10 +62,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--profile", action="store_true", help="time the engine's internal phases (small overhead)")
     p.add_argument("--out", type=Path, default=None, help="report path (default benchmarks/results/<size>-ws<N>.md)")
-    p.add_argument("--render", type=Path, default=None, metavar="JSON",
-                   help="only re-render the report from a saved <report>.json (no training)")
+    p.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="only re-render the report from a saved <report>.json (no training)",
+    )
     args = p.parse_args(argv)
-    quick = args.size == "smoke"   # a quick check: under ~3 minutes on 2 cores
+    quick = args.size == "smoke"  # a quick check: under ~3 minutes on 2 cores
     args.steps = args.steps if args.steps is not None else (5 if quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (2 if quick else 3)
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1 or args.world_size < 1:
@@ -80,17 +86,19 @@ def _header(args: argparse.Namespace, threads: int, rss_method: str, wall: float
     import transformers
 
     return {
-        "size": args.size, "world_size": args.world_size,
+        "size": args.size,
+        "world_size": args.world_size,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "python": platform.python_version(),
         "machine": f"{_cores()} cores ({platform.machine()}), gloo, {threads} torch thread(s) per rank",
         "workload": f"fp32 AdamW(lr={args.lr}), batch {args.batch} × {args.seq} tokens per rank, "
-                    f"{args.warmup} warm-up + {args.steps} timed steps × {args.rounds} interleaved rounds",
+        f"{args.warmup} warm-up + {args.steps} timed steps × {args.rounds} interleaved rounds",
         "peak RSS method": rss_method,
         "wall time": f"{wall:.0f} s",
         "load average (1/5/15 min) before / after": f"{load_before}  /  {_load()} (> {args.world_size} means "
-                                                    "other jobs shared the cores: trust CPU s more than step s)",
+        "other jobs shared the cores: trust CPU s more than step s)",
     }
 
 
@@ -101,16 +109,32 @@ def _run(args: argparse.Namespace, variants: list[str]) -> dict:
         # read by deepspeed at its first import, in the spawned ranks (which inherit it)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     with tempfile.TemporaryDirectory(prefix="zp-bench-") as tmp:
-        cfg = RunConfig(size=args.size, world_size=args.world_size, variants=tuple(variants), steps=args.steps,
-                        warmup=args.warmup, rounds=args.rounds, batch=args.batch, seq=args.seq, seed=args.seed,
-                        lr=args.lr, threads=threads, port=_free_port(), out_dir=tmp, profile=args.profile)
+        cfg = RunConfig(
+            size=args.size,
+            world_size=args.world_size,
+            variants=tuple(variants),
+            steps=args.steps,
+            warmup=args.warmup,
+            rounds=args.rounds,
+            batch=args.batch,
+            seq=args.seq,
+            seed=args.seed,
+            lr=args.lr,
+            threads=threads,
+            port=_free_port(),
+            out_dir=tmp,
+            profile=args.profile,
+        )
         load_before, t0 = _load(), time.perf_counter()
         mp.spawn(worker, args=(cfg,), nprocs=args.world_size, join=True)
         wall = time.perf_counter() - t0
         dumps = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world_size)]
-    return {"variants": variants, "world_size": args.world_size,
-            "header": _header(args, threads, dumps[0]["rss_method"], wall, load_before),
-            "records": [rec for d in dumps for rec in d["records"]]}
+    return {
+        "variants": variants,
+        "world_size": args.world_size,
+        "header": _header(args, threads, dumps[0]["rss_method"], wall, load_before),
+        "records": [rec for d in dumps for rec in d["records"]],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,18 +41,17 @@ link a libgomp of its own: its ``GOMP_parallel`` resolves to torch's bundled ``t
 (the only OpenMP runtime in the process), so the same call caps it.  ``OMP_NUM_THREADS`` is also set
 before torch is imported, in case a build does pull in a second runtime.
 """
+
 from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import os
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 VARIANTS = ("zero_plugin", "torch foreach", "torch for-loop", "DeepSpeedCPUAdam")
@@ -68,25 +67,36 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cpu_adam.md"
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_adam", description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=float, nargs="+", default=[10e6, 100e6, 500e6],
-                   help="parameter counts (fp32 elements)")
+    p.add_argument(
+        "--sizes", type=float, nargs="+", default=[10e6, 100e6, 500e6], help="parameter counts (fp32 elements)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5, help="timed steps per variant per round")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (rebuild mode)")
     p.add_argument("--layouts", nargs="+", choices=("flat", "list"), default=["flat", "list"])
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    p.add_argument("--resident-fraction", type=float, default=0.4,
-                   help="build all variants at once when their state fits in this fraction of available RAM")
-    p.add_argument("--check-size", type=int, default=3_000_017,
-                   help="elements for the 3-step numerical check (0 to skip)")
-    p.add_argument("--same-memory", action=argparse.BooleanOptionalAction, default=True,
-                   help="every variant steps the same tensors ([Note: same memory]); --no-same-memory gives "
-                        "each its own (built together when they fit, else one at a time)")
+    p.add_argument(
+        "--resident-fraction",
+        type=float,
+        default=0.4,
+        help="build all variants at once when their state fits in this fraction of available RAM",
+    )
+    p.add_argument(
+        "--check-size", type=int, default=3_000_017, help="elements for the 3-step numerical check (0 to skip)"
+    )
+    p.add_argument(
+        "--same-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every variant steps the same tensors ([Note: same memory]); --no-same-memory gives "
+        "each its own (built together when they fit, else one at a time)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown report ('-' for none)")
     return p.parse_args(argv)
 
 
 # --------------------------------------------------------------------------- helpers (torch imported lazily)
+
 
 def _loadavg() -> str:
     try:
@@ -98,6 +108,7 @@ def _loadavg() -> str:
 def _available_bytes() -> int:
     try:
         import psutil
+
         return int(psutil.virtual_memory().available)
     except Exception:  # noqa: BLE001
         return 0
@@ -114,6 +125,7 @@ def _cpu_name() -> str:
 def _ds_version() -> str:
     try:
         import deepspeed
+
         return deepspeed.__version__
     except Exception:  # noqa: BLE001
         return "not installed"
@@ -121,6 +133,7 @@ def _ds_version() -> str:
 
 def _release() -> None:
     from benchmarks.measure import release_memory
+
     release_memory()
 
 
@@ -151,6 +164,7 @@ def _layout_desc(n: int, layout: str) -> str:
 def _make_params(n: int, layout: str, seed: int):
     """Seeded fp32 parameters with gradients attached (identical for every variant)."""
     import torch
+
     g = torch.Generator().manual_seed(seed)
     params = []
     for shape in _shapes(n, layout):
@@ -165,12 +179,14 @@ def _ds_available() -> tuple[bool, str]:
     try:
         import torch
         from deepspeed.ops.adam import DeepSpeedCPUAdam
+
         p = torch.nn.Parameter(torch.zeros(8))
         p.grad = torch.ones(8)
         opt = DeepSpeedCPUAdam([p], adamw_mode=True, **HYPER)  # builds / loads the C++ op
         opt.step()
         del opt
         import deepspeed
+
         return True, f"deepspeed {deepspeed.__version__}"
     except Exception as e:  # noqa: BLE001
         return False, f"{type(e).__name__}: {e}".splitlines()[0][:300]
@@ -178,8 +194,10 @@ def _ds_available() -> tuple[bool, str]:
 
 def _make_optimizer(name: str, params):
     import torch
+
     if name == "zero_plugin":
         from zero_plugin.optim.offload import use_fast_cpu_kernels
+
         opt = torch.optim.AdamW(params, **HYPER)
         if not use_fast_cpu_kernels(opt):
             raise RuntimeError("use_fast_cpu_kernels declined AdamW on CPU")
@@ -191,6 +209,7 @@ def _make_optimizer(name: str, params):
         return torch.optim.AdamW(params, foreach=False, fused=False, **HYPER)
     if name == "DeepSpeedCPUAdam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
+
         return DeepSpeedCPUAdam(params, adamw_mode=True, bias_correction=True, **HYPER)
     raise ValueError(name)
 
@@ -205,6 +224,7 @@ class _OffloadStep:
 
     def step(self) -> None:
         from zero_plugin.optim.cpu_step import fused_cpu_step
+
         if not fused_cpu_step(self.opt):
             raise RuntimeError("fused_cpu_step declined the offload AdamW")
 
@@ -219,6 +239,7 @@ def _timed_step(opt) -> tuple[float, float]:
 
 # --------------------------------------------------------------------------- numerical check
 
+
 def numerical_check(n: int, layout: str, variants: list[str]) -> dict[str, tuple[float, float]]:
     """Max |param - fp32 for-loop param| and max |param - fp64 for-loop param| after 3 steps.
 
@@ -227,6 +248,7 @@ def numerical_check(n: int, layout: str, variants: list[str]) -> dict[str, tuple
     that disagrees with the fp32 for-loop is any less accurate, or just rounds differently.
     """
     import torch
+
     shapes = _shapes(n, layout) if layout == "flat" else [(1024, 1024), (1024, 1024), (n // 1024 // 4, 1024), (17,)]
     g = torch.Generator().manual_seed(1234)
     init = [torch.randn(s, generator=g) for s in shapes]
@@ -258,12 +280,14 @@ def numerical_check(n: int, layout: str, variants: list[str]) -> dict[str, tuple
 
 # --------------------------------------------------------------------------- throughput
 
+
 def _share_state(opts: dict, params: list) -> None:
     """[Note: same memory] Point every optimizer's state at the first one's exp_avg / exp_avg_sq, so all
     variants step over the very same parameter, gradient and state tensors."""
     import torch
+
     first = next(iter(opts.values()))
-    for v, opt in opts.items():
+    for _v, opt in opts.items():
         if opt is first:
             continue
         for p in params:
@@ -320,8 +344,12 @@ def bench_size(n: int, layout: str, variants: list[str], args) -> dict:
                 finally:
                     opt = params = None  # noqa: F841
                     _release()
-    return {"times": times, "errors": errors, "resident": resident,
-            "mode": "resident, step-interleaved" if resident else "one variant at a time, round-interleaved"}
+    return {
+        "times": times,
+        "errors": errors,
+        "resident": resident,
+        "mode": "resident, step-interleaved" if resident else "one variant at a time, round-interleaved",
+    }
 
 
 def _bench_same_memory(n: int, layout: str, variants: list[str], args) -> dict:
@@ -336,10 +364,10 @@ def _bench_same_memory(n: int, layout: str, variants: list[str], args) -> dict:
             errors[v] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
     live = list(opts)
     if live:
-        opts[live[0]].step()   # warm-up: allocates the state every variant then shares
+        opts[live[0]].step()  # warm-up: allocates the state every variant then shares
         _share_state(opts, params)
         for v in live[1:]:
-            opts[v].step()     # each kernel's own warm-up, untimed
+            opts[v].step()  # each kernel's own warm-up, untimed
     times: dict[str, list] = {v: [[] for _ in range(args.rounds)] for v in live}
     for r in range(args.rounds):
         for k in range(args.repeats):
@@ -360,8 +388,11 @@ def paired_ratio(ref: list[list[tuple[float, float]]], other: list[list[tuple[fl
     if resident:
         pairs = [(a[0], b[0]) for ra, rb in zip(ref, other) for a, b in zip(ra, rb)]
     else:
-        pairs = [(statistics.median(w for w, _ in ra), statistics.median(w for w, _ in rb))
-                 for ra, rb in zip(ref, other) if ra and rb]
+        pairs = [
+            (statistics.median(w for w, _ in ra), statistics.median(w for w, _ in rb))
+            for ra, rb in zip(ref, other)
+            if ra and rb
+        ]
     return statistics.median(a / b for a, b in pairs)
 
 
@@ -376,6 +407,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     load_before = _loadavg()
     import torch
+
     torch.set_num_threads(args.threads)
 
     sizes = [int(s) for s in args.sizes]
@@ -384,27 +416,37 @@ def main(argv=None) -> int:
     if "DeepSpeedCPUAdam" in variants:
         t0 = time.perf_counter()
         ok, ds_note = _ds_available()
-        print(f"# DeepSpeedCPUAdam: {'ok' if ok else 'UNAVAILABLE'} ({ds_note}; "
-              f"load/build {time.perf_counter() - t0:.1f}s)", flush=True)
+        print(
+            f"# DeepSpeedCPUAdam: {'ok' if ok else 'UNAVAILABLE'} ({ds_note}; "
+            f"load/build {time.perf_counter() - t0:.1f}s)",
+            flush=True,
+        )
         if not ok:
             variants.remove("DeepSpeedCPUAdam")
 
     check_lines: list[str] = []
     if args.check_size:
-        check_lines += ["| layout | variant | max abs diff vs fp32 for-loop | max abs diff vs fp64 for-loop "
-                        "| max abs update in 3 steps (scale) |",
-                        "|---|---|---|---|---|"]
+        check_lines += [
+            "| layout | variant | max abs diff vs fp32 for-loop | max abs diff vs fp64 for-loop "
+            "| max abs update in 3 steps (scale) |",
+            "|---|---|---|---|---|",
+        ]
         for layout in args.layouts:
             res = numerical_check(args.check_size, layout, variants)
             scale = res.pop("_update")[0]
             for v, (d32, d64) in res.items():
                 check_lines.append(f"| {layout} | {LABELS[v]} | {d32:.2e} | {d64:.2e} | {scale:.2e} |")
-                print(f"# check {layout:4s} {v:18s} max|diff| vs fp32 for-loop {d32:.2e}, vs fp64 {d64:.2e} "
-                      f"(update {scale:.2e})", flush=True)
+                print(
+                    f"# check {layout:4s} {v:18s} max|diff| vs fp32 for-loop {d32:.2e}, vs fp64 {d64:.2e} "
+                    f"(update {scale:.2e})",
+                    flush=True,
+                )
 
-    rows = ["| params | layout | variant | median step (ms) | G params/s | x DeepSpeedCPUAdam | per-round medians (ms) "
-            "| x DeepSpeedCPUAdam, paired | median CPU time / step (ms) | x DeepSpeedCPUAdam by CPU time |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| params | layout | variant | median step (ms) | G params/s | x DeepSpeedCPUAdam | per-round medians (ms) "
+        "| x DeepSpeedCPUAdam, paired | median CPU time / step (ms) | x DeepSpeedCPUAdam by CPU time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     verdict: list[str] = []
     modes: list[str] = []
     for n in sizes:
@@ -421,35 +463,45 @@ def main(argv=None) -> int:
             ds, ds_cpu = med.get("DeepSpeedCPUAdam"), cpu.get("DeepSpeedCPUAdam")
             for v in variants:
                 if v not in med:
-                    rows.append(f"| {_fmt_size(n)} | {layout} | {LABELS[v]} | failed: {res['errors'].get(v, '?')} | | | | | | |")
+                    rows.append(
+                        f"| {_fmt_size(n)} | {layout} | {LABELS[v]} | failed: {res['errors'].get(v, '?')} | | | | | | |"
+                    )
                     continue
                 rate = n / med[v] / 1e9
                 ratio = f"{ds / med[v]:.2f}x" if ds else "n/a"
                 cpu_ratio = f"{ds_cpu / cpu[v]:.2f}x" if ds_cpu else "n/a"
-                paired = (f"{paired_ratio(res['times']['DeepSpeedCPUAdam'], res['times'][v], res['resident']):.2f}x"
-                          if ds else "n/a")
+                paired = (
+                    f"{paired_ratio(res['times']['DeepSpeedCPUAdam'], res['times'][v], res['resident']):.2f}x"
+                    if ds
+                    else "n/a"
+                )
                 rounds = ", ".join(f"{statistics.median(w for w, _ in r) * 1e3:.0f}" for r in res["times"][v] if r)
-                rows.append(f"| {_fmt_size(n)} | {layout} | {LABELS[v]} | {med[v] * 1e3:.1f} | {rate:.3f} | {ratio} "
-                            f"| {rounds} | {paired} | {cpu[v] * 1e3:.1f} | {cpu_ratio} |")
+                rows.append(
+                    f"| {_fmt_size(n)} | {layout} | {LABELS[v]} | {med[v] * 1e3:.1f} | {rate:.3f} | {ratio} "
+                    f"| {rounds} | {paired} | {cpu[v] * 1e3:.1f} | {cpu_ratio} |"
+                )
             if ds and "zero_plugin" in med:
                 pr = paired_ratio(res["times"]["DeepSpeedCPUAdam"], res["times"]["zero_plugin"], res["resident"])
-                verdict.append(f"{_fmt_size(n)} {layout}: {ds / med['zero_plugin']:.2f}x (paired {pr:.2f}x, "
-                               f"CPU time {ds_cpu / cpu['zero_plugin']:.2f}x)")
-            print("\n".join(rows[-len(variants):]), f"  [{time.perf_counter() - t0:.0f}s]", flush=True)
+                verdict.append(
+                    f"{_fmt_size(n)} {layout}: {ds / med['zero_plugin']:.2f}x (paired {pr:.2f}x, "
+                    f"CPU time {ds_cpu / cpu['zero_plugin']:.2f}x)"
+                )
+            print("\n".join(rows[-len(variants) :]), f"  [{time.perf_counter() - t0:.0f}s]", flush=True)
 
     load_after = _loadavg()
     ds_ver, cpu = _ds_version(), _cpu_name()
     header = [
         "# CPU optimizer step throughput (fp32 AdamW)",
         "",
-        f"Generated by `python -m benchmarks.cpu_adam {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip() + ".",
+        f"Generated by `python -m benchmarks.cpu_adam {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip()
+        + ".",
         "",
         f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
         f"- torch {torch.__version__}, deepspeed {ds_ver}, python {platform.python_version()}",
         f"- CPU: {cpu}, {os.cpu_count()} logical cores; threads: {args.threads} "
         f"(`torch.set_num_threads`, `OMP_NUM_THREADS`)",
         f"- load average (1/5/15 min) before: {load_before}; after: {load_after}",
-        f"- hyper-parameters: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01, AdamW (decoupled), bias correction",
+        "- hyper-parameters: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01, AdamW (decoupled), bias correction",
         f"- protocol: warm-up step untimed; {args.repeats} timed steps x {args.rounds} rounds per variant; median step time; "
         f"params/s = N / median. Ratio > 1 means faster than DeepSpeedCPUAdam. "
         f"CPU time is `time.process_time` (all threads of the process) over the same step: "
@@ -462,11 +514,17 @@ def main(argv=None) -> int:
         header.append(f"- DeepSpeedCPUAdam unavailable: {ds_note}")
     text = "\n".join(header + ["", "## Throughput", ""] + rows)
     if verdict:
-        text += "\n\nTarget (zero_plugin >= 1.0x DeepSpeedCPUAdam), zero_plugin vs DeepSpeedCPUAdam: " + "; ".join(verdict) + "."
+        text += (
+            "\n\nTarget (zero_plugin >= 1.0x DeepSpeedCPUAdam), zero_plugin vs DeepSpeedCPUAdam: "
+            + "; ".join(verdict)
+            + "."
+        )
     if check_lines:
-        text += (f"\n\n## Numerical check ({args.check_size} elements, 3 steps, fresh gradients each step)\n\n"
-                 "Parameters are `randn` (|p| up to ~4.5; one fp32 ulp there is 4.8e-7), gradients `randn * 1e-2`.\n\n"
-                 + "\n".join(check_lines))
+        text += (
+            f"\n\n## Numerical check ({args.check_size} elements, 3 steps, fresh gradients each step)\n\n"
+            "Parameters are `randn` (|p| up to ~4.5; one fp32 ulp there is 4.8e-7), gradients `randn * 1e-2`.\n\n"
+            + "\n".join(check_lines)
+        )
     text += "\n"
     print()
     print(text)

@@ -17,6 +17,7 @@ not 3Ψ).  The optimizer is torch ``AdamW(lr)`` (torch defaults otherwise); with
 DeepSpeed requires its own ``DeepSpeedCPUAdam``, configured with the same
 hyper-parameters through the config's ``optimizer`` section.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,12 +48,18 @@ def _import_deepspeed():
     except ImportError as exc:
         raise SkipVariant(f"deepspeed is not importable ({exc}); install the `bench` extra") from exc
     if get_accelerator().device_name() != "cpu":
-        raise SkipVariant(f"deepspeed chose the {get_accelerator().device_name()!r} accelerator; "
-                          "set DS_ACCELERATOR=cpu before it is first imported")
+        raise SkipVariant(
+            f"deepspeed chose the {get_accelerator().device_name()!r} accelerator; "
+            "set DS_ACCELERATOR=cpu before it is first imported"
+        )
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # DeepSpeed calls these two by their old names; torch warns on every rank's first call.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
-                            "is deprecated", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+        "is deprecated",
+        category=FutureWarning,
+    )
     return deepspeed
 
 
@@ -62,7 +69,7 @@ def _load_cpu_adam() -> None:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
         CPUAdamBuilder().load()
-    except Exception as exc:   # noqa: BLE001 - any build failure means this variant cannot run
+    except Exception as exc:  # noqa: BLE001 - any build failure means this variant cannot run
         raise SkipVariant(f"DeepSpeedCPUAdam op did not build: {type(exc).__name__}: {exc}"[:300]) from exc
 
 
@@ -102,8 +109,12 @@ class DeepSpeedVariant(Variant):
         self.counter = DeepSpeedCommCounter()
         client_optimizer = None if offload else torch.optim.AdamW(raw.parameters(), lr=lr)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=raw, model_parameters=raw.parameters(), optimizer=client_optimizer,
-            config=ds_config(stage, offload, lr, batch), dist_init_required=False)
+            model=raw,
+            model_parameters=raw.parameters(),
+            optimizer=client_optimizer,
+            config=ds_config(stage, offload, lr, batch),
+            dist_init_required=False,
+        )
         self.module = self.engine
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -122,10 +133,12 @@ class DeepSpeedVariant(Variant):
         """Distinct storages the engine holds (see :func:`engine_held_tensors`)."""
         params = list(self.raw.parameters())
         held = engine_held_tensors(self.engine.optimizer)
-        partitions = [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]   # stage 3
-        return {"params": params + partitions,
-                "grads": [p.grad for p in params] + held["grads"],
-                "optimizer": held["other"]}
+        partitions = [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]  # stage 3
+        return {
+            "params": params + partitions,
+            "grads": [p.grad for p in params] + held["grads"],
+            "optimizer": held["other"],
+        }
 
     @torch.no_grad()
     def full_params(self) -> dict[str, torch.Tensor]:
@@ -244,7 +257,7 @@ class DeepSpeedCommCounter:
         return {"total": sum(self.bytes.values()), **self.bytes}
 
     @contextlib.contextmanager
-    def counting(self) -> Iterator["DeepSpeedCommCounter"]:
+    def counting(self) -> Iterator[DeepSpeedCommCounter]:
         from deepspeed.comm import comm as ds_comm
 
         backend = ds_comm.cdb
@@ -255,7 +268,7 @@ class DeepSpeedCommCounter:
             yield self
         finally:
             for name in patched:
-                delattr(backend, name)   # the instance attribute; the class method shows again
+                delattr(backend, name)  # the instance attribute; the class method shows again
 
     def _wrap(self, fn, spec: tuple[str, int, str, int]):
         kind, index, keyword, factor = spec
@@ -266,4 +279,5 @@ class DeepSpeedCommCounter:
             nbytes = factor * sum(t.numel() * t.element_size() for t in tensors)
             self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
             return fn(*args, **kwargs)
+
         return counted

@@ -28,6 +28,7 @@ it falls under ``--min_available_gib`` (default 2): DDP holds one full copy per 
 to fit, which is recorded as "failed" with what it would need (2 full copies, and the planner's
 estimate), never by letting the kernel's OOM killer pick a process of the machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,7 @@ SCRIPT = REPO / "examples" / "finetune_trainer.py"
 RESULTS = REPO / "benchmarks" / "results"
 GIB = 2**30
 _STEP_LINE = re.compile(r"^\{'loss': ")
-_END_LINE = re.compile(r"'train_loss': ")   # the Trainer's end-of-training metrics (step lines have 'loss')
+_END_LINE = re.compile(r"'train_loss': ")  # the Trainer's end-of-training metrics (step lines have 'loss')
 _ESTIMATE_PREFIXES = ("zero-plugin launch:", "  --stage", "  same with a frozen base", "  this machine:")
 
 
@@ -59,8 +60,9 @@ def _status(pid: int) -> dict[str, int]:
     """VmRSS / VmHWM of ``pid`` in bytes ({} once it is gone)."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
-                    if k in ("VmRSS", "VmHWM")}
+            return {
+                k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")
+            }
     except (OSError, ValueError):
         return {}
 
@@ -103,9 +105,9 @@ class Watch:
     """What the poller and the output reader collect about one run."""
 
     started: float
-    ranks: dict[int, int] = dataclasses.field(default_factory=dict)          # pid -> rank
-    hwm: dict[int, int] = dataclasses.field(default_factory=dict)            # rank -> last VmHWM seen
-    marks: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)   # "load"/"train" -> rank -> VmHWM
+    ranks: dict[int, int] = dataclasses.field(default_factory=dict)  # pid -> rank
+    hwm: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> last VmHWM seen
+    marks: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)  # "load"/"train" -> rank -> VmHWM
     lines: list[tuple[float, str]] = dataclasses.field(default_factory=list)
     min_available: int | None = None
     killed: str | None = None
@@ -120,8 +122,9 @@ class Watch:
 
     def mark(self, name: str) -> None:
         if name not in self.marks:
-            self.marks[name] = {rank: _status(pid).get("VmHWM", self.hwm.get(rank, 0))
-                                for pid, rank in self.ranks.items()}
+            self.marks[name] = {
+                rank: _status(pid).get("VmHWM", self.hwm.get(rank, 0)) for pid, rank in self.ranks.items()
+            }
 
 
 def _read_output(proc: subprocess.Popen, watch: Watch, log) -> None:
@@ -146,34 +149,57 @@ def _poll_until_exit(proc: subprocess.Popen, watch: Watch, timeout_s: float, min
         available = available_memory()
         watch.min_available = min(available, watch.min_available or available)
         elapsed = time.monotonic() - watch.started
-        reason = (f"MemAvailable fell to {available / GIB:.2f} GiB" if available < min_available
-                  else f"still running after {timeout_s:.0f} s" if elapsed > timeout_s else None)
+        reason = (
+            f"MemAvailable fell to {available / GIB:.2f} GiB"
+            if available < min_available
+            else f"still running after {timeout_s:.0f} s"
+            if elapsed > timeout_s
+            else None
+        )
         if reason:
             rss = {watch.ranks[pid]: _status(pid).get("VmRSS", 0) for pid in watch.ranks}
-            watch.killed = (f"killed by the watchdog after {elapsed:.0f} s: {reason}; ranks at RSS "
-                            + ", ".join(f"r{r} {b / GIB:.2f} GiB" for r, b in sorted(rss.items())))
+            watch.killed = f"killed by the watchdog after {elapsed:.0f} s: {reason}; ranks at RSS " + ", ".join(
+                f"r{r} {b / GIB:.2f} GiB" for r, b in sorted(rss.items())
+            )
             os.killpg(proc.pid, signal.SIGKILL)
             break
         time.sleep(0.1)
 
 
-def run_one(name: str, cmd: list[str], env: dict[str, str], log_path: Path, *, timeout_s: float,
-            min_available: int) -> dict:
+def run_one(
+    name: str, cmd: list[str], env: dict[str, str], log_path: Path, *, timeout_s: float, min_available: int
+) -> dict:
     """Runs ``cmd`` in its own session under the watchdog; returns the raw measurements."""
     watch = Watch(started=time.monotonic())
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         reader = threading.Thread(target=_read_output, args=(proc, watch, log), daemon=True)
         reader.start()
         _poll_until_exit(proc, watch, timeout_s, min_available)
         returncode = proc.wait()
         reader.join(timeout=30)
-    return {"name": name, "cmd": cmd, "env": env, "returncode": returncode, "killed": watch.killed,
-            "seconds": round(time.monotonic() - watch.started, 1), "min_available": watch.min_available,
-            "hwm": watch.hwm, "marks": watch.marks, "timing": timings(watch.lines),
-            "estimate": [t for _, t in watch.lines if t.startswith(_ESTIMATE_PREFIXES)],
-            "tail": [t for _, t in watch.lines if t.strip()][-25:], "log": str(log_path)}
+    return {
+        "name": name,
+        "cmd": cmd,
+        "env": env,
+        "returncode": returncode,
+        "killed": watch.killed,
+        "seconds": round(time.monotonic() - watch.started, 1),
+        "min_available": watch.min_available,
+        "hwm": watch.hwm,
+        "marks": watch.marks,
+        "timing": timings(watch.lines),
+        "estimate": [t for _, t in watch.lines if t.startswith(_ESTIMATE_PREFIXES)],
+        "tail": [t for _, t in watch.lines if t.strip()][-25:],
+        "log": str(log_path),
+    }
 
 
 def timings(lines: list[tuple[float, str]]) -> dict:
@@ -183,9 +209,12 @@ def timings(lines: list[tuple[float, str]]) -> dict:
         return {"steps_logged": 0}
     gaps = [b - a for a, b in zip(steps, steps[1:])]
     step = statistics.median(gaps) if gaps else None
-    return {"steps_logged": len(steps), "first_step_line_s": round(steps[0], 2),
-            "step_s": round(step, 2) if step is not None else None,
-            "load_s": round(steps[0] - step, 2) if step is not None else None}
+    return {
+        "steps_logged": len(steps),
+        "first_step_line_s": round(steps[0], 2),
+        "step_s": round(step, 2) if step is not None else None,
+        "load_s": round(steps[0] - step, 2) if step is not None else None,
+    }
 
 
 # -- the two commands -------------------------------------------------------------------------------------
@@ -196,19 +225,55 @@ def _free_port() -> int:
 
 
 def script_args(args: argparse.Namespace, output_dir: Path) -> list[str]:
-    return [str(SCRIPT), "--model", str(args.model), "--max_steps", str(args.steps), "--batch_size",
-            str(args.batch_size), "--max_length", str(args.max_length), "--log_every", "1", "--warmup_steps", "0",
-            "--max_new_tokens", "1", "--output_dir", str(output_dir)]
+    return [
+        str(SCRIPT),
+        "--model",
+        str(args.model),
+        "--max_steps",
+        str(args.steps),
+        "--batch_size",
+        str(args.batch_size),
+        "--max_length",
+        str(args.max_length),
+        "--log_every",
+        "1",
+        "--warmup_steps",
+        "0",
+        "--max_new_tokens",
+        "1",
+        "--output_dir",
+        str(output_dir),
+    ]
 
 
 def commands(args: argparse.Namespace, work: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
     import torch
 
     gpus = torch.cuda.is_available()
-    zero = [sys.executable, "-m", "zero_plugin.cli", "launch", "--stage", "3", "--num_processes", "2",
-            "--main_process_port", str(_free_port()), *script_args(args, work / "zero3")]
-    ddp = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(_free_port()), *script_args(args, work / "ddp")]
+    zero = [
+        sys.executable,
+        "-m",
+        "zero_plugin.cli",
+        "launch",
+        "--stage",
+        "3",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(_free_port()),
+        *script_args(args, work / "zero3"),
+    ]
+    ddp = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(_free_port()),
+        *script_args(args, work / "ddp"),
+    ]
     return {"zero3": (zero, {}), "ddp": (ddp, {} if gpus else {"ACCELERATE_USE_CPU": "true"})}
 
 
@@ -216,8 +281,10 @@ def commands(args: argparse.Namespace, work: Path) -> dict[str, tuple[list[str],
 def summarize(raw: dict, full_copy: int) -> dict:
     """Per-rank peaks, status and the ratio of the training peak to one full copy of the weights."""
     load, train = raw["marks"].get("load", {}), raw["marks"].get("train", {})
-    ranks = [{"rank": r, "load_peak": load.get(r), "train_peak": train.get(r), "script_peak": raw["hwm"][r]}
-             for r in sorted(raw["hwm"])]
+    ranks = [
+        {"rank": r, "load_peak": load.get(r), "train_peak": train.get(r), "script_peak": raw["hwm"][r]}
+        for r in sorted(raw["hwm"])
+    ]
     failure = raw["killed"] or (f"exit code {raw['returncode']}" if raw["returncode"] != 0 else None)
     if failure is None:
         status = "ok"
@@ -226,17 +293,23 @@ def summarize(raw: dict, full_copy: int) -> dict:
     else:
         status = f"failed: {failure}"
     peak = max((r["train_peak"] for r in ranks if r["train_peak"]), default=None)
-    return {"name": raw["name"], "status": status, "trained": bool(train), "ranks": ranks,
-            "train_peak_max": peak, "ratio_to_full_copy": round(peak / full_copy, 3) if peak else None,
-            "timing": raw["timing"]}
+    return {
+        "name": raw["name"],
+        "status": status,
+        "trained": bool(train),
+        "ranks": ranks,
+        "train_peak_max": peak,
+        "ratio_to_full_copy": round(peak / full_copy, 3) if peak else None,
+        "timing": raw["timing"],
+    }
 
 
 def planner_peaks(model: Path, batch: int, seq: int) -> dict[int, float]:
     """The planner's per-rank peak for a frozen base (LoRA-like, [Note: two rows at launch]) at stages 0 and 3."""
     import torch
 
-    from zero_plugin.launch_estimate import Machine, _model_config, launched_row, plan_launch
     from zero_plugin.config import ZeroConfig
+    from zero_plugin.launch_estimate import Machine, _model_config, launched_row, plan_launch
 
     gpu = torch.cuda.is_available()
     machine = Machine(host_bytes=float("inf"), gpu_bytes=float("inf") if gpu else None)
@@ -256,25 +329,32 @@ def render(report: dict) -> str:
     m, full = report["machine"], report["model"]["full_copy_bytes"]
     params = report["model"]["params"]
     size = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params:,}"
-    lines = [f"# LoRA on a {size}-parameter Llama ({full / 1e9:.2f} GB fp32): "
-             "zero_plugin stage 3 against DDP, 2 processes", "",
-             f"{report['date']}; {m['cpus']} cores, MemTotal {_gib(m['mem_total'])} GiB, load averages "
-             f"{m['loadavg_before']} before / {m['loadavg_after']} after; torch {m['torch']}, transformers "
-             f"{m['transformers']}, peft {m['peft']}.",
-             f"Model `{report['model']['path']}` (benchmarks/write_llama_checkpoint.py); one full fp32 copy "
-             f"{_gib(full)} GiB. Script: the unmodified `examples/finetune_trainer.py` (LoRA r=16 on every "
-             f"linear layer), {report['args']['steps']} steps of batch {report['args']['batch_size']} x "
-             f"{report['args']['max_length']} tokens per rank.", "",
-             "| run | status | rank | peak RSS at first step, GiB | through training, GiB | whole script, GiB | "
-             "training peak / full copy | load s | step s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# LoRA on a {size}-parameter Llama ({full / 1e9:.2f} GB fp32): zero_plugin stage 3 against DDP, 2 processes",
+        "",
+        f"{report['date']}; {m['cpus']} cores, MemTotal {_gib(m['mem_total'])} GiB, load averages "
+        f"{m['loadavg_before']} before / {m['loadavg_after']} after; torch {m['torch']}, transformers "
+        f"{m['transformers']}, peft {m['peft']}.",
+        f"Model `{report['model']['path']}` (benchmarks/write_llama_checkpoint.py); one full fp32 copy "
+        f"{_gib(full)} GiB. Script: the unmodified `examples/finetune_trainer.py` (LoRA r=16 on every "
+        f"linear layer), {report['args']['steps']} steps of batch {report['args']['batch_size']} x "
+        f"{report['args']['max_length']} tokens per rank.",
+        "",
+        "| run | status | rank | peak RSS at first step, GiB | through training, GiB | whole script, GiB | "
+        "training peak / full copy | load s | step s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for run in report["runs"]:
         t = run["timing"]
-        for i, r in enumerate(run["ranks"] or [{"rank": "—", "load_peak": None, "train_peak": None,
-                                                "script_peak": None}]):
+        for i, r in enumerate(
+            run["ranks"] or [{"rank": "—", "load_peak": None, "train_peak": None, "script_peak": None}]
+        ):
             ratio = f"{r['train_peak'] / full:.2f}" if r["train_peak"] else "—"
-            lines.append(f"| {run['name'] if i == 0 else ''} | {run['status'] if i == 0 else ''} | {r['rank']} | "
-                         f"{_gib(r['load_peak'])} | {_gib(r['train_peak'])} | {_gib(r['script_peak'])} | {ratio} | "
-                         f"{t.get('load_s', '—') if i == 0 else ''} | {t.get('step_s', '—') if i == 0 else ''} |")
+            lines.append(
+                f"| {run['name'] if i == 0 else ''} | {run['status'] if i == 0 else ''} | {r['rank']} | "
+                f"{_gib(r['load_peak'])} | {_gib(r['train_peak'])} | {_gib(r['script_peak'])} | {ratio} | "
+                f"{t.get('load_s', '—') if i == 0 else ''} | {t.get('step_s', '—') if i == 0 else ''} |"
+            )
     lines += ["", *_verdict(report), "", *_definitions(report)]
     return "\n".join(lines) + "\n"
 
@@ -284,33 +364,49 @@ def _verdict(report: dict) -> list[str]:
     out = []
     for run in report["runs"]:
         if run["name"] == "zero3" and run["ratio_to_full_copy"] is not None:
-            out.append(f"**zero3: the highest rank's training peak is {run['ratio_to_full_copy']:.2f} of one full "
-                       f"copy** (target <= 0.6).")
+            out.append(
+                f"**zero3: the highest rank's training peak is {run['ratio_to_full_copy']:.2f} of one full "
+                f"copy** (target <= 0.6)."
+            )
         if not run["trained"]:
             need = f"at least 2 x {_gib(full)} = {_gib(2 * full)} GiB for the weights alone"
             if planned.get(0):
                 need += f"; the planner's stage-0 frozen-base peak is {_gib(planned[0])} GiB per rank"
-            out.append(f"{run['name']}: {run['status']}: would need {need} "
-                       f"(MemTotal {_gib(report['machine']['mem_total'])} GiB).")
+            out.append(
+                f"{run['name']}: {run['status']}: would need {need} "
+                f"(MemTotal {_gib(report['machine']['mem_total'])} GiB)."
+            )
     if planned:
-        out.append(f"Planner (frozen base, as under LoRA): {_gib(planned.get(3))} GiB per rank at stage 3, "
-                   f"{_gib(planned.get(0))} GiB at stage 0 (DDP).")
+        out.append(
+            f"Planner (frozen base, as under LoRA): {_gib(planned.get(3))} GiB per rank at stage 3, "
+            f"{_gib(planned.get(0))} GiB at stage 0 (DDP)."
+        )
     for run in report["runs"]:
         if run.get("estimate"):
-            out += ["", f"`zero-plugin launch` printed before starting the {run['name']} processes:", "```",
-                    *run["estimate"], "```"]
+            out += [
+                "",
+                f"`zero-plugin launch` printed before starting the {run['name']} processes:",
+                "```",
+                *run["estimate"],
+                "```",
+            ]
     return out
 
 
 def _definitions(report: dict) -> list[str]:
-    return ["Columns: peaks are each rank's VmHWM (kernel peak RSS) read when rank 0 logged the first step (the "
-            "load, including that step), when the Trainer printed its end-of-training metrics (through training), "
-            "and at the rank's exit (the whole script: rank 0 then also reloads a full base model to check the "
-            "adapter). "
-            "Each peak includes the interpreter, torch and transformers (~0.4 GiB per process here). "
-            "step s: median gap between step log lines; load s: first step line minus one step, from the launch. "
-            f"A watchdog kills a run when MemAvailable falls under {report['args']['min_available_gib']} GiB.",
-            "", "Commands:", "", *[f"    {' '.join(c)}" for c in report["commands"]]]
+    return [
+        "Columns: peaks are each rank's VmHWM (kernel peak RSS) read when rank 0 logged the first step (the "
+        "load, including that step), when the Trainer printed its end-of-training metrics (through training), "
+        "and at the rank's exit (the whole script: rank 0 then also reloads a full base model to check the "
+        "adapter). "
+        "Each peak includes the interpreter, torch and transformers (~0.4 GiB per process here). "
+        "step s: median gap between step log lines; load s: first step line minus one step, from the launch. "
+        f"A watchdog kills a run when MemAvailable falls under {report['args']['min_available_gib']} GiB.",
+        "",
+        "Commands:",
+        "",
+        *[f"    {' '.join(c)}" for c in report["commands"]],
+    ]
 
 
 def _machine(before: str) -> dict:
@@ -320,9 +416,15 @@ def _machine(before: str) -> dict:
 
     with open("/proc/meminfo", encoding="ascii") as f:
         total = int(dict(line.split(":", 1) for line in f)["MemTotal"].split()[0]) * 1024
-    return {"cpus": os.cpu_count(), "mem_total": total, "loadavg_before": before,
-            "loadavg_after": " ".join(f"{v:.2f}" for v in os.getloadavg()), "torch": torch.__version__,
-            "transformers": transformers.__version__, "peft": peft.__version__}
+    return {
+        "cpus": os.cpu_count(),
+        "mem_total": total,
+        "loadavg_before": before,
+        "loadavg_after": " ".join(f"{v:.2f}" for v in os.getloadavg()),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -345,7 +447,7 @@ def main(argv: list[str] | None = None) -> dict:
     before = " ".join(f"{v:.2f}" for v in os.getloadavg())
     try:
         planned = planner_peaks(args.model, args.batch_size, args.max_length)
-    except Exception as exc:   # noqa: BLE001 - the planner's figure is context; the runs are the result
+    except Exception as exc:  # noqa: BLE001 - the planner's figure is context; the runs are the result
         print(f"large_model: no planner estimate: {exc}", file=sys.stderr)
         planned = {}
     work = Path(tempfile.mkdtemp(prefix="large_model_"))
@@ -354,15 +456,25 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.runs:
         cmd, env = cmds[name]
         print(f"large_model: {name}: {' '.join(cmd)}  (log {work / f'{name}.log'})", flush=True)
-        raw = run_one(name, cmd, env, work / f"{name}.log", timeout_s=args.timeout_s,
-                      min_available=int(args.min_available_gib * GIB))
+        raw = run_one(
+            name,
+            cmd,
+            env,
+            work / f"{name}.log",
+            timeout_s=args.timeout_s,
+            min_available=int(args.min_available_gib * GIB),
+        )
         runs.append({**summarize(raw, full_copy), "raw": raw, "estimate": raw["estimate"]})
         print(f"large_model: {name}: {runs[-1]['status']}", flush=True)
-    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(before), "args": {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": _machine(before),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "model": {"path": str(args.model), "params": full_copy // 4, "full_copy_bytes": full_copy},
-        "planner": planned, "runs": runs,
-        "commands": [[*(f"{k}={v}" for k, v in cmds[n][1].items()), *cmds[n][0]] for n in args.runs]}
+        "planner": planned,
+        "runs": runs,
+        "commands": [[*(f"{k}={v}" for k, v in cmds[n][1].items()), *cmds[n][0]] for n in args.runs],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
     args.out.with_suffix(".md").write_text(render(report), encoding="utf-8")

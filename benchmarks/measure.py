@@ -9,6 +9,7 @@ between variants (``gc.collect`` + glibc ``malloc_trim(0)``), so a variant does
 not silently reuse a heap its predecessor grew.  Where clear_refs is not
 writable a sampling thread reading /proc/self/statm every 2 ms stands in.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -143,8 +144,10 @@ class TorchCommCounter:
     # name -> (position, keyword) of the tensor whose size is the logical volume
     _KINDS = {
         "broadcast": (0, "tensor"),
-        "all_gather_single": (0, "output_tensor"), "all_gather_into_tensor": (0, "output_tensor"),
-        "reduce_scatter_single": (1, "input"), "reduce_scatter_tensor": (1, "input"),
+        "all_gather_single": (0, "output_tensor"),
+        "all_gather_into_tensor": (0, "output_tensor"),
+        "reduce_scatter_single": (1, "input"),
+        "reduce_scatter_tensor": (1, "input"),
     }
 
     def __init__(self) -> None:
@@ -159,7 +162,7 @@ class TorchCommCounter:
         self.bytes = self.calls = 0
 
     @contextmanager
-    def counting(self) -> Iterator["TorchCommCounter"]:
+    def counting(self) -> Iterator[TorchCommCounter]:
         originals = {name: getattr(dist, name) for name in self._KINDS if hasattr(dist, name)}
         for name, fn in originals.items():
             setattr(dist, name, self._wrap(fn, self._KINDS[name]))
@@ -176,5 +179,5 @@ class TorchCommCounter:
             t = args[index] if len(args) > index else kwargs[keyword]
             self.add(t.numel() * t.element_size())
             return fn(*args, **kwargs)
-        return counted
 
+        return counted

@@ -23,6 +23,7 @@ median of DeepSpeed/variant over steps timed back to back.  The numerical check 
 steps on its own copy and reports the max |difference| of the bf16 parameters and fp32 masters from
 ``torch fused`` (zero_plugin's blocked step is bitwise the same as torch's fused kernel).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,18 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.cpu_adam import (HYPER, _cpu_name, _ds_available, _ds_version, _fmt_size, _loadavg, _release,
-                                 _shapes, _share_state, paired_ratio)
+from benchmarks.cpu_adam import (
+    HYPER,
+    _cpu_name,
+    _ds_available,
+    _ds_version,
+    _fmt_size,
+    _loadavg,
+    _release,
+    _shapes,
+    _share_state,
+    paired_ratio,
+)
 
 VARIANTS = ("zero_plugin", "zero_plugin whole-tensor", "DeepSpeed", "torch fused", "torch foreach")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "offload_step.md"
@@ -46,9 +57,13 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--sizes", type=float, nargs="+", default=[10e6, 100e6, 500e6])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5, help="timed steps per variant per round, at least")
-    p.add_argument("--round-seconds", type=float, default=1.0,
-                   help="more steps per round for small sizes: as many as one step of the first variant says "
-                        "fit in this many seconds per variant (short steps are noisier, so they get more samples)")
+    p.add_argument(
+        "--round-seconds",
+        type=float,
+        default=1.0,
+        help="more steps per round for small sizes: as many as one step of the first variant says "
+        "fit in this many seconds per variant (short steps are noisier, so they get more samples)",
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--layouts", nargs="+", choices=("flat", "list"), default=["flat", "list"])
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
@@ -65,19 +80,22 @@ class Tensors:
 
         from zero_plugin._flat import ShardLayout
         from zero_plugin.optim.master import MasterParam
+
         g = torch.Generator().manual_seed(seed)
         self.slots, self.grads = [], []
         for i, shape in enumerate(_shapes(n, layout)):
             full = torch.randn(shape, generator=g)
             param = torch.nn.Parameter(full.to(torch.bfloat16))
-            self.slots.append(MasterParam(f"p{i}", param, ShardLayout(param.numel(), 1, 0), param.data,
-                                          torch.float32, source=full))
+            self.slots.append(
+                MasterParam(f"p{i}", param, ShardLayout(param.numel(), 1, 0), param.data, torch.float32, source=full)
+            )
             self.grads.append(torch.randn(shape, generator=g).mul_(1e-2).to(torch.bfloat16))
         self.masters = [s.master for s in self.slots]
-        self.buffers: list | None = None   # persistent fp32 gradients, as DeepSpeed keeps them
+        self.buffers: list | None = None  # persistent fp32 gradients, as DeepSpeed keeps them
 
     def fp32_buffers(self) -> list:
         import torch
+
         if self.buffers is None:
             self.buffers = [torch.empty_like(m) for m in self.masters]
         return self.buffers
@@ -88,9 +106,11 @@ class Pipeline:
 
     def __init__(self, name: str, t: Tensors) -> None:
         import torch
+
         self.name, self.t = name, t
         if name == "DeepSpeed":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
+
             self.opt = DeepSpeedCPUAdam(t.masters, adamw_mode=True, bias_correction=True, **HYPER)
         elif name == "torch foreach":
             self.opt = torch.optim.AdamW(t.masters, foreach=True, **HYPER)
@@ -98,10 +118,12 @@ class Pipeline:
             self.opt = torch.optim.AdamW(t.masters, fused=True, **HYPER)
         if name == "zero_plugin":
             from zero_plugin.optim.blocked_step import BlockedStep
+
             self.blocked = BlockedStep(t.slots)
 
     def step(self) -> None:
         from zero_plugin.optim.cpu_step import fused_cpu_step
+
         t = self.t
         if self.name == "zero_plugin":
             for s, g in zip(t.slots, t.grads):
@@ -134,10 +156,10 @@ def bench(n: int, layout: str, variants: list[str], args) -> dict[str, list[list
     t = Tensors(n, layout)
     pipes = {v: Pipeline(v, t) for v in variants}
     first = next(iter(pipes.values()))
-    first.step()   # allocates the moments every variant then shares
-    _share_state({v: pipe.opt for v, pipe in pipes.items()}, t.masters)   # [Note: same memory] in cpu_adam.py
+    first.step()  # allocates the moments every variant then shares
+    _share_state({v: pipe.opt for v, pipe in pipes.items()}, t.masters)  # [Note: same memory] in cpu_adam.py
     for pipe in list(pipes.values())[1:]:
-        pipe.step()   # each variant's own warm-up, untimed
+        pipe.step()  # each variant's own warm-up, untimed
     repeats = max(args.repeats, int(args.round_seconds / _timed(first)))
     times = {v: [[] for _ in range(args.rounds)] for v in variants}
     for r in range(args.rounds):
@@ -153,6 +175,7 @@ def bench(n: int, layout: str, variants: list[str], args) -> dict[str, list[list
 def numerical_check(n: int, variants: list[str]) -> dict[str, tuple[float, float]]:
     """Max |bf16 param - torch fused's| and max |fp32 master - torch fused's| after 3 steps, own tensors each."""
     import torch
+
     out = {}
     ref = None
     for v in ["torch fused"] + [v for v in variants if v != "torch fused"]:
@@ -171,10 +194,11 @@ def numerical_check(n: int, variants: list[str]) -> dict[str, tuple[float, float
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)   # before torch loads (see cpu_adam.py)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch loads (see cpu_adam.py)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     load_before = _loadavg()
     import torch
+
     torch.set_num_threads(args.threads)
     variants = list(args.variants)
     ds_note = ""
@@ -183,8 +207,11 @@ def main(argv=None) -> int:
         print(f"# DeepSpeedCPUAdam: {'ok' if ok else 'UNAVAILABLE'} ({ds_note})", flush=True)
         if not ok:
             variants.remove("DeepSpeed")
-    rows = ["| params | layout | variant | median step (ms) | G params/s | x DeepSpeed | x DeepSpeed, paired "
-            "| per-round medians (ms) |", "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| params | layout | variant | median step (ms) | G params/s | x DeepSpeed | x DeepSpeed, paired "
+        "| per-round medians (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     verdict, counts = [], []
     for n in [int(s) for s in args.sizes]:
         for layout in args.layouts:
@@ -197,18 +224,22 @@ def main(argv=None) -> int:
                 ratio = f"{ds / med[v]:.2f}x" if ds else "n/a"
                 paired = f"{paired_ratio(_pairs(times['DeepSpeed']), _pairs(times[v]), True):.2f}x" if ds else "n/a"
                 rounds = ", ".join(f"{statistics.median(r) * 1e3:.0f}" for r in times[v])
-                rows.append(f"| {_fmt_size(n)} | {layout} | {v} | {med[v] * 1e3:.1f} | {n / med[v] / 1e9:.3f} "
-                            f"| {ratio} | {paired} | {rounds} |")
+                rows.append(
+                    f"| {_fmt_size(n)} | {layout} | {v} | {med[v] * 1e3:.1f} | {n / med[v] / 1e9:.3f} "
+                    f"| {ratio} | {paired} | {rounds} |"
+                )
             if ds and "zero_plugin" in med:
                 pr = paired_ratio(_pairs(times["DeepSpeed"]), _pairs(times["zero_plugin"]), True)
                 verdict.append(f"{_fmt_size(n)} {layout} {ds / med['zero_plugin']:.2f}x (paired {pr:.2f}x)")
-            print("\n".join(rows[-len(variants):]), f"  [{time.perf_counter() - t0:.0f}s]", flush=True)
+            print("\n".join(rows[-len(variants) :]), f"  [{time.perf_counter() - t0:.0f}s]", flush=True)
     check = numerical_check(args.check_size, variants) if args.check_size else {}
     ds_ver = _ds_version()
     lines = [
-        "# Mixed-precision offload step on the host (bf16 gradients in, fp32 AdamW, bf16 parameters out)", "",
+        "# Mixed-precision offload step on the host (bf16 gradients in, fp32 AdamW, bf16 parameters out)",
+        "",
         f"Generated by `python -m benchmarks.offload_step {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip()
-        + ".", "",
+        + ".",
+        "",
         f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
         f"- torch {torch.__version__}, deepspeed {ds_ver}, python {platform.python_version()}",
         f"- CPU: {_cpu_name()}, {os.cpu_count()} logical cores; threads: {args.threads}",
@@ -225,9 +256,11 @@ def main(argv=None) -> int:
     if verdict:
         text += "\n\nzero_plugin vs DeepSpeed (target >= 1.0x): " + "; ".join(verdict) + "."
     if check:
-        text += (f"\n\n## Numerical check ({args.check_size} elements, 3 steps)\n\n"
-                 "| variant | max abs diff of bf16 params vs torch fused | of fp32 masters |\n|---|---|---|\n"
-                 + "\n".join(f"| {v} | {a:.2e} | {b:.2e} |" for v, (a, b) in check.items()))
+        text += (
+            f"\n\n## Numerical check ({args.check_size} elements, 3 steps)\n\n"
+            "| variant | max abs diff of bf16 params vs torch fused | of fp32 masters |\n|---|---|---|\n"
+            + "\n".join(f"| {v} | {a:.2e} | {b:.2e} |" for v, (a, b) in check.items())
+        )
     text += "\n"
     print("\n" + text)
     if str(args.out) != "-":

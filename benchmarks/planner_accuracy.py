@@ -18,6 +18,7 @@ The prediction is ``zero_plugin.planner`` for the same model, batch, stage and w
 "cpu" (``peak.total``: on a CPU-only machine host and device are one memory), plus the allocator
 slack term fitted on these runs (see the report).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,9 +68,17 @@ def engine_fingerprint() -> str:
 def _tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=1, intermediate_size=128, vocab_size=256,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, use_cache=False)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=1,
+        intermediate_size=128,
+        vocab_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     return LlamaForCausalLM(cfg).float().train()
 
 
@@ -95,6 +104,7 @@ def _setup(model, job: dict):
 
 def _rank_main(rank: int, world: int, port: int, job: dict, out_dir: str) -> None:
     import torch.distributed as dist
+
     import zero_plugin as zp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -118,10 +128,18 @@ def _rank_main(rank: int, world: int, port: int, job: dict, out_dir: str) -> Non
         cpu = _train(model, optimizer, SIZES[job["size"]].vocab, job, rank, job["steps"] - 1)
         steady = peak.stop() + after_setup
         report = zp.memory_report(model, optimizer)
-        record = {"rank": rank, "baseline": baseline, "after_setup": after_setup, "first_step": first,
-                  "peak": max(first, steady), "later_steps": steady, "rss_method": RssPeak.method,
-                  "step_cpu_s": sorted(cpu)[len(cpu) // 2] if cpu else None,
-                  "theory": report["theory"]["total"], "measured_states": report["measured"]["total"]}
+        record = {
+            "rank": rank,
+            "baseline": baseline,
+            "after_setup": after_setup,
+            "first_step": first,
+            "peak": max(first, steady),
+            "later_steps": steady,
+            "rss_method": RssPeak.method,
+            "step_cpu_s": sorted(cpu)[len(cpu) // 2] if cpu else None,
+            "theory": report["theory"]["total"],
+            "measured_states": report["measured"]["total"],
+        }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
         dist.barrier()
     finally:
@@ -149,10 +167,15 @@ def measure(job: dict, out_dir: Path) -> list[dict]:
     os.environ["OMP_NUM_THREADS"] = "1"
     for k in ALLOCATOR_ENV["exact"]:
         os.environ.pop(k, None)
-    os.environ.update(ALLOCATOR_ENV[job["allocator"]])   # spawned ranks read it when they start
+    os.environ.update(ALLOCATOR_ENV[job["allocator"]])  # spawned ranks read it when they start
     try:
-        mp.start_processes(_rank_main, args=(job["world_size"], _free_port(), job, str(out_dir)),
-                           nprocs=job["world_size"], start_method="spawn", join=True)
+        mp.start_processes(
+            _rank_main,
+            args=(job["world_size"], _free_port(), job, str(out_dir)),
+            nprocs=job["world_size"],
+            start_method="spawn",
+            join=True,
+        )
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -167,11 +190,20 @@ def predict(job: dict, planner_cache: dict) -> dict:
     if key not in planner_cache:
         with torch.device("meta"):
             meta = build_model(job["size"], 0)
-        planner_cache[key] = Planner(meta, batch=job["batch"], seq=job["seq"], device="cpu",
-                                     config=ZeroConfig(**{k: v for k, v in job["config"].items() if k != "stage"}))
+        planner_cache[key] = Planner(
+            meta,
+            batch=job["batch"],
+            seq=job["seq"],
+            device="cpu",
+            config=ZeroConfig(**{k: v for k, v in job["config"].items() if k != "stage"}),
+        )
     cfg = job["config"]
-    return planner_cache[key].estimate(job["world_size"], cfg["stage"], offload=cfg.get("offload_optimizer", "none"),
-                                       offload_params=cfg.get("offload_params", False))
+    return planner_cache[key].estimate(
+        job["world_size"],
+        cfg["stage"],
+        offload=cfg.get("offload_optimizer", "none"),
+        offload_params=cfg.get("offload_params", False),
+    )
 
 
 def _jobs(args: argparse.Namespace) -> list[dict]:
@@ -180,12 +212,22 @@ def _jobs(args: argparse.Namespace) -> list[dict]:
     for size in args.sizes:
         for world in args.world_sizes:
             for stage in args.stages:
-                configs = [{"stage": stage}] + ([{"stage": stage, "offload_optimizer": "cpu"}]
-                                                if args.offload and stage >= 1 else [])
+                configs = [{"stage": stage}] + (
+                    [{"stage": stage, "offload_optimizer": "cpu"}] if args.offload and stage >= 1 else []
+                )
                 for config in configs:
                     for allocator in allocators:
-                        jobs.append({"size": size, "world_size": world, "batch": args.batch, "seq": args.seq,
-                                     "steps": args.steps, "config": config, "allocator": allocator})
+                        jobs.append(
+                            {
+                                "size": size,
+                                "world_size": world,
+                                "batch": args.batch,
+                                "seq": args.seq,
+                                "steps": args.steps,
+                                "config": config,
+                                "allocator": allocator,
+                            }
+                        )
     return jobs
 
 
@@ -198,17 +240,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=4, help="training steps measured (glibc's heap settles by the 3rd)")
-    p.add_argument("--allocator", choices=["exact", "default", "both"], default="both",
-                   help="see [Note: allocator modes]")
+    p.add_argument(
+        "--allocator", choices=["exact", "default", "both"], default="both", help="see [Note: allocator modes]"
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "planner.md")
-    p.add_argument("--render", type=Path, nargs="+", default=None, metavar="JSON",
-                   help="only re-render saved measurements (predictions are recomputed with the current planner)")
+    p.add_argument(
+        "--render",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="only re-render saved measurements (predictions are recomputed with the current planner)",
+    )
     args = p.parse_args(argv)
     if args.render is not None:
         runs = [json.loads(path.read_text()) for path in args.render]
-        data = {"runs": [h for run in runs for h in run.get("runs") or [{k: v for k, v in run.items()
-                                                                         if k != "measurements"}]],
-                "measurements": [m for run in runs for m in run["measurements"]]}
+        data = {
+            "runs": [
+                h for run in runs for h in run.get("runs") or [{k: v for k, v in run.items() if k != "measurements"}]
+            ],
+            "measurements": [m for run in runs for m in run["measurements"]],
+        }
         if args.out.suffix == ".md":
             args.out.with_suffix(".json").write_text(json.dumps(data, indent=1))
     else:
@@ -222,8 +274,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> dict:
-    data = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "measurements": [],
-            "load_before": os.getloadavg(), "argv": sys.argv[1:]}
+    data = {
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "measurements": [],
+        "load_before": os.getloadavg(),
+        "argv": sys.argv[1:],
+    }
     cache: dict = {}
     scratch = Path(os.environ.get("TMPDIR", "/tmp"), f"planner-accuracy-{os.getpid()}")
     for job in _jobs(args):
@@ -235,9 +291,12 @@ def _run(args: argparse.Namespace) -> dict:
             continue
         data["measurements"].append({"job": job, "ranks": ranks, "engine": engine})
         predicted = predict(job, cache)["peak"]["total"]
-        print(f"[planner] {job['size']:>6} {job['allocator']:>7} {job['config']} N={job['world_size']}: predicted "
-              f"{predicted / _MIB:8.1f} MiB, measured {ranks[0]['peak'] / _MIB:8.1f} MiB "
-              f"({predicted / ranks[0]['peak'] - 1:+.1%}) in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"[planner] {job['size']:>6} {job['allocator']:>7} {job['config']} N={job['world_size']}: predicted "
+            f"{predicted / _MIB:8.1f} MiB, measured {ranks[0]['peak'] / _MIB:8.1f} MiB "
+            f"({predicted / ranks[0]['peak'] - 1:+.1%}) in {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
     data["load_after"] = os.getloadavg()
     return data
 
@@ -248,17 +307,26 @@ def render(data: dict) -> str:
     rows = []
     for m in data["measurements"]:
         pred = predict(m["job"], cache)
-        rows.append({**m, "pred": pred, "measured": m["ranks"][0]["peak"],
-                     "measured_max": max(r["peak"] for r in m["ranks"])})
+        rows.append(
+            {**m, "pred": pred, "measured": m["ranks"][0]["peak"], "measured_max": max(r["peak"] for r in m["ranks"])}
+        )
     engines = sorted({r.get("engine", "?") for r in rows})
     lines = ["# Memory planner against measured peak RSS", ""]
     for run in data["runs"]:
         load = " / ".join(f"{x:.1f}" for x in run.get("load_before", [])) or "?"
-        lines.append(f"- {run.get('started', '?')}: `python -m benchmarks.planner_accuracy "
-                     f"{' '.join(run.get('argv', []))}`, load average before {load} ({os.cpu_count()} cores)")
-    lines += ["", f"Engine sources measured: {', '.join(engines)} (sha256 of `zero_plugin/` without the planner); "
-                  f"the planner replays {engine_fingerprint()}"
-                  + ("." if engines == [engine_fingerprint()] else ": DIFFERENT, re-measure."), "", _ABOUT, ""]
+        lines.append(
+            f"- {run.get('started', '?')}: `python -m benchmarks.planner_accuracy "
+            f"{' '.join(run.get('argv', []))}`, load average before {load} ({os.cpu_count()} cores)"
+        )
+    lines += [
+        "",
+        f"Engine sources measured: {', '.join(engines)} (sha256 of `zero_plugin/` without the planner); "
+        f"the planner replays {engine_fingerprint()}"
+        + ("." if engines == [engine_fingerprint()] else ": DIFFERENT, re-measure."),
+        "",
+        _ABOUT,
+        "",
+    ]
     for allocator in ("exact", "default"):
         chosen = [r for r in rows if r["job"]["allocator"] == allocator]
         if chosen:
@@ -289,9 +357,11 @@ def _slack_summary(rows: list[dict]) -> str:
     if not by_size:
         return ""
     sizes = "; ".join(f"{size} {min(v):.2f}-{max(v):.2f}" for size, v in by_size.items())
-    return (f"Default-allocator RSS above the exact allocator's, in activation peaks of the same run: {sizes}. "
-            f"The ranks of one run differ in peak RSS by up to {max(spread['default']):.0%} with the default "
-            f"allocator, {max(spread['exact']):.1%} with the exact one.")
+    return (
+        f"Default-allocator RSS above the exact allocator's, in activation peaks of the same run: {sizes}. "
+        f"The ranks of one run differ in peak RSS by up to {max(spread['default']):.0%} with the default "
+        f"allocator, {max(spread['exact']):.1%} with the exact one."
+    )
 
 
 def _cpu_cost(rows: list[dict]) -> str:
@@ -300,9 +370,11 @@ def _cpu_cost(rows: list[dict]) -> str:
     ratios = sorted(v["exact"] / v["default"] for v in cpu.values() if v.get("exact") and v.get("default"))
     if not ratios:
         return ""
-    return (f"Step CPU time with the exact allocator over the default: median {ratios[len(ratios) // 2]:.2f}x "
-            f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)} configurations; every freed block "
-            "goes back to the kernel and every new one is page-faulted in again).")
+    return (
+        f"Step CPU time with the exact allocator over the default: median {ratios[len(ratios) // 2]:.2f}x "
+        f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x over {len(ratios)} configurations; every freed block "
+        "goes back to the kernel and every new one is page-faulted in again)."
+    )
 
 
 _ABOUT = """\
@@ -365,25 +437,33 @@ def _table(allocator: str, rows: list[dict]) -> list[str]:
     peak plus the documented slack term, see [Note: glibc slack] in zero_plugin/planner/plan.py)."""
     key = "rss_glibc" if allocator == "default" else "total"
     head = "predicted + slack MiB" if allocator == "default" else "predicted MiB"
-    lines = [f"Compared with `{key}`.", "",
-             f"| size | Ψ | stage | N | {head} | measured MiB, rank 0 / max | error | live peak MiB | phase | "
-             "params+optim | grads | buffers | acts | step CPU s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Compared with `{key}`.",
+        "",
+        f"| size | Ψ | stage | N | {head} | measured MiB, rank 0 / max | error | live peak MiB | phase | "
+        "params+optim | grads | buffers | acts | step CPU s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     errors = []
     for r in rows:
         job, pred = r["job"], r["pred"]
         at, predicted = pred["at_peak"], pred["peak"][key] if key == "total" else pred[key]
         errors.append(predicted / r["measured"] - 1)
         cpu = r["ranks"][0].get("step_cpu_s")
-        lines.append(f"| {job['size']} | {pred['params']['total'] / 1e6:.1f}M | {_stage_name(job)} | "
-                     f"{job['world_size']} | {predicted / _MIB:.1f} | {r['measured'] / _MIB:.1f} / "
-                     f"{r['measured_max'] / _MIB:.1f} | {errors[-1]:+.1%} | {pred['peak']['total'] / _MIB:.1f} | "
-                     f"{pred['peak']['phase']} | {(at['params'] + at['optimizer']) / _MIB:.1f} | "
-                     f"{at['grads'] / _MIB:.1f} | {at['transient']['total'] / _MIB:.1f} | "
-                     f"{at['activations'] / _MIB:.1f} | {'-' if cpu is None else f'{cpu:.2f}'} |")
+        lines.append(
+            f"| {job['size']} | {pred['params']['total'] / 1e6:.1f}M | {_stage_name(job)} | "
+            f"{job['world_size']} | {predicted / _MIB:.1f} | {r['measured'] / _MIB:.1f} / "
+            f"{r['measured_max'] / _MIB:.1f} | {errors[-1]:+.1%} | {pred['peak']['total'] / _MIB:.1f} | "
+            f"{pred['peak']['phase']} | {(at['params'] + at['optimizer']) / _MIB:.1f} | "
+            f"{at['grads'] / _MIB:.1f} | {at['transient']['total'] / _MIB:.1f} | "
+            f"{at['activations'] / _MIB:.1f} | {'-' if cpu is None else f'{cpu:.2f}'} |"
+        )
     worst = max(errors, key=abs)
-    lines += ["", f"{len(rows)} runs; error = predicted / measured - 1: worst {worst:+.1%}, mean |error| "
-                  f"{sum(abs(e) for e in errors) / len(errors):.1%}"]
+    lines += [
+        "",
+        f"{len(rows)} runs; error = predicted / measured - 1: worst {worst:+.1%}, mean |error| "
+        f"{sum(abs(e) for e in errors) / len(errors):.1%}",
+    ]
     return lines
 
 

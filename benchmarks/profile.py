@@ -6,6 +6,7 @@ launch (inside backward hooks), the end-of-backward flush, the wait on each
 collective, the wrapped optimizer's own ``step`` (the Adam math), and the
 parameter all-gather after the step.  Wall and process-CPU times are summed per timed step.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,7 +29,7 @@ class _Clock:
 
 
 class _TimedWork:
-    def __init__(self, work, profiler: "PhaseProfiler", label: str) -> None:
+    def __init__(self, work, profiler: PhaseProfiler, label: str) -> None:
         self._work, self._profiler, self._label = work, profiler, label
 
     def wait(self, *args, **kwargs):
@@ -94,16 +95,17 @@ class PhaseProfiler:
         for method in ("all_reduce", "reduce_scatter", "all_gather"):
             self._time_waits(engine.comm, method)
         self._time(engine, "before_step", "before_step (set master grads)")
-        self._time_if(getattr(variant.optimizer, "guard", None), "should_step",
-                      "non-finite guard (isfinite pass + all-reduce)")
+        self._time_if(
+            getattr(variant.optimizer, "guard", None), "should_step", "non-finite guard (isfinite pass + all-reduce)"
+        )
         self._time(variant.optimizer.inner, "step", "inner optimizer step (Adam math)")
         self._time(engine, "after_step", "after_step (write-back + param all-gather)")
-        reducer = getattr(engine, "reducer", None)          # stages 0-2
+        reducer = getattr(engine, "reducer", None)  # stages 0-2
         self._time_if(reducer, "_launch", "grad copy-in + launch (in backward)")
         self._time_if(reducer, "finish", "end-of-backward flush + wait + copy-out")
         self._time_if(reducer, "_complete", "grad copy-out")
         self._time_if(getattr(engine, "param_sync", None), "run", "param all-gather (total)")
-        runtime = getattr(engine, "runtime", None)          # stage 3
+        runtime = getattr(engine, "runtime", None)  # stage 3
         self._time_if(runtime, "finalize_backward", "stage-3 finalize_backward")
         for unit in getattr(engine, "units", []):
             for method in ("unshard", "wait_unshard", "reshard", "reduce_grads", "complete_reduce"):

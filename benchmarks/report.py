@@ -1,4 +1,5 @@
 """Turn the ranks' records into the markdown report (and, if matplotlib is installed, a bar chart)."""
+
 from __future__ import annotations
 
 import statistics
@@ -35,9 +36,12 @@ def _summarise_one(recs: list[dict], world_size: int) -> dict:
         "best": min(_per_step_max(recs, "total")),
         "cpu": statistics.median(_per_step_max(recs, "cpu")),
         "phases": {k: statistics.median(_per_step_max(recs, k)) for k in _PHASES},
-        "cpu_phases": {k: statistics.median(_per_step_max(recs, f"cpu_{k}")) for k in _PHASES
-                       if f"cpu_{k}" in recs[0]["times"]},
-        "psi": psi, "stage": stage, "state": state,
+        "cpu_phases": {
+            k: statistics.median(_per_step_max(recs, f"cpu_{k}")) for k in _PHASES if f"cpu_{k}" in recs[0]["times"]
+        },
+        "psi": psi,
+        "stage": stage,
+        "state": state,
         "state_theory": theory_state_bytes(stage, psi, world_size),
         "state_mismatch": any(x is not None and x != r["state"]["total"] for x, r in zip(reported, last)),
         "rss": max(r["rss_delta"] for r in last),
@@ -48,8 +52,10 @@ def _summarise_one(recs: list[dict], world_size: int) -> dict:
     }
     if "profile" in rank0:
         row["profile"] = rank0["profile"]
-        row["rss_phases"] = {"setup (build + wrap)": max(r.get("rss_setup", 0) for r in recs),
-                             **{k: max(max(r["times"][f"rss_{k}"]) for r in recs) for k in _PHASES}}
+        row["rss_phases"] = {
+            "setup (build + wrap)": max(r.get("rss_setup", 0) for r in recs),
+            **{k: max(max(r["times"][f"rss_{k}"]) for r in recs) for k in _PHASES},
+        }
     return row
 
 
@@ -82,22 +88,27 @@ def _ratio(rows: dict, name: str, key: str) -> str:
 
 
 def _main_table(rows: dict) -> list[str]:
-    lines = ["| variant | step (s) | ×DDP | best step ×DDP | CPU s / step | CPU ×DDP | model states / rank (MiB) | ×ZeRO theory | peak RSS Δ (MiB) "
-             "| comm / step / rank (Ψ·4 B) | max abs Δθ vs DDP | ‖θ−θ_DDP‖/‖θ_DDP−θ₀‖ |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | step (s) | ×DDP | best step ×DDP | CPU s / step | CPU ×DDP | model states / rank (MiB) | ×ZeRO theory | peak RSS Δ (MiB) "
+        "| comm / step / rank (Ψ·4 B) | max abs Δθ vs DDP | ‖θ−θ_DDP‖/‖θ_DDP−θ₀‖ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in rows.items():
         ratio, best, cpu_ratio = (_ratio(rows, name, k) for k in ("step", "best", "cpu"))
         mark = " ⚠" if r["state_mismatch"] else ""
         lines.append(
             f"| {name} | {r['step']:.3f} | {ratio} | {best} | {r['cpu']:.3f} | {cpu_ratio} | {r['state'] / MIB:.1f}{mark} | {r['state'] / r['state_theory']:.3f} "
             f"| {r['rss'] / MIB:.0f} | {_comm_text(r['comm'])} | {_num(r['max_abs_diff'], '.2e')} "
-            f"| {_num(r['rel_diff'], '.2e')} |")
+            f"| {_num(r['rel_diff'], '.2e')} |"
+        )
     return lines
 
 
 def _phase_table(rows: dict) -> list[str]:
-    lines = ["| variant | forward | backward (incl. grad reduction wait) | optimizer.step | zero_grad | total |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | forward | backward (incl. grad reduction wait) | optimizer.step | zero_grad | total |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in rows.items():
         wall, cpu = r["phases"], r.get("cpu_phases", {})
         cells = [f"{wall[k] * 1e3:.0f}" + (f" / {cpu[k] * 1e3:.0f}" if k in cpu else "") for k in _PHASES]
@@ -114,20 +125,24 @@ def _profile_lines(rows: dict) -> list[str]:
             out += [f"- {k}: {wall * 1e3:.1f} / {cpu * 1e3:.1f}" for k, (wall, cpu) in ranked]
             peaks = ", ".join(f"{k} {v / MIB:.0f}" for k, v in r.get("rss_phases", {}).items())
             out += ["", f"peak RSS above the pre-build baseline, MiB (max over ranks and steps): {peaks}"]
-    note = ("Nested labels overlap (e.g. `finish` contains the waits and copy-out); CPU time counts every "
-            "thread of the process, so it includes gloo's own threads working during the region.")
+    note = (
+        "Nested labels overlap (e.g. `finish` contains the waits and copy-out); CPU time counts every "
+        "thread of the process, so it includes gloo's own threads working during the region."
+    )
     return (["", "## Profile (--profile)", "", note] + out) if out else []
 
 
 # The targets of the benchmark issue, as ratios in the same run: (label, check, bound).
-TARGETS = (("zero_plugin stage 1 step", "zp1", "step", "ddp", 1.03),
-           ("zero_plugin stage 2 step", "zp2", "step", "ddp", 1.03),
-           ("zero_plugin stage 3 step", "zp3", "step", "ddp", 1.10),
-           ("zero_plugin stage 3 peak RSS increase", "zp3", "rss", "ddp", 0.60),
-           ("zero_plugin stage 3 step vs FSDP2", "zp3", "step", "fsdp2", 1.0),
-           ("zero_plugin stage 1 step vs DeepSpeed stage 1", "zp1", "step", "ds1", 1.0),
-           ("zero_plugin stage 2 step vs DeepSpeed stage 2", "zp2", "step", "ds2", 1.0),
-           ("zero_plugin stage 3 step vs DeepSpeed stage 3", "zp3", "step", "ds3", 1.0))
+TARGETS = (
+    ("zero_plugin stage 1 step", "zp1", "step", "ddp", 1.03),
+    ("zero_plugin stage 2 step", "zp2", "step", "ddp", 1.03),
+    ("zero_plugin stage 3 step", "zp3", "step", "ddp", 1.10),
+    ("zero_plugin stage 3 peak RSS increase", "zp3", "rss", "ddp", 0.60),
+    ("zero_plugin stage 3 step vs FSDP2", "zp3", "step", "fsdp2", 1.0),
+    ("zero_plugin stage 1 step vs DeepSpeed stage 1", "zp1", "step", "ds1", 1.0),
+    ("zero_plugin stage 2 step vs DeepSpeed stage 2", "zp2", "step", "ds2", 1.0),
+    ("zero_plugin stage 3 step vs DeepSpeed stage 3", "zp3", "step", "ds3", 1.0),
+)
 
 
 def _targets(rows: dict) -> list[str]:
@@ -192,6 +207,7 @@ def bar_chart(rows: dict, path: Path) -> Path | None:
     """Step time and CPU time ×DDP, and model states; silently skipped without matplotlib."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

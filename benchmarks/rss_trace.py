@@ -11,6 +11,7 @@ end-of-training metrics (the example's epilogue reloads a full base model on ran
 At the end it prints, per rank, the peak during setup (before the first step line), the peak through
 training, and the resting RSS between steps (the lowest sample after the first step).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,18 +36,44 @@ def _sample(pid: int) -> dict[str, int]:
 
 
 def _command(args: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-m", "zero_plugin.cli", "launch", "--stage", "3", "--num_processes", "2",
-            "--main_process_port", "0", str(SCRIPT), "--model", str(args.model), "--max_steps", str(args.steps),
-            "--batch_size", "1", "--max_length", "64", "--log_every", "1", "--warmup_steps", "0",
-            "--max_new_tokens", "1", "--output_dir", f"{args.out}_run"]
+    return [
+        sys.executable,
+        "-m",
+        "zero_plugin.cli",
+        "launch",
+        "--stage",
+        "3",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        "0",
+        str(SCRIPT),
+        "--model",
+        str(args.model),
+        "--max_steps",
+        str(args.steps),
+        "--batch_size",
+        "1",
+        "--max_length",
+        "64",
+        "--log_every",
+        "1",
+        "--warmup_steps",
+        "0",
+        "--max_new_tokens",
+        "1",
+        "--output_dir",
+        f"{args.out}_run",
+    ]
 
 
 def trace(args: argparse.Namespace) -> list[tuple[float, int, dict[str, int]]]:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env.update(kv.split("=", 1) for kv in args.env)
     t0 = time.time()
-    proc = subprocess.Popen(_command(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        _command(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     marks: dict[str, float] = {}
     log = open(f"{args.out}.log", "w", encoding="utf-8")
 
@@ -89,8 +116,10 @@ def _summary(samples, marks: dict[str, float]):
         training = max((s["VmHWM"] for _, s in mine), default=0)
         rest = min((s["VmRSS"] for t, s in mine if t > first), default=0)
         file_peak = max((s["RssFile"] for _, s in mine), default=0)
-        print(f"rank {rank}: setup peak {setup} MiB, peak through training {training} MiB, resting between "
-              f"steps {rest} MiB, largest file-backed RSS {file_peak} MiB")
+        print(
+            f"rank {rank}: setup peak {setup} MiB, peak through training {training} MiB, resting between "
+            f"steps {rest} MiB, largest file-backed RSS {file_peak} MiB"
+        )
     return samples
 
 

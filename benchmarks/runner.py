@@ -7,6 +7,7 @@ first timed backward, before its step; untimed), logical
 communication of the timed steps, peak RSS increase and the parameters'
 distance to DDP's at the end of the same round.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,7 @@ def worker(rank: int, cfg: RunConfig) -> None:
                 records.append(rec)
                 if rank == 0:
                     _progress(rec)
-        Path(cfg.out_dir, f"rank{rank}.json").write_text(json.dumps({"rss_method": RssPeak.method,
-                                                                     "records": records}))
+        Path(cfg.out_dir, f"rank{rank}.json").write_text(json.dumps({"rss_method": RssPeak.method, "records": records}))
     finally:
         dist.destroy_process_group()
 
@@ -75,8 +75,11 @@ def _progress(rec: dict) -> None:
         print(f"[bench] {rec['variant']}: skipped ({rec['skipped']})", flush=True)
         return
     totals = sorted(rec["times"]["total"])
-    print(f"[bench] round {rec['round']} {rec['variant']:>16}: median step {totals[len(totals) // 2]:.3f} s, "
-          f"loss {rec['loss_first']:.4f} -> {rec['loss_last']:.4f}", flush=True)
+    print(
+        f"[bench] round {rec['round']} {rec['variant']:>16}: median step {totals[len(totals) // 2]:.3f} s, "
+        f"loss {rec['loss_first']:.4f} -> {rec['loss_last']:.4f}",
+        flush=True,
+    )
 
 
 def _run_variant(name: str, rnd: int, cfg: RunConfig, rank: int, ref):
@@ -124,7 +127,7 @@ def _train(variant, batches: list[torch.Tensor], cfg: RunConfig, profiler, rss: 
                 variant.reset_comm()
                 if profiler is not None:
                     profiler.reset()
-            measure = step == cfg.warmup   # >= 1 step done: optimizer state exists
+            measure = step == cfg.warmup  # >= 1 step done: optimizer state exists
             durations, loss, state_now = _one_step(variant, ids, measure, rss)
             state = state_now if measure else state
             losses.append(loss)
@@ -132,12 +135,16 @@ def _train(variant, batches: list[torch.Tensor], cfg: RunConfig, profiler, rss: 
                 for k, d in durations.items():
                     times[k].append(d)
         comm = variant.comm()
-    return {"times": times, "state": state, "comm": {k: v / cfg.steps for k, v in comm.items()},
-            "loss_first": losses[0], "loss_last": losses[-1]}
+    return {
+        "times": times,
+        "state": state,
+        "comm": {k: v / cfg.steps for k, v in comm.items()},
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
 
 
-def _one_step(variant, ids: torch.Tensor, measure: bool,
-              rss: RssPeak | None) -> tuple[dict[str, float], float, dict]:
+def _one_step(variant, ids: torch.Tensor, measure: bool, rss: RssPeak | None) -> tuple[dict[str, float], float, dict]:
     """forward, backward, step, zero_grad, each timed in wall and process-CPU seconds.
 
     CPU time counts all threads of this process (gloo's included); unlike wall time it barely
@@ -187,4 +194,3 @@ def _compare_to_ddp(name: str, variant, cfg: RunConfig, rec: dict, ref):
     rec["max_abs_diff"] = max(float(d.abs().max()) for d in diffs)
     rec["rel_update_diff"] = math.sqrt(sum(float(d.double().pow(2).sum()) for d in diffs)) / max(ref_norm, 1e-30)
     return ref
-

@@ -4,6 +4,7 @@ A variant is built once per round from an identical model; the runner calls
 ``loss(ids)``, ``backward(loss)``, ``step()`` and ``zero_grad()`` in the training loop
 and the methods below to measure.  Every method that communicates is called on all ranks in the same order.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,12 +32,12 @@ def _adamw(params, lr: float) -> torch.optim.Optimizer:
 class Variant:
     """Base: the raw model (for parameter names) and a counter for Python-level collectives."""
 
-    theory_stage = 0   # which ZeRO memory formula applies
+    theory_stage = 0  # which ZeRO memory formula applies
 
     def __init__(self, raw: nn.Module, lr: float, batch: int) -> None:
         self.raw = raw
         self.lr = lr
-        self.batch = batch   # sequences per rank per step
+        self.batch = batch  # sequences per rank per step
         self.counter = TorchCommCounter()
         self.module: nn.Module = raw
         self.optimizer: torch.optim.Optimizer | None = None
@@ -97,7 +98,7 @@ class DDPVariant(Variant):
 
         def counted_allreduce(state, bucket):
             buf = bucket.buffer()
-            counter.add(2 * buf.numel() * buf.element_size())   # all-reduce of n moves 2n
+            counter.add(2 * buf.numel() * buf.element_size())  # all-reduce of n moves 2n
             return allreduce_hook(state, bucket)
 
         self.module = DDP(raw, **self.ddp_options)
@@ -158,8 +159,9 @@ class FSDP2Variant(Variant):
 class ZeroPluginVariant(Variant):
     """zero_plugin at one stage; collectives counted by ``zp.comm_stats()``."""
 
-    def __init__(self, raw: nn.Module, lr: float, batch: int, stage: int, offload: bool,
-                 package: str = "zero_plugin") -> None:
+    def __init__(
+        self, raw: nn.Module, lr: float, batch: int, stage: int, offload: bool, package: str = "zero_plugin"
+    ) -> None:
         super().__init__(raw, lr, batch)
         zp = importlib.import_module(package)
 
@@ -168,7 +170,7 @@ class ZeroPluginVariant(Variant):
         config = zp.ZeroConfig(stage=stage, offload_optimizer="cpu" if offload else "none")
         try:
             self.module, self.optimizer = zp.setup(raw, _adamw(raw.parameters(), lr), config)
-        except (NotImplementedError, ImportError) as exc:   # stage 3 before its engine exists
+        except (NotImplementedError, ImportError) as exc:  # stage 3 before its engine exists
             raise SkipVariant(f"{type(exc).__name__}: {exc}") from exc
 
     @contextlib.contextmanager
@@ -184,9 +186,11 @@ class ZeroPluginVariant(Variant):
     def state_groups(self) -> dict[str, list]:
         held = self._engine().model_state_tensors()
         params = list(self.raw.parameters())
-        return {"params": params + held["params"],
-                "grads": [p.grad for p in params] + held["grads"],
-                "optimizer": held["masters"] + self._optimizer_state()}
+        return {
+            "params": params + held["params"],
+            "grads": [p.grad for p in params] + held["grads"],
+            "optimizer": held["masters"] + self._optimizer_state(),
+        }
 
     def reported_state_bytes(self) -> int:
         """zero_plugin's own count (``zp.memory_report``), to cross-check ours."""
@@ -217,19 +221,22 @@ BASELINE_ENV = "ZERO_PLUGIN_BASELINE_PACKAGE"
 def _zp_baseline(stage: int):
     """zero_plugin as of another revision, imported under another package name (``benchmarks/ab.py``
     exports it), so that a change's effect is measured against the code before it in the same run."""
+
     def make(raw: nn.Module, lr: float, batch: int) -> Variant:
         package = os.environ.get(BASELINE_ENV)
         if not package:
             raise SkipVariant(f"{BASELINE_ENV} is not set: run through python -m benchmarks.ab")
         return ZeroPluginVariant(raw, lr, batch, stage, False, package=package)
+
     return make
 
 
 def _ds(stage: int, offload: bool = False):
     def make(raw: nn.Module, lr: float, batch: int) -> Variant:
-        from .deepspeed_variant import DeepSpeedVariant   # imports this module: load it lazily
+        from .deepspeed_variant import DeepSpeedVariant  # imports this module: load it lazily
 
         return DeepSpeedVariant(raw, lr, batch, stage, offload)
+
     return make
 
 
@@ -255,8 +262,23 @@ VARIANTS = {
     "ds3_offload": _ds(3, offload=True),
 }
 # The DeepSpeed variants are skipped (with a note in the report) where deepspeed is not installed.
-DEFAULT_VARIANTS = ("ddp", "ddp_default", "zero_redundancy", "fsdp2", "zp0", "zp1", "zp2", "zp3", "zp2_offload",
-                    "zp3_offload", "ds1", "ds2", "ds3", "ds2_offload", "ds3_offload")
+DEFAULT_VARIANTS = (
+    "ddp",
+    "ddp_default",
+    "zero_redundancy",
+    "fsdp2",
+    "zp0",
+    "zp1",
+    "zp2",
+    "zp3",
+    "zp2_offload",
+    "zp3_offload",
+    "ds1",
+    "ds2",
+    "ds3",
+    "ds2_offload",
+    "ds3_offload",
+)
 
 
 def make_variant(name: str, raw: nn.Module, lr: float, batch: int) -> Variant:

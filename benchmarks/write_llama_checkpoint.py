@@ -16,6 +16,7 @@ norms), so a file's contents do not depend on how tensors are grouped into files
 about one file (measured at the default width: 384 MiB, the largest file, over 1.19 GB written; the
 whole process peaked at 0.74 GB); the last JSON line it prints says how much it measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,17 +33,38 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def llama_config(*, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int,
-                 eos_token_id: int | None, pad_token_id: int | None):
+def llama_config(
+    *,
+    layers: int,
+    hidden: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    eos_token_id: int | None,
+    pad_token_id: int | None,
+):
     from transformers import LlamaConfig
 
     if hidden % heads or heads % kv_heads or (hidden // heads) % 2:
-        raise ValueError(f"--hidden {hidden} / --heads {heads} / --kv_heads {kv_heads}: heads must divide hidden "
-                         "into an even head size, and kv_heads must divide heads")
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=None,
-                       eos_token_id=eos_token_id, pad_token_id=pad_token_id, dtype="float32")
+        raise ValueError(
+            f"--hidden {hidden} / --heads {heads} / --kv_heads {kv_heads}: heads must divide hidden "
+            "into an even head size, and kv_heads must divide heads"
+        )
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        dtype="float32",
+    )
 
 
 def tensor_layout(config) -> list[tuple[str, tuple[int, ...]]]:
@@ -66,7 +88,7 @@ def group_into_files(layout: list[tuple[str, tuple[int, ...]]]) -> list[list[tup
 
 def make_tensor(index: int, name: str, shape: tuple[int, ...], *, seed: int, std: float) -> torch.Tensor:
     """Tensor ``index`` of the layout: its own generator, so it does not depend on the file grouping."""
-    if len(shape) == 1:   # RMSNorm weights
+    if len(shape) == 1:  # RMSNorm weights
         return torch.ones(shape)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
     return torch.empty(shape).normal_(0.0, std, generator=generator)
@@ -79,8 +101,9 @@ def write_checkpoint(out: Path, config, files: list[list], *, seed: int = 0) -> 
     weight_map, total, largest = {}, 0, 0
     for number, group in enumerate(files, 1):
         filename = f"model-{number:05d}-of-{len(files):05d}.safetensors"
-        tensors = {name: make_tensor(i, name, shape, seed=seed, std=config.initializer_range)
-                   for i, name, shape in group}
+        tensors = {
+            name: make_tensor(i, name, shape, seed=seed, std=config.initializer_range) for i, name, shape in group
+        }
         save_file(tensors, str(out / filename), metadata={"format": "pt"})
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         total, largest = total + size, max(largest, size)
@@ -90,15 +113,14 @@ def write_checkpoint(out: Path, config, files: list[list], *, seed: int = 0) -> 
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     config.save_pretrained(str(out))
-    return {"files": len(files), "bytes": total, "largest_file_bytes": largest,
-            "params": total // 4}
+    return {"files": len(files), "bytes": total, "largest_file_bytes": largest, "params": total // 4}
 
 
 def default_tokenizer():
     """The examples' default BPE (trained on their data, cached), as ``examples/finetune_trainer.py`` makes it."""
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
-    import common   # examples/common.py
+    import common  # examples/common.py
 
     return common.default_tokenizer(common.DEFAULT_DATA, common.DEFAULT_CACHE)
 
@@ -124,21 +146,35 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"write_llama_checkpoint: {args.out} is not empty; give a new folder")
     tokenizer = default_tokenizer()
     if args.vocab < len(tokenizer):
-        raise SystemExit(f"write_llama_checkpoint: --vocab {args.vocab} is smaller than the tokenizer's "
-                         f"{len(tokenizer)} tokens")
-    config = llama_config(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
-                          kv_heads=args.kv_heads, vocab=args.vocab, eos_token_id=tokenizer.eos_token_id,
-                          pad_token_id=tokenizer.pad_token_id)
+        raise SystemExit(
+            f"write_llama_checkpoint: --vocab {args.vocab} is smaller than the tokenizer's {len(tokenizer)} tokens"
+        )
+    config = llama_config(
+        layers=args.layers,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab=args.vocab,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(args.out))
-    files = group_into_files(tensor_layout(config))   # before the meter: imports and the meta model
+    files = group_into_files(tensor_layout(config))  # before the meter: imports and the meta model
     meter, started = RssPeak(), time.perf_counter()
     meter.start()
     summary = write_checkpoint(args.out, config, files, seed=args.seed)
-    summary.update(peak_rss_increase=meter.stop(), seconds=round(time.perf_counter() - started, 1),
-                   rss_method=RssPeak.method, out=os.fspath(args.out))
-    print(f"wrote {summary['params']:,} parameters ({summary['bytes'] / 1e9:.2f} GB) in {summary['files']} files, "
-          f"{summary['seconds']} s; writer's peak RSS increase {summary['peak_rss_increase'] / 2**20:,.0f} MiB")
+    summary.update(
+        peak_rss_increase=meter.stop(),
+        seconds=round(time.perf_counter() - started, 1),
+        rss_method=RssPeak.method,
+        out=os.fspath(args.out),
+    )
+    print(
+        f"wrote {summary['params']:,} parameters ({summary['bytes'] / 1e9:.2f} GB) in {summary['files']} files, "
+        f"{summary['seconds']} s; writer's peak RSS increase {summary['peak_rss_increase'] / 2**20:,.0f} MiB"
+    )
     print(json.dumps(summary), flush=True)
     return summary
 

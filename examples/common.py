@@ -11,6 +11,7 @@ Defaults need no download:
 With ``--model NAME_OR_PATH`` any causal LM that ``AutoModelForCausalLM`` / ``AutoTokenizer`` load
 is used instead (a local folder works offline).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,22 +33,30 @@ DEFAULT_DATA = EXAMPLES_DIR / "data" / "instructions.jsonl"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zero_plugin" / "examples"
 PROMPT = "### Instruction:\n{instruction}\n### Response:\n"
 SAMPLE_INSTRUCTIONS = ("What is 3 plus 4?", "Which day comes after Friday?", "Say rocket three times.")
-IGNORE_INDEX = -100   # label of tokens that are not trained on (the prompt, padding)
-LORA_TARGETS = "all-linear"   # peft: every nn.Linear except the output layer
+IGNORE_INDEX = -100  # label of tokens that are not trained on (the prompt, padding)
+LORA_TARGETS = "all-linear"  # peft: every nn.Linear except the output layer
 
 # peft reads transformers' deprecated ``is_gradient_checkpointing``: noise, not something to act on.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
 
 
 # -- arguments --------------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser, *, max_steps: int, lr: float, batch_size: int = 8,
-                  output_dir: str = "out/example") -> argparse.ArgumentParser:
+def add_arguments(
+    parser: argparse.ArgumentParser, *, max_steps: int, lr: float, batch_size: int = 8, output_dir: str = "out/example"
+) -> argparse.ArgumentParser:
     """The options every example shares; each example sets its own defaults."""
-    parser.add_argument("--model", default=None, help="a causal LM name or local folder (AutoModelForCausalLM); "
-                        "default: a small Llama-shaped model built in code (random init, no download)")
-    parser.add_argument("--data", default=str(DEFAULT_DATA),
-                        help='a .jsonl file of {"instruction","response"} or {"text"} rows, or a .txt file '
-                        "(one example per non-empty line); default: the repo's synthetic instruction set")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a causal LM name or local folder (AutoModelForCausalLM); "
+        "default: a small Llama-shaped model built in code (random init, no download)",
+    )
+    parser.add_argument(
+        "--data",
+        default=str(DEFAULT_DATA),
+        help='a .jsonl file of {"instruction","response"} or {"text"} rows, or a .txt file '
+        "(one example per non-empty line); default: the repo's synthetic instruction set",
+    )
     parser.add_argument("--output_dir", default=output_dir, help="where checkpoints, weights and metrics go")
     parser.add_argument("--max_steps", type=int, default=max_steps, help="optimizer steps")
     parser.add_argument("--batch_size", type=int, default=batch_size, help="examples per process per micro-batch")
@@ -64,9 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, max_steps: int, lr: float,
 def add_lora_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--lora_r", type=int, default=16, help="LoRA rank")
     parser.add_argument("--lora_alpha", type=int, default=32)
-    parser.add_argument("--train_embeddings", choices=("auto", "yes", "no"), default="auto",
-                        help="also train the input embeddings and output layer in full (peft modules_to_save); "
-                        "auto: only for the default random-init model, whose embeddings mean nothing yet")
+    parser.add_argument(
+        "--train_embeddings",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="also train the input embeddings and output layer in full (peft modules_to_save); "
+        "auto: only for the default random-init model, whose embeddings mean nothing yet",
+    )
     return parser
 
 
@@ -94,13 +107,14 @@ def _check_record(row: Any, path: Path, number: int) -> dict[str, str]:
         return {"text": row["text"]}
     if isinstance(row, dict) and isinstance(row.get("instruction"), str) and isinstance(row.get("response"), str):
         return {"instruction": row["instruction"], "response": row["response"]}
-    raise ValueError(f"--data {str(path)!r} line {number}: expected {{\"instruction\": ..., \"response\": ...}} "
-                     f"or {{\"text\": ...}}, got {str(row)[:80]}")
+    raise ValueError(
+        f'--data {str(path)!r} line {number}: expected {{"instruction": ..., "response": ...}} '
+        f'or {{"text": ...}}, got {str(row)[:80]}'
+    )
 
 
 def record_texts(records: Iterable[dict[str, str]]) -> list[str]:
-    return [r["text"] if "text" in r else PROMPT.format(instruction=r["instruction"]) + r["response"]
-            for r in records]
+    return [r["text"] if "text" in r else PROMPT.format(instruction=r["instruction"]) + r["response"] for r in records]
 
 
 def prompt_ids(tokenizer, instruction: str) -> list[int]:
@@ -178,7 +192,7 @@ def default_tokenizer(data: str | os.PathLike, cache_dir: str | os.PathLike, voc
         _train_bpe(record_texts(load_records(data)), vocab_size).save_pretrained(str(private))
         try:
             os.rename(private, final)
-        except OSError:   # another process got there first
+        except OSError:  # another process got there first
             shutil.rmtree(private, ignore_errors=True)
     return AutoTokenizer.from_pretrained(str(final))
 
@@ -190,8 +204,12 @@ def _train_bpe(texts: list[str], vocab_size: int):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|pad|>", "<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|pad|>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
@@ -204,11 +222,19 @@ def build_model(args: argparse.Namespace, tokenizer):
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     else:
         torch.manual_seed(args.seed)
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
-                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=max(args.max_length, 64), tie_word_embeddings=False,
-                             bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max(args.max_length, 64),
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -222,10 +248,18 @@ def add_lora(model, args: argparse.Namespace):
     train_embeddings = args.train_embeddings == "yes" or (args.train_embeddings == "auto" and not args.model)
     modules_to_save = None
     if train_embeddings:
-        modules_to_save = [_module_name(model, model.get_input_embeddings()),
-                           _module_name(model, model.get_output_embeddings())]
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=LORA_TARGETS,
-                        modules_to_save=modules_to_save, task_type="CAUSAL_LM")
+        modules_to_save = [
+            _module_name(model, model.get_input_embeddings()),
+            _module_name(model, model.get_output_embeddings()),
+        ]
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=LORA_TARGETS,
+        modules_to_save=modules_to_save,
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, config)
 
 
@@ -262,12 +296,17 @@ def generate(model, tokenizer, instruction: str, max_new_tokens: int = 20, throu
         if through_forward:
             out = _greedy_through_forward(model, input_ids, max_new_tokens, tokenizer.eos_token_id)
         else:
-            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                 eos_token_id=tokenizer.eos_token_id)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
     finally:
         model.train(was_training)
-    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
+    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True).strip()
 
 
 def _greedy_through_forward(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int) -> torch.Tensor:
@@ -281,8 +320,13 @@ def _greedy_through_forward(model, input_ids: torch.Tensor, max_new_tokens: int,
     return input_ids
 
 
-def samples(model, tokenizer, max_new_tokens: int = 20, through_forward: bool = False,
-            instructions: Sequence[str] = SAMPLE_INSTRUCTIONS) -> dict[str, str]:
+def samples(
+    model,
+    tokenizer,
+    max_new_tokens: int = 20,
+    through_forward: bool = False,
+    instructions: Sequence[str] = SAMPLE_INSTRUCTIONS,
+) -> dict[str, str]:
     return {q: generate(model, tokenizer, q, max_new_tokens, through_forward) for q in instructions}
 
 
@@ -309,15 +353,17 @@ class Progress:
     def __init__(self, total: int, enabled: bool, desc: str = "train") -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, file=sys.stdout,
-                        mininterval=0.5)
+        self.bar = tqdm(
+            total=total, desc=desc, disable=not enabled, dynamic_ncols=True, file=sys.stdout, mininterval=0.5
+        )
         self.enabled = enabled
         self.started = time.perf_counter()
         self.tokens = 0
         self.memory = ""
 
-    def update(self, step: int, loss: float, tokens: int, memory_bytes: Sequence[float] | None = None,
-               log: bool = False) -> None:
+    def update(
+        self, step: int, loss: float, tokens: int, memory_bytes: Sequence[float] | None = None, log: bool = False
+    ) -> None:
         self.tokens += tokens
         rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
         if memory_bytes is not None:
@@ -348,14 +394,15 @@ def memory_table(reports: Sequence[dict]) -> str:
     """Per-rank parameter / gradient / optimizer bytes (``zp.memory_report`` of every rank) against theory."""
     first = reports[0]
     keys = ("params", "grads", "optimizer", "total")
-    lines = [f"Model state per rank, ZeRO-{first['stage']} on {first['world_size']} ranks "
-             f"({first['trainable_params']:,} trainable + {first['frozen_params']:,} frozen parameters); "
-             "measured / ZeRO theory:",
-             f"{'rank':>4} | " + " | ".join(f"{k:>23}" for k in keys)]
+    lines = [
+        f"Model state per rank, ZeRO-{first['stage']} on {first['world_size']} ranks "
+        f"({first['trainable_params']:,} trainable + {first['frozen_params']:,} frozen parameters); "
+        "measured / ZeRO theory:",
+        f"{'rank':>4} | " + " | ".join(f"{k:>23}" for k in keys),
+    ]
     for report in reports:
         theory = report.get("theory") or {}
-        cells = [f"{format_bytes(report['measured'].get(k, 0)):>10} / {format_bytes(theory.get(k)):>10}"
-                 for k in keys]
+        cells = [f"{format_bytes(report['measured'].get(k, 0)):>10} / {format_bytes(theory.get(k)):>10}" for k in keys]
         lines.append(f"{report['rank']:>4} | " + " | ".join(f"{c:>23}" for c in cells))
         host = report.get("placement", {}).get("host", {}).get("total", 0)
         if host:
@@ -369,13 +416,20 @@ def comm_table(stats: dict, steps: int) -> str:
     lines = [f"Communication per optimizer step (rank 0, logical bytes, mean over {steps} steps):"]
     for kind, value in sorted(stats.items(), key=lambda kv: kv[0] == "total"):
         if value["calls"]:
-            lines.append(f"  {kind:>16}: {format_bytes(value['bytes'] / steps):>10} in "
-                         f"{value['calls'] / steps:.1f} calls")
+            lines.append(
+                f"  {kind:>16}: {format_bytes(value['bytes'] / steps):>10} in {value['calls'] / steps:.1f} calls"
+            )
     return "\n".join(lines)
 
 
-def print_report(history: Sequence[dict], reports: Sequence[dict] | None, comm: dict | None, seconds: float,
-                 saved: str | os.PathLike, steps: int | None = None) -> None:
+def print_report(
+    history: Sequence[dict],
+    reports: Sequence[dict] | None,
+    comm: dict | None,
+    seconds: float,
+    saved: str | os.PathLike,
+    steps: int | None = None,
+) -> None:
     """The end-of-run summary: memory table, communication per optimizer step, first and last loss.
 
     ``steps``: optimizer steps, when ``history`` has one entry per micro-batch instead.
@@ -397,8 +451,10 @@ def write_json(path: str | os.PathLike, data: dict) -> None:
 
 def lr_lambda(warmup: int, total: int):
     """Linear warmup to the peak, then linear decay to 10% of it (a LambdaLR factor)."""
+
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         return max(0.1, 1.0 - 0.9 * (step - warmup) / max(total - warmup, 1))
+
     return factor

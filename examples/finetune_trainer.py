@@ -13,15 +13,15 @@ and communication per step at the end (it does nothing when the run is not under
 Output (``--output_dir``): ``checkpoint-N/`` (Trainer checkpoints, resumable with ``--resume``),
 ``adapter/`` (``trainer.save_model``: PEFT adapter + tokenizer), ``metrics.json``.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 
+import common
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
-
-import common
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,11 +48,11 @@ class ZeroReport(TrainerCallback):
         self.comm: dict | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if getattr(self.trainer.accelerator, "zero_config", None) is not None:   # launched under zero_plugin
+        if getattr(self.trainer.accelerator, "zero_config", None) is not None:  # launched under zero_plugin
             import zero_plugin
 
             self.zp = zero_plugin
-            self.zp.reset_comm_stats()   # the model is set up by now: count training only
+            self.zp.reset_comm_stats()  # the model is set up by now: count training only
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         # After clipping, before the step: gradients are held, so this is the peak of model state.
@@ -85,7 +85,7 @@ class FirstSamples(TrainerCallback):
         self.samples: dict[str, str] | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        zero_config = getattr(self.trainer.accelerator, "zero_config", None)   # launched under zero_plugin
+        zero_config = getattr(self.trainer.accelerator, "zero_config", None)  # launched under zero_plugin
         through_forward = zero_config is not None and zero_config.stage == 3
         self.samples = common.samples(model, self.tokenizer, self.max_new_tokens, through_forward)
         if self.trainer.is_world_process_zero():
@@ -95,27 +95,46 @@ class FirstSamples(TrainerCallback):
 def main() -> None:
     args = parse_args()
     training_args = TrainingArguments(
-        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=args.lr,
-        lr_scheduler_type="linear", warmup_steps=args.warmup_steps, weight_decay=0.0, max_grad_norm=1.0,
-        logging_steps=args.log_every, save_strategy="steps", save_steps=args.save_steps or args.max_steps,
-        report_to=[], seed=args.seed, dataloader_num_workers=0, include_num_input_tokens_seen="non_padding",
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        max_steps=args.max_steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="linear",
+        warmup_steps=args.warmup_steps,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=args.log_every,
+        save_strategy="steps",
+        save_steps=args.save_steps or args.max_steps,
+        report_to=[],
+        seed=args.seed,
+        dataloader_num_workers=0,
+        include_num_input_tokens_seen="non_padding",
         use_cpu=not torch.cuda.is_available(),
     )
     with training_args.main_process_first(desc="tokenizer"):
         tokenizer = common.load_tokenizer(args)
     rows = common.encode_all(common.load_records(args.data), tokenizer, args.max_length)
-    set_seed(args.seed)   # LoRA draws its initial weights from the global RNG (the Trainer seeds only later)
+    set_seed(args.seed)  # LoRA draws its initial weights from the global RNG (the Trainer seeds only later)
     model = common.add_lora(common.build_model(args, tokenizer), args)
     trainable, total = common.count_parameters(model)
-    report = ZeroReport()   # passed here so that it runs before the progress bar prints each log
-    trainer = Trainer(model=model, args=training_args, train_dataset=rows, processing_class=tokenizer,
-                      data_collator=common.Collator(tokenizer.pad_token_id), callbacks=[report])
+    report = ZeroReport()  # passed here so that it runs before the progress bar prints each log
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=rows,
+        processing_class=tokenizer,
+        data_collator=common.Collator(tokenizer.pad_token_id),
+        callbacks=[report],
+    )
     report.trainer = trainer
     main_process = trainer.is_world_process_zero()
     if main_process:
-        print(f"{trainable:,} of {total:,} parameters train (LoRA r={args.lora_r}); {len(rows)} examples; "
-              f"{training_args.world_size} processes")
+        print(
+            f"{trainable:,} of {total:,} parameters train (LoRA r={args.lora_r}); {len(rows)} examples; "
+            f"{training_args.world_size} processes"
+        )
     first = FirstSamples(trainer, tokenizer, args.max_new_tokens)
     trainer.add_callback(first)
 
@@ -127,7 +146,7 @@ def main() -> None:
     through_forward = zero_config is not None and zero_config.stage == 3
     after = common.samples(trainer.model, tokenizer, args.max_new_tokens, through_forward)
     adapter_dir = os.path.join(args.output_dir, "adapter")
-    trainer.save_model(adapter_dir)   # collective; the main process writes adapter + tokenizer
+    trainer.save_model(adapter_dir)  # collective; the main process writes adapter + tokenizer
     trainer.accelerator.wait_for_everyone()
     if main_process:
         common.print_samples("After training:", after)
@@ -136,12 +155,24 @@ def main() -> None:
         steps = trainer.state.global_step - (resumed_step(args.resume) or 0)
         logged = [h for h in trainer.state.log_history if "loss" in h]
         common.print_report(logged, report.reports, report.comm, result.metrics["train_runtime"], adapter_dir, steps)
-        common.write_json(os.path.join(args.output_dir, "metrics.json"), {
-            "example": "finetune_trainer", "log_history": trainer.state.log_history,
-            "losses": [h["loss"] for h in logged], "global_step": trainer.state.global_step, "world_size": training_args.world_size,
-            "zero_config": zero_config.to_dict() if zero_config is not None else None,
-            "trainable_params": trainable, "total_params": total, "samples_before": before,
-            "samples_after": after, "samples_reloaded": reloaded, "memory": report.reports, "comm": report.comm})
+        common.write_json(
+            os.path.join(args.output_dir, "metrics.json"),
+            {
+                "example": "finetune_trainer",
+                "log_history": trainer.state.log_history,
+                "losses": [h["loss"] for h in logged],
+                "global_step": trainer.state.global_step,
+                "world_size": training_args.world_size,
+                "zero_config": zero_config.to_dict() if zero_config is not None else None,
+                "trainable_params": trainable,
+                "total_params": total,
+                "samples_before": before,
+                "samples_after": after,
+                "samples_reloaded": reloaded,
+                "memory": report.reports,
+                "comm": report.comm,
+            },
+        )
 
 
 def resumed_step(checkpoint: str | None) -> int | None:

@@ -13,25 +13,31 @@ Output (``--output_dir``): ``checkpoint/`` (``zp.save_checkpoint``: sharded, rel
 world size), ``model/`` (``save_pretrained`` of the gathered weights + tokenizer; loads with
 ``AutoModelForCausalLM.from_pretrained``), ``metrics.json``.
 """
+
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
 
+import common
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-import common
 import zero_plugin as zp
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_arguments(parser, max_steps=250, lr=2e-3, output_dir="out/full_finetune")
-    parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None,
-                        help="ZeRO stage (default: ZERO_PLUGIN_STAGE, else ZeroConfig's default)")
+    parser.add_argument(
+        "--stage",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=None,
+        help="ZeRO stage (default: ZERO_PLUGIN_STAGE, else ZeroConfig's default)",
+    )
     parser.add_argument("--offload", choices=("none", "cpu"), default=None, help="optimizer state on the CPU")
     parser.add_argument("--warmup_steps", type=int, default=10)
     parser.add_argument("--weight_decay", type=float, default=0.01)
@@ -68,38 +74,49 @@ def main() -> None:
     config = zero_config(args)
     torch.manual_seed(args.seed)
 
-    tokenizer = common.load_tokenizer(args)   # every rank loads the same cached files
+    tokenizer = common.load_tokenizer(args)  # every rank loads the same cached files
     rows = common.encode_all(common.load_records(args.data), tokenizer, args.max_length)
-    sampler = DistributedSampler(rows, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
-                                 drop_last=True)
-    loader = DataLoader(rows, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                        collate_fn=common.Collator(tokenizer.pad_token_id))
+    sampler = DistributedSampler(rows, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(
+        rows,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=common.Collator(tokenizer.pad_token_id),
+    )
     model = common.build_model(args, tokenizer).to(device)
     trainable, total = common.count_parameters(model)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]   # norms: no weight decay
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
-    model, optimizer = zp.setup(model, optimizer, config)   # collective; shards in place
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]  # norms: no weight decay
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr
+    )
+    model, optimizer = zp.setup(model, optimizer, config)  # collective; shards in place
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.lr_lambda(args.warmup_steps, args.max_steps))
 
     label = f"ZeRO-{config.stage}" + (" + CPU offload" if config.offload else "")
     if rank == 0:
-        print(f"{label} on {world_size} process(es), {device}; all {trainable:,} parameters train; "
-              f"{len(rows)} examples, {args.batch_size} per process per micro-batch")
-    before = common.samples(model, tokenizer, args.max_new_tokens)   # collective at ZeRO-3: every rank
+        print(
+            f"{label} on {world_size} process(es), {device}; all {trainable:,} parameters train; "
+            f"{len(rows)} examples, {args.batch_size} per process per micro-batch"
+        )
+    before = common.samples(model, tokenizer, args.max_new_tokens)  # collective at ZeRO-3: every rank
     if rank == 0:
         common.print_samples("Before training:", before)
-    zp.reset_comm_stats()   # count the training steps only
+    zp.reset_comm_stats()  # count the training steps only
 
     history, reports, seconds = train(args, model, optimizer, scheduler, loader, sampler, device, rank)
     comm = zp.comm_stats()
     after = common.samples(model, tokenizer, args.max_new_tokens)
 
-    zp.save_checkpoint(os.path.join(args.output_dir, "checkpoint"), model, optimizer,
-                    extra={"step": len(history), "scheduler": scheduler.state_dict()})
+    zp.save_checkpoint(
+        os.path.join(args.output_dir, "checkpoint"),
+        model,
+        optimizer,
+        extra={"step": len(history), "scheduler": scheduler.state_dict()},
+    )
     model_dir = os.path.join(args.output_dir, "model")
-    state = zp.full_state_dict(model)   # collective: full CPU tensors on rank 0, {} elsewhere
+    state = zp.full_state_dict(model)  # collective: full CPU tensors on rank 0, {} elsewhere
     if rank == 0:
         model.save_pretrained(model_dir, state_dict=state)
         tokenizer.save_pretrained(model_dir)
@@ -107,12 +124,24 @@ def main() -> None:
         reloaded = reload_and_generate(args, model_dir)
         common.print_samples(f"Reloaded from {model_dir} with AutoModelForCausalLM.from_pretrained:", reloaded)
         common.print_report(history, reports, comm, seconds, model_dir)
-        common.write_json(os.path.join(args.output_dir, "metrics.json"), {
-            "example": "full_finetune", "history": history, "losses": [h["loss"] for h in history],
-            "seconds": seconds,
-            "num_processes": world_size, "zero_config": config.to_dict(), "trainable_params": trainable,
-            "total_params": total, "samples_before": before, "samples_after": after, "samples_reloaded": reloaded,
-            "memory": reports, "comm": comm})
+        common.write_json(
+            os.path.join(args.output_dir, "metrics.json"),
+            {
+                "example": "full_finetune",
+                "history": history,
+                "losses": [h["loss"] for h in history],
+                "seconds": seconds,
+                "num_processes": world_size,
+                "zero_config": config.to_dict(),
+                "trainable_params": trainable,
+                "total_params": total,
+                "samples_before": before,
+                "samples_after": after,
+                "samples_reloaded": reloaded,
+                "memory": reports,
+                "comm": comm,
+            },
+        )
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -137,10 +166,16 @@ def train(args, model, optimizer, scheduler, loader, sampler, device, rank):
             micro_batches = []
             totals = torch.tensor([loss, tokens], dtype=torch.float64)
             if dist.is_initialized():
-                dist.all_reduce(totals)   # not a zero_plugin collective: not in zp.comm_stats()
+                dist.all_reduce(totals)  # not a zero_plugin collective: not in zp.comm_stats()
             mean_loss = float(totals[0]) / (dist.get_world_size() if dist.is_initialized() else 1)
-            history.append({"step": len(history) + 1, "loss": mean_loss, "tokens": int(totals[1]),
-                            "lr": scheduler.get_last_lr()[0]})
+            history.append(
+                {
+                    "step": len(history) + 1,
+                    "loss": mean_loss,
+                    "tokens": int(totals[1]),
+                    "lr": scheduler.get_last_lr()[0],
+                }
+            )
             memory_bytes = None
             if memory is not None:
                 reports = gather_objects(memory)
@@ -156,13 +191,13 @@ def step(args, model, optimizer, micro_batches, want_memory: bool):
     loss_sum, tokens = 0.0, 0
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else zp.no_sync(model):   # reduce once, on the last micro-batch
+        with contextlib.nullcontext() if last else zp.no_sync(model):  # reduce once, on the last micro-batch
             loss = model(**batch).loss
             (loss / len(micro_batches)).backward()
         loss_sum += float(loss.detach())
         tokens += int(batch["attention_mask"].sum())
     zp.clip_grad_norm_(model, 1.0)
-    memory = zp.memory_report(model, optimizer) if want_memory else None   # gradients are held here
+    memory = zp.memory_report(model, optimizer) if want_memory else None  # gradients are held here
     optimizer.step()
     optimizer.zero_grad()
     return loss_sum / len(micro_batches), tokens, memory

@@ -4,6 +4,7 @@ Two jobs: find what ``zp.setup`` made (the engine behind a model, the ``ZeroOpti
 behind a framework's optimizer wrapper), and save/load one model + optimizer pair with
 ``zp.save_checkpoint`` / ``zp.load_checkpoint`` (sharded; any stage and world size on load).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ __all__ = [
 # -- finding what zp.setup made ----------------------------------------------------
 def zero_optimizer_of(optimizer: Any) -> ZeroOptimizer | None:
     """The ``ZeroOptimizer`` inside framework wrappers (``AcceleratedOptimizer``, Lightning's), or None."""
-    for _ in range(8):   # wrappers nest a few levels at most
+    for _ in range(8):  # wrappers nest a few levels at most
         if isinstance(optimizer, ZeroOptimizer) or optimizer is None:
             break
         optimizer = getattr(optimizer, "optimizer", None)
@@ -76,6 +77,8 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: Any) -> d
 def _require_zero_optimizer(optimizer: Any, verb: str) -> ZeroOptimizer:
     zero_opt = zero_optimizer_of(optimizer)
     if zero_opt is None:
-        raise ValueError(f"zero_plugin {verb}: {type(optimizer).__name__} does not wrap a ZeroOptimizer; pass the "
-                         "optimizer returned by zp.setup (or by the integration's prepare/setup)")
+        raise ValueError(
+            f"zero_plugin {verb}: {type(optimizer).__name__} does not wrap a ZeroOptimizer; pass the "
+            "optimizer returned by zp.setup (or by the integration's prepare/setup)"
+        )
     return zero_opt

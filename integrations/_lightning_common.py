@@ -24,6 +24,7 @@ writes that file (:data:`LOAD_HINT`, logged at the first sharded save).
 A full checkpoint is one file in Lightning's usual format (full ``state_dict`` and the
 consolidated optimizer state), written by rank 0 and loadable without zero_plugin.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,19 +40,44 @@ from torch import nn
 import zero_plugin as zp
 from zero_plugin import materialize
 from zero_plugin.ckpt import lightning_file
-from zero_plugin.meta_init import ModuleInitSource, check_initialisable, has_meta_buffers, safetensors_under
 from zero_plugin.engine import Engine, engine_of
+from zero_plugin.meta_init import ModuleInitSource, check_initialisable, has_meta_buffers, safetensors_under
 
 from . import _common, _loss_scaling
 from ._common import is_set_up
 
 __all__ = [
-    "PRESETS", "SUPPORTED_PRECISIONS", "resolve_config", "check_precision", "loss_scaler_settings", "engine_config",
-    "scale_loss", "unscale", "engine_or_none", "is_set_up",
-    "shard", "shard_for_inference", "rebind_optimizer", "zero_optimizer_of", "clip_grad_norm", "clip_grad_value",
-    "full_parameters", "full_model_state", "full_optimizer_state", "uses_sharded_files", "is_sharded_checkpoint",
-    "save_sharded", "load_sharded", "load_full", "move_to_device", "register_presets", "builds_on_meta",
-    "source_for", "check_loadable_directory", "LOAD_HINT", "RECORD",
+    "PRESETS",
+    "SUPPORTED_PRECISIONS",
+    "resolve_config",
+    "check_precision",
+    "loss_scaler_settings",
+    "engine_config",
+    "scale_loss",
+    "unscale",
+    "engine_or_none",
+    "is_set_up",
+    "shard",
+    "shard_for_inference",
+    "rebind_optimizer",
+    "zero_optimizer_of",
+    "clip_grad_norm",
+    "clip_grad_value",
+    "full_parameters",
+    "full_model_state",
+    "full_optimizer_state",
+    "uses_sharded_files",
+    "is_sharded_checkpoint",
+    "save_sharded",
+    "load_sharded",
+    "load_full",
+    "move_to_device",
+    "register_presets",
+    "builds_on_meta",
+    "source_for",
+    "check_loadable_directory",
+    "LOAD_HINT",
+    "RECORD",
 ]
 
 # One entry per registered strategy name; each value is a full ZeroConfig, nothing else varies.
@@ -77,9 +103,11 @@ _FP16_FLAG = "Lightning's precision='16-mixed'"
 META_FILE = lightning_file.META_FILE
 SHARDS_DIR = lightning_file.SHARDS_DIR
 RECORD = lightning_file.RECORD
-LOAD_HINT = ("zero_plugin: checkpoints are sharded directories ({path}). To load one without the ZeRO strategy "
-             "(LightningModule.load_from_checkpoint, fabric.load or another strategy), first write it as one "
-             "file: zero-plugin consolidate {path} OUT.ckpt --format lightning")
+LOAD_HINT = (
+    "zero_plugin: checkpoints are sharded directories ({path}). To load one without the ZeRO strategy "
+    "(LightningModule.load_from_checkpoint, fabric.load or another strategy), first write it as one "
+    "file: zero-plugin consolidate {path} OUT.ckpt --format lightning"
+)
 _CHECKPOINT_MODES = ("sharded", "full")
 
 
@@ -92,13 +120,16 @@ def resolve_config(config: zp.ZeroConfig | str | Mapping | None) -> zp.ZeroConfi
         return config
     if isinstance(config, str):
         if config not in PRESETS:
-            raise ValueError(f"ZeroStrategy: unknown preset {config!r}; choose one of {', '.join(PRESETS)} "
-                             "or pass config=zp.ZeroConfig(...)")
+            raise ValueError(
+                f"ZeroStrategy: unknown preset {config!r}; choose one of {', '.join(PRESETS)} "
+                "or pass config=zp.ZeroConfig(...)"
+            )
         return PRESETS[config]
     if isinstance(config, Mapping):
         return zp.ZeroConfig.from_dict(config)
-    raise ValueError(f"ZeroStrategy: config must be a zp.ZeroConfig, a preset name or a dict; "
-                     f"got {type(config).__name__}")
+    raise ValueError(
+        f"ZeroStrategy: config must be a zp.ZeroConfig, a preset name or a dict; got {type(config).__name__}"
+    )
 
 
 def check_checkpoint_mode(mode: str) -> str:
@@ -110,8 +141,10 @@ def check_checkpoint_mode(mode: str) -> str:
 def check_precision(precision: str) -> str:
     """Raise a clear error for precision flags the engine cannot run; return the flag."""
     if precision not in SUPPORTED_PRECISIONS:
-        raise ValueError(f"zero_plugin: precision={precision!r} is not supported with ZeRO; choose one of "
-                         f"{', '.join(SUPPORTED_PRECISIONS)}")
+        raise ValueError(
+            f"zero_plugin: precision={precision!r} is not supported with ZeRO; choose one of "
+            f"{', '.join(SUPPORTED_PRECISIONS)}"
+        )
     return precision
 
 
@@ -126,15 +159,21 @@ def loss_scaler_settings(plugin: Any) -> dict | None:
         return None
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and type(scaler) not in (torch.amp.GradScaler, torch.cuda.amp.GradScaler):
-        raise ValueError(f"zero_plugin: {_FP16_FLAG} with a {type(scaler).__name__} is not supported; zero_plugin "
-                         "replaces the plugin's torch.amp.GradScaler by its own synchronized loss scaler, which "
-                         "reproduces only torch's GradScaler (init_scale, growth_interval, enabled)")
-    if scaler is None or not scaler.is_enabled():   # a disabled GradScaler has no factors to read
+        raise ValueError(
+            f"zero_plugin: {_FP16_FLAG} with a {type(scaler).__name__} is not supported; zero_plugin "
+            "replaces the plugin's torch.amp.GradScaler by its own synchronized loss scaler, which "
+            "reproduces only torch's GradScaler (init_scale, growth_interval, enabled)"
+        )
+    if scaler is None or not scaler.is_enabled():  # a disabled GradScaler has no factors to read
         return _loss_scaling.scaler_settings({"enabled": False})
-    return _loss_scaling.scaler_settings({
-        "init_scale": scaler.get_scale(),
-        "growth_interval": scaler.get_growth_interval(), "growth_factor": scaler.get_growth_factor(),
-        "backoff_factor": scaler.get_backoff_factor()})
+    return _loss_scaling.scaler_settings(
+        {
+            "init_scale": scaler.get_scale(),
+            "growth_interval": scaler.get_growth_interval(),
+            "growth_factor": scaler.get_growth_factor(),
+            "backoff_factor": scaler.get_backoff_factor(),
+        }
+    )
 
 
 def engine_config(config: zp.ZeroConfig, scaler_settings: dict | None) -> zp.ZeroConfig:
@@ -145,12 +184,14 @@ def engine_config(config: zp.ZeroConfig, scaler_settings: dict | None) -> zp.Zer
 def scale_loss(modules: Iterable[nn.Module], loss: torch.Tensor) -> torch.Tensor:
     """fp16: ``loss`` times the loss scale of the set-up module's optimizer (one scaled backward serves one
     scaler); other precisions, or no set-up module: ``loss``."""
-    trained = [m for m in modules if any(p.requires_grad for p in m.parameters())]   # not a frozen teacher
+    trained = [m for m in modules if any(p.requires_grad for p in m.parameters())]  # not a frozen teacher
     scaling = {id(o): o for o in map(_training_optimizer, trained) if o is not None and o.guard.scaling}
     if len(scaling) > 1:
-        raise ValueError("zero_plugin: fp16 loss scaling with more than one set-up model: each optimizer keeps its "
-                         "own scale, so one scaled loss cannot serve both; pass model= to fabric.backward, use "
-                         "precision='bf16-mixed', or one model")
+        raise ValueError(
+            "zero_plugin: fp16 loss scaling with more than one set-up model: each optimizer keeps its "
+            "own scale, so one scaled loss cannot serve both; pass model= to fabric.backward, use "
+            "precision='bf16-mixed', or one model"
+        )
     return next(iter(scaling.values())).scale_loss(loss) if scaling else loss
 
 
@@ -179,8 +220,9 @@ def zero_optimizer_of(optimizer: Any) -> zp.ZeroOptimizer:
     """The ZeroOptimizer behind a LightningOptimizer / _FabricOptimizer / ZeroOptimizer."""
     found = _common.zero_optimizer_of(optimizer)
     if found is None:
-        raise ValueError(f"zero_plugin: expected the optimizer set up by the ZeRO strategy, got "
-                         f"{type(optimizer).__name__}")
+        raise ValueError(
+            f"zero_plugin: expected the optimizer set up by the ZeRO strategy, got {type(optimizer).__name__}"
+        )
     return found
 
 
@@ -190,7 +232,8 @@ def _only_optimizer(optimizers: Iterable[torch.optim.Optimizer]) -> torch.optim.
     if len(optimizers) != 1:
         raise ValueError(
             f"zero_plugin: the ZeRO strategy supports exactly one optimizer (it is sharded together with the "
-            f"model); got {len(optimizers)}. Put every parameter in one optimizer with several param groups.")
+            f"model); got {len(optimizers)}. Put every parameter in one optimizer with several param groups."
+        )
     return optimizers[0]
 
 
@@ -222,14 +265,19 @@ def source_for(module: nn.Module, param_source: Any) -> materialize.ParamSource 
     """
     buffer = has_meta_buffers(module)
     if buffer is not None:
-        raise ValueError(f"zero_plugin: buffer {buffer!r} is on the meta device; the ZeRO strategies "
-                         "materialise parameters only. Build the model under trainer.init_module(empty_init=True) "
-                         "/ fabric.init_module(empty_init=True) or in configure_model (parameters on meta, "
-                         "buffers real) instead of under torch.device('meta')")
+        raise ValueError(
+            f"zero_plugin: buffer {buffer!r} is on the meta device; the ZeRO strategies "
+            "materialise parameters only. Build the model under trainer.init_module(empty_init=True) "
+            "/ fabric.init_module(empty_init=True) or in configure_model (parameters on meta, "
+            "buffers real) instead of under torch.device('meta')"
+        )
     if not materialize.has_meta_params(module):
         if param_source is not None:
-            warnings.warn("zero_plugin: param_source is ignored: the model was built with real parameters "
-                          "(empty_init=False, or built outside init_module/configure_model)", stacklevel=3)
+            warnings.warn(
+                "zero_plugin: param_source is ignored: the model was built with real parameters "
+                "(empty_init=False, or built outside init_module/configure_model)",
+                stacklevel=3,
+            )
         return None
     if isinstance(param_source, (str, os.PathLike)):
         return safetensors_under(param_source)
@@ -239,8 +287,9 @@ def source_for(module: nn.Module, param_source: Any) -> materialize.ParamSource 
     return ModuleInitSource(module)
 
 
-def shard(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], config: zp.ZeroConfig,
-          param_source: Any = None) -> zp.ZeroOptimizer:
+def shard(
+    module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], config: zp.ZeroConfig, param_source: Any = None
+) -> zp.ZeroOptimizer:
     """``zp.setup`` the module with its one optimizer; if the module already is set up, bind the new optimizer.
 
     Collective.  Meta-device parameters are materialised from ``source_for(module, param_source)``.
@@ -264,8 +313,9 @@ def shard_for_inference(module: nn.Module, config: zp.ZeroConfig, param_source: 
     if is_set_up(module):
         return
     trainable = [p for p in module.parameters() if p.requires_grad]
-    zp.setup(module, torch.optim.SGD([{"params": trainable}], lr=0.0), config,
-             param_source=source_for(module, param_source))
+    zp.setup(
+        module, torch.optim.SGD([{"params": trainable}], lr=0.0), config, param_source=source_for(module, param_source)
+    )
 
 
 def rebind_optimizer(module: nn.Module, engine: Engine, optimizer: torch.optim.Optimizer) -> zp.ZeroOptimizer:
@@ -275,9 +325,11 @@ def rebind_optimizer(module: nn.Module, engine: Engine, optimizer: torch.optim.O
 
 def _check_same_config(engine: Engine, config: zp.ZeroConfig) -> None:
     if engine.config != config:
-        raise ValueError(f"zero_plugin: this module was already sharded with stage={engine.config.stage} "
-                         f"({engine.config.to_dict()}); it cannot be set up again with stage={config.stage}. "
-                         "Use the same strategy config for every trainer, or a fresh module")
+        raise ValueError(
+            f"zero_plugin: this module was already sharded with stage={engine.config.stage} "
+            f"({engine.config.to_dict()}); it cannot be set up again with stage={config.stage}. "
+            "Use the same strategy config for every trainer, or a fresh module"
+        )
 
 
 @contextlib.contextmanager
@@ -341,8 +393,11 @@ def uses_sharded_files(mode: str) -> bool:
         return False
     if hasattr(zp, "save_checkpoint") and hasattr(zp, "load_checkpoint"):
         return True
-    warnings.warn("zero_plugin: zp.save_checkpoint is not available in this version; saving full single-file "
-                  "checkpoints (rank 0 writes) instead of sharded directories", stacklevel=3)
+    warnings.warn(
+        "zero_plugin: zp.save_checkpoint is not available in this version; saving full single-file "
+        "checkpoints (rank 0 writes) instead of sharded directories",
+        stacklevel=3,
+    )
     return False
 
 
@@ -362,12 +417,20 @@ def prepare_path(path: Path, sharded: bool, is_rank0: bool, barrier: Callable[[]
             shutil.rmtree(path)
         if sharded:
             path.mkdir(parents=True, exist_ok=True)
-            (path / META_FILE).unlink(missing_ok=True)   # written last: its presence marks a complete save
+            (path / META_FILE).unlink(missing_ok=True)  # written last: its presence marks a complete save
     barrier()
 
 
-def save_sharded(path: Path, module: nn.Module, optimizer: Any | None, meta: dict, *, is_rank0: bool,
-                 write: Callable[[dict, Path], None], barrier: Callable[[], None]) -> None:
+def save_sharded(
+    path: Path,
+    module: nn.Module,
+    optimizer: Any | None,
+    meta: dict,
+    *,
+    is_rank0: bool,
+    write: Callable[[dict, Path], None],
+    barrier: Callable[[], None],
+) -> None:
     """Collective: see [Note: sharded checkpoint directory]; ``write(obj, file)`` is the rank-0 writer."""
     prepare_path(path, True, is_rank0, barrier)
     inner = None if optimizer is None else zero_optimizer_of(optimizer)
@@ -381,8 +444,10 @@ def save_sharded(path: Path, module: nn.Module, optimizer: Any | None, meta: dic
 def check_loadable_directory(path: Path) -> None:
     """A directory that is not a complete sharded checkpoint: say so, instead of torch.load's IsADirectoryError."""
     if path.is_dir() and not is_sharded_checkpoint(path):
-        raise FileNotFoundError(f"zero_plugin: {path} is a directory without {META_FILE}: not a complete sharded "
-                                "checkpoint (an interrupted save, or a folder of another kind)")
+        raise FileNotFoundError(
+            f"zero_plugin: {path} is a directory without {META_FILE}: not a complete sharded "
+            "checkpoint (an interrupted save, or a folder of another kind)"
+        )
 
 
 def load_sharded(path: Path, module: nn.Module, optimizer: Any | None) -> None:
@@ -391,8 +456,14 @@ def load_sharded(path: Path, module: nn.Module, optimizer: Any | None) -> None:
     zp.load_checkpoint(str(path / SHARDS_DIR), module, inner)
 
 
-def load_full(checkpoint: dict, module: nn.Module, optimizer: Any | None, *, strict: bool = True,
-              optimizer_state: dict | None = None) -> None:
+def load_full(
+    checkpoint: dict,
+    module: nn.Module,
+    optimizer: Any | None,
+    *,
+    strict: bool = True,
+    optimizer_state: dict | None = None,
+) -> None:
     """Load a full Lightning checkpoint that every rank has read into a set-up module (and optimizer)."""
     state = checkpoint.get("state_dict")
     if state is not None:
@@ -405,15 +476,17 @@ def load_full(checkpoint: dict, module: nn.Module, optimizer: Any | None, *, str
 def register_presets(registry: Any, strategy_cls: type) -> None:
     """Register every preset name; idempotent for our class, and never overrides another library's name."""
     for name, config in PRESETS.items():
-        entry = dict.get(registry, name)   # the registry's own get() instantiates the strategy
+        entry = dict.get(registry, name)  # the registry's own get() instantiates the strategy
         if isinstance(entry, dict):
             if entry.get("strategy") is strategy_cls:
                 continue
             if getattr(entry.get("strategy"), "__module__", "").startswith("zero_plugin."):
-                registry.pop(name)   # a previous import of the same module (e.g. a reload)
+                registry.pop(name)  # a previous import of the same module (e.g. a reload)
             else:
-                raise ValueError(f"zero_plugin: strategy name {name!r} is already registered by "
-                                 f"{entry.get('strategy')!r}; not overriding it")
+                raise ValueError(
+                    f"zero_plugin: strategy name {name!r} is already registered by "
+                    f"{entry.get('strategy')!r}; not overriding it"
+                )
         registry.register(name, strategy_cls, description=_DESCRIPTIONS[name], config=config)
 
 

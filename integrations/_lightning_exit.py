@@ -24,6 +24,7 @@ strategy cannot do: the script decides how the process ends.  Not in ``teardown`
 ``trainer.test`` after ``trainer.fit`` with the same sharded module, and ``DDPStrategy.teardown`` keeps
 the group too.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -55,8 +56,8 @@ def _release_groups(timeout: timedelta | None) -> None:
         dist.destroy_process_group()
     from zero_plugin.collectives import release_groups
 
-    release_groups()   # zero_plugin's cached groups also hold the default group
-    gc.collect()   # the default group's last references are gone: its threads are joined here
+    release_groups()  # zero_plugin's cached groups also hold the default group
+    gc.collect()  # the default group's last references are gone: its threads are joined here
 
 
 def _exiting_on_error() -> bool:
@@ -70,5 +71,5 @@ def _barrier(timeout: timedelta | None) -> None:
         device_ids = [torch.cuda.current_device()] if dist.get_backend() == "nccl" else None
         work = dist.barrier(async_op=True, device_ids=device_ids)
         work.wait() if timeout is None else work.wait(timeout=timeout)
-    except Exception:   # noqa: BLE001 - a peer that failed has gone; destroy anyway
+    except Exception:  # noqa: BLE001 - a peer that failed has gone; destroy anyway
         pass

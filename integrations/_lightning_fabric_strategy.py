@@ -2,6 +2,7 @@
 ``lightning_fabric`` bases ([Note: one strategy source, two Lightning packages] in ``_lightning_names.py``).
 Importing this module builds it; ``zero_plugin.integrations.lightning`` does so when ``lightning_fabric`` is
 installed."""
+
 from __future__ import annotations
 
 from .fabric_strategy import make_fabric_strategy

@@ -11,6 +11,7 @@ package's base classes, once per package (cached).  Nothing rewrites or re-execu
 package's classes are built when ``lightning_strategy`` / ``fabric_strategy`` are imported, the standalone
 packages' by the two-line modules ``_pytorch_lightning_strategy`` / ``_lightning_fabric_strategy``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,9 @@ class LightningNames(SimpleNamespace):
 
 
 # Shared by both packages (the plugins Lightning's precision flags choose; see SUPPORTED_PRECISIONS).
-_PRECISIONS = {name: f"plugins.precision.{name}" for name in ("Precision", "DoublePrecision", "HalfPrecision",
-                                                               "MixedPrecision")}
+_PRECISIONS = {
+    name: f"plugins.precision.{name}" for name in ("Precision", "DoublePrecision", "HalfPrecision", "MixedPrecision")
+}
 _COMMON = {
     **_PRECISIONS,
     "ParallelStrategy": "strategies.parallel.ParallelStrategy",

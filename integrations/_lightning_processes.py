@@ -3,10 +3,11 @@ process group, and the collectives Lightning asks a strategy for (as Lightning's
 
 A mixin over either package's ``ParallelStrategy``, reaching Lightning only through ``self._fabric_names``
 ([Note: one strategy source, two Lightning packages] in ``_lightning_names.py``)."""
+
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -23,10 +24,17 @@ class ZeroProcesses:
     """Ranks and the process group of a strategy whose ``_fabric_names`` are set by its factory."""
 
     _fabric_names: LightningNames
-    _resets_seed = False   # the Trainer strategy: as DDPStrategy, back to seed_everything's seed at setup
+    _resets_seed = False  # the Trainer strategy: as DDPStrategy, back to seed_everything's seed at setup
 
-    def _set_options(self, config: Any, checkpoint: str, param_source: Any, meta_init: bool,
-                     process_group_backend: Optional[str], timeout: Optional[timedelta]) -> None:
+    def _set_options(
+        self,
+        config: Any,
+        checkpoint: str,
+        param_source: Any,
+        meta_init: bool,
+        process_group_backend: str | None,
+        timeout: timedelta | None,
+    ) -> None:
         """The constructor arguments both strategies take beyond Lightning's own (see ``ZeroStrategy``)."""
         self.config = common.resolve_config(config)
         self.param_source = param_source
@@ -34,7 +42,7 @@ class ZeroProcesses:
         self._checkpoint = common.check_checkpoint_mode(checkpoint)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self._hinted = False   # common.LOAD_HINT logged
+        self._hinted = False  # common.LOAD_HINT logged
 
     @property
     def root_device(self) -> torch.device:
@@ -57,14 +65,16 @@ class ZeroProcesses:
             # on what building the model drew (Fabric's DDP does not reset).
             names.reset_seed()
         self._set_world_ranks()
-        self._process_group_backend = (self._process_group_backend
-                                       or names.default_process_group_backend_for_device(self.root_device))
+        self._process_group_backend = self._process_group_backend or names.default_process_group_backend_for_device(
+            self.root_device
+        )
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         creates_group = not names.distributed_is_initialized()
-        names.init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                                   device_id=device_id)
-        if creates_group:   # [Note: gloo at interpreter exit] in _lightning_exit.py
+        names.init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        if creates_group:  # [Note: gloo at interpreter exit] in _lightning_exit.py
             release_groups_at_exit(self._timeout)
 
     def _set_world_ranks(self) -> None:
@@ -88,7 +98,7 @@ class ZeroProcesses:
         torch.distributed.broadcast_object_list(box, src, group=self._fabric_names.group.WORLD)
         return box[0]
 
-    def _reduce_tensor(self, tensor: Union[Tensor, Any], group: Optional[Any], reduce_op: Any) -> Union[Tensor, Any]:
+    def _reduce_tensor(self, tensor: Tensor | Any, group: Any | None, reduce_op: Any) -> Tensor | Any:
         if isinstance(tensor, Tensor):
             return self._fabric_names.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

@@ -31,6 +31,7 @@ order of the fp32 sums (``tests/integrations/test_fp16.py``, ``test_lightning_fp
   price of fp16 per-parameter gradients, which can overflow (and skip a step) where DDP's fp32 ones do not.
   A bf16 ``param_dtype`` contradicts the flag and is refused, as is ``loss_scaling=False``.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -49,8 +50,10 @@ def scaler_settings(kwargs: Mapping[str, Any] | None) -> dict:
     kwargs = dict(kwargs or {})
     for name, default in _DEFAULT_FACTORS.items():
         if name in kwargs and float(kwargs[name]) != default:
-            raise ValueError(f"zero_plugin: GradScaler {name}={kwargs[name]!r} is not supported; zero_plugin's fp16 "
-                             f"loss scaler uses {name}={default} (torch's default): leave it unset")
+            raise ValueError(
+                f"zero_plugin: GradScaler {name}={kwargs[name]!r} is not supported; zero_plugin's fp16 "
+                f"loss scaler uses {name}={default} (torch's default): leave it unset"
+            )
     if not kwargs.get("enabled", True):
         return {"loss_scale": 1.0}
     out = {}
@@ -64,10 +67,14 @@ def scaler_settings(kwargs: Mapping[str, Any] | None) -> dict:
 def fp16_config(config: ZeroConfig, settings: Mapping[str, Any], flag: str) -> ZeroConfig:
     """``config`` with loss scaling on and ``settings`` ([Note: fp16 one-flag mapping])."""
     if config.loss_scaling is False:
-        raise ValueError(f"zero_plugin: {flag} needs loss scaling, but ZeroConfig.loss_scaling=False; drop "
-                         "loss_scaling from the ZeroConfig, or train without fp16")
+        raise ValueError(
+            f"zero_plugin: {flag} needs loss scaling, but ZeroConfig.loss_scaling=False; drop "
+            "loss_scaling from the ZeroConfig, or train without fp16"
+        )
     if config.param_dtype not in (None, torch.float32, torch.float16):
-        raise ValueError(f"zero_plugin: {flag} runs the forward in fp16, but ZeroConfig.param_dtype="
-                         f"{config.param_dtype}; drop param_dtype from the ZeroConfig (fp32 parameters, as "
-                         f"under DDP) or set it to fp16, or use the mixed-precision flag for {config.param_dtype}")
+        raise ValueError(
+            f"zero_plugin: {flag} runs the forward in fp16, but ZeroConfig.param_dtype="
+            f"{config.param_dtype}; drop param_dtype from the ZeroConfig (fp32 parameters, as "
+            f"under DDP) or set it to fp16, or use the mixed-precision flag for {config.param_dtype}"
+        )
     return config.replace(loss_scaling=True, **settings)

@@ -15,13 +15,14 @@ Nothing in the file can run code: unpickling stops at the lookup, which always f
 attribute with spaces in its name).  The message is one line (pickle's ``GLOBAL`` opcode is line-based).
 zero_plugin's own loader reads the sharded folder first and recognises the stub by its bytes.
 """
+
 from __future__ import annotations
 
 import os
 
 __all__ = ["write_stub", "is_stub"]
 
-_PREFIX = b"\x80\x02czero_plugin\n"   # pickle protocol 2, GLOBAL opcode, module name
+_PREFIX = b"\x80\x02czero_plugin\n"  # pickle protocol 2, GLOBAL opcode, module name
 
 
 def write_stub(path: str | os.PathLike, message: str) -> None:
@@ -29,7 +30,7 @@ def write_stub(path: str | os.PathLike, message: str) -> None:
     if "\n" in message or "\r" in message:
         raise ValueError("zero_plugin optimizer stub: the message must be one line")
     with open(path, "wb") as f:
-        f.write(_PREFIX + message.encode("utf-8") + b"\n.")   # '.' = STOP (never reached)
+        f.write(_PREFIX + message.encode("utf-8") + b"\n.")  # '.' = STOP (never reached)
 
 
 def is_stub(path: str | os.PathLike) -> bool:

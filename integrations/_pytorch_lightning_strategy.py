@@ -2,6 +2,7 @@
 ``pytorch_lightning`` / ``lightning_fabric`` bases ([Note: one strategy source, two Lightning packages] in
 ``_lightning_names.py``).  Importing this module builds them; ``zero_plugin.integrations.lightning`` does so when
 ``pytorch_lightning`` is installed."""
+
 from __future__ import annotations
 
 from .lightning_strategy import make_trainer_classes
@@ -9,4 +10,5 @@ from .lightning_strategy import make_trainer_classes
 __all__ = ["ZeroStrategy", "ZeroPrecision", "ZeroSummary", "ZeroModelSummary", "ZeroRichModelSummary"]
 
 ZeroStrategy, ZeroPrecision, ZeroSummary, ZeroModelSummary, ZeroRichModelSummary, FullCountLayerSummary = (
-    make_trainer_classes("pytorch_lightning", "lightning_fabric", __name__))
+    make_trainer_classes("pytorch_lightning", "lightning_fabric", __name__)
+)

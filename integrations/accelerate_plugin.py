@@ -15,6 +15,7 @@ step, so ``prepare`` must see both: the optimizer is set up before Accelerate's 
 preparation runs, whatever the argument order.  No DDP wrapper is added; the model is sharded
 in place and stays the same object.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,12 +64,12 @@ class ZeroPlugin:
             raise ValueError(f"ZeroPlugin.config must be a zp.ZeroConfig, got {type(self.config).__name__}")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "ZeroPlugin":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ZeroPlugin:
         """From the ``ZERO_PLUGIN_*`` variables (see ``ZeroConfig.from_env``)."""
         return cls(ZeroConfig.from_env(environ))
 
     @classmethod
-    def coerce(cls, value: Any) -> "ZeroPlugin":
+    def coerce(cls, value: Any) -> ZeroPlugin:
         """A ZeroPlugin from a ZeroPlugin, a ZeroConfig, a mapping of ZeroConfig fields, or None (environment)."""
         if value is None:
             return cls.from_env()
@@ -78,8 +79,10 @@ class ZeroPlugin:
             return cls(value)
         if isinstance(value, Mapping):
             return cls(ZeroConfig.from_dict(value))
-        raise ValueError(f"Accelerator(zero_plugin=...) must be a ZeroPlugin, a zp.ZeroConfig or a dict of "
-                         f"ZeroConfig fields; got {type(value).__name__}")
+        raise ValueError(
+            f"Accelerator(zero_plugin=...) must be a ZeroPlugin, a zp.ZeroConfig or a dict of "
+            f"ZeroConfig fields; got {type(value).__name__}"
+        )
 
 
 class Accelerator(_AccelerateAccelerator):
@@ -90,11 +93,13 @@ class Accelerator(_AccelerateAccelerator):
     """
 
     def __init__(self, *args: Any, zero_plugin: Any = None, **kwargs: Any) -> None:
-        self.zero_plugin = ZeroPlugin.coerce(zero_plugin)   # a bad config fails before any process group work
+        self.zero_plugin = ZeroPlugin.coerce(zero_plugin)  # a bad config fails before any process group work
         given = [name for name in _REPLACED_PLUGINS if kwargs.get(name) is not None]
         if given:
-            raise ValueError(f"zero_plugin's Accelerator replaces DeepSpeed/FSDP/Megatron sharding; remove "
-                             f"{', '.join(given)} (choose the ZeRO stage with ZeroConfig instead)")
+            raise ValueError(
+                f"zero_plugin's Accelerator replaces DeepSpeed/FSDP/Megatron sharding; remove "
+                f"{', '.join(given)} (choose the ZeRO stage with ZeroConfig instead)"
+            )
         super().__init__(*args, **kwargs)
         self._check_launch()
         self._route_fp16()
@@ -106,15 +111,18 @@ class Accelerator(_AccelerateAccelerator):
     def _check_launch(self) -> None:
         backend = _REPLACED_BACKENDS.get(self.distributed_type)
         if backend is not None:
-            raise ValueError(f"zero_plugin's Accelerator was launched with {backend} ({self.distributed_type}); "
-                             "zero_plugin replaces it: launch without --use_deepspeed/--use_fsdp, e.g. "
-                             "`zero-plugin launch --stage 3 ...`")
+            raise ValueError(
+                f"zero_plugin's Accelerator was launched with {backend} ({self.distributed_type}); "
+                "zero_plugin replaces it: launch without --use_deepspeed/--use_fsdp, e.g. "
+                "`zero-plugin launch --stage 3 ...`"
+            )
         started = int(os.environ.get("WORLD_SIZE", "1"))
         if started > 1 and self.num_processes == 1:
             raise RuntimeError(
                 f"{started} processes were started (WORLD_SIZE={started}) but Accelerate set up a single-process "
                 f"run ({self.distributed_type}), so each process would train alone. On a machine without GPUs set "
-                "ACCELERATE_USE_CPU=true (gloo), or launch with `zero-plugin launch`, which does that for you.")
+                "ACCELERATE_USE_CPU=true (gloo), or launch with `zero-plugin launch`, which does that for you."
+            )
 
     def _route_fp16(self) -> None:
         """``mixed_precision="fp16"`` (argument, ``accelerate launch --mixed_precision fp16`` or config file):
@@ -124,10 +132,11 @@ class Accelerator(_AccelerateAccelerator):
             return
         kwargs = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
         settings = _loss_scaling.scaler_settings(kwargs)
-        self.zero_plugin = ZeroPlugin(_loss_scaling.fp16_config(self.zero_config, settings,
-                                                                "Accelerate's mixed_precision='fp16'"))
-        self.scaler = None       # Accelerate's own GradScaler (made on accelerator devices) is never used
-        self.native_amp = True   # autocast fp16 on every device; Accelerate alone skips it on CPU
+        self.zero_plugin = ZeroPlugin(
+            _loss_scaling.fp16_config(self.zero_config, settings, "Accelerate's mixed_precision='fp16'")
+        )
+        self.scaler = None  # Accelerate's own GradScaler (made on accelerator devices) is never used
+        self.native_amp = True  # autocast fp16 on every device; Accelerate alone skips it on CPU
 
     # -- prepare ----------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None):
@@ -138,31 +147,39 @@ class Accelerator(_AccelerateAccelerator):
         args = list(args)
         placements = device_placement or [None] * len(args)
         for model_index, optimizer_index in self._pairs_to_set_up(args):
-            args[optimizer_index] = self._set_up(args[model_index], args[optimizer_index],
-                                                 placements[model_index])
+            args[optimizer_index] = self._set_up(args[model_index], args[optimizer_index], placements[model_index])
         return super().prepare(*args, device_placement=device_placement)
 
     def _pairs_to_set_up(self, args: list[Any]) -> list[tuple[int, int]]:
         """(model index, optimizer index) of each trainable model not yet set up and the optimizer that owns it."""
-        fresh_optimizers = {i: a for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)
-                            and _common.zero_optimizer_of(a) is None}
+        fresh_optimizers = {
+            i: a
+            for i, a in enumerate(args)
+            if isinstance(a, torch.optim.Optimizer) and _common.zero_optimizer_of(a) is None
+        }
         pairs = []
         for i, obj in enumerate(args):
             if not isinstance(obj, nn.Module) or _set_up_for_training(obj) or not _has_trainable(obj):
                 continue
             ids = {id(p) for p in obj.parameters()}
-            owners = [j for j, opt in fresh_optimizers.items()
-                      if all(id(p) in ids for g in opt.param_groups for p in g["params"])]
+            owners = [
+                j
+                for j, opt in fresh_optimizers.items()
+                if all(id(p) in ids for g in opt.param_groups for p in g["params"])
+            ]
             if len(owners) != 1:
                 found = "no optimizer" if not owners else f"{len(owners)} optimizers"
-                raise ValueError(f"zero_plugin: prepare() got a trainable {type(obj).__name__} and {found} over its "
-                                 f"parameters; zp.setup shards a model together with its one optimizer, so "
-                                 f"{_PAIR_HINT}")
+                raise ValueError(
+                    f"zero_plugin: prepare() got a trainable {type(obj).__name__} and {found} over its "
+                    f"parameters; zp.setup shards a model together with its one optimizer, so "
+                    f"{_PAIR_HINT}"
+                )
             pairs.append((i, owners[0]))
             del fresh_optimizers[owners[0]]
         if fresh_optimizers:
-            raise ValueError(f"zero_plugin: prepare() got an optimizer whose model is not in the same call; "
-                             f"{_PAIR_HINT}")
+            raise ValueError(
+                f"zero_plugin: prepare() got an optimizer whose model is not in the same call; {_PAIR_HINT}"
+            )
         return pairs
 
     def _set_up(self, model: nn.Module, optimizer: torch.optim.Optimizer, device_placement: bool | None):
@@ -182,16 +199,19 @@ class Accelerator(_AccelerateAccelerator):
         full there: it would stay on meta).
         """
         if _common.is_set_up(model):
-            device_placement = False   # placed before sharding, see _set_up
+            device_placement = False  # placed before sharding, see _set_up
         elif not evaluation_mode and _has_trainable(model):
             raise ValueError(f"zero_plugin: prepare_model() alone cannot shard a trainable model; {_PAIR_HINT}")
         elif self.zero_config.stage == 3:
             self._set_up_for_evaluation(model, device_placement)
             device_placement = False
         elif materialize.load_in_full(model):
-            warnings.warn("zero_plugin: a lazily loaded model was prepared without an optimizer at stage "
-                          f"{self.zero_config.stage}, so it is not sharded; every process has now loaded it in "
-                          "full from its files (stage 3 shards it)", stacklevel=2)
+            warnings.warn(
+                "zero_plugin: a lazily loaded model was prepared without an optimizer at stage "
+                f"{self.zero_config.stage}, so it is not sharded; every process has now loaded it in "
+                "full from its files (stage 3 shards it)",
+                stacklevel=2,
+            )
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def _set_up_for_evaluation(self, model: nn.Module, device_placement: bool | None) -> None:
@@ -216,16 +236,18 @@ class Accelerator(_AccelerateAccelerator):
         """``loss.backward()`` scaled by 1/gradient_accumulation_steps; zero_plugin's hooks reduce the gradients."""
         if not self._zero_pairs():
             return super().backward(loss, **kwargs)
-        kwargs.pop("learning_rate", None)   # LOMO's argument; not an autograd one
+        kwargs.pop("learning_rate", None)  # LOMO's argument; not an autograd one
         self._scale(loss / self.gradient_accumulation_steps).backward(**kwargs)
 
     def _scale(self, loss: torch.Tensor) -> torch.Tensor:
         """fp16: ``loss`` times the loss scale (one scaled backward serves one set-up model's scaler)."""
         scaling = [o for _, o in self._zero_pairs() if _common.zero_optimizer_of(o).guard.scaling]
         if len(scaling) > 1:
-            raise ValueError("zero_plugin: fp16 loss scaling with more than one set-up model per Accelerator is not "
-                             "supported (each optimizer keeps its own scale, so one scaled loss cannot serve both); "
-                             "use mixed_precision='bf16', or one model")
+            raise ValueError(
+                "zero_plugin: fp16 loss scaling with more than one set-up model per Accelerator is not "
+                "supported (each optimizer keeps its own scale, so one scaled loss cannot serve both); "
+                "use mixed_precision='bf16', or one model"
+            )
         return _common.zero_optimizer_of(scaling[0]).scale_loss(loss) if scaling else loss
 
     @contextlib.contextmanager
@@ -337,8 +359,10 @@ class Accelerator(_AccelerateAccelerator):
                 continue
             trainable = {id(p) for p in model.parameters() if p.requires_grad}
             if not given <= ids or not trainable <= given:
-                raise ValueError(f"zero_plugin: {verb} over a subset of a sharded model's parameters is not "
-                                 f"supported (the norm is global over all shards); pass model.parameters()")
+                raise ValueError(
+                    f"zero_plugin: {verb} over a subset of a sharded model's parameters is not "
+                    f"supported (the norm is global over all shards); pass model.parameters()"
+                )
             return model
         return None
 

@@ -13,6 +13,7 @@ The class is written once (``_ZeroFabricStrategy``) and built over one package's
 :func:`make_fabric_strategy`: here for ``lightning.fabric``, in ``_lightning_fabric_strategy.py``
 for ``lightning_fabric`` ([Note: one strategy source, two Lightning packages] in ``_lightning_names.py``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,7 +21,7 @@ import weakref
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ZeroFabricStrategy", "make_fabric_strategy"]
 
-_OWNER_KEY = common.RECORD   # in meta.pt: which state keys held the module and the optimizer (and tied names)
+_OWNER_KEY = common.RECORD  # in meta.pt: which state keys held the module and the optimizer (and tied names)
 
 
 class _ZeroBackwardSyncControl:
@@ -50,8 +51,10 @@ class _ZeroBackwardSyncControl:
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         if enabled and not common.is_set_up(module):
-            raise TypeError("no_backward_sync: the module was not set up by the ZeRO strategy; "
-                            "call fabric.setup(model, optimizer) first")
+            raise TypeError(
+                "no_backward_sync: the module was not set up by the ZeRO strategy; "
+                "call fabric.setup(model, optimizer) first"
+            )
         return common.no_sync(module, enabled)
 
 
@@ -63,28 +66,33 @@ class _ZeroFabricStrategy(ZeroProcesses):
     in ``_lightning_common.py``.
     """
 
-    _lightning: LightningNames   # set by make_fabric_strategy, with _fabric_names (the same) and _sync_control
+    _lightning: LightningNames  # set by make_fabric_strategy, with _fabric_names (the same) and _sync_control
     _sync_control: type
 
     def __init__(
         self,
-        config: Union[zp.ZeroConfig, str, Mapping, None] = None,
+        config: zp.ZeroConfig | str | Mapping | None = None,
         checkpoint: str = "sharded",
-        accelerator: Optional[Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         param_source: Any = None,
         meta_init: bool = True,
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
         self._set_options(config, checkpoint, param_source, meta_init, process_group_backend, timeout)
         self._backward_sync_control = self._sync_control()
-        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()   # set up here, for setup_optimizer
+        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # set up here, for setup_optimizer
         self._num_nodes = 1
 
     @property
@@ -92,15 +100,21 @@ class _ZeroFabricStrategy(ZeroProcesses):
         return self._precision if self._precision is not None else self._lightning.Precision()
 
     @precision.setter
-    def precision(self, precision: Optional[Precision]) -> None:
+    def precision(self, precision: Precision | None) -> None:
         names = self._lightning
         if precision is not None:
-            if type(precision) not in (names.Precision, names.DoublePrecision, names.HalfPrecision,
-                                       names.MixedPrecision):
-                raise ValueError(f"ZeroFabricStrategy: the precision plugin {type(precision).__name__} is not "
-                                 f"supported; use one of {', '.join(common.SUPPORTED_PRECISIONS)}")
+            if type(precision) not in (
+                names.Precision,
+                names.DoublePrecision,
+                names.HalfPrecision,
+                names.MixedPrecision,
+            ):
+                raise ValueError(
+                    f"ZeroFabricStrategy: the precision plugin {type(precision).__name__} is not "
+                    f"supported; use one of {', '.join(common.SUPPORTED_PRECISIONS)}"
+                )
             common.check_precision(str(precision.precision))
-            common.loss_scaler_settings(precision)   # refuse a GradScaler zero_plugin's scaler cannot stand in for
+            common.loss_scaler_settings(precision)  # refuse a GradScaler zero_plugin's scaler cannot stand in for
         self._precision = precision
 
     @property
@@ -120,12 +134,14 @@ class _ZeroFabricStrategy(ZeroProcesses):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self._launcher = self._lightning.SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
-                                                                  self.num_nodes)
+        self._launcher = self._lightning.SubprocessScriptLauncher(
+            self.cluster_environment, self.num_processes, self.num_nodes
+        )
 
     # -- setup ------------------------------------------------------------------------------------------
-    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
-                                    scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
         """Shard the module and its one optimizer together (collective)."""
         optimizer = common.shard(module, optimizers, self.engine_config, self.param_source)
         self._remember(module)
@@ -151,7 +167,7 @@ class _ZeroFabricStrategy(ZeroProcesses):
     def module_to_device(self, module: nn.Module) -> None:
         common.move_to_device(module, self.root_device)
 
-    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         """``fabric.init_module``: see [Note: meta construction] in ``_lightning_common.py``."""
         if not common.builds_on_meta(self.config, empty_init, self.meta_init, self.param_source):
             return super().module_init_context(empty_init)
@@ -162,7 +178,7 @@ class _ZeroFabricStrategy(ZeroProcesses):
         return stack
 
     # -- gradients -----------------------------------------------------------------------------------------
-    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """16-mixed: the loss times zero_plugin's scale, instead of MixedPrecision.backward's GradScaler."""
         if common.loss_scaler_settings(self.precision) is None:
             return super().backward(tensor, module, *args, **kwargs)
@@ -179,21 +195,30 @@ class _ZeroFabricStrategy(ZeroProcesses):
             return super().optimizer_step(optimizer, **kwargs)
         return optimizer.step(**kwargs)
 
-    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
-                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
         total = common.clip_grad_norm(module, max_norm, norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
-                               "non-finite, so it cannot be clipped (the gradients were scaled anyway). "
-                               "Set `error_if_nonfinite=False` to disable this error")
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped (the gradients were scaled anyway). "
+                "Set `error_if_nonfinite=False` to disable this error"
+            )
         return total
 
-    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
         common.clip_grad_value(module, clip_val)
 
     # -- collectives (barrier, broadcast: ZeroProcesses) ----------------------------------------------------------
-    def all_reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
-                   reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+    def all_reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
         return self._reduce_tensor(tensor, group, reduce_op)
 
     # -- state and checkpoints ------------------------------------------------------------------------------------
@@ -211,42 +236,66 @@ class _ZeroFabricStrategy(ZeroProcesses):
         """Collective: the consolidated optimizer state on rank 0, ``{}`` on the others."""
         return common.full_optimizer_state(optimizer)
 
-    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
-                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
         path = Path(self.broadcast(str(path)))
         if not common.uses_sharded_files(self._checkpoint):
             common.prepare_path(path, False, self.is_global_zero, self.barrier)
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
             return
         if filter or storage_options is not None:
-            raise TypeError("ZeroFabricStrategy: filter= and storage_options= need a full checkpoint; use "
-                            "ZeroFabricStrategy(checkpoint='full')")
+            raise TypeError(
+                "ZeroFabricStrategy: filter= and storage_options= need a full checkpoint; use "
+                "ZeroFabricStrategy(checkpoint='full')"
+            )
         (module_key, module), (opt_key, optimizer) = _module_and_optimizer(state)
-        meta = {k: (v.state_dict() if isinstance(v, self._lightning.Stateful) else v) for k, v in state.items()
-                if k not in (module_key, opt_key)}
+        meta = {
+            k: (v.state_dict() if isinstance(v, self._lightning.Stateful) else v)
+            for k, v in state.items()
+            if k not in (module_key, opt_key)
+        }
         meta[_OWNER_KEY] = {"module": module_key, "optimizer": opt_key}
-        common.save_sharded(path, module, optimizer, meta, is_rank0=self.is_global_zero, barrier=self.barrier,
-                            write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file))
+        common.save_sharded(
+            path,
+            module,
+            optimizer,
+            meta,
+            is_rank0=self.is_global_zero,
+            barrier=self.barrier,
+            write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file),
+        )
         if not self._hinted:
             self._hinted = True
             self._lightning.rank_zero_info(common.LOAD_HINT.format(path=path))
 
-    def load_checkpoint(self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
-                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: nn.Module | Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
         path = Path(self.broadcast(str(path)))
         if not common.is_sharded_checkpoint(path):
             common.check_loadable_directory(path)
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if not isinstance(state, dict) or not state:
-            raise ValueError("ZeroFabricStrategy: a sharded checkpoint loads into objects only; pass "
-                             "state={'model': model, 'optimizer': optimizer, ...}")
+            raise ValueError(
+                "ZeroFabricStrategy: a sharded checkpoint loads into objects only; pass "
+                "state={'model': model, 'optimizer': optimizer, ...}"
+            )
         (module_key, module), (opt_key, optimizer) = _module_and_optimizer(state)
         meta = self.checkpoint_io.load_checkpoint(path / common.META_FILE, weights_only=weights_only)
         owners = meta.pop(_OWNER_KEY, {})
         saved = set(meta) | {k for k in (owners.get("module"), owners.get("optimizer")) if k is not None}
         self._lightning.validate_keys_for_strict_loading(state.keys(), saved, strict=strict)
         if opt_key is not None and opt_key != owners.get("optimizer"):
-            optimizer = None   # not strict, and the checkpoint has no optimizer under this key
+            optimizer = None  # not strict, and the checkpoint has no optimizer under this key
         common.load_sharded(path, module, optimizer)
         for key in [k for k in state if k not in (module_key, opt_key) and k in meta]:
             if isinstance(state[key], self._lightning.Stateful):
@@ -260,14 +309,16 @@ class _ZeroFabricStrategy(ZeroProcesses):
         common.register_presets(strategy_registry, cls)
 
 
-def _module_and_optimizer(state: dict[str, Any]) -> tuple[tuple[Any, nn.Module], tuple[Any, Optional[Optimizer]]]:
+def _module_and_optimizer(state: dict[str, Any]) -> tuple[tuple[Any, nn.Module], tuple[Any, Optimizer | None]]:
     """The one set-up module and (at most) one optimizer in a Fabric state dict."""
     modules = [(k, v) for k, v in state.items() if isinstance(v, nn.Module)]
     optimizers = [(k, v) for k, v in state.items() if isinstance(v, Optimizer)]
     if len(modules) != 1 or len(optimizers) > 1 or not common.is_set_up(modules[0][1]):
-        raise ValueError("ZeroFabricStrategy: a sharded checkpoint holds exactly one module set up by the strategy "
-                         f"and at most one optimizer; got modules {[k for k, _ in modules]} and optimizers "
-                         f"{[k for k, _ in optimizers]}. Use ZeroFabricStrategy(checkpoint='full') otherwise")
+        raise ValueError(
+            "ZeroFabricStrategy: a sharded checkpoint holds exactly one module set up by the strategy "
+            f"and at most one optimizer; got modules {[k for k, _ in modules]} and optimizers "
+            f"{[k for k, _ in optimizers]}. Use ZeroFabricStrategy(checkpoint='full') otherwise"
+        )
     return modules[0], (optimizers[0] if optimizers else (None, None))
 
 
@@ -279,8 +330,18 @@ def make_fabric_strategy(package: str = "lightning.fabric", module: str = __name
     names = fabric_names(package)
 
     def build(name: str, body: type, base: type, **attrs: Any) -> type:
-        return type(name, (body, base), {"__module__": module, "__qualname__": name, "__doc__": body.__doc__,
-                                         "_lightning": names, "_fabric_names": names, **attrs})
+        return type(
+            name,
+            (body, base),
+            {
+                "__module__": module,
+                "__qualname__": name,
+                "__doc__": body.__doc__,
+                "_lightning": names,
+                "_fabric_names": names,
+                **attrs,
+            },
+        )
 
     sync_control = build("ZeroBackwardSyncControl", _ZeroBackwardSyncControl, names.BackwardSyncControl)
     return build("ZeroFabricStrategy", _ZeroFabricStrategy, names.ParallelStrategy, _sync_control=sync_control)

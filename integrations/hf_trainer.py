@@ -21,6 +21,7 @@ are the Trainer methods that assume every rank holds the full model or optimizer
 :func:`install` patches these onto ``transformers.Trainer`` in one place; each override falls
 back to the original method when the Trainer's accelerator is not zero_plugin's.
 """
+
 from __future__ import annotations
 
 import os
@@ -70,12 +71,14 @@ def create_accelerator_and_postprocess(self) -> None:
 
 def _check_supported(args: Any) -> None:
     if getattr(args, "load_best_model_at_end", False) and getattr(args, "save_only_model", False):
-        raise ValueError("zero_plugin: TrainingArguments.load_best_model_at_end=True with save_only_model=True is not "
-                         "supported: the best weights are loaded from checkpoint-N/zero_plugin/, which "
-                         "save_only_model skips; set save_only_model=False")
+        raise ValueError(
+            "zero_plugin: TrainingArguments.load_best_model_at_end=True with save_only_model=True is not "
+            "supported: the best weights are loaded from checkpoint-N/zero_plugin/, which "
+            "save_only_model skips; set save_only_model=False"
+        )
     refused = {
         "auto_find_batch_size": "it re-prepares the model after an out-of-memory error, and a sharded model is "
-                                "set up once; set per_device_train_batch_size instead",
+        "set up once; set per_device_train_batch_size instead",
         "deepspeed": "zero_plugin replaces DeepSpeed; choose the ZeRO stage with zero-plugin launch --stage",
         "fsdp": "zero_plugin replaces FSDP; choose the ZeRO stage with zero-plugin launch --stage",
     }
@@ -91,7 +94,7 @@ def save_model(self, output_dir: str | None = None, _internal_call: bool = False
     output_dir = output_dir if output_dir is not None else self.args.output_dir
     # Collective on every rank (the Trainer calls save_model on all of them); rank 0 gets the tensors.
     state_dict = zp.full_state_dict(model, trainable_only=_is_peft(model))
-    self._save(output_dir, state_dict=state_dict)   # returns at once on ranks that do not write
+    self._save(output_dir, state_dict=state_dict)  # returns at once on ranks that do not write
     if self.args.push_to_hub and not _internal_call:
         self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -112,11 +115,13 @@ def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
 
 def _stub_message(output_dir: str) -> str:
     name = os.path.basename(os.path.normpath(output_dir))
-    return (f"NOT AN OPTIMIZER STATE: {name} was written by zero_plugin; its optimizer state is sharded in "
-            f"{name}/{CHECKPOINT_SUBDIR}/ and this optimizer.pt is a stub. Resume it under `zero-plugin launch` "
-            f"(any stage, any number of processes). Without zero_plugin: `zero-plugin consolidate "
-            f"{name}/{CHECKPOINT_SUBDIR} OUT --format hf` writes the weights alone; delete this optimizer.pt to "
-            f"go on with a fresh optimizer and learning-rate schedule")
+    return (
+        f"NOT AN OPTIMIZER STATE: {name} was written by zero_plugin; its optimizer state is sharded in "
+        f"{name}/{CHECKPOINT_SUBDIR}/ and this optimizer.pt is a stub. Resume it under `zero-plugin launch` "
+        f"(any stage, any number of processes). Without zero_plugin: `zero-plugin consolidate "
+        f"{name}/{CHECKPOINT_SUBDIR} OUT --format hf` writes the weights alone; delete this optimizer.pt to "
+        f"go on with a fresh optimizer and learning-rate schedule"
+    )
 
 
 def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -129,12 +134,15 @@ def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
     if os.path.isdir(sharded):
         _common.load_sharded(sharded, model, self.optimizer)
     elif is_stub(os.path.join(checkpoint, OPTIMIZER_NAME)):
-        raise FileNotFoundError(f"zero_plugin: {checkpoint!r} was written by zero_plugin but its optimizer state "
-                                f"folder {sharded!r} is missing; copy the whole checkpoint folder")
+        raise FileNotFoundError(
+            f"zero_plugin: {checkpoint!r} was written by zero_plugin but its optimizer state "
+            f"folder {sharded!r} is missing; copy the whole checkpoint folder"
+        )
     elif os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
         # A checkpoint from an unsharded run: its optimizer state is full; ZeroOptimizer slices it.
-        self.optimizer.load_state_dict(torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu",
-                                                  weights_only=True))
+        self.optimizer.load_state_dict(
+            torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
+        )
     else:
         return
     scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
@@ -145,8 +153,10 @@ def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
 def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
     target = model if model is not None else self.model
     if _uses_zero(self) and _common.is_set_up(target):
-        raise ValueError("zero_plugin: resume_from_checkpoint on a Trainer whose model is already sharded (a second "
-                         "train() call) is not supported; resume in a fresh Trainer/process")
+        raise ValueError(
+            "zero_plugin: resume_from_checkpoint on a Trainer whose model is already sharded (a second "
+            "train() call) is not supported; resume in a fresh Trainer/process"
+        )
     return _ORIGINALS["_load_from_checkpoint"](self, resume_from_checkpoint, model)
 
 
@@ -159,9 +169,11 @@ def _load_best_model(self) -> None:
     # zp.load_checkpoint also restores the saving step's RNG states: training is over, so keep the current ones.
     best = self.state.best_model_checkpoint
     if not os.path.isdir(os.path.join(best, CHECKPOINT_SUBDIR)):
-        raise FileNotFoundError(f"zero_plugin: load_best_model_at_end: the best checkpoint {best!r} has no "
-                                f"{CHECKPOINT_SUBDIR}/ folder (written before this run used zero_plugin?); load its "
-                                "weights after training instead")
+        raise FileNotFoundError(
+            f"zero_plugin: load_best_model_at_end: the best checkpoint {best!r} has no "
+            f"{CHECKPOINT_SUBDIR}/ folder (written before this run used zero_plugin?); load its "
+            "weights after training instead"
+        )
     rng = capture_rng()
     zp.load_checkpoint(os.path.join(best, CHECKPOINT_SUBDIR), model)
     restore_rng(rng)

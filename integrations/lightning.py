@@ -18,11 +18,12 @@ registered, ``PL_TRAINER_STRATEGY=zero3`` selects ZeRO in a script whose Trainer
 a launcher that registers the names must also start the ranks itself (torchrun-style, setting
 ``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``), or the re-run ranks will not know them.
 """
+
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Iterable, Optional
+from typing import Iterable
 
 from . import _lightning_common as common
 from .fabric_strategy import ZeroFabricStrategy
@@ -34,8 +35,17 @@ from .lightning_strategy import (
     ZeroSummary,
 )
 
-__all__ = ["ZeroStrategy", "ZeroFabricStrategy", "ZeroPrecision", "ZeroSummary", "ZeroModelSummary",
-           "ZeroRichModelSummary", "PRESETS", "register_strategies", "standalone_strategies"]
+__all__ = [
+    "ZeroStrategy",
+    "ZeroFabricStrategy",
+    "ZeroPrecision",
+    "ZeroSummary",
+    "ZeroModelSummary",
+    "ZeroRichModelSummary",
+    "PRESETS",
+    "register_strategies",
+    "standalone_strategies",
+]
 
 PRESETS = common.PRESETS
 
@@ -56,7 +66,7 @@ def standalone_strategies(packages: Iterable[str] = tuple(_STANDALONE)) -> dict[
     return out
 
 
-def register_strategies(packages: Optional[Iterable[str]] = None) -> None:
+def register_strategies(packages: Iterable[str] | None = None) -> None:
     """Register the preset names with Lightning's strategy registries (idempotent).
 
     ``packages``: any of ``"lightning"`` (Trainer and Fabric), ``"pytorch_lightning"``, ``"lightning_fabric"``;
@@ -65,8 +75,9 @@ def register_strategies(packages: Optional[Iterable[str]] = None) -> None:
     packages = ("lightning", *_STANDALONE) if packages is None else tuple(packages)
     unknown = [p for p in packages if p != "lightning" and p not in _STANDALONE]
     if unknown:
-        raise ValueError(f"register_strategies: unknown package(s) {unknown}; choose from "
-                         f"{['lightning', *_STANDALONE]}")
+        raise ValueError(
+            f"register_strategies: unknown package(s) {unknown}; choose from {['lightning', *_STANDALONE]}"
+        )
     if "lightning" in packages:
         from lightning.fabric.strategies import STRATEGY_REGISTRY
         from lightning.pytorch.strategies import StrategyRegistry

@@ -17,6 +17,7 @@ built over one Lightning package's base classes by :func:`make_trainer_classes`:
 ``lightning.pytorch``, in ``_pytorch_lightning_strategy.py`` for ``pytorch_lightning``
 ([Note: one strategy source, two Lightning packages] in ``_lightning_names.py``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,7 +26,7 @@ from collections import OrderedDict
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -45,8 +46,15 @@ if TYPE_CHECKING:
     from lightning.fabric.utilities.types import ReduceOp
     from lightning.pytorch.plugins.precision import Precision
 
-__all__ = ["ZeroStrategy", "ZeroPrecision", "ZeroSummary", "ZeroModelSummary", "ZeroRichModelSummary",
-           "TrainerClasses", "make_trainer_classes"]
+__all__ = [
+    "ZeroStrategy",
+    "ZeroPrecision",
+    "ZeroSummary",
+    "ZeroModelSummary",
+    "ZeroRichModelSummary",
+    "TrainerClasses",
+    "make_trainer_classes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +63,20 @@ class _ZeroPrecision:
     """Lightning's precision plugin for dtypes and autocast; zero_plugin for the step, clipping and (16-mixed)
     loss scaling.  ``scaler_settings``: the ZeroConfig fields that replace a 16-mixed plugin's GradScaler, or None."""
 
-    _lightning: LightningNames   # set by make_trainer_classes, as every class body here
+    _lightning: LightningNames  # set by make_trainer_classes, as every class body here
 
-    def __init__(self, inner: Optional[Precision] = None) -> None:
+    def __init__(self, inner: Precision | None = None) -> None:
         names = self._lightning
         inner = names.Precision() if inner is None else inner
         # Lightning's plugins for the flags SUPPORTED_PRECISIONS lists; subclasses may change the step: exact types.
         if type(inner) not in (names.Precision, names.DoublePrecision, names.HalfPrecision, names.MixedPrecision):
-            raise ValueError(f"ZeroStrategy: the precision plugin {type(inner).__name__} is not supported; use "
-                             f"Trainer(precision=...) with one of {', '.join(common.SUPPORTED_PRECISIONS)}")
+            raise ValueError(
+                f"ZeroStrategy: the precision plugin {type(inner).__name__} is not supported; use "
+                f"Trainer(precision=...) with one of {', '.join(common.SUPPORTED_PRECISIONS)}"
+            )
         self.precision = common.check_precision(str(inner.precision))
         self.scaler_settings = common.loss_scaler_settings(inner)
-        self.inner = inner   # its GradScaler (16-mixed) is never called: the engine's scaler replaces it
+        self.inner = inner  # its GradScaler (16-mixed) is never called: the engine's scaler replaces it
 
     # -- dtypes: Lightning's plugin ------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -97,19 +107,21 @@ class _ZeroPrecision:
         engine step.  The engine skips the step on every rank when any rank saw an inf/NaN gradient and returns
         None then, as ``GradScaler.step`` does; Lightning counts the step and steps schedulers either way."""
         closure_result = closure()
-        common.unscale(optimizer)   # before on_before_optimizer_step and clipping, as MixedPrecision unscales
+        common.unscale(optimizer)  # before on_before_optimizer_step and clipping, as MixedPrecision unscales
         self._after_closure(model, optimizer)
         names = self._lightning
         if isinstance(model, names.LightningModule) and model.automatic_optimization and closure_result is None:
-            raise names.MisconfigurationException("ZeroStrategy: skipping backward by returning None from "
-                                                  "training_step is not supported (every rank must take part in "
-                                                  "every step)")
+            raise names.MisconfigurationException(
+                "ZeroStrategy: skipping backward by returning None from "
+                "training_step is not supported (every rank must take part in "
+                "every step)"
+            )
         return optimizer.step(**kwargs)
 
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         common.clip_grad_norm(optimizer, clip_val)
 
-    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         common.clip_grad_value(optimizer, clip_val)
 
 
@@ -134,25 +146,29 @@ class _ZeroStrategy(ZeroProcesses):
     strategy_name = "zero"
     _lightning: LightningNames
     _zero: TrainerClasses
-    _resets_seed = True   # as DDPStrategy (ZeroProcesses.setup_environment)
+    _resets_seed = True  # as DDPStrategy (ZeroProcesses.setup_environment)
 
     def __init__(
         self,
-        config: Union[zp.ZeroConfig, str, Mapping, None] = None,
+        config: zp.ZeroConfig | str | Mapping | None = None,
         checkpoint: Literal["sharded", "full"] = "sharded",
-        accelerator: Optional[pl.accelerators.Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         param_source: Any = None,
         meta_init: bool = True,
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self._set_options(config, checkpoint, param_source, meta_init, process_group_backend, timeout)
         self.num_nodes = 1
 
@@ -164,7 +180,7 @@ class _ZeroStrategy(ZeroProcesses):
         return self._precision_plugin
 
     @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+    def precision_plugin(self, plugin: Precision | None) -> None:
         if plugin is not None and not isinstance(plugin, self._zero.ZeroPrecision):
             plugin = self._zero.ZeroPrecision(plugin)
         self._precision_plugin = plugin
@@ -182,7 +198,7 @@ class _ZeroStrategy(ZeroProcesses):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return True   # checkpoints are loaded into the sharded module and the ZeroOptimizer
+        return True  # checkpoints are loaded into the sharded module and the ZeroOptimizer
 
     @property
     def lightning_restore_optimizer(self) -> bool:
@@ -191,8 +207,9 @@ class _ZeroStrategy(ZeroProcesses):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = self._lightning.SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
-                                                                      self.num_nodes)
+            self._launcher = self._lightning.SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     # -- model and optimizer ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
@@ -204,7 +221,7 @@ class _ZeroStrategy(ZeroProcesses):
             self.model = self.precision_plugin.convert_module(module)
             self.model_to_device()
         if trainer.state.fn == self._lightning.TrainerFn.FITTING:
-            with common.full_parameters(module):   # configure_optimizers after an earlier setup
+            with common.full_parameters(module):  # configure_optimizers after an earlier setup
                 self.setup_optimizers(trainer)
             self.optimizers = [common.shard(module, self.optimizers, self.engine_config, self.param_source)]
         else:
@@ -217,10 +234,10 @@ class _ZeroStrategy(ZeroProcesses):
         common.move_to_device(self.lightning_module, self.root_device)
 
     @contextmanager
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``trainer.init_module`` and ``configure_model``: [Note: meta construction] in ``_lightning_common.py``."""
         module = self.lightning_module
-        set_up = module is not None and common.is_set_up(module)   # configure_model again after setup
+        set_up = module is not None and common.is_set_up(module)  # configure_model again after setup
         if set_up or not common.builds_on_meta(self.config, empty_init, self.meta_init, self.param_source):
             with super().tensor_init_context(empty_init):
                 yield
@@ -263,8 +280,9 @@ class _ZeroStrategy(ZeroProcesses):
         return self._forward_redirection(module, module, method, *args, **kwargs)
 
     # -- collectives (barrier, broadcast: ZeroProcesses) ----------------------------------------------------
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
-               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
         return self._reduce_tensor(tensor, group, reduce_op)
 
     # -- state and checkpoints ----------------------------------------------------------------------------
@@ -285,25 +303,33 @@ class _ZeroStrategy(ZeroProcesses):
             return {}
         return common.full_optimizer_state(optimizer)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         path = Path(self.broadcast(str(filepath)))
         if not self._sharded_files():
             common.prepare_path(path, False, self.is_global_zero, self.barrier)
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         if storage_options is not None:
-            raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported for sharded "
-                            "checkpoints; use ZeroStrategy(checkpoint='full')")
+            raise TypeError(
+                "ZeroStrategy.save_checkpoint(storage_options=...) is not supported for sharded "
+                "checkpoints; use ZeroStrategy(checkpoint='full')"
+            )
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         with_optimizer = "optimizer_states" in checkpoint and bool(self.optimizers)
-        common.save_sharded(path, self.lightning_module, self.optimizers[0] if with_optimizer else None, meta,
-                            is_rank0=self.is_global_zero, barrier=self.barrier,
-                            write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file))
+        common.save_sharded(
+            path,
+            self.lightning_module,
+            self.optimizers[0] if with_optimizer else None,
+            meta,
+            is_rank0=self.is_global_zero,
+            barrier=self.barrier,
+            write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file),
+        )
         if not self._hinted:
             self._hinted = True
             self._lightning.rank_zero_info(common.LOAD_HINT.format(path=path))
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load into the sharded module (and, when fitting, the optimizer); return the rest for Lightning."""
         module = self.lightning_module
         assert module is not None
@@ -322,10 +348,10 @@ class _ZeroStrategy(ZeroProcesses):
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass   # done in load_checkpoint
+        pass  # done in load_checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass   # done in load_checkpoint
+        pass  # done in load_checkpoint
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -412,16 +438,26 @@ class TrainerClasses(NamedTuple):
 
 
 @functools.cache
-def make_trainer_classes(package: str = "lightning.pytorch", fabric: str = "lightning.fabric",
-                         module: str = __name__) -> TrainerClasses:
+def make_trainer_classes(
+    package: str = "lightning.pytorch", fabric: str = "lightning.fabric", module: str = __name__
+) -> TrainerClasses:
     """The Trainer strategy's classes over the base classes of ``package`` (``"lightning.pytorch"`` or
     ``"pytorch_lightning"``) and its Fabric (``"lightning.fabric"`` / ``"lightning_fabric"``), named as if defined
     in ``module`` (which exports them).  Cached: one class per package, so registration stays idempotent."""
     names = trainer_names(package, fabric)
 
     def build(name: str, body: type, base: type) -> type:
-        return type(name, (body, base), {"__module__": module, "__qualname__": name, "__doc__": body.__doc__,
-                                         "_lightning": names, "_fabric_names": names.fabric})
+        return type(
+            name,
+            (body, base),
+            {
+                "__module__": module,
+                "__qualname__": name,
+                "__doc__": body.__doc__,
+                "_lightning": names,
+                "_fabric_names": names.fabric,
+            },
+        )
 
     zero = TrainerClasses(
         ZeroStrategy=build("ZeroStrategy", _ZeroStrategy, names.ParallelStrategy),
@@ -429,11 +465,13 @@ def make_trainer_classes(package: str = "lightning.pytorch", fabric: str = "ligh
         ZeroSummary=build("ZeroSummary", _ZeroSummary, names.Summary),
         ZeroModelSummary=build("ZeroModelSummary", _FullCountSummaryMixin, names.ModelSummary),
         ZeroRichModelSummary=build("ZeroRichModelSummary", _FullCountSummaryMixin, names.RichModelSummary),
-        FullCountLayerSummary=build("FullCountLayerSummary", _FullCountLayerSummary, names.LayerSummary))
+        FullCountLayerSummary=build("FullCountLayerSummary", _FullCountLayerSummary, names.LayerSummary),
+    )
     for cls in zero:
         cls._zero = zero
     return zero
 
 
 ZeroStrategy, ZeroPrecision, ZeroSummary, ZeroModelSummary, ZeroRichModelSummary, FullCountLayerSummary = (
-    make_trainer_classes())
+    make_trainer_classes()
+)

@@ -1,4 +1,5 @@
 """Shared pytest setup: repo root importable, worker pools closed at session end."""
+
 import os
 import sys
 

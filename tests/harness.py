@@ -16,6 +16,7 @@ parent as ``RankError`` carrying every failing rank's traceback. When some rank
 does not answer (blocked in a collective its peers abandoned, or past the
 timeout) the whole pool is killed and the next ``get_pool`` starts a fresh one.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -82,9 +83,12 @@ def _worker_main(rank: int, world_size: int, port: int, timeout_s: float, conn) 
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size,
+            "gloo",
+            rank=rank,
+            world_size=world_size,
             init_method=f"tcp://127.0.0.1:{port}",
-            timeout=datetime.timedelta(seconds=timeout_s))
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     except Exception:
         conn.send(("init_error", traceback.format_exc()))
         return
@@ -135,8 +139,12 @@ class WorkerPool:
         self.procs, self.conns = [], []
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, daemon=True, name=f"zero-test-rank{rank}",
-                            args=(rank, self.world_size, port, self.timeout, child_conn))
+            p = ctx.Process(
+                target=_worker_main,
+                daemon=True,
+                name=f"zero-test-rank{rank}",
+                args=(rank, self.world_size, port, self.timeout, child_conn),
+            )
             p.start()
             child_conn.close()
             self.procs.append(p)
@@ -158,8 +166,7 @@ class WorkerPool:
             if remaining <= 0:
                 break
             pending = [r for r in range(self.world_size) if r not in answers]
-            ready = wait([self.conns[r] for r in pending]
-                         + [self.procs[r].sentinel for r in pending], remaining)
+            ready = wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending], remaining)
             for obj in ready:
                 if obj in by_conn and by_conn[obj] not in answers:
                     r = by_conn[obj]
@@ -230,8 +237,10 @@ def _format(errors: dict[int, str], missing: list[int], timeout: float, head: st
     if missing:
         ranks = ", ".join(map(str, missing))
         within = ERROR_GRACE_S if errors else timeout
-        parts.append(f"ranks {ranks} did not answer within {within:g} s"
-                     + (" of the first failure (pool killed)" if errors else " (pool killed)"))
+        parts.append(
+            f"ranks {ranks} did not answer within {within:g} s"
+            + (" of the first failure (pool killed)" if errors else " (pool killed)")
+        )
     return "\n".join(parts)
 
 

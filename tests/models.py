@@ -5,6 +5,7 @@ is a list of GLOBAL micro-batches; rank ``r`` trains on ``shard_batch(micro, r, 
 while ``reference_train`` trains one process on each whole ``micro``. Per-rank
 batch sizes are equal, so the mean of the ranks' mean losses is the global mean.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -40,9 +41,9 @@ class OddMLP(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList([OddBlock(MLP_IN, MLP_HIDDEN),
-                                     OddBlock(MLP_HIDDEN, MLP_HIDDEN),
-                                     OddBlock(MLP_HIDDEN, MLP_HIDDEN)])
+        self.blocks = nn.ModuleList(
+            [OddBlock(MLP_IN, MLP_HIDDEN), OddBlock(MLP_HIDDEN, MLP_HIDDEN), OddBlock(MLP_HIDDEN, MLP_HIDDEN)]
+        )
         self.head = nn.Linear(MLP_HIDDEN, MLP_OUT)
         self.offset = nn.Parameter(torch.zeros(3))
         self.scale = nn.Parameter(torch.ones(1))
@@ -63,14 +64,20 @@ def _llama_config(tie: bool, layers: int):
     from transformers import LlamaConfig
 
     # head_dim = 40 / 4 = 10 (rotary needs it even); 97, 54 and 40*97 are odd sizes.
-    return LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=40, intermediate_size=54,
-                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=64, tie_word_embeddings=tie,
-                       attn_implementation="eager")
+    return LlamaConfig(
+        vocab_size=LLAMA_VOCAB,
+        hidden_size=40,
+        intermediate_size=54,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        attn_implementation="eager",
+    )
 
 
-def make_tiny_llama(seed: int = 0, tie: bool = True, dtype: torch.dtype = torch.float32,
-                    layers: int = 2):
+def make_tiny_llama(seed: int = 0, tie: bool = True, dtype: torch.dtype = torch.float32, layers: int = 2):
     """A randomly initialised ``LlamaForCausalLM`` (no download)."""
     from transformers import LlamaForCausalLM
 
@@ -83,8 +90,7 @@ def make_tiny_llama(seed: int = 0, tie: bool = True, dtype: torch.dtype = torch.
     return model
 
 
-def make_tiny_llama_lora(seed: int = 0, tie: bool = True, dtype: torch.dtype = torch.float32,
-                         layers: int = 2):
+def make_tiny_llama_lora(seed: int = 0, tie: bool = True, dtype: torch.dtype = torch.float32, layers: int = 2):
     """Tiny llama with LoRA (r=4) on q_proj/v_proj.
 
     lora_B is re-drawn non-zero (seeded) so the first step already changes the output.
@@ -113,8 +119,9 @@ def loss_fn(model: nn.Module, batch) -> torch.Tensor:
     return F.mse_loss(model(x), target)
 
 
-def make_batches(kind: str, steps: int, world_size: int, per_rank_batch: int, seed: int = 0,
-                 dtype: torch.dtype = torch.float64) -> list:
+def make_batches(
+    kind: str, steps: int, world_size: int, per_rank_batch: int, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> list:
     """``steps`` GLOBAL batches of ``world_size * per_rank_batch`` rows, learnable targets.
 
     "mlp": ``(x (B, 7), target (B, 13))`` in ``dtype``; "llama": ``{"input_ids", "labels"}``
@@ -123,7 +130,7 @@ def make_batches(kind: str, steps: int, world_size: int, per_rank_batch: int, se
     gen = torch.Generator().manual_seed(seed)
     rows = world_size * per_rank_batch
     if kind == "mlp":
-        w_true = torch.randn(MLP_IN, MLP_OUT, generator=gen, dtype=torch.float64) / MLP_IN ** 0.5
+        w_true = torch.randn(MLP_IN, MLP_OUT, generator=gen, dtype=torch.float64) / MLP_IN**0.5
         out = []
         for _ in range(steps):
             x = torch.randn(rows, MLP_IN, generator=gen, dtype=torch.float64)
@@ -150,14 +157,16 @@ def shard_batch(global_batch, rank: int, world_size: int):
     if rows % world_size:
         raise ValueError(f"batch of {rows} rows does not split over {world_size} ranks")
     per_rank = rows // world_size
-    return global_batch[rank * per_rank:(rank + 1) * per_rank]
+    return global_batch[rank * per_rank : (rank + 1) * per_rank]
 
 
 def two_group_adamw(model: nn.Module, lr: float = 1e-2) -> torch.optim.AdamW:
     """AdamW: matrices (wd 0.1, lr) and vectors (biases/norms/scalars: wd 0, lr / 2)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1, "lr": lr},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": lr / 2}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1, "lr": lr},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": lr / 2},
+    ]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
 
 
@@ -165,8 +174,9 @@ def _clone_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def reference_train(model_fn, opt_fn, batches: list, steps: int, accum: int = 1,
-                    clip: float | None = None, loss=loss_fn) -> dict:
+def reference_train(
+    model_fn, opt_fn, batches: list, steps: int, accum: int = 1, clip: float | None = None, loss=loss_fn
+) -> dict:
     """Single-process training on GLOBAL micro-batches ``batches[step * accum + i]``.
 
     Returns ``losses`` (per step, mean over its micro-batches), ``micro_losses``,
@@ -180,7 +190,7 @@ def reference_train(model_fn, opt_fn, batches: list, steps: int, accum: int = 1,
     out = {"losses": [], "micro_losses": [], "clip_norms": [], "init_params": _clone_params(model)}
     for step in range(steps):
         step_loss = 0.0
-        for micro in batches[step * accum:(step + 1) * accum]:
+        for micro in batches[step * accum : (step + 1) * accum]:
             value = loss(model, micro)
             (value / accum).backward()
             out["micro_losses"].append(value.item())
@@ -213,7 +223,8 @@ def update_norm_error(theta: dict, theta_ref: dict, theta0: dict) -> float:
 def max_abs_diff(a: dict, b: dict) -> float:
     """Largest elementwise |a − b| over two dicts of tensors with the same keys."""
     if a.keys() != b.keys():
-        raise KeyError(f"key mismatch: only in a {sorted(a.keys() - b.keys())}, "
-                       f"only in b {sorted(b.keys() - a.keys())}")
+        raise KeyError(
+            f"key mismatch: only in a {sorted(a.keys() - b.keys())}, only in b {sorted(b.keys() - a.keys())}"
+        )
     diffs = [(a[k].detach().double() - b[k].detach().double()).abs() for k in a]
     return max((float(d.max()) for d in diffs if d.numel()), default=0.0)

@@ -1,4 +1,5 @@
 """Tests of the worker-pool harness and the reference models."""
+
 import time
 
 import pytest
@@ -86,8 +87,7 @@ def test_reference_train_mlp_loss_decreases():
     assert batches[0][0].shape == (8, 7) and batches[0][1].dtype == torch.float64
     shards = [models.shard_batch(batches[0], r, 2) for r in range(2)]
     assert torch.equal(torch.cat([s[0] for s in shards]), batches[0][0])
-    out = models.reference_train(models.make_odd_mlp, models.two_group_adamw, batches,
-                                 steps=8, clip=1.0)
+    out = models.reference_train(models.make_odd_mlp, models.two_group_adamw, batches, steps=8, clip=1.0)
     assert out["losses"][-1] < out["losses"][0]
     assert len(out["clip_norms"]) == 8
     assert models.update_norm_error(out["params"], out["params"], out["init_params"]) == 0.0
@@ -123,8 +123,6 @@ def test_tiny_llama_lora_only_lora_trainable():
     assert trainable and all("lora_" in n for n in trainable)
     assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
     batches = models.make_batches("llama", 2, world_size=1, per_rank_batch=2)
-    out = models.reference_train(models.make_tiny_llama_lora, models.two_group_adamw,
-                                 batches, steps=1, accum=2)
-    moved = {n for n in out["params"]
-             if not torch.equal(out["params"][n], out["init_params"][n])}
+    out = models.reference_train(models.make_tiny_llama_lora, models.two_group_adamw, batches, steps=1, accum=2)
+    moved = {n for n in out["params"] if not torch.equal(out["params"][n], out["init_params"][n])}
     assert moved and all("lora_" in n for n in moved)

@@ -1,4 +1,5 @@
 """zero_plugin: ZeRO-1/2/3 sharded data parallelism and CPU offload on torch.distributed."""
+
 from .api import clip_grad_norm_, gathered_parameters, no_sync, rebind_optimizer, setup
 from .checkpoint import load_checkpoint, save_checkpoint
 from .collectives import comm_stats, reset_comm_stats
@@ -19,7 +20,8 @@ __all__ = [
     "gathered_parameters",
     "full_state_dict",
     "load_full_state_dict",
-    "save_checkpoint", "load_checkpoint",
+    "save_checkpoint",
+    "load_checkpoint",
     "memory_report",
     "comm_stats",
     "reset_comm_stats",

@@ -8,6 +8,7 @@ what a rank stores is its *valid* range, so no padding reaches memory that
 counts toward the model states.  See ``tests/unit/test_flat.py`` for the
 property tests (shard -> gather is the identity, every element has one owner).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -84,8 +85,9 @@ def copy_padded_rows(dst_rows: torch.Tensor, flat_src: torch.Tensor | None, layo
             dst_rows[full_rows:].zero_()
 
 
-def copy_from_rows(flat_dst: torch.Tensor, src_rows: torch.Tensor, layout: ShardLayout,
-                   skip_rank: int | None = None) -> None:
+def copy_from_rows(
+    flat_dst: torch.Tensor, src_rows: torch.Tensor, layout: ShardLayout, skip_rank: int | None = None
+) -> None:
     """Copy-out: the inverse of :func:`copy_padded_rows`, dropping the padding.
 
     ``skip_rank``: leave that rank's region alone (it already holds those values).
@@ -94,10 +96,13 @@ def copy_from_rows(flat_dst: torch.Tensor, src_rows: torch.Tensor, layout: Shard
     if s == 0:
         return
     full_rows, rem = divmod(layout.numel, s)
-    spans = [(0, full_rows)] if skip_rank is None or skip_rank >= full_rows else \
-        [(0, skip_rank), (skip_rank + 1, full_rows)]
+    spans = (
+        [(0, full_rows)]
+        if skip_rank is None or skip_rank >= full_rows
+        else [(0, skip_rank), (skip_rank + 1, full_rows)]
+    )
     for a, b in spans:
         if b > a:
-            flat_dst[a * s: b * s].view(b - a, s).copy_(src_rows[a:b])
+            flat_dst[a * s : b * s].view(b - a, s).copy_(src_rows[a:b])
     if rem and skip_rank != full_rows:
         flat_dst[full_rows * s :].copy_(src_rows[full_rows, :rem])

@@ -1,4 +1,5 @@
 """Hook helpers shared by the gradient reducers and the stage-3 runtime."""
+
 from __future__ import annotations
 
 import weakref

@@ -3,6 +3,7 @@
 Each failure is a ``ValueError`` that names the problem and the fix, raised
 on every rank (the rank check is collective) so nothing hangs.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -73,14 +74,20 @@ def check_ranks_agree(model: nn.Module, config: ZeroConfig, comm: Comm) -> None:
     for rank, (other, other_sig, other_cfg) in enumerate(everyone):
         if other["config"] != ref["config"]:
             diff = {k: (ref_cfg.get(k), other_cfg.get(k)) for k in ref_cfg if ref_cfg.get(k) != other_cfg.get(k)}
-            raise ValueError(f"zp.setup: rank {rank} has a different ZeroConfig than rank 0: {diff} "
-                             f"(rank 0's value, rank {rank}'s value); pass the same config on every rank")
+            raise ValueError(
+                f"zp.setup: rank {rank} has a different ZeroConfig than rank 0: {diff} "
+                f"(rank 0's value, rank {rank}'s value); pass the same config on every rank"
+            )
         if other["model"] != ref["model"]:
-            raise ValueError(f"zp.setup: rank {rank}'s model differs from rank 0's: {_first_difference(ref_sig, other_sig)}; "
-                             "build the same model on every rank")
+            raise ValueError(
+                f"zp.setup: rank {rank}'s model differs from rank 0's: {_first_difference(ref_sig, other_sig)}; "
+                "build the same model on every rank"
+            )
         if other["world_size"] != ref["world_size"]:
-            raise ValueError(f"zp.setup: rank {rank} sees world size {other['world_size']}, rank 0 sees "
-                             f"{ref['world_size']}; use the same process group on every rank")
+            raise ValueError(
+                f"zp.setup: rank {rank} sees world size {other['world_size']}, rank 0 sees "
+                f"{ref['world_size']}; use the same process group on every rank"
+            )
 
 
 def _first_difference(a: list[Any], b: list[Any]) -> str:
@@ -104,5 +111,5 @@ def broadcast_module_state(model: nn.Module, comm: Comm) -> None:
         comm.broadcast(flat, src=0)
         offset = 0
         for t in group:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()

@@ -1,4 +1,5 @@
 """Public verbs.  Each finds the model's engine and delegates; none keeps state."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +23,15 @@ from .stages import build_engine, build_inference_engine
 
 __all__ = ["setup", "rebind_optimizer", "clip_grad_norm_", "no_sync", "gathered_parameters"]
 
-def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: ZeroConfig | None = None,
-          group: Any = None, *, param_source: Any = None) -> tuple[nn.Module, ZeroOptimizer | None]:
+
+def setup(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    config: ZeroConfig | None = None,
+    group: Any = None,
+    *,
+    param_source: Any = None,
+) -> tuple[nn.Module, ZeroOptimizer | None]:
     """Shard ``model`` and ``optimizer`` in place for ``config.stage``; collective over ``group``.
 
     Returns the same module object and a :class:`ZeroOptimizer` wrapping ``optimizer``.
@@ -38,13 +46,17 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: Zer
     """
     config = ZeroConfig() if config is None else config
     if not isinstance(config, ZeroConfig):
-        raise ValueError(f"zp.setup: config must be a zp.ZeroConfig, got {type(config).__name__}; "
-                         "build one with zp.ZeroConfig(stage=...) or ZeroConfig.from_dict(...)")
+        raise ValueError(
+            f"zp.setup: config must be a zp.ZeroConfig, got {type(config).__name__}; "
+            "build one with zp.ZeroConfig(stage=...) or ZeroConfig.from_dict(...)"
+        )
     if isinstance(optimizer, ZeroOptimizer):
-        raise ValueError("zp.setup: this optimizer is already a ZeroOptimizer; pass the original model and optimizer once")
+        raise ValueError(
+            "zp.setup: this optimizer is already a ZeroOptimizer; pass the original model and optimizer once"
+        )
     if not isinstance(model, nn.Module):
         raise ValueError(f"zp.setup: model must be a torch.nn.Module, got {type(model).__name__}")
-    quantized.check_quantization(model)   # [Note: packed 4-bit weights]: before any collective
+    quantized.check_quantization(model)  # [Note: packed 4-bit weights]: before any collective
     if optimizer is not None:
         _release_evaluation_only(model)
     comm = Comm(group, timeout_s=config.timeout_s, debug=config.debug_collectives)
@@ -53,7 +65,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: Zer
     quantized.prepare_quantized(model, comm, _compute_device(comm) if config.stage == 3 else None)
     source = materialize.as_source(param_source)
     if source is None and materialize.has_meta_params(model):
-        source = materialize.recorded_source(model)   # [Note: recorded sources] in materialize.py
+        source = materialize.recorded_source(model)  # [Note: recorded sources] in materialize.py
     if optimizer is None:
         return _setup_for_evaluation(model, config, comm, source), None
     if config.stage < 3:
@@ -65,7 +77,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: Zer
     if config.offload:
         use_fast_cpu_kernels(optimizer)
     register_engine(model, engine)
-    engine.frozen_guard = FrozenGuard.attach(model, [s.param for s in engine.slots])   # [Note: frozen at setup]
+    engine.frozen_guard = FrozenGuard.attach(model, [s.param for s in engine.slots])  # [Note: frozen at setup]
     engine.buffer_sync = BufferSync.attach(model, comm)
     _cast_inputs_of(model, engine, config)
     zero_optimizer = ZeroOptimizer(optimizer, engine)
@@ -75,7 +87,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: Zer
 
 def _setup_for_evaluation(model: nn.Module, config: ZeroConfig, comm: Comm, source: Any) -> nn.Module:
     """``zp.setup(model, None, config)``: [Note: evaluation-only models] in stage3/inference.py."""
-    if config.stage < 3:   # replicated, as DDP leaves a model it does not train
+    if config.stage < 3:  # replicated, as DDP leaves a model it does not train
         materialize.materialize_all(model, source, comm)
         _validate.broadcast_module_state(model, comm)
         materialize.note_set_up(model)
@@ -89,12 +101,14 @@ def _setup_for_evaluation(model: nn.Module, config: ZeroConfig, comm: Comm, sour
 
 def _compute_device(comm: Comm) -> torch.device:
     from .stage3.engine import compute_device
+
     return compute_device(comm)
 
 
 def _release_evaluation_only(model: nn.Module) -> None:
     """A model set up for evaluation only, now passed with an optimizer: back to full tensors first."""
     from .stage3.inference import InferenceEngine
+
     try:
         engine = engine_of(model, "setup")
     except ValueError:
@@ -106,7 +120,8 @@ def _release_evaluation_only(model: nn.Module) -> None:
 def _cast_inputs_of(model: nn.Module, engine, config: ZeroConfig) -> None:
     if config.param_dtype is not None:
         engine.input_cast_handle = model.register_forward_pre_hook(
-            functools.partial(_cast_inputs, config.param_dtype), with_kwargs=True)
+            functools.partial(_cast_inputs, config.param_dtype), with_kwargs=True
+        )
 
 
 def rebind_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> ZeroOptimizer:
@@ -121,8 +136,10 @@ def rebind_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Zero
     wanted = {s.name for s in engine.slots}
     got = {name for name, _ in trainable}
     if wanted != got:
-        raise ValueError(f"zp.rebind_optimizer: the optimizer must train exactly the parameters set up with the "
-                         f"model; missing {sorted(wanted - got)[:3]}, extra {sorted(got - wanted)[:3]}")
+        raise ValueError(
+            f"zp.rebind_optimizer: the optimizer must train exactly the parameters set up with the "
+            f"model; missing {sorted(wanted - got)[:3]}, extra {sorted(got - wanted)[:3]}"
+        )
     _rebind_optimizer(optimizer, engine)
     if engine.config.offload:
         use_fast_cpu_kernels(optimizer)
@@ -133,8 +150,10 @@ def rebind_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Zero
 
 def _cast_inputs(dtype: torch.dtype, module: nn.Module, args, kwargs):
     """Mixed precision: floating-point inputs enter the model in ``param_dtype`` (as FSDP's cast_forward_inputs)."""
+
     def cast(t):
         return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
+
     return torch.utils._pytree.tree_map(cast, (args, kwargs))
 
 
@@ -162,7 +181,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     engine = engine_of(model, "clip_grad_norm_")
     optimizer = getattr(engine, "optimizer", None)
     if optimizer is not None:
-        optimizer.guard.unscale()   # fp16 loss scaling: clip the true gradients
+        optimizer.guard.unscale()  # fp16 loss scaling: clip the true gradients
     return clip_owned_grads(engine, max_norm, norm_type)
 
 
@@ -174,8 +193,11 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def gathered_parameters(model_or_params: nn.Module | Iterable[nn.Parameter], modifier_rank: int | None = None,
-                        model: nn.Module | None = None) -> Iterator[None]:
+def gathered_parameters(
+    model_or_params: nn.Module | Iterable[nn.Parameter],
+    modifier_rank: int | None = None,
+    model: nn.Module | None = None,
+) -> Iterator[None]:
     """Full parameters visible on every rank inside the block.
 
     With ``modifier_rank`` set, that rank's edits are broadcast and re-sharded on exit.

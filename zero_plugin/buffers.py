@@ -5,6 +5,7 @@ drift apart.  After every training forward we average those floating-point buffe
 (one all-reduce per dtype), so every rank holds the same statistics at all times -- what evaluation
 and checkpoints need.  Other buffers (rotary tables, masks) are constants and are left alone.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,10 +23,14 @@ class BufferSync:
         self.handle = None
 
     @classmethod
-    def attach(cls, model: nn.Module, comm: Comm) -> "BufferSync | None":
-        stats = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
-                 and m.track_running_stats for b in (m.running_mean, m.running_var)
-                 if b is not None and b.is_floating_point()]
+    def attach(cls, model: nn.Module, comm: Comm) -> BufferSync | None:
+        stats = [
+            b
+            for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+            for b in (m.running_mean, m.running_var)
+            if b is not None and b.is_floating_point()
+        ]
         if comm.world_size == 1 or not stats:
             return None
         sync = cls(stats, comm)

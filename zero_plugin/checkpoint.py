@@ -19,6 +19,7 @@ layout] (``ckpt/format.py``) and [Note: checkpoint regions] (``ckpt/regions.py``
 All ranks must see the same ``path`` (a shared or node-local filesystem when
 every rank runs on one node).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,9 @@ from .engine import engine_of
 __all__ = ["save_checkpoint", "load_checkpoint", "save_peft_adapter", "CheckpointError"]
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    extra: Any = None) -> None:
+def save_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: Any = None
+) -> None:
     """Collective.  Save ``model`` (and ``optimizer``) sharded to the directory ``path``.
 
     ``extra`` (taken from rank 0) may hold JSON values, tuples, tensors and numpy arrays:
@@ -48,8 +50,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     _save(path, engine, _inner(engine, optimizer, "save_checkpoint"), extra, guard=_guard(optimizer))
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    *, verify: bool = True) -> Any:
+def load_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, verify: bool = True
+) -> Any:
     """Collective.  Load a checkpoint saved at any stage and world size; returns its ``extra`` ({} if none).
 
     RNG states are restored when the world size matches the saving run's.  ``verify=False``
@@ -76,7 +79,7 @@ def save_peft_adapter(model: nn.Module, directory: str | os.PathLike, **save_pre
         else:
             try:
                 model.save_pretrained(os.fspath(directory), state_dict=state, **save_pretrained_kwargs)
-            except Exception as exc:   # noqa: BLE001 - reported on every rank below
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = f"zp.checkpoint.save_peft_adapter: save_pretrained failed: {type(exc).__name__}: {exc}"
     error = engine.comm.broadcast_object(error, src=0)
     if error is not None:

@@ -1,4 +1,5 @@
 """``zero-plugin`` command line: ``estimate``, ``launch`` (see ``run.py``), ``consolidate`` (see ``ckpt/consolidate.py``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,9 +12,22 @@ __all__ = ["main"]
 _DTYPES = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}
 _GIB = 2**30
 _PLOT_WORLD_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-_SIZE_UNITS = {"": _GIB, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-               "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+_SIZE_UNITS = {
+    "": _GIB,
+    "b": 1,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+}
 
 
 def _parse_count(text: str) -> int:
@@ -54,9 +68,15 @@ def _planner(args: argparse.Namespace):
     if args.params is not None and (args.batch is not None or args.checkpointing):
         raise ValueError("--batch/--seq/--checkpointing need --model: activations come from tracing the model")
     config = ZeroConfig(bucket_size_mb=args.bucket_size_mb, prefetch_depth=args.prefetch_depth)
-    return Planner(args.params if args.params is not None else args.model, param_dtype=_DTYPES[args.dtype],
-                   batch=args.batch, seq=args.seq, checkpointing=args.checkpointing, config=config,
-                   device=args.device)
+    return Planner(
+        args.params if args.params is not None else args.model,
+        param_dtype=_DTYPES[args.dtype],
+        batch=args.batch,
+        seq=args.seq,
+        checkpointing=args.checkpointing,
+        config=config,
+        device=args.device,
+    )
 
 
 def _unit(rows: list[dict]) -> tuple[str, float]:
@@ -66,21 +86,26 @@ def _unit(rows: list[dict]) -> tuple[str, float]:
 
 
 def _offload_name(row: dict) -> str:
-    return {(False, False): "-", (True, False): "optim", (True, True): "optim+params",
-            (False, True): "params"}[(row["offload"], row["offload_params"])]
+    return {(False, False): "-", (True, False): "optim", (True, True): "optim+params", (False, True): "params"}[
+        (row["offload"], row["offload_params"])
+    ]
 
 
 def _header(plan, args: argparse.Namespace) -> list[str]:
     c = plan.counts
     what = args.model if args.model is not None else "a parameter count (no structure: stage 3 assumes 32 blocks)"
-    lines = [f"model {what}: {c['total'] / 1e9:.3f}B parameters ({c['trainable'] / 1e9:.3f}B trainable); "
-             f"{args.dtype} parameters{', fp32 master' if args.dtype != 'fp32' else ''}, AdamW; "
-             f"world size {args.world_size}; device {args.device}"]
+    lines = [
+        f"model {what}: {c['total'] / 1e9:.3f}B parameters ({c['trainable'] / 1e9:.3f}B trainable); "
+        f"{args.dtype} parameters{', fp32 master' if args.dtype != 'fp32' else ''}, AdamW; "
+        f"world size {args.world_size}; device {args.device}"
+    ]
     if args.batch is not None:
         t = plan.trace
-        lines.append(f"activations for batch {args.batch} x {args.seq} per rank"
-                     f"{' with checkpointing' if args.checkpointing else ''}: saved for backward "
-                     f"{t.saved_bytes / _GIB:.2f} GiB, peak during forward+backward {t.peak_bytes / _GIB:.2f} GiB")
+        lines.append(
+            f"activations for batch {args.batch} x {args.seq} per rank"
+            f"{' with checkpointing' if args.checkpointing else ''}: saved for backward "
+            f"{t.saved_bytes / _GIB:.2f} GiB, peak during forward+backward {t.peak_bytes / _GIB:.2f} GiB"
+        )
     else:
         lines.append("activations: not estimated (give --model with --batch and --seq)")
     return lines
@@ -88,70 +113,110 @@ def _header(plan, args: argparse.Namespace) -> list[str]:
 
 def _table(rows: list[dict]) -> list[str]:
     name, scale = _unit(rows)
-    head = (f"{'stage':>5} {'offload':>12} | {'params':>8} {'grads':>8} {'optim':>8} {'states':>8} | "
-            f"{'grads':>8} {'buffers':>8} {'acts':>8} | {'device':>8} {'host':>8}  phase")
-    lines = [f"{'':>18} | {f'model states, {name} (ZeRO paper)':^35} | {f'at the peak, {name}':^26} | "
-             f"{f'peak per rank, {name}':^17}", head, "-" * len(head)]
+    head = (
+        f"{'stage':>5} {'offload':>12} | {'params':>8} {'grads':>8} {'optim':>8} {'states':>8} | "
+        f"{'grads':>8} {'buffers':>8} {'acts':>8} | {'device':>8} {'host':>8}  phase"
+    )
+    lines = [
+        f"{'':>18} | {f'model states, {name} (ZeRO paper)':^35} | {f'at the peak, {name}':^26} | "
+        f"{f'peak per rank, {name}':^17}",
+        head,
+        "-" * len(head),
+    ]
     for r in rows:
         t, at = r["model_states"], r["at_peak"]
-        cells = [t["params"], t["grads"], t["optimizer"], t["total"], at["grads"], at["transient"]["total"],
-                 at["activations"], r["peak"]["device"], r["peak"]["host"]]
+        cells = [
+            t["params"],
+            t["grads"],
+            t["optimizer"],
+            t["total"],
+            at["grads"],
+            at["transient"]["total"],
+            at["activations"],
+            r["peak"]["device"],
+            r["peak"]["host"],
+        ]
         v = [f"{c / scale:8.2f}" for c in cells]
-        lines.append(f"{r['stage']:>5} {_offload_name(r):>12} | {' '.join(v[:4])} | {' '.join(v[4:7])} | "
-                     f"{' '.join(v[7:])}  {r['peak']['phase']}")
-    lines.append("peak = parameters + optimizer state + the gradients, buffers (gathered units, collective "
-                 "buffers, optimizer temporaries) and activations alive at that moment (live tensor bytes)")
+        lines.append(
+            f"{r['stage']:>5} {_offload_name(r):>12} | {' '.join(v[:4])} | {' '.join(v[4:7])} | "
+            f"{' '.join(v[7:])}  {r['peak']['phase']}"
+        )
+    lines.append(
+        "peak = parameters + optimizer state + the gradients, buffers (gathered units, collective "
+        "buffers, optimizer temporaries) and activations alive at that moment (live tensor bytes)"
+    )
     if rows and rows[0]["device"] == "cpu":
         slack = rows[0]["activations"]["peak"]
-        lines.append(f"cpu: device and host are one memory (per rank: device + host); glibc's default malloc keeps "
-                     f"freed blocks: expect about {slack / scale:.2f} {name} (one activation peak) more RSS, or run "
-                     "with MALLOC_MMAP_THRESHOLD_=131072 (see zero_plugin/planner/plan.py, [Note: glibc slack])")
+        lines.append(
+            f"cpu: device and host are one memory (per rank: device + host); glibc's default malloc keeps "
+            f"freed blocks: expect about {slack / scale:.2f} {name} (one activation peak) more RSS, or run "
+            "with MALLOC_MMAP_THRESHOLD_=131072 (see zero_plugin/planner/plan.py, [Note: glibc slack])"
+        )
     return lines
 
 
 def _fit_lines(result: dict) -> list[str]:
     from .planner import COST_MODEL
 
-    one_memory = result["gpu_mem"] is None   # device "cpu": a rank's device bytes are host memory too
-    device = ("no GPU (device and host are one memory)" if one_memory
-              else f"{result['gpu_mem'] / _GIB:.2f} GiB per device")
-    lines = [f"fit: {result['world_size']} ranks, {device}, "
-             f"{result['host_mem'] / _GIB:.2f} GiB host per machine shared by {result['ranks_per_host']} ranks, "
-             f"{result['margin']:.0%} kept free",
-             f"{'stage':>5} {'offload':>12} | {'device GiB':>10} {'host GiB/machine':>16} | {'fits':>4} {'cost':>5}"]
+    one_memory = result["gpu_mem"] is None  # device "cpu": a rank's device bytes are host memory too
+    device = (
+        "no GPU (device and host are one memory)" if one_memory else f"{result['gpu_mem'] / _GIB:.2f} GiB per device"
+    )
+    lines = [
+        f"fit: {result['world_size']} ranks, {device}, "
+        f"{result['host_mem'] / _GIB:.2f} GiB host per machine shared by {result['ranks_per_host']} ranks, "
+        f"{result['margin']:.0%} kept free",
+        f"{'stage':>5} {'offload':>12} | {'device GiB':>10} {'host GiB/machine':>16} | {'fits':>4} {'cost':>5}",
+    ]
     for r in result["rows"]:
         host = r["peak"]["total" if one_memory else "host"] * result["ranks_per_host"]
-        lines.append(f"{r['stage']:>5} {_offload_name(r):>12} | {r['peak']['device'] / _GIB:>10.2f} "
-                     f"{host / _GIB:>16.2f} | {'yes' if r['fits'] else 'no':>4} {r['cost']:>5.1f}")
-    lines.append(f"cost: per-step communication in Ψ ({COST_MODEL['comm'][0]:g} for stages 0-2, "
-                 f"{COST_MODEL['comm'][3]:g} for stage 3) + {COST_MODEL['offload_optimizer']:g} for optimizer "
-                 f"offload + {COST_MODEL['offload_params']:g} for parameter offload; ties go to the lower stage")
+        lines.append(
+            f"{r['stage']:>5} {_offload_name(r):>12} | {r['peak']['device'] / _GIB:>10.2f} "
+            f"{host / _GIB:>16.2f} | {'yes' if r['fits'] else 'no':>4} {r['cost']:>5.1f}"
+        )
+    lines.append(
+        f"cost: per-step communication in Ψ ({COST_MODEL['comm'][0]:g} for stages 0-2, "
+        f"{COST_MODEL['comm'][3]:g} for stage 3) + {COST_MODEL['offload_optimizer']:g} for optimizer "
+        f"offload + {COST_MODEL['offload_params']:g} for parameter offload; ties go to the lower stage"
+    )
     best = result["best"]
     if best is None:
         lines.append("nothing fits: try --checkpointing, a smaller --batch, more ranks or --offload-params")
     else:
-        extra = {(True, False): ', offload_optimizer="cpu"', (True, True): ', offload_optimizer="cpu", '
-                 'offload_params=True', (False, True): ", offload_params=True"}.get(
-                     (best["offload"], best["offload_params"]), "")
-        lines.append(f"best: ZeroConfig(stage={best['stage']}{extra}): {best['peak']['device'] / _GIB:.2f} GiB "
-                     f"per device, cost {best['cost']:g}")
+        extra = {
+            (True, False): ', offload_optimizer="cpu"',
+            (True, True): ', offload_optimizer="cpu", offload_params=True',
+            (False, True): ", offload_params=True",
+        }.get((best["offload"], best["offload_params"]), "")
+        lines.append(
+            f"best: ZeroConfig(stage={best['stage']}{extra}): {best['peak']['device'] / _GIB:.2f} GiB "
+            f"per device, cost {best['cost']:g}"
+        )
     return lines
 
 
 def _plot(plan, args: argparse.Namespace, settings) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--plot needs matplotlib, which is not installed: pip install matplotlib "
-                         "(or pip install 'zero-plugin[bench]')") from None
+        raise ValueError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib "
+            "(or pip install 'zero-plugin[bench]')"
+        ) from None
     fig, ax = plt.subplots(figsize=(8, 5))
     for stage, offload, offload_params in settings:
-        ys = [plan.estimate(n, stage, offload=offload, offload_params=offload_params)["peak"]["device"] / _GIB
-              for n in _PLOT_WORLD_SIZES]
-        label = f"stage {stage}" + {(True, False): " + offload", (True, True): " + offload + params",
-                                    (False, True): " + params offload"}.get((offload, offload_params), "")
+        ys = [
+            plan.estimate(n, stage, offload=offload, offload_params=offload_params)["peak"]["device"] / _GIB
+            for n in _PLOT_WORLD_SIZES
+        ]
+        label = f"stage {stage}" + {
+            (True, False): " + offload",
+            (True, True): " + offload + params",
+            (False, True): " + params offload",
+        }.get((offload, offload_params), "")
         ax.plot(_PLOT_WORLD_SIZES, ys, marker="o", linestyle="--" if offload else "-", label=label)
     if args.gpu_mem:
         ax.axhline(args.gpu_mem / _GIB, color="grey", linewidth=1, label="--gpu-mem")
@@ -159,8 +224,10 @@ def _plot(plan, args: argparse.Namespace, settings) -> None:
     ax.set_xticks(_PLOT_WORLD_SIZES, [str(n) for n in _PLOT_WORLD_SIZES])
     ax.set_xlabel("world size (ranks)")
     ax.set_ylabel("peak device memory per rank (GiB)")
-    ax.set_title(f"{args.model or f'{args.params:.3g} parameters'}, {args.dtype}"
-                 + (f", batch {args.batch} x {args.seq}" if args.batch else ""))
+    ax.set_title(
+        f"{args.model or f'{args.params:.3g} parameters'}, {args.dtype}"
+        + (f", batch {args.batch} x {args.seq}" if args.batch else "")
+    )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -170,8 +237,10 @@ def _plot(plan, args: argparse.Namespace, settings) -> None:
 
 def _estimate(args: argparse.Namespace) -> int:
     if args.fit and args.gpu_mem is None and args.device == "cuda":
-        print("zero-plugin estimate: error: --fit needs --gpu-mem (e.g. --gpu-mem 24GiB), or --device cpu",
-              file=sys.stderr)
+        print(
+            "zero-plugin estimate: error: --fit needs --gpu-mem (e.g. --gpu-mem 24GiB), or --device cpu",
+            file=sys.stderr,
+        )
         return 2
     try:
         plan = _planner(args)
@@ -181,8 +250,14 @@ def _estimate(args: argparse.Namespace) -> int:
         status = 0
         if args.fit:
             gpu_mem = args.gpu_mem if args.device == "cuda" else None
-            result = plan.fit(args.world_size, gpu_mem, args.host_mem, margin=args.margin,
-                              ranks_per_host=args.ranks_per_host, settings=settings)
+            result = plan.fit(
+                args.world_size,
+                gpu_mem,
+                args.host_mem,
+                margin=args.margin,
+                ranks_per_host=args.ranks_per_host,
+                settings=settings,
+            )
             print("\n" + "\n".join(_fit_lines(result)))
             status = 0 if result["best"] is not None else 1
         if args.plot is not None:
@@ -195,18 +270,32 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _add_estimate(sub) -> None:
-    est = sub.add_parser("estimate", help="memory per rank by stage and offload; --fit: which settings fit",
-                         description="Per-rank device and host memory of one training step (model states, our "
-                                     "buffers, activations) for stages 0-3 with and without offload.")
+    est = sub.add_parser(
+        "estimate",
+        help="memory per rank by stage and offload; --fit: which settings fit",
+        description="Per-rank device and host memory of one training step (model states, our "
+        "buffers, activations) for stages 0-3 with and without offload.",
+    )
     src = est.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=_parse_count, help="parameter count, e.g. 7B (model states and buffers only)")
-    src.add_argument("--model", help="built-in name (tiny-llama, llama-1b, llama-7b, llama-13b), a transformers "
-                                     "config file or folder, or a Hub id (org/name)")
+    src.add_argument(
+        "--model",
+        help="built-in name (tiny-llama, llama-1b, llama-7b, llama-13b), a transformers "
+        "config file or folder, or a Hub id (org/name)",
+    )
     est.add_argument("--world-size", type=int, default=8, help="ranks (default 8)")
-    est.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
-                     help="parameter dtype in forward/backward; bf16/fp16 keep fp32 masters (default bf16)")
-    est.add_argument("--offload", choices=["none", "cpu", "both"], default="both",
-                     help="rows without (none) or with (cpu) optimizer offload, or both (default)")
+    est.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default="bf16",
+        help="parameter dtype in forward/backward; bf16/fp16 keep fp32 masters (default bf16)",
+    )
+    est.add_argument(
+        "--offload",
+        choices=["none", "cpu", "both"],
+        default="both",
+        help="rows without (none) or with (cpu) optimizer offload, or both (default)",
+    )
     est.add_argument("--offload-params", action="store_true", help="add stage 3 with parameters offloaded")
     est.add_argument("--batch", type=int, help="sequences per rank (with --seq: activations)")
     est.add_argument("--seq", type=int, help="tokens per sequence")
@@ -214,11 +303,16 @@ def _add_estimate(sub) -> None:
     est.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="what the ranks compute on")
     est.add_argument("--bucket-size-mb", type=float, default=25.0, help="ZeroConfig.bucket_size_mb (default 25)")
     est.add_argument("--prefetch-depth", type=int, default=1, help="ZeroConfig.prefetch_depth (default 1)")
-    est.add_argument("--fit", action="store_true", help="which settings fit --gpu-mem/--host-mem (--device cpu: "
-                                                      "--host-mem only), and the fastest (exit 1 when none fits)")
+    est.add_argument(
+        "--fit",
+        action="store_true",
+        help="which settings fit --gpu-mem/--host-mem (--device cpu: "
+        "--host-mem only), and the fastest (exit 1 when none fits)",
+    )
     est.add_argument("--gpu-mem", type=_parse_bytes, help="memory per device, e.g. 24GiB (ignored with --device cpu)")
-    est.add_argument("--host-mem", type=_parse_bytes, default=_parse_bytes("128GiB"),
-                     help="host memory per machine (default 128GiB)")
+    est.add_argument(
+        "--host-mem", type=_parse_bytes, default=_parse_bytes("128GiB"), help="host memory per machine (default 128GiB)"
+    )
     est.add_argument("--ranks-per-host", type=int, default=None, help="ranks sharing a machine (default min(N, 8))")
     est.add_argument("--margin", type=float, default=0.1, help="fraction of each memory kept free (default 0.1)")
     est.add_argument("--plot", type=Path, help="draw peak device memory per rank against world size 1..64 (PNG)")
@@ -226,25 +320,37 @@ def _add_estimate(sub) -> None:
 
 
 def _add_consolidate(sub) -> None:
-    p = sub.add_parser("consolidate", help="a sharded checkpoint to safetensors, a save_pretrained folder or one "
-                                           "Lightning .ckpt file (offline, one process)",
-                       description="Write a sharded checkpoint as standard files (see zero_plugin/ckpt/"
-                                   "consolidate.py). --format hf writes what save_pretrained writes: config.json + "
-                                   "weights, or for a PEFT model only the adapter (adapter_model.safetensors + "
-                                   "adapter_config.json). --format lightning turns a sharded Lightning/Fabric "
-                                   "checkpoint directory (ZeroStrategy's epoch=N.ckpt/) into the one file that "
-                                   "LightningModule.load_from_checkpoint and other strategies read.")
-    p.add_argument("checkpoint", help="folder written by zp.save_checkpoint, or a sharded Lightning checkpoint "
-                                      "directory")
+    p = sub.add_parser(
+        "consolidate",
+        help="a sharded checkpoint to safetensors, a save_pretrained folder or one "
+        "Lightning .ckpt file (offline, one process)",
+        description="Write a sharded checkpoint as standard files (see zero_plugin/ckpt/"
+        "consolidate.py). --format hf writes what save_pretrained writes: config.json + "
+        "weights, or for a PEFT model only the adapter (adapter_model.safetensors + "
+        "adapter_config.json). --format lightning turns a sharded Lightning/Fabric "
+        "checkpoint directory (ZeroStrategy's epoch=N.ckpt/) into the one file that "
+        "LightningModule.load_from_checkpoint and other strategies read.",
+    )
+    p.add_argument(
+        "checkpoint", help="folder written by zp.save_checkpoint, or a sharded Lightning checkpoint directory"
+    )
     p.add_argument("out", help="new folder to create (must not exist, or be empty); --format lightning: new file")
     p.add_argument("--format", choices=["safetensors", "hf", "lightning"], default="safetensors")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating-point tensors")
-    p.add_argument("--max-shard-size", type=_parse_bytes, default=None, metavar="SIZE",
-                   help="largest output file, like 5GB (the default) or 500MiB")
+    p.add_argument(
+        "--max-shard-size",
+        type=_parse_bytes,
+        default=None,
+        metavar="SIZE",
+        help="largest output file, like 5GB (the default) or 500MiB",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint's files")
-    p.add_argument("--no-weights-only", action="store_true",
-                   help="--format lightning: unpickle meta.pt with torch.load(weights_only=False), as "
-                        "load_from_checkpoint(weights_only=False) does (trusted checkpoints only)")
+    p.add_argument(
+        "--no-weights-only",
+        action="store_true",
+        help="--format lightning: unpickle meta.pt with torch.load(weights_only=False), as "
+        "load_from_checkpoint(weights_only=False) does (trusted checkpoints only)",
+    )
     p.set_defaults(run=_consolidate)
 
 
@@ -259,10 +365,15 @@ def _consolidate(args: argparse.Namespace) -> int:
     from .ckpt.format import CheckpointError
 
     try:
-        written = consolidate(args.checkpoint, args.out, format=args.format,
-                              dtype=_torch_dtype(args.dtype),
-                              max_shard_bytes=int(args.max_shard_size or DEFAULT_MAX_SHARD_BYTES),
-                              verify=not args.no_verify, weights_only=not args.no_weights_only)
+        written = consolidate(
+            args.checkpoint,
+            args.out,
+            format=args.format,
+            dtype=_torch_dtype(args.dtype),
+            max_shard_bytes=int(args.max_shard_size or DEFAULT_MAX_SHARD_BYTES),
+            verify=not args.no_verify,
+            weights_only=not args.no_weights_only,
+        )
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"zero-plugin consolidate: error: {exc}", file=sys.stderr)
         return 2
@@ -283,8 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_estimate(sub)
     # Every launch option is parsed by Accelerate's own parser in zero_plugin.run.launch (imported
     # only when launching); prefix_chars="\0" keeps argparse from reading any of them here.
-    launch = sub.add_parser("launch", help="run an Accelerate / transformers.Trainer script under a ZeRO stage",
-                            add_help=False, prefix_chars="\0")
+    launch = sub.add_parser(
+        "launch",
+        help="run an Accelerate / transformers.Trainer script under a ZeRO stage",
+        add_help=False,
+        prefix_chars="\0",
+    )
     launch.add_argument("argv", nargs=argparse.REMAINDER)
     launch.set_defaults(run=_launch)
     _add_consolidate(sub)

@@ -33,13 +33,14 @@ opens it at the same point (setup).  One channel per group, shared by engines; l
 (``Comm.sibling``) it is cached per (ranks, purpose) while the default group lives, and
 :func:`release_groups` drops the cache when the default group is destroyed.
 """
+
 from __future__ import annotations
 
 import os
 import threading
 from collections import defaultdict, deque
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ _STATS: dict[str, _Counter] = defaultdict(_Counter)
 
 
 _PHYSICAL: dict[str, int] = defaultdict(int)
-_SAME_RANKS: dict[tuple, tuple[Any, Any]] = {}   # (ranks, purpose) -> (default group it was made in, group)
+_SAME_RANKS: dict[tuple, tuple[Any, Any]] = {}  # (ranks, purpose) -> (default group it was made in, group)
 
 
 def _issued(name: str) -> None:
@@ -170,8 +171,8 @@ class Comm:
             self.backend = dist.get_backend(group)
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
-        self._in_place = regions_in_place(self.backend)   # [Note: in-place region gather]
-        self._control: Any = None   # [Note: control channel]
+        self._in_place = regions_in_place(self.backend)  # [Note: in-place region gather]
+        self._control: Any = None  # [Note: control channel]
 
     # -- control channel ------------------------------------------------------
     def open_control_channel(self) -> None:
@@ -180,7 +181,7 @@ class Comm:
             return
         self._control = self._group_of_same_ranks("control", "gloo")
 
-    def sibling(self, purpose: str) -> "Comm":
+    def sibling(self, purpose: str) -> Comm:
         """A Comm over a second group of the same ranks and backend, for collectives whose order is agreed
         separately from this group's (stage 3's reductions: [Note: reductions on their own group] in
         stage3/hooks.py).  Collective at setup, like :meth:`open_control_channel`; one per group and purpose."""
@@ -197,8 +198,7 @@ class Comm:
         world = dist.GroupMember.WORLD
         cached = _SAME_RANKS.get((ranks, purpose))
         if cached is None or cached[0] is not world:
-            group = dist.new_group(ranks=list(ranks), backend=backend,
-                                   use_local_synchronization=self.group is not None)
+            group = dist.new_group(ranks=list(ranks), backend=backend, use_local_synchronization=self.group is not None)
             cached = _SAME_RANKS[(ranks, purpose)] = (world, group)
         return cached[1]
 
@@ -221,7 +221,7 @@ class Comm:
         work, out, what = handle
         if work is None:
             return out
-        self._wait(work, what)   # host-only: no stream
+        self._wait(work, what)  # host-only: no stream
         return [tuple(row) for row in out.view(self.world_size, -1).tolist()]
 
     def control_objects(self, obj: Any) -> list[Any]:
@@ -245,12 +245,15 @@ class Comm:
                 work.wait(timeout=timedelta(seconds=self.timeout_s))
             else:
                 work.wait()
-        except Exception as exc:   # gloo/NCCL raise RuntimeError (timeout, connection closed by a dead peer)
+        except Exception as exc:  # gloo/NCCL raise RuntimeError (timeout, connection closed by a dead peer)
             raise RuntimeError(
                 f"zero_plugin: rank {self.rank}: {what} did not complete ({type(exc).__name__}: {exc}). Another "
                 "rank died or is stuck, or ranks issued collectives in a different order. "
-                + (f"Last collectives on this rank: {list(self.history)}" if self.history is not None else
-                   "Set ZeroConfig(debug_collectives=True) to list the last collectives of each rank.")
+                + (
+                    f"Last collectives on this rank: {list(self.history)}"
+                    if self.history is not None
+                    else "Set ZeroConfig(debug_collectives=True) to list the last collectives of each rank."
+                )
             ) from exc
 
     def _note(self, kind: str, tag: str, numel: int) -> None:
@@ -266,8 +269,9 @@ class Comm:
         _issued("all_reduce")
         return dist.all_reduce(tensor, op=_reduce_op(op, self.backend), group=self.group, async_op=async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False,
-                       tag: str = ""):
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False, tag: str = ""
+    ):
         """``input`` holds ``world_size`` equal chunks, rank-major; this rank's reduced chunk lands in ``output``."""
         assert input.numel() == output.numel() * self.world_size, "reduce_scatter: size mismatch"
         _record("reduce_scatter", input.numel() * input.element_size())
@@ -287,9 +291,7 @@ class Comm:
             pending.wait()
             return None
         _issued(_REDUCE_SCATTER_NAME)
-        return _REDUCE_SCATTER(
-            output, input, op=_reduce_op(op, self.backend), group=self.group, async_op=async_op
-        )
+        return _REDUCE_SCATTER(output, input, op=_reduce_op(op, self.backend), group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""):
         """Concatenate every rank's ``input`` (equal sizes) into ``output``, rank-major."""
@@ -331,8 +333,9 @@ class Comm:
         pending.wait()
         return None
 
-    def reduce_in_place(self, tensors: list[torch.Tensor], flags: torch.Tensor | None = None,
-                        async_op: bool = False, tag: str = ""):
+    def reduce_in_place(
+        self, tensors: list[torch.Tensor], flags: torch.Tensor | None = None, async_op: bool = False, tag: str = ""
+    ):
         """Sum each tensor over the ranks, in place, where the caller then keeps only its own region:
         a reduce-scatter without the rank-major copy-in and copy-out, counted as one (logical bytes of
         the inputs).  On gloo, which sends a reduce-scatter as a full all-reduce anyway, the wire
@@ -375,7 +378,7 @@ class Comm:
             op(flat)
             offset = 0
             for t in group:
-                t.data.copy_(flat[offset: offset + t.numel()].view_as(t))
+                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
     # -- object collectives (setup-time checks, not per step) -------------

@@ -29,6 +29,7 @@ source (stage 3's ``BufferPool``, [Note: buffer reuse]; fresh tensors at stages 
 only after the completion, and on CUDA after the compute stream waited for the side stream that used
 them ([Note: side streams] in ``streams.py``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,11 +41,24 @@ from ._flat import ShardLayout, copy_padded_rows
 from .collectives import Comm
 from .streams import NO_STREAMS, StreamSet
 
-__all__ = ["Buffers", "FreshBuffers", "packed_offsets", "rank_regions",
-           "InPlaceGather", "BufferedGather", "InPlaceReduce", "BufferedReduce", "FlatAllReduce",
-           "gather_in_place", "gather_buffered", "reduce_in_place", "reduce_buffered", "all_reduce_flat"]
+__all__ = [
+    "Buffers",
+    "FreshBuffers",
+    "packed_offsets",
+    "rank_regions",
+    "InPlaceGather",
+    "BufferedGather",
+    "InPlaceReduce",
+    "BufferedReduce",
+    "FlatAllReduce",
+    "gather_in_place",
+    "gather_buffered",
+    "reduce_in_place",
+    "reduce_buffered",
+    "all_reduce_flat",
+]
 
-Store = Callable[[Any, torch.Tensor], None]   # (member, its averaged result)
+Store = Callable[[Any, torch.Tensor], None]  # (member, its averaged result)
 
 
 class Buffers(Protocol):
@@ -78,8 +92,9 @@ def packed_offsets(widths: Iterable[int]) -> tuple[list[int], int]:
     return offsets, width
 
 
-def rank_regions(flats: Sequence[torch.Tensor], layouts: Sequence[ShardLayout],
-                 world_size: int) -> list[list[torch.Tensor]]:
+def rank_regions(
+    flats: Sequence[torch.Tensor], layouts: Sequence[ShardLayout], world_size: int
+) -> list[list[torch.Tensor]]:
     """In-place layout: ``regions[r]`` are rank r's regions of the flat tensors, in order."""
     regions: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
     for flat, layout in zip(flats, layouts):
@@ -125,10 +140,10 @@ class BufferedGather:
     def columns(self, rows: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
         """Each member with its ``(world_size, shard_numel)`` columns of ``rows``."""
         for member, off in zip(self.members, self.offsets):
-            yield member, rows[:, off: off + member.layout.shard_numel]
+            yield member, rows[:, off : off + member.layout.shard_numel]
 
     def trailing(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows[:, self.width:]
+        return rows[:, self.width :]
 
     def release(self) -> None:
         """The buffers back to their source: only after the completion (and on CUDA after the compute
@@ -147,8 +162,8 @@ class InPlaceReduce:
     grads: list[torch.Tensor]
     flags: torch.Tensor
     work: Any
-    results_in_full_tensors = True   # a result is a region of a full-size temporary
-    sources = None   # no side stream reads the gradients: in place is gloo's layout (BufferedReduce.sources)
+    results_in_full_tensors = True  # a result is a region of a full-size temporary
+    sources = None  # no side stream reads the gradients: in place is gloo's layout (BufferedReduce.sources)
 
     def complete(self, what: str, store: Store) -> None:
         self.comm.wait(self.work, what)
@@ -175,14 +190,14 @@ class BufferedReduce:
     # The full gradients a side stream may still read: referenced until the compute stream waited for it,
     # or the allocator could hand their memory to new work ([Note: side streams]); None without side streams.
     sources: list | None
-    results_in_full_tensors = False   # a result is a view of the shard-sized output
+    results_in_full_tensors = False  # a result is a view of the shard-sized output
 
     def complete(self, what: str, store: Store) -> None:
-        with self.streams.reduce():   # waiting here makes the reduce stream (not compute) wait for NCCL
+        with self.streams.reduce():  # waiting here makes the reduce stream (not compute) wait for NCCL
             self.comm.wait(self.work, what)
             _average_flagged(self, self.output, store, lambda layout: layout.local_numel)
             reduced = self.streams.record()
-        self.streams.wait(reduced)   # [Note: side streams]: only now may the memory be reused
+        self.streams.wait(reduced)  # [Note: side streams]: only now may the memory be reused
         self.sources = None
         self.buffers.give(self.input)
         self.buffers.give(self.output)
@@ -204,15 +219,16 @@ class FlatAllReduce:
         _average_flagged(self, self.buffer, store, lambda layout: layout.numel)
 
 
-def _average_flagged(record: BufferedReduce | FlatAllReduce, flat: torch.Tensor, store: Store,
-                     numel: Callable[[ShardLayout], int]) -> None:
+def _average_flagged(
+    record: BufferedReduce | FlatAllReduce, flat: torch.Tensor, store: Store, numel: Callable[[ShardLayout], int]
+) -> None:
     """A completed reduction's ``flat`` result, the summed flags after ``record.width``: average, and store
     ``numel(layout)`` elements at its offset for each member that some rank had a gradient for."""
-    present = flat[record.width:].tolist()
+    present = flat[record.width :].tolist()
     flat.div_(record.comm.world_size)
     for member, off, has_grad in zip(record.members, record.offsets, present):
         if has_grad:
-            store(member, flat[off: off + numel(member.layout)])
+            store(member, flat[off : off + numel(member.layout)])
 
 
 # -- launches -----------------------------------------------------------------------------------------------
@@ -222,16 +238,23 @@ def gather_in_place(comm: Comm, members: list, flats: Sequence[torch.Tensor], ta
     return InPlaceGather(comm, members, comm.gather_regions(regions, async_op=True, tag=tag))
 
 
-def gather_buffered(comm: Comm, members: list, dtype: torch.dtype, device: torch.device,
-                    fill: Callable[[Any, torch.Tensor], None], buffers: Buffers = FRESH,
-                    trailer: tuple = (), tag: str = "") -> BufferedGather:
+def gather_buffered(
+    comm: Comm,
+    members: list,
+    dtype: torch.dtype,
+    device: torch.device,
+    fill: Callable[[Any, torch.Tensor], None],
+    buffers: Buffers = FRESH,
+    trailer: tuple = (),
+    tag: str = "",
+) -> BufferedGather:
     """``fill(member, chunk)`` writes this rank's padded chunk (``shard_numel`` long) of ``member``;
     ``trailer``: values appended to this rank's input (exact in ``dtype``)."""
     offsets, width = packed_offsets(m.layout.shard_numel for m in members)
     extra = len(trailer)
     inp = buffers.take(width + extra, dtype, device)
     for member, off in zip(members, offsets):
-        fill(member, inp[off: off + member.layout.shard_numel])
+        fill(member, inp[off : off + member.layout.shard_numel])
     if extra:
         inp[width:] = torch.tensor(trailer, dtype=dtype)
     out = buffers.take(comm.world_size * (width + extra), dtype, device)
@@ -239,8 +262,9 @@ def gather_buffered(comm: Comm, members: list, dtype: torch.dtype, device: torch
     return BufferedGather(comm, members, offsets, width, extra, inp, out, work, buffers)
 
 
-def reduce_in_place(comm: Comm, members: list, dtype: torch.dtype, device: torch.device,
-                    release_grads: bool, tag: str = "") -> InPlaceReduce:
+def reduce_in_place(
+    comm: Comm, members: list, dtype: torch.dtype, device: torch.device, release_grads: bool, tag: str = ""
+) -> InPlaceReduce:
     """Sum every member's full ``param.grad`` (zeros where it has none) in ``dtype``, in place.
     ``release_grads``: drop ``param.grad`` (the reduction holds the gradient until it completes)."""
     grads, present = [], []
@@ -257,8 +281,16 @@ def reduce_in_place(comm: Comm, members: list, dtype: torch.dtype, device: torch
     return InPlaceReduce(comm, members, grads, flags, comm.reduce_in_place(grads, flags, async_op=True, tag=tag))
 
 
-def reduce_buffered(comm: Comm, members: list, dtype: torch.dtype, device: torch.device, release_grads: bool,
-                    buffers: Buffers = FRESH, streams: StreamSet = NO_STREAMS, tag: str = "") -> BufferedReduce:
+def reduce_buffered(
+    comm: Comm,
+    members: list,
+    dtype: torch.dtype,
+    device: torch.device,
+    release_grads: bool,
+    buffers: Buffers = FRESH,
+    streams: StreamSet = NO_STREAMS,
+    tag: str = "",
+) -> BufferedReduce:
     """Copy every member's ``param.grad`` (zeros where it has none) into rank-major rows with the flags and
     reduce-scatter them.  Call it on the stream the copies should run on (stage 3: inside
     ``streams.reduce()``); ``streams`` is where the completion runs."""
@@ -269,9 +301,10 @@ def reduce_buffered(comm: Comm, members: list, dtype: torch.dtype, device: torch
     sources = [] if streams.overlaps else None
     for i, (member, off) in enumerate(zip(members, offsets)):
         grad = member.param.grad
-        copy_padded_rows(buf[:, off: off + member.layout.shard_numel],
-                         None if grad is None else grad.reshape(-1), member.layout)
-        buf[:, width + i] = float(grad is not None)   # [Note: unused parameters] in grads/reducer.py
+        copy_padded_rows(
+            buf[:, off : off + member.layout.shard_numel], None if grad is None else grad.reshape(-1), member.layout
+        )
+        buf[:, width + i] = float(grad is not None)  # [Note: unused parameters] in grads/reducer.py
         if grad is not None and sources is not None:
             sources.append(grad)
         if release_grads:
@@ -287,7 +320,7 @@ def all_reduce_flat(comm: Comm, members: list, dtype: torch.dtype, device: torch
     k = len(members)
     buf = torch.empty(width + k, dtype=dtype, device=device)
     for i, (member, off) in enumerate(zip(members, offsets)):
-        dst = buf[off: off + member.layout.numel]
+        dst = buf[off : off + member.layout.numel]
         grad = member.param.grad
         dst.copy_(grad.view(-1)) if grad is not None else dst.zero_()
         buf[width + i] = float(grad is not None)

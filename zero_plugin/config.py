@@ -5,6 +5,7 @@ variables.  The engine reads no other environment variable except one test switc
 Values are normalised on construction (dtype names -> ``torch.dtype``, lists -> tuples) so that equal
 settings compare, hash and fingerprint equally on every rank, however they were written.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,10 +25,16 @@ import yaml
 __all__ = ["ZeroConfig"]
 
 _DTYPE_NAMES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
 }
 _DTYPE_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _TRUE_TEXT = frozenset({"true", "1", "yes", "on"})
@@ -200,6 +207,7 @@ class ZeroConfig:
 
     def _normalise_fields(self) -> None:
         """Check each field alone and store its canonical form (the instance is frozen)."""
+
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
@@ -235,21 +243,25 @@ class ZeroConfig:
         if self.offload_params and self.stage != 3:
             raise ValueError(
                 "ZeroConfig.offload_params=True requires ZeroConfig.stage=3 (only stage 3 shards "
-                f"parameters); got stage={self.stage}")
+                f"parameters); got stage={self.stage}"
+            )
         if self.offload_optimizer == "cpu" and self.stage == 0:
             raise ValueError(
                 "ZeroConfig.offload_optimizer='cpu' requires ZeroConfig.stage 1, 2 or 3 (ZeRO-Offload moves the "
-                "partitioned optimizer state to the host); got stage=0")
+                "partitioned optimizer state to the host); got stage=0"
+            )
         if self.unit_classes and self.unit_policy is not None:
             raise ValueError(
                 "ZeroConfig.unit_classes and ZeroConfig.unit_policy are mutually exclusive, set at most one; "
-                f"got unit_classes={self.unit_classes!r} and unit_policy={_qualname(self.unit_policy)!r}")
+                f"got unit_classes={self.unit_classes!r} and unit_policy={_qualname(self.unit_policy)!r}"
+            )
         if self.loss_scale != "dynamic" and not self.scales_loss:
             # Only fp16's narrow exponent range underflows gradients; without scaling a fixed scale goes unused.
             raise ValueError(
                 f"ZeroConfig.loss_scale={self.loss_scale!r} (fixed) requires loss scaling: ZeroConfig.param_dtype="
                 f"fp16, or loss_scaling=True for an fp16-autocast forward; got param_dtype={self.param_dtype!r}, "
-                f"loss_scaling={self.loss_scaling!r}; use loss_scale='dynamic' otherwise")
+                f"loss_scaling={self.loss_scaling!r}; use loss_scale='dynamic' otherwise"
+            )
 
     @property
     def scales_loss(self) -> bool:
@@ -370,13 +382,24 @@ def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 _BOOL = (_text_bool, '"true"/"false" (or 1/0, yes/no, on/off)')
 _INT, _FLOAT = (int, "an integer"), (float, "a number")
 _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
-    "stage": _INT, "prefetch_depth": _INT, "persistence_threshold": _INT,
-    "bucket_size_mb": _FLOAT, "timeout_s": _FLOAT, "loss_scale_init": _FLOAT, "loss_scale_growth_interval": _INT,
-    "offload_params": _BOOL, "reshard_after_forward": _BOOL, "trim_host_heap": _BOOL, "debug_collectives": _BOOL,
+    "stage": _INT,
+    "prefetch_depth": _INT,
+    "persistence_threshold": _INT,
+    "bucket_size_mb": _FLOAT,
+    "timeout_s": _FLOAT,
+    "loss_scale_init": _FLOAT,
+    "loss_scale_growth_interval": _INT,
+    "offload_params": _BOOL,
+    "reshard_after_forward": _BOOL,
+    "trim_host_heap": _BOOL,
+    "debug_collectives": _BOOL,
     "cpu_ram_efficient_loading": _BOOL,
-    "check_ranks": _BOOL, "state_dict_rank0_only": _BOOL,
-    "offload_optimizer": (lambda t: _text_bool(t) if t.lower() in _TRUE_TEXT | _FALSE_TEXT else t,
-                          '"none", "cpu", "true" or "false"'),
+    "check_ranks": _BOOL,
+    "state_dict_rank0_only": _BOOL,
+    "offload_optimizer": (
+        lambda t: _text_bool(t) if t.lower() in _TRUE_TEXT | _FALSE_TEXT else t,
+        '"none", "cpu", "true" or "false"',
+    ),
     "param_dtype": (_or_none(str), "a dtype name or none"),
     "reduce_dtype": (_or_none(str), "a dtype name or none"),
     "unit_classes": (lambda t: [c.strip() for c in t.split(",") if c.strip()], "comma-separated class names"),
@@ -400,8 +423,10 @@ def _parse_text(field: str, text: str) -> Any:
 def _read_config_file(path: Path) -> dict[str, Any]:
     suffix = path.suffix.lower()
     if suffix not in (".yaml", ".yml", ".json"):
-        raise ValueError(f"ZeroConfig.from_file: {str(path)!r} must end in .yaml, .yml or .json; "
-                         f"got {path.suffix or 'no extension'!r}")
+        raise ValueError(
+            f"ZeroConfig.from_file: {str(path)!r} must end in .yaml, .yml or .json; "
+            f"got {path.suffix or 'no extension'!r}"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"ZeroConfig.from_file: no such file: {str(path)!r}")
     try:
@@ -413,8 +438,10 @@ def _read_config_file(path: Path) -> dict[str, Any]:
         data = data[_FILE_SECTION]
     data = {} if data is None else data  # an empty file or section means all defaults
     if not isinstance(data, Mapping):
-        raise ValueError(f"ZeroConfig.from_file: {str(path)!r} must hold a mapping of ZeroConfig fields "
-                         f"(top level or under '{_FILE_SECTION}:'); got {type(data).__name__}")
+        raise ValueError(
+            f"ZeroConfig.from_file: {str(path)!r} must hold a mapping of ZeroConfig fields "
+            f"(top level or under '{_FILE_SECTION}:'); got {type(data).__name__}"
+        )
     return dict(data)
 
 
@@ -422,7 +449,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, str]:
     """{variable: field} for every set, non-empty ZERO_PLUGIN_<FIELD> variable (upper case only)."""
     overrides: dict[str, str] = {}
     for var in sorted(env):
-        suffix = var[len(_ENV_PREFIX):]
+        suffix = var[len(_ENV_PREFIX) :]
         if not var.startswith(_ENV_PREFIX) or var == _ENV_CONFIG or not env[var]:
             continue
         field = _ENV_ALIASES.get(var) or (suffix.lower() if suffix.isupper() else None)
@@ -430,7 +457,9 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, str]:
             continue  # other ZERO_PLUGIN_* variables belong to the launcher and integrations
         clash = [other for other, f in overrides.items() if f == field]
         if clash:
-            raise ValueError(f"{clash[0]} and {var} both set ZeroConfig.{field}; got "
-                             f"{env[clash[0]]!r} and {env[var]!r}; set only one")
+            raise ValueError(
+                f"{clash[0]} and {var} both set ZeroConfig.{field}; got "
+                f"{env[clash[0]]!r} and {env[var]!r}; set only one"
+            )
         overrides[var] = field
     return overrides

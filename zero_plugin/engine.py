@@ -5,6 +5,7 @@ An engine is the composition of a parameter placement (replicated for stages
 table that picks them is in ``zero_plugin/stages.py``.  Public verbs in
 ``api.py`` find the engine of a model through :func:`engine_of`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,10 +27,10 @@ __all__ = ["Engine", "engine_of", "register_engine"]
 _ATTR = "_zero_plugin_engine"
 
 
-def engine_of(model: Any, verb: str) -> "Engine":
+def engine_of(model: Any, verb: str) -> Engine:
     """The engine ``zp.setup`` attached to ``model`` (or to a module inside a wrapper around it)."""
     if isinstance(model, nn.Module):
-        for module in model.modules():   # the model itself first, then e.g. a PEFT/Lightning-wrapped one
+        for module in model.modules():  # the model itself first, then e.g. a PEFT/Lightning-wrapped one
             found = module.__dict__.get(_ATTR)
             if isinstance(found, Engine):
                 return found
@@ -39,11 +40,11 @@ def engine_of(model: Any, verb: str) -> "Engine":
     )
 
 
-def register_engine(model: nn.Module, engine: "Engine") -> None:
+def register_engine(model: nn.Module, engine: Engine) -> None:
     if isinstance(model.__dict__.get(_ATTR), Engine):
         raise ValueError("zp.setup: this model was already set up; call zp.setup once per model")
     model.__dict__[_ATTR] = engine
-    model.__dict__["zero_grad"] = types.MethodType(_model_zero_grad, model)   # [Note: model.zero_grad]
+    model.__dict__["zero_grad"] = types.MethodType(_model_zero_grad, model)  # [Note: model.zero_grad]
 
 
 def unregister_engine(model: nn.Module) -> None:
@@ -72,7 +73,7 @@ def _model_zero_grad(model: nn.Module, set_to_none: bool = True) -> None:
 class Engine:
     """What every stage provides to the optimizer wrapper and the public verbs."""
 
-    grads_sharded: bool = False   # True when each rank's owned grads are disjoint (global norm needs a sum)
+    grads_sharded: bool = False  # True when each rank's owned grads are disjoint (global norm needs a sum)
 
     def __init__(self, model: nn.Module, config: ZeroConfig, comm: Comm, slots: list[MasterParam]) -> None:
         self.model = model
@@ -83,9 +84,9 @@ class Engine:
         # [Note: per-step state] What this step has learnt about its gradients; valid only for the
         # gradients it was computed from, so zero_grad (optimizer's or model's), the step and each later synced
         # backward (after_backward) reset it.
-        self.step_grad_norm: float | None = None   # global norm from clip_grad_norm_, reused by the inf/NaN check
-        self.grads_unscaled = False                # fp16: the owned gradients were divided by the loss scale
-        self.step_nonfinite: bool | None = None    # fp16: the inf/NaN answer taken before clamping could hide it
+        self.step_grad_norm: float | None = None  # global norm from clip_grad_norm_, reused by the inf/NaN check
+        self.grads_unscaled = False  # fp16: the owned gradients were divided by the loss scale
+        self.step_nonfinite: bool | None = None  # fp16: the inf/NaN answer taken before clamping could hide it
 
     # -- step ---------------------------------------------------------------
     def before_step(self, blocked: bool = False) -> None:
@@ -132,7 +133,8 @@ class Engine:
             raise RuntimeError(
                 "zero_plugin: a backward ran after this step's gradients were unscaled (clip_grad_norm_ with fp16 "
                 "loss scaling), so old unscaled and new scaled gradients would be summed. Clip once per step, "
-                "after the last backward and before optimizer.step() (as with torch.amp.GradScaler.unscale_).")
+                "after the last backward and before optimizer.step() (as with torch.amp.GradScaler.unscale_)."
+            )
 
     def reset_step_state(self) -> None:
         """[Note: per-step state]"""
@@ -187,7 +189,7 @@ class Engine:
         raise NotImplementedError
 
     def remove(self) -> None:
-        for attr in ("frozen_guard", "input_cast_handle"):   # set by zp.setup where the config asks for them
+        for attr in ("frozen_guard", "input_cast_handle"):  # set by zp.setup where the config asks for them
             handle = getattr(self, attr, None)
             if handle is not None:
                 handle.remove()

@@ -11,6 +11,7 @@ ranks unfroze the same parameters).  Its cost is one ``requires_grad`` read per 
 root forward.  The other way round is fine: a parameter frozen after setup gets no gradient, which the
 reductions already treat as an unused parameter (skipped by the optimizer, as single-process training).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,7 @@ class FrozenGuard:
         self.handle = None
 
     @classmethod
-    def attach(cls, model: nn.Module, trained: list[nn.Parameter]) -> "FrozenGuard | None":
+    def attach(cls, model: nn.Module, trained: list[nn.Parameter]) -> FrozenGuard | None:
         ids = {id(p) for p in trained}
         frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in ids]
         if not frozen:
@@ -47,7 +48,8 @@ class FrozenGuard:
                     "now requires grad; zp.setup prepared no gradient reduction, master or optimizer state for "
                     "it, so it cannot train. Set requires_grad=True before zp.setup (to hold it still until "
                     "later, put it in a param group with lr=0 and raise that lr when you unfreeze it), or build "
-                    "the model again and call zp.setup after unfreezing; or set requires_grad=False again")
+                    "the model again and call zp.setup after unfreezing; or set requires_grad=False again"
+                )
 
     def remove(self) -> None:
         if self.handle is not None:

@@ -17,6 +17,7 @@ and its peak from 0.55-0.61x to 0.64x: ``ZeroConfig(trim_host_heap=False)`` make
 no-op where glibc is not the allocator (macOS, musl) and on CUDA devices (the caching allocator
 manages device memory; host buffers there are pinned and reused).
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -21,6 +21,7 @@ parameters (norms, biases) train, which makes backward run through every block a
 Nothing here may stop a launch: a model that cannot be seen, or any failure of the estimate, costs
 one debug log line and the launch goes on (``print_launch_estimate``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,7 @@ _LOG = logging.getLogger("zero_plugin.launch")
 _MODEL_FLAGS = ("--model", "--model_name_or_path")
 _BATCH_FLAGS = ("--batch_size", "--per_device_train_batch_size")
 _SEQ_FLAGS = ("--max_length", "--block_size", "--max_seq_length")
-MARGIN = 0.1   # fraction of each memory kept free, as ``Planner.fit`` defaults
+MARGIN = 0.1  # fraction of each memory kept free, as ``Planner.fit`` defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +63,19 @@ def _available_host_memory() -> float:
         with open("/proc/meminfo", encoding="ascii") as f:
             fields = dict(line.split(":", 1) for line in f)
         return float(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):   # not Linux: free pages
+    except (OSError, KeyError, ValueError):  # not Linux: free pages
         return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def _gpu_memory() -> float | None:
     """The smallest GPU's memory, from nvidia-smi (NVML: no CUDA context in the launcher), else torch."""
     if shutil.which("nvidia-smi"):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         sizes = [float(v) * 2**20 for v in out.stdout.split()] if out.returncode == 0 else []
         if sizes:
             return min(sizes)
@@ -109,8 +114,16 @@ def _model_config(spec: str):
 
 
 # -- the plan -----------------------------------------------------------------------------------------
-def plan_launch(model_config: Any, zero_config: ZeroConfig, world_size: int, machine: Machine, *,
-                ranks_per_host: int | None = None, batch: int | None = None, seq: int | None = None) -> dict:
+def plan_launch(
+    model_config: Any,
+    zero_config: ZeroConfig,
+    world_size: int,
+    machine: Machine,
+    *,
+    ranks_per_host: int | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
+) -> dict:
     """``Planner.fit`` of the launched model for every setting, trainable and frozen ([Note: two rows at launch]).
 
     Returns ``{"setting", "device", "full", "frozen"}``: the launched (stage, offload, offload_params), the
@@ -131,8 +144,14 @@ def plan_launch(model_config: Any, zero_config: ZeroConfig, world_size: int, mac
             for p in model.parameters():
                 p.requires_grad_(p.ndim == 1)
         plan = Planner(model, config=zero_config, batch=batch, seq=seq, device=device)
-        fits[row] = plan.fit(world_size, machine.gpu_bytes, machine.host_bytes, margin=MARGIN,
-                             ranks_per_host=ranks_per_host, settings=settings)
+        fits[row] = plan.fit(
+            world_size,
+            machine.gpu_bytes,
+            machine.host_bytes,
+            margin=MARGIN,
+            ranks_per_host=ranks_per_host,
+            settings=settings,
+        )
     return {"setting": setting, "device": device, **fits}
 
 
@@ -153,7 +172,7 @@ def _count(n: int) -> str:
 
 
 def _per_rank(row: dict, device: str) -> str:
-    if device == "cpu":   # one memory: what the planner calls device and host is all RSS
+    if device == "cpu":  # one memory: what the planner calls device and host is all RSS
         return f"{_size(row['peak']['total'])} per rank"
     return f"device {_size(row['peak']['device'])}, host {_size(row['peak']['host'])} per rank"
 
@@ -172,8 +191,10 @@ def _shortfall(row: dict, fit: dict, device: str) -> str:
     if not row["device_ok"]:
         parts.append(f"GPU: {_size(row['peak']['device'])} per rank, {_size(fit['gpu_mem'])} per device")
     if not row["host_ok"]:
-        parts.append(f"host: {per_host} ranks x {_size(need)} = {_size(per_host * need)}, "
-                     f"{_size(host * usable)} usable of {_size(host)} available")
+        parts.append(
+            f"host: {per_host} ranks x {_size(need)} = {_size(per_host * need)}, "
+            f"{_size(host * usable)} usable of {_size(host)} available"
+        )
     return "; ".join(parts)
 
 
@@ -184,9 +205,11 @@ def _advice(plan: dict, rows: Sequence[str] = ("full", "frozen")) -> str:
         best = plan[row] and plan[row]["best"]
         if best is not None:
             return f"{_flags(best)} fits {names[row]} ({_per_rank(best, plan['device'])})"
-    return (f"no setting fits {' or '.join(names[r] for r in rows)} on {plan['full']['world_size']} ranks: use "
-            "more ranks or machines, a smaller batch, or activation checkpointing (zero-plugin estimate --fit "
-            "shows every setting)")
+    return (
+        f"no setting fits {' or '.join(names[r] for r in rows)} on {plan['full']['world_size']} ranks: use "
+        "more ranks or machines, a smaller batch, or activation checkpointing (zero-plugin estimate --fit "
+        "shows every setting)"
+    )
 
 
 def _warning(plan: dict) -> list[str]:
@@ -197,34 +220,50 @@ def _warning(plan: dict) -> list[str]:
     frozen = plan["frozen"] and launched_row(plan["frozen"], plan["setting"])
     if frozen and frozen["fits"]:
         short = _shortfall(full, plan["full"], plan["device"])
-        return [f"zero-plugin launch: note: a full fine-tune at {name} will not fit ({short}); "
-                f"it fits only if the base model is frozen (LoRA / PEFT); {_advice(plan, ('full',))}"]
+        return [
+            f"zero-plugin launch: note: a full fine-tune at {name} will not fit ({short}); "
+            f"it fits only if the base model is frozen (LoRA / PEFT); {_advice(plan, ('full',))}"
+        ]
     worst = frozen or full
-    return [f"zero-plugin launch: WARNING: {name} will not fit this machine"
-            f"{' even with a frozen base' if frozen else ''} "
-            f"({_shortfall(worst, plan['frozen' if frozen else 'full'], plan['device'])}); {_advice(plan)}"]
+    return [
+        f"zero-plugin launch: WARNING: {name} will not fit this machine"
+        f"{' even with a frozen base' if frozen else ''} "
+        f"({_shortfall(worst, plan['frozen' if frozen else 'full'], plan['device'])}); {_advice(plan)}"
+    ]
 
 
 def render(plan: dict, model: str, machine: Machine, batch: int | None, seq: int | None) -> list[str]:
     full = launched_row(plan["full"], plan["setting"])
     counts, device, fit = full["params"], plan["device"], plan["full"]
     acts = f"activations of {batch} x {seq} tokens per rank" if batch else "no activations (no batch/length flags)"
-    lines = [f"zero-plugin launch: memory per rank planned for --model {model} ({_count(counts['total'])} "
-             f"parameters, {full['param_dtype']}; zero_plugin.planner: model states, our buffers, {acts}):",
-             f"  {_flags(full)}, {fit['world_size']} ranks on {device}, full fine-tune (every parameter trains): "
-             f"{_per_rank(full, device)}"]
+    lines = [
+        f"zero-plugin launch: memory per rank planned for --model {model} ({_count(counts['total'])} "
+        f"parameters, {full['param_dtype']}; zero_plugin.planner: model states, our buffers, {acts}):",
+        f"  {_flags(full)}, {fit['world_size']} ranks on {device}, full fine-tune (every parameter trains): "
+        f"{_per_rank(full, device)}",
+    ]
     if plan["frozen"] is not None:
         frozen = launched_row(plan["frozen"], plan["setting"])
-        lines.append(f"  same with a frozen base (only norms and biases train, as under LoRA; adapters not "
-                     f"counted): {_per_rank(frozen, device)}")
+        lines.append(
+            f"  same with a frozen base (only norms and biases train, as under LoRA; adapters not "
+            f"counted): {_per_rank(frozen, device)}"
+        )
     gpu = f"GPU {_size(machine.gpu_bytes)} per device, " if machine.gpu_bytes is not None else ""
-    lines.append(f"  this machine: {gpu}{_size(machine.host_bytes)} host memory available for "
-                 f"{fit['ranks_per_host']} ranks ({fit['margin']:.0%} kept free); skip with --no_estimate")
+    lines.append(
+        f"  this machine: {gpu}{_size(machine.host_bytes)} host memory available for "
+        f"{fit['ranks_per_host']} ranks ({fit['margin']:.0%} kept free); skip with --no_estimate"
+    )
     return lines + _warning(plan)
 
 
-def estimate_lines(script_args: Sequence[str], zero_config: ZeroConfig, world_size: int, machine: Machine, *,
-                   ranks_per_host: int | None = None) -> list[str]:
+def estimate_lines(
+    script_args: Sequence[str],
+    zero_config: ZeroConfig,
+    world_size: int,
+    machine: Machine,
+    *,
+    ranks_per_host: int | None = None,
+) -> list[str]:
     """The lines ``zero-plugin launch`` prints; [] when the script's arguments name no model.
 
     Raises what loading the config or planning raises (``print_launch_estimate`` turns that into a debug line).
@@ -233,20 +272,27 @@ def estimate_lines(script_args: Sequence[str], zero_config: ZeroConfig, world_si
     if model is None:
         return []
     batch, seq = _micro_batch(script_args)
-    plan = plan_launch(_model_config(model), zero_config, world_size, machine, ranks_per_host=ranks_per_host,
-                       batch=batch, seq=seq)
+    plan = plan_launch(
+        _model_config(model), zero_config, world_size, machine, ranks_per_host=ranks_per_host, batch=batch, seq=seq
+    )
     return render(plan, model, machine, batch, seq)
 
 
-def print_launch_estimate(script_args: Sequence[str], args: argparse.Namespace, accelerate_settings: dict,
-                          env: dict[str, str], has_gpus: bool) -> None:
+def print_launch_estimate(
+    script_args: Sequence[str], args: argparse.Namespace, accelerate_settings: dict, env: dict[str, str], has_gpus: bool
+) -> None:
     """``launch``'s call: print the estimate to stderr; never raises (see the module docstring)."""
     try:
         world_size = int(args.num_processes or accelerate_settings.get("num_processes") or _gpu_count(has_gpus))
         machines = int(getattr(args, "num_machines", None) or accelerate_settings.get("num_machines") or 1)
-        lines = estimate_lines(script_args, ZeroConfig.from_env({**os.environ, **env}), world_size,
-                               Machine.this(has_gpus), ranks_per_host=max(1, world_size // machines))
-    except Exception as exc:   # noqa: BLE001 - an estimate is advice: it must never stop the launch
+        lines = estimate_lines(
+            script_args,
+            ZeroConfig.from_env({**os.environ, **env}),
+            world_size,
+            Machine.this(has_gpus),
+            ranks_per_host=max(1, world_size // machines),
+        )
+    except Exception as exc:  # noqa: BLE001 - an estimate is advice: it must never stop the launch
         _LOG.debug("zero-plugin launch: no memory estimate: %s: %s", type(exc).__name__, exc)
         return
     if lines:

@@ -31,6 +31,7 @@ to give them those values back, for real, once injection is done.  Adapters are 
 ``zp.setup`` (so loading saved adapter weights into them works) and hold exactly what an eager run
 draws from the same seed: the lazy load consumes the RNG as an eager one does.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -106,20 +107,28 @@ def _load_lazily(model, state_dict, checkpoint_files, load_config, expected_keys
         missing, unexpected = expected - set(names), set(names) - expected
         unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
         if missing - _tied_names(model) and unexpected:
-            reason = (f"the checkpoint's names differ from the model's (e.g. {sorted(unexpected)[0]!r}) and need "
-                      "transformers' renaming")
+            reason = (
+                f"the checkpoint's names differ from the model's (e.g. {sorted(unexpected)[0]!r}) and need "
+                "transformers' renaming"
+            )
     if reason is not None:
         _warn_fallback(reason)
         return original(model, state_dict, checkpoint_files, load_config, expected_keys)
     _load_buffers(model, names, missing)
     for name, param in model.named_parameters():
         if name not in missing:
-            param._is_hf_initialized = True   # transformers' own mark of a loaded tensor
+            param._is_hf_initialized = True  # transformers' own mark of a loaded tensor
     materialize.record_source(model, [Path(f) for f in checkpoint_files])
     from transformers.utils.loading_report import LoadStateDictInfo
 
-    info = LoadStateDictInfo(missing_keys=missing, unexpected_keys=unexpected, mismatched_keys=set(),
-                             error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
+    info = LoadStateDictInfo(
+        missing_keys=missing,
+        unexpected_keys=unexpected,
+        mismatched_keys=set(),
+        error_msgs=[],
+        conversion_errors={},
+        skipped_pp_keys=set(),
+    )
     return info, None
 
 
@@ -129,8 +138,10 @@ def _why_not_lazy(state_dict, checkpoint_files, load_config) -> str | None:
     if not checkpoint_files:
         return "no checkpoint files"
     if not all(str(f).endswith(".safetensors") for f in checkpoint_files):
-        return (f"{Path(checkpoint_files[0]).name} is a pickle checkpoint, which cannot be read one tensor at a "
-                "time (re-save it with save_pretrained, which writes safetensors)")
+        return (
+            f"{Path(checkpoint_files[0]).name} is a pickle checkpoint, which cannot be read one tensor at a "
+            "time (re-save it with save_pretrained, which writes safetensors)"
+        )
     if load_config.device_map is not None:
         return "device_map places the weights itself"
     if load_config.hf_quantizer is not None:
@@ -146,9 +157,13 @@ def _warn_fallback(reason: str) -> None:
     if reason in _WARNED:
         return
     _WARNED.add(reason)
-    warnings.warn(f"zero_plugin: from_pretrained cannot build this model lazily on the meta device because "
-                  f"{reason}; it loads the full model in every process (N full copies in host RAM) before "
-                  "zp.setup shards it", LazyLoadFallbackWarning, stacklevel=4)
+    warnings.warn(
+        f"zero_plugin: from_pretrained cannot build this model lazily on the meta device because "
+        f"{reason}; it loads the full model in every process (N full copies in host RAM) before "
+        "zp.setup shards it",
+        LazyLoadFallbackWarning,
+        stacklevel=4,
+    )
 
 
 def _file_names(checkpoint_files) -> dict[str, str]:
@@ -181,14 +196,14 @@ def _load_buffers(model: nn.Module, names: dict[str, str], missing: set[str]) ->
 
 
 # -- PEFT ------------------------------------------------------------------------------------------
-_FRESH: "weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
+_FRESH: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
 def _snapshot_adapter_on_meta_base(self, adapter_name, device=None):
     weight = getattr(self.get_base_layer(), "weight", None)
     if weight is not None and weight.is_meta:
-        for layer_name in self.adapter_layer_names:   # lora_A, lora_B, lora_embedding_A, ...
+        for layer_name in self.adapter_layer_names:  # lora_A, lora_B, lora_embedding_A, ...
             layer = getattr(self, layer_name, None)
             if isinstance(layer, nn.ParameterDict) and adapter_name in layer:
                 _remember(layer, {adapter_name: layer[adapter_name]})

@@ -15,6 +15,7 @@ and freed, so no rank ever holds more than one unit unsharded.  Sources:
 (rotary tables etc.); :func:`pretrained_on_meta` does it for a transformers
 checkpoint folder and returns the matching safetensors source.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,16 @@ from torch import nn
 
 from . import tensor_file
 
-__all__ = ["ParamSource", "empty_model", "from_safetensors", "from_init_fn", "pretrained_on_meta", "as_source",
-           "record_source", "recorded_source"]
+__all__ = [
+    "ParamSource",
+    "empty_model",
+    "from_safetensors",
+    "from_init_fn",
+    "pretrained_on_meta",
+    "as_source",
+    "record_source",
+    "recorded_source",
+]
 
 
 class ParamSource:
@@ -51,8 +60,9 @@ class _TensorFnSource(ParamSource):
 
 
 class _SafetensorsSource(ParamSource):
-    def __init__(self, path: str | os.PathLike | list[Path],
-                 prefix_map: Callable[[str], list[str]] | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike | list[Path], prefix_map: Callable[[str], list[str]] | None = None
+    ) -> None:
         self.files = list(path) if isinstance(path, list) else _safetensors_files(Path(path))
         self.where: dict[str, tensor_file.TensorEntry] = {}
         for f in self.files:
@@ -63,13 +73,17 @@ class _SafetensorsSource(ParamSource):
         for _, _, name, full in owners:
             key = next((k for k in self.prefix_map(name) if k in self.where), None)
             if key is None:
-                raise KeyError(f"zero_plugin: parameter {name!r} is not in {[str(f) for f in self.files]}; "
-                               "the checkpoint does not match the model")
+                raise KeyError(
+                    f"zero_plugin: parameter {name!r} is not in {[str(f) for f in self.files]}; "
+                    "the checkpoint does not match the model"
+                )
             entry = self.where[key]
             if entry.shape != tuple(full.shape):
-                raise ValueError(f"zero_plugin: {key!r} in {entry.path} has shape {entry.shape}, "
-                                 f"the model expects {tuple(full.shape)}")
-            tensor_file.read_into(entry, full)   # [Note: reading without a second copy]
+                raise ValueError(
+                    f"zero_plugin: {key!r} in {entry.path} has shape {entry.shape}, "
+                    f"the model expects {tuple(full.shape)}"
+                )
+            tensor_file.read_into(entry, full)  # [Note: reading without a second copy]
 
 
 class _InitFnSource(ParamSource):
@@ -98,7 +112,7 @@ def _candidate_keys(name: str) -> list[str]:
     keys = [name]
     for prefix in ("base_model.model.", "module.", "_orig_mod."):
         if name.startswith(prefix):
-            keys.append(name[len(prefix):])
+            keys.append(name[len(prefix) :])
     return keys + [_PEFT_SEGMENTS.sub("", k) for k in keys]
 
 
@@ -143,7 +157,7 @@ def empty_model(build: Callable[[], nn.Module]) -> nn.Module:
 
     with init_empty_weights(include_buffers=False):
         model = build()
-    if hasattr(model, "tie_weights"):   # transformers models tie embeddings after init; on meta they come apart
+    if hasattr(model, "tie_weights"):  # transformers models tie embeddings after init; on meta they come apart
         model.tie_weights()
     return model
 
@@ -160,7 +174,7 @@ def pretrained_on_meta(name_or_path: str | os.PathLike, **config_kwargs) -> tupl
 # [Note: recorded sources] ``lazy_pretrained`` records, per module it built on meta, the files its
 # parameters live in; ``zp.setup(model)`` without ``param_source`` finds them on ``model`` or on a module
 # inside it (a PEFT or task wrapper), and maps the wrapper's names back to the module's own.
-_RECORDED: "weakref.WeakKeyDictionary[nn.Module, list[Path]]" = weakref.WeakKeyDictionary()
+_RECORDED: weakref.WeakKeyDictionary[nn.Module, list[Path]] = weakref.WeakKeyDictionary()
 
 
 def record_source(module: nn.Module, files: list[Path]) -> None:
@@ -197,8 +211,9 @@ def _strip_prefix(prefix: str) -> Callable[[str], list[str]]:
     head = f"{prefix}." if prefix else ""
 
     def keys(name: str) -> list[str]:
-        inner = name[len(head):] if head and name.startswith(head) else name
+        inner = name[len(head) :] if head and name.startswith(head) else name
         return list(dict.fromkeys([inner, _PEFT_SEGMENTS.sub("", inner)]))
+
     return keys
 
 
@@ -224,8 +239,10 @@ def materialize_all(model: nn.Module, source: ParamSource | None, comm) -> None:
     if not meta:
         return
     if source is None:
-        raise ValueError(f"zp.setup: parameter {owners_of(model, meta[:1])[0][2]!r} is on the meta device; pass "
-                         "param_source= so it can be materialised")
+        raise ValueError(
+            f"zp.setup: parameter {owners_of(model, meta[:1])[0][2]!r} is on the meta device; pass "
+            "param_source= so it can be materialised"
+        )
     # Stages 0-2 compute on the device: NCCL broadcasts there (the CPU under gloo).
     device = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else None
     fulls = [torch.empty(p.shape, dtype=p.dtype, device=device) for p in meta]

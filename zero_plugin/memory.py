@@ -9,6 +9,7 @@ N ranks, K bytes of optimizer state per parameter (Adam: two fp32 moments):
 With ``param_dtype`` lower than ``master_dtype`` the fp32 master copy is part of K
 (mixed-precision Adam: 2Ψ + 2Ψ + 12Ψ).  Frozen parameters count as params only.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -30,7 +31,7 @@ def _unwrap(optimizer):
 
 def state_elements_per_param(optimizer: torch.optim.Optimizer) -> int | None:
     """Optimizer-state tensors per parameter element for known optimizers (None when unknown; 0 without one)."""
-    if optimizer is None:   # an evaluation-only model
+    if optimizer is None:  # an evaluation-only model
         return 0
     opt = _unwrap(optimizer)
     group = opt.param_groups[0] if opt.param_groups else {}
@@ -45,8 +46,18 @@ def state_elements_per_param(optimizer: torch.optim.Optimizer) -> int | None:
     return None
 
 
-def theory_bytes(*, stage: int, world_size: int, trainable: int, frozen: int, param_bytes: int,
-                 master_bytes: int, state_per_param: int, mixed: bool, shard_is_master: bool = False) -> dict[str, float]:
+def theory_bytes(
+    *,
+    stage: int,
+    world_size: int,
+    trainable: int,
+    frozen: int,
+    param_bytes: int,
+    master_bytes: int,
+    state_per_param: int,
+    mixed: bool,
+    shard_is_master: bool = False,
+) -> dict[str, float]:
     """Bytes per rank by category.  ``shard_is_master``: stage 3 keeps one fp32 shard that is both the
     parameter and its master (and reduces into an fp32 gradient shard): same total, other split."""
     n = world_size
@@ -68,7 +79,7 @@ class _StorageCounter:
     def __init__(self) -> None:
         self.seen: set[tuple[str, int]] = set()
         self.bytes: dict[str, int] = {}
-        self.device_bytes: dict[tuple[str, str], int] = {}   # (device type, category) -> bytes
+        self.device_bytes: dict[tuple[str, str], int] = {}  # (device type, category) -> bytes
 
     def add(self, category: str, tensors: Iterable[torch.Tensor]) -> None:
         total = self.bytes.setdefault(category, 0)
@@ -108,9 +119,15 @@ def memory_report(model, optimizer=None) -> dict:
     measured = dict(counter.bytes)
     measured["total"] = sum(measured.values())
     theory = _theory_for(engine, optimizer)
-    return {"stage": engine.config.stage, "world_size": engine.comm.world_size, "rank": engine.comm.rank,
-            "measured": measured, "theory": theory, "placement": _placement(engine, counter, theory),
-            **_counts(engine)}
+    return {
+        "stage": engine.config.stage,
+        "world_size": engine.comm.world_size,
+        "rank": engine.comm.rank,
+        "measured": measured,
+        "theory": theory,
+        "placement": _placement(engine, counter, theory),
+        **_counts(engine),
+    }
 
 
 def _offloaded(engine) -> set[str]:
@@ -128,14 +145,17 @@ def _placement(engine, counter: _StorageCounter, theory: dict | None) -> dict:
     device_is_cpu = all(key[0] == "cpu" for key in counter.device_bytes)
     out: dict[str, dict[str, float]] = {"device": {}, "host": {}}
     for (dev, category), nbytes in counter.device_bytes.items():
-        where = ("host" if category in host_cats else "device") if device_is_cpu else \
-            ("host" if dev == "cpu" else "device")
+        where = (
+            ("host" if category in host_cats else "device") if device_is_cpu else ("host" if dev == "cpu" else "device")
+        )
         out[where][category] = out[where].get(category, 0) + nbytes
     for where in out:
         out[where]["total"] = sum(out[where].values())
     if theory is not None:
-        out["theory"] = {"host": sum(v for k, v in theory.items() if k in host_cats),
-                         "device": sum(v for k, v in theory.items() if k not in host_cats and k != "total")}
+        out["theory"] = {
+            "host": sum(v for k, v in theory.items() if k in host_cats),
+            "device": sum(v for k, v in theory.items() if k not in host_cats and k != "total"),
+        }
     return out
 
 
@@ -155,7 +175,14 @@ def _theory_for(engine, optimizer) -> dict[str, float] | None:
     mixed = cfg.param_dtype is not None and cfg.param_dtype != cfg.master_dtype
     master_dtype = cfg.master_dtype if mixed else p_dtype
     shard_is_master = cfg.stage == 3 and mixed and all(s.is_identity for s in engine.slots)
-    return theory_bytes(stage=cfg.stage, world_size=engine.comm.world_size, trainable=counts["trainable_params"],
-                        frozen=counts["frozen_params"], param_bytes=p_dtype.itemsize,
-                        master_bytes=master_dtype.itemsize, state_per_param=per, mixed=mixed,
-                        shard_is_master=shard_is_master)
+    return theory_bytes(
+        stage=cfg.stage,
+        world_size=engine.comm.world_size,
+        trainable=counts["trainable_params"],
+        frozen=counts["frozen_params"],
+        param_bytes=p_dtype.itemsize,
+        master_bytes=master_dtype.itemsize,
+        state_per_param=per,
+        mixed=mixed,
+        shard_is_master=shard_is_master,
+    )

@@ -29,6 +29,7 @@ Random values come from rank 0's generator, drawn unit by unit (zp.setup broadca
 they are deterministic for a given seed but not the values eager construction draws, which
 runs the modules in construction order: pass a safetensors ``param_source`` for exact weights.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,7 +49,7 @@ _PEFT_INITS = (True, False, "gaussian")
 
 
 def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-    if param is None or param.is_meta:   # [Note: meta ties]
+    if param is None or param.is_meta:  # [Note: meta ties]
         return None
     meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
     meta.__dict__.update(param.__dict__)
@@ -104,8 +105,10 @@ def _lora_reset(chain: list[tuple[str, nn.Module]], tuner: nn.Module, names: lis
     inits = {n: getattr(configs.get(n), "init_lora_weights", True) for n in names}
     bad = [v for v in inits.values() if v not in _PEFT_INITS]
     if bad:
-        return ("error", f"LoRA init_lora_weights={bad[0]!r} reads the base weights, which are not "
-                         "materialised when the adapter is")
+        return (
+            "error",
+            f"LoRA init_lora_weights={bad[0]!r} reads the base weights, which are not materialised when the adapter is",
+        )
 
     def reset() -> None:
         for n in names:
@@ -119,7 +122,7 @@ def _transformers_init(module: nn.Module, chain: list[tuple[str, nn.Module]]):
     for candidate in [module] + [parent for _, parent in reversed(chain)]:
         init = getattr(candidate, "_init_weights", None)
         if callable(init) and hasattr(candidate, "config"):
-            return ((id(module), "hf"), lambda: init(module))
+            return ((id(module), "hf"), lambda: init(module))  # noqa: B023 (returned in the same iteration)
     return None
 
 
@@ -144,8 +147,9 @@ class _Writes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for arg, value in zip(func._schema.arguments, list(args) + [kwargs.get(a.name) for a in
-                                                                     func._schema.arguments[len(args):]]):
+        for arg, value in zip(
+            func._schema.arguments, list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args) :]]
+        ):
             if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
                 self.written.add(value.untyped_storage()._cdata)
         return func(*args, **kwargs)
@@ -173,8 +177,10 @@ def check_initialisable(root: nn.Module) -> None:
         found = initialiser(root, module, where)
         reason = None
         if found is None:
-            reason = (f"{type(module).__name__} has no reset_parameters() and is not inside a transformers "
-                      "PreTrainedModel (_init_weights)")
+            reason = (
+                f"{type(module).__name__} has no reset_parameters() and is not inside a transformers "
+                "PreTrainedModel (_init_weights)"
+            )
         elif found[0] == "error":
             reason = found[1]
         else:
@@ -189,7 +195,8 @@ def check_initialisable(root: nn.Module) -> None:
                 "reset_parameters() method that initialises its own parameters; pass the weights with "
                 "ZeroStrategy(..., param_source='<model>.safetensors or folder'); or build the module with real "
                 "parameters (trainer.init_module(empty_init=False) / fabric.init_module(empty_init=False), or "
-                "ZeroStrategy(..., meta_init=False) for configure_model)")
+                "ZeroStrategy(..., meta_init=False) for configure_model)"
+            )
 
 
 def _describe(found) -> str:
@@ -208,7 +215,7 @@ class ModuleInitSource(ParamSource):
     def fill(self, owners) -> None:
         inits: dict = {}
         for module, attr, _, full in owners:
-            full.zero_()   # a parameter its module's init leaves alone is zero, not uninitialised memory
+            full.zero_()  # a parameter its module's init leaves alone is zero, not uninitialised memory
             to_real(getattr(module, attr), full)
         for module, _, _, _ in owners:
             key, fn = initialiser(self.root, module, self._where)
@@ -217,7 +224,7 @@ class ModuleInitSource(ParamSource):
             fn()
         for module, attr, _, full in owners:
             data = getattr(module, attr).data
-            if data.data_ptr() != full.data_ptr():   # an init that rebinds .data instead of writing in place
+            if data.data_ptr() != full.data_ptr():  # an init that rebinds .data instead of writing in place
                 full.copy_(data)
 
 

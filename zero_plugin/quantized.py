@@ -33,6 +33,7 @@ Refused at setup, with the scheme named: 8-bit (``load_in_8bit``: ``Linear8bitLt
 ``uint8``; the layout above is the supported one), a 4-bit weight that requires grad, and every other
 transformers quantizer (GPTQ, AWQ, HQQ, torchao, ...: packed integer buffers and kernels of their own).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,9 +41,11 @@ from torch import nn
 
 __all__ = ["check_quantization", "is_packed_4bit", "prepare_quantized", "quantized_layers"]
 
-_FIX_4BIT = ("load the model with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
-             "bnb_4bit_quant_storage=torch.bfloat16, bnb_4bit_compute_dtype=torch.bfloat16) -- the FSDP-QLoRA layout "
-             "zero_plugin shards")
+_FIX_4BIT = (
+    "load the model with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
+    "bnb_4bit_quant_storage=torch.bfloat16, bnb_4bit_compute_dtype=torch.bfloat16) -- the FSDP-QLoRA layout "
+    "zero_plugin shards"
+)
 
 
 def is_packed_4bit(param: torch.Tensor) -> bool:
@@ -52,8 +55,11 @@ def is_packed_4bit(param: torch.Tensor) -> bool:
 
 def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules holding a packed 4-bit weight directly."""
-    return [(n, m) for n, m in model.named_modules()
-            if any(p is not None and is_packed_4bit(p) for p in m._parameters.values())]
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if any(p is not None and is_packed_4bit(p) for p in m._parameters.values())
+    ]
 
 
 def check_quantization(model: nn.Module) -> None:
@@ -63,31 +69,39 @@ def check_quantization(model: nn.Module) -> None:
             raise ValueError(
                 f"zp.setup: the model is quantized with {method!r}, which zero_plugin does not support (its packed "
                 f"integer buffers and kernels are not shardable parameters); for QLoRA, {_FIX_4BIT}, or load the "
-                "model unquantized")
+                "model unquantized"
+            )
         if _get(config, "load_in_8bit"):
             raise ValueError(
                 "zp.setup: the model is loaded in 8-bit (BitsAndBytesConfig(load_in_8bit=True)), which zero_plugin "
                 "does not support (Linear8bitLt replaces weight.data by its own int8 copy in every forward, which a "
-                f"sharded parameter cannot allow); {_FIX_4BIT}")
+                f"sharded parameter cannot allow); {_FIX_4BIT}"
+            )
     for name, p in model.named_parameters():
         kind = type(p).__name__
         if kind == "Int8Params":
-            raise ValueError(f"zp.setup: parameter {name!r} is a bitsandbytes 8-bit weight, which zero_plugin does "
-                             f"not support; {_FIX_4BIT}")
+            raise ValueError(
+                f"zp.setup: parameter {name!r} is a bitsandbytes 8-bit weight, which zero_plugin does "
+                f"not support; {_FIX_4BIT}"
+            )
         if not is_packed_4bit(p):
             continue
         if not p.dtype.is_floating_point:
             raise ValueError(
                 f"zp.setup: 4-bit weight {name!r} is stored as {p.dtype} (bnb_4bit_quant_storage is not set to a float "
-                f"dtype); zero_plugin shards the float-storage layout only: {_FIX_4BIT}")
+                f"dtype); zero_plugin shards the float-storage layout only: {_FIX_4BIT}"
+            )
         if getattr(p, "quant_state", None) is None or p.is_meta:
             raise ValueError(
                 f"zp.setup: 4-bit weight {name!r} is not quantized yet (no quant_state; bitsandbytes quantizes when "
                 "the layer is moved to a device); load it with from_pretrained(..., quantization_config=...) or call "
-                ".to(device) on the model before zp.setup")
+                ".to(device) on the model before zp.setup"
+            )
         if p.requires_grad:
-            raise ValueError(f"zp.setup: 4-bit weight {name!r} requires grad; quantized weights cannot be trained. "
-                             "Freeze them (requires_grad=False) and train adapters (PEFT LoRA) on top")
+            raise ValueError(
+                f"zp.setup: 4-bit weight {name!r} requires grad; quantized weights cannot be trained. "
+                "Freeze them (requires_grad=False) and train adapters (PEFT LoRA) on top"
+            )
 
 
 def _quantization_configs(model: nn.Module) -> list[tuple[str, object]]:

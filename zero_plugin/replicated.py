@@ -5,6 +5,7 @@ What differs between the three stages is only the composition chosen in
 region, which reducer runs in backward, and whether updated regions are
 all-gathered after the step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,9 @@ def cast_frozen(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], con
             p.data = p.data.to(config.param_dtype)
 
 
-def make_masters(named: list[tuple[str, nn.Parameter]], comm: Comm, config: ZeroConfig,
-                 sharded: bool) -> list[MasterParam]:
+def make_masters(
+    named: list[tuple[str, nn.Parameter]], comm: Comm, config: ZeroConfig, sharded: bool
+) -> list[MasterParam]:
     """One master per trainable parameter; casts the model to ``param_dtype`` on the way."""
     master_dtype = config.master_dtype if config.param_dtype is not None else None
     slots = []
@@ -55,7 +57,7 @@ def make_masters(named: list[tuple[str, nn.Parameter]], comm: Comm, config: Zero
         if sharded:
             local = layout.local_view(p.data)
         elif master_dtype in (None, p.dtype) and master_device is None:
-            local = p   # plain DDP: the optimizer steps the parameter itself
+            local = p  # plain DDP: the optimizer steps the parameter itself
         else:
             local = p.data
         slots.append(MasterParam(name, p, layout, local, master_dtype, source=source, master_device=master_device))
@@ -65,8 +67,15 @@ def make_masters(named: list[tuple[str, nn.Parameter]], comm: Comm, config: Zero
 class ReplicatedEngine(Engine):
     """Full parameters on every rank; gradients and optimizer state as the stage says."""
 
-    def __init__(self, model: nn.Module, config: ZeroConfig, comm: Comm, slots: list[MasterParam],
-                 reducer: GradReducer, param_sync: ParamAllGather | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZeroConfig,
+        comm: Comm,
+        slots: list[MasterParam],
+        reducer: GradReducer,
+        param_sync: ParamAllGather | None,
+    ) -> None:
         super().__init__(model, config, comm, slots)
         self.reducer = reducer
         self.param_sync = param_sync
@@ -86,7 +95,7 @@ class ReplicatedEngine(Engine):
             self.param_sync.run()
 
     def discard_grads(self, set_to_none: bool) -> None:
-        self.reducer.zero_grad(set_to_none)   # param.grad and the reduced grads it indexes (stage 2: the shards)
+        self.reducer.zero_grad(set_to_none)  # param.grad and the reduced grads it indexes (stage 2: the shards)
         for slot in self.slots:
             if not slot.is_identity:
                 slot.master.grad = None
@@ -113,8 +122,11 @@ class ReplicatedEngine(Engine):
     @torch.no_grad()
     def full_state_dict(self, rank0_only: bool = True, trainable_only: bool = False) -> dict:
         """Full tensors; with mixed precision the trained parameters come from their fp32 masters."""
-        masters = {id(s.param): gather_full(self.comm, s.master.detach().reshape(-1), s.layout, tuple(s.param.shape))
-                   for s in self.slots if s.separate}   # collective: every rank takes part
+        masters = {
+            id(s.param): gather_full(self.comm, s.master.detach().reshape(-1), s.layout, tuple(s.param.shape))
+            for s in self.slots
+            if s.separate
+        }  # collective: every rank takes part
         if rank0_only and self.comm.rank != 0:
             return {}
         keep = {id(s.param) for s in self.slots} if trainable_only else None
@@ -131,7 +143,7 @@ class ReplicatedEngine(Engine):
         names = {id(p): n for n, p in self.model.named_parameters()}
         for slot in self.slots:
             value = state_dict.get(names[id(slot.param)])
-            if slot.separate and value is not None:   # keep the fp32 precision the dict carries
+            if slot.separate and value is not None:  # keep the fp32 precision the dict carries
                 region = slot.layout.local_view(value.detach().reshape(-1).contiguous())
                 slot.master.copy_(region.reshape(slot.master.shape))
             else:

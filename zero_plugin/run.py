@@ -21,6 +21,7 @@ CPU processes the launcher passes ``--multi_gpu`` (dropping ``--cpu``, which exc
 several processes but started one, and the Accelerator refuses when torchrun started several
 processes that each set up a single-process run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,16 +49,16 @@ _REPLACED_TYPES = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP", "MEGATRON_LM": "Meg
 # -- child ------------------------------------------------------------------------------------------
 def install() -> None:
     """[Note: what zero_plugin.run patches]  In this process only, and nothing in torch:
-      * ``accelerate.Accelerator`` and ``accelerate.accelerator.Accelerator`` -> zero_plugin's subclass;
-      * once ``transformers.trainer`` is imported: its ``Accelerator`` name and six ``Trainer``
-        checkpoint methods (``zero_plugin/integrations/hf_trainer.py``, ``install``);
-      * once Lightning is imported: the zero strategy names are registered (nothing is patched);
-      * at stage 3 (every rank), or at stages 0-2 with ``cpu_ram_efficient_loading`` (ranks other than 0):
-        once ``transformers.modeling_utils`` is imported, ``PreTrainedModel._load_pretrained_model``, so
-        that a safetensors ``from_pretrained`` builds on meta and records its files (anything else loads
-        as usual, with one warning); once ``peft.tuners.tuners_utils`` is imported,
-        ``BaseTunerLayer._move_adapter_to_device_of_base_layer``, so that adapters created on a meta base
-        keep their initial values (``zero_plugin/lazy_pretrained.py``, both Notes there).
+    * ``accelerate.Accelerator`` and ``accelerate.accelerator.Accelerator`` -> zero_plugin's subclass;
+    * once ``transformers.trainer`` is imported: its ``Accelerator`` name and six ``Trainer``
+      checkpoint methods (``zero_plugin/integrations/hf_trainer.py``, ``install``);
+    * once Lightning is imported: the zero strategy names are registered (nothing is patched);
+    * at stage 3 (every rank), or at stages 0-2 with ``cpu_ram_efficient_loading`` (ranks other than 0):
+      once ``transformers.modeling_utils`` is imported, ``PreTrainedModel._load_pretrained_model``, so
+      that a safetensors ``from_pretrained`` builds on meta and records its files (anything else loads
+      as usual, with one warning); once ``peft.tuners.tuners_utils`` is imported,
+      ``BaseTunerLayer._move_adapter_to_device_of_base_layer``, so that adapters created on a meta base
+      keep their initial values (``zero_plugin/lazy_pretrained.py``, both Notes there).
     """
     import accelerate
     import accelerate.accelerator
@@ -87,7 +88,9 @@ def _loads_lazily(config: ZeroConfig, rank: int) -> bool:
 def _lightning_registrar(package: str) -> Callable[[], None]:
     def register() -> None:
         from .integrations.lightning import register_strategies
+
         register_strategies([package])
+
     return register
 
 
@@ -115,7 +118,7 @@ class _ThenCall(importlib.abc.Loader):
         self.loader, self.callback = loader, callback
 
     def create_module(self, spec):
-        create = getattr(self.loader, "create_module", None)   # optional for loaders (PEP 451)
+        create = getattr(self.loader, "create_module", None)  # optional for loaders (PEP 451)
         return None if create is None else create(spec)
 
     def exec_module(self, module) -> None:
@@ -139,7 +142,8 @@ def _check_processes_started() -> None:
             "zero_plugin.run: accelerate launch was asked for several processes but started only this one (on a "
             "machine without GPUs its simple launcher needs mpirun). Use `zero-plugin launch --num_processes N "
             "...`, or `ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N -m zero_plugin.run "
-            "...`.")
+            "...`."
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: python -m zero_plugin.run [-m module | script.py] [script args...]")
     _check_processes_started()
     try:
-        ZeroConfig.from_env()   # a bad configuration stops here, before the script's imports
+        ZeroConfig.from_env()  # a bad configuration stops here, before the script's imports
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"zero_plugin.run: invalid zero_plugin configuration: {exc}") from None
     install()
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         if is_module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.path[0] = os.path.dirname(os.path.abspath(target))   # as `python script.py` would
+            sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script.py` would
             runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):
@@ -192,12 +196,12 @@ def _exit_after_success() -> None:
             try:
                 if not obj.closed:
                     obj.flush()
-            except Exception:   # noqa: BLE001 - a stream that cannot flush has nothing we can save
+            except Exception:  # noqa: BLE001 - a stream that cannot flush has nothing we can save
                 pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:   # noqa: BLE001
+        except Exception:  # noqa: BLE001
             pass
     os._exit(0)
 
@@ -216,13 +220,13 @@ def _shut_down_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         try:
-            dist.barrier()   # tear gloo down together: a rank still working (rank 0 saving) keeps its peers' pairs
-        except Exception:   # noqa: BLE001 - a peer that failed has gone; destroy anyway
+            dist.barrier()  # tear gloo down together: a rank still working (rank 0 saving) keeps its peers' pairs
+        except Exception:  # noqa: BLE001 - a peer that failed has gone; destroy anyway
             pass
         dist.destroy_process_group()
         from .collectives import release_groups
 
-        release_groups()   # zero_plugin's cached groups also hold the default group
+        release_groups()  # zero_plugin's cached groups also hold the default group
 
 
 # -- parent -----------------------------------------------------------------------------------------
@@ -231,16 +235,23 @@ def _launch_parser() -> argparse.ArgumentParser:
 
     parser = launch_command_parser()
     parser.prog = "zero-plugin launch"
-    parser.formatter_class = argparse.HelpFormatter   # Accelerate's hides groups it does not know
-    parser.description = ("Run an unmodified Accelerate / transformers.Trainer script under zero_plugin: "
-                          "accelerate launch [options] -m zero_plugin.run script.py [args].")
-    group = parser.add_argument_group("zero_plugin", "ZeRO configuration (else ZERO_PLUGIN_* variables, or a "
-                                      "zero_plugin: section of --config_file)")
+    parser.formatter_class = argparse.HelpFormatter  # Accelerate's hides groups it does not know
+    parser.description = (
+        "Run an unmodified Accelerate / transformers.Trainer script under zero_plugin: "
+        "accelerate launch [options] -m zero_plugin.run script.py [args]."
+    )
+    group = parser.add_argument_group(
+        "zero_plugin", "ZeRO configuration (else ZERO_PLUGIN_* variables, or a zero_plugin: section of --config_file)"
+    )
     group.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (ZERO_PLUGIN_STAGE)")
     group.add_argument("--offload", choices=("none", "cpu"), help="optimizer offload (ZERO_PLUGIN_OFFLOAD)")
     group.add_argument("--zero_config", help="YAML/JSON file of ZeroConfig fields")
-    group.add_argument("--no_estimate", action="store_true", help="do not print the planner's memory per rank for "
-                       "the script's --model before launching (zero_plugin/launch_estimate.py)")
+    group.add_argument(
+        "--no_estimate",
+        action="store_true",
+        help="do not print the planner's memory per rank for "
+        "the script's --model before launching (zero_plugin/launch_estimate.py)",
+    )
     return parser
 
 
@@ -271,8 +282,10 @@ def _zero_environment(args: argparse.Namespace, section: str | None) -> dict[str
     """ZERO_PLUGIN_* variables for the children, validated here so that a mistake fails before launching."""
     env: dict[str, str] = {}
     if section is not None and args.zero_config:
-        raise ValueError(f"both --zero_config {args.zero_config!r} and a '{_SECTION}:' section in {section!r} "
-                         "configure zero_plugin; keep one")
+        raise ValueError(
+            f"both --zero_config {args.zero_config!r} and a '{_SECTION}:' section in {section!r} "
+            "configure zero_plugin; keep one"
+        )
     config_file = args.zero_config or section
     if config_file:
         env["ZERO_PLUGIN_CONFIG"] = os.path.abspath(config_file)
@@ -324,8 +337,10 @@ def _prepare_accelerate_args(args: argparse.Namespace, defaults: dict, env: dict
             raise ValueError(f"--{flag} asks Accelerate for {name}, which zero_plugin replaces; drop it")
     dist_type = str(defaults.get("distributed_type", "NO")).split(".")[-1].upper()
     if dist_type in _REPLACED_TYPES and not args.multi_gpu:
-        raise ValueError(f"the Accelerate config sets distributed_type: {dist_type}, which zero_plugin replaces; "
-                         "use MULTI_GPU / MULTI_CPU / NO")
+        raise ValueError(
+            f"the Accelerate config sets distributed_type: {dist_type}, which zero_plugin replaces; "
+            "use MULTI_GPU / MULTI_CPU / NO"
+        )
     num_processes = args.num_processes if args.num_processes is not None else defaults.get("num_processes")
     if not _has_accelerator_devices():
         if num_processes is None:
@@ -354,12 +369,12 @@ def _run_accelerate(args: argparse.Namespace, env: dict[str, str]) -> int:
     from accelerate.commands.launch import launch_command
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    os.environ.update(env)   # Accelerate's launchers copy os.environ into the children's environment
+    os.environ.update(env)  # Accelerate's launchers copy os.environ into the children's environment
     try:
         launch_command(args)
-    except subprocess.CalledProcessError as exc:   # simple (single-process) launcher
+    except subprocess.CalledProcessError as exc:  # simple (single-process) launcher
         return exc.returncode or 1
-    except ChildFailedError as exc:                 # torchrun (multi-process) launcher
+    except ChildFailedError as exc:  # torchrun (multi-process) launcher
         print(f"zero-plugin launch: a process failed:\n{exc.format_msg()}", file=sys.stderr)
         return 1
     return 0

@@ -13,6 +13,7 @@ Evaluation only (``zp.setup(model, None, config)``): stage 3 shards the paramete
 runtime and nothing else ([Note: evaluation-only models] in ``stage3/inference.py``); stages 0-2 keep
 the model replicated, as DDP does with a model it does not train, and build no engine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,10 +43,12 @@ _REPLICATED = {
 }
 
 
-def build_engine(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig,
-                 comm: Comm, param_source=None) -> Engine:
+def build_engine(
+    model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig, comm: Comm, param_source=None
+) -> Engine:
     if config.stage == 3:
         from .stage3.engine import build_stage3_engine
+
         return build_stage3_engine(model, trainable, config, comm, param_source)
     spec = _REPLICATED[config.stage]
     cast_frozen(model, trainable, config)
@@ -67,4 +70,5 @@ def build_inference_engine(model: nn.Module, config: ZeroConfig, comm: Comm, par
         return None
     from .stage3.engine import build_stage3_engine
     from .stage3.inference import InferenceEngine
+
     return build_stage3_engine(model, [], config, comm, param_source, engine_type=InferenceEngine)

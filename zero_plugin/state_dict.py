@@ -1,4 +1,5 @@
 """Full (unsharded) model state dicts, for export and interchange with unsharded code."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +21,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, trainable_only
     return engine_of(model, "full_state_dict").full_state_dict(rank0_only=rank0_only, trainable_only=trainable_only)
 
 
-def load_full_state_dict(model: nn.Module, state_dict: dict | None, *, src_rank: int | None = 0,
-                         strict: bool = True):
+def load_full_state_dict(model: nn.Module, state_dict: dict | None, *, src_rank: int | None = 0, strict: bool = True):
     """Collective. Load a full state dict into a set-up model (any stage).
 
     With ``src_rank`` set, only that rank needs to pass the dict (others may pass None): it is broadcast.
@@ -44,7 +44,7 @@ def raw_state_dict(model: nn.Module) -> Iterator[None]:
     For zero_plugin's own callers that want shards (sharded checkpoints); a no-op at stages 0-2."""
     try:
         hooks = getattr(engine_of(model, "raw_state_dict"), "state_dict_hooks", None)
-    except ValueError:   # not set up: torch's own anyway
+    except ValueError:  # not set up: torch's own anyway
         hooks = None
     with hooks.raw() if hooks is not None else contextlib.nullcontext():
         yield

@@ -26,6 +26,7 @@ On CPU (gloo, or no accelerator) there is nothing to overlap with: :data:`NO_STR
 and creates no stream or event, so the CPU path is unchanged.  Tests substitute a recording fake
 with the same four methods to check the order of waits and records.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,7 +61,7 @@ class StreamSet:
 
 
 NO_STREAMS = StreamSet()
-_NULL = contextlib.nullcontext()   # reusable: entering and leaving it does nothing
+_NULL = contextlib.nullcontext()  # reusable: entering and leaving it does nothing
 
 
 class CudaStreams(StreamSet):

@@ -11,6 +11,7 @@ memory; otherwise (bf16 on disk, fp32 in training; a destination on an accelerat
 bounded staging buffer, chunk by chunk.  Plain reads go through the page cache, which is not this
 process's memory.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,11 +25,20 @@ import torch
 __all__ = ["TensorEntry", "header", "read_into"]
 
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
-_STAGING_BYTES = 16 << 20   # per chunk when the value must be converted or moved
+_STAGING_BYTES = 16 << 20  # per chunk when the value must be converted or moved
 
 
 class TensorEntry:
@@ -52,8 +62,10 @@ def header(path: Path) -> dict[str, TensorEntry]:
         if key == "__metadata__":
             continue
         if info["dtype"] not in _DTYPES:
-            raise ValueError(f"zero_plugin: {path}: tensor {key!r} has dtype {info['dtype']}, which this reader "
-                             f"does not know ({', '.join(_DTYPES)})")
+            raise ValueError(
+                f"zero_plugin: {path}: tensor {key!r} has dtype {info['dtype']}, which this reader "
+                f"does not know ({', '.join(_DTYPES)})"
+            )
         lo, hi = info["data_offsets"]
         out[key] = TensorEntry(path, _DTYPES[info["dtype"]], tuple(info["shape"]), base + lo, hi - lo)
     return out
@@ -62,8 +74,9 @@ def header(path: Path) -> dict[str, TensorEntry]:
 def read_into(entry: TensorEntry, out: torch.Tensor) -> None:
     """Fill ``out`` (same shape, any dtype/device) with the tensor ``entry`` describes."""
     if tuple(out.shape) != entry.shape:
-        raise ValueError(f"zero_plugin: tensor in {entry.path} has shape {entry.shape}, the model expects "
-                         f"{tuple(out.shape)}")
+        raise ValueError(
+            f"zero_plugin: tensor in {entry.path} has shape {entry.shape}, the model expects {tuple(out.shape)}"
+        )
     if not out.numel():
         return
     with open(entry.path, "rb", buffering=0) as f:
@@ -85,7 +98,7 @@ def _read_converted(f, entry: TensorEntry, out: torch.Tensor) -> None:
         n = min(per_chunk, out.numel() - lo)
         chunk = staging[: n * item]
         _read_exact(f, chunk)
-        target[lo:lo + n].copy_(chunk.view(entry.dtype))
+        target[lo : lo + n].copy_(chunk.view(entry.dtype))
     if whole is not None:
         out.copy_(whole)
 

@@ -10,6 +10,7 @@ most of each response repeats words of its instruction in a fixed template, and 
 small lookup (one-digit sums, the next weekday or month, an opposite) or a simple pattern
 (counting, repeating a word).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,21 +19,83 @@ import random
 from pathlib import Path
 
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September",
-          "October", "November", "December"]
-OPPOSITES = [("hot", "cold"), ("big", "small"), ("fast", "slow"), ("up", "down"), ("day", "night"),
-             ("open", "closed"), ("light", "dark"), ("early", "late"), ("full", "empty"), ("hard", "soft"),
-             ("old", "new"), ("wet", "dry"), ("high", "low"), ("near", "far"), ("loud", "quiet"),
-             ("thick", "thin"), ("strong", "weak"), ("rich", "poor"), ("happy", "sad"), ("first", "last")]
-WORDS = ["apple", "river", "cloud", "stone", "tiger", "lemon", "robot", "piano", "candle", "forest",
-         "rocket", "garden", "silver", "window", "pencil", "orange", "castle", "bridge", "mango", "violet",
-         "planet", "basket", "dragon", "button", "ladder", "marble", "needle", "parrot", "saddle", "tunnel"]
+MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
+OPPOSITES = [
+    ("hot", "cold"),
+    ("big", "small"),
+    ("fast", "slow"),
+    ("up", "down"),
+    ("day", "night"),
+    ("open", "closed"),
+    ("light", "dark"),
+    ("early", "late"),
+    ("full", "empty"),
+    ("hard", "soft"),
+    ("old", "new"),
+    ("wet", "dry"),
+    ("high", "low"),
+    ("near", "far"),
+    ("loud", "quiet"),
+    ("thick", "thin"),
+    ("strong", "weak"),
+    ("rich", "poor"),
+    ("happy", "sad"),
+    ("first", "last"),
+]
+WORDS = [
+    "apple",
+    "river",
+    "cloud",
+    "stone",
+    "tiger",
+    "lemon",
+    "robot",
+    "piano",
+    "candle",
+    "forest",
+    "rocket",
+    "garden",
+    "silver",
+    "window",
+    "pencil",
+    "orange",
+    "castle",
+    "bridge",
+    "mango",
+    "violet",
+    "planet",
+    "basket",
+    "dragon",
+    "button",
+    "ladder",
+    "marble",
+    "needle",
+    "parrot",
+    "saddle",
+    "tunnel",
+]
 NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
 def sums() -> list[dict]:
-    return [{"instruction": f"What is {a} plus {b}?", "response": f"{a} plus {b} is {a + b}."}
-            for a in range(10) for b in range(10)]
+    return [
+        {"instruction": f"What is {a} plus {b}?", "response": f"{a} plus {b} is {a + b}."}
+        for a in range(10)
+        for b in range(10)
+    ]
 
 
 def counting() -> list[dict]:
@@ -40,8 +103,12 @@ def counting() -> list[dict]:
     for start in range(1, 31):
         for length in (3, 4, 5, 6):
             end = start + length - 1
-            rows.append({"instruction": f"Count from {start} to {end}.",
-                         "response": ", ".join(str(n) for n in range(start, end + 1)) + "."})
+            rows.append(
+                {
+                    "instruction": f"Count from {start} to {end}.",
+                    "response": ", ".join(str(n) for n in range(start, end + 1)) + ".",
+                }
+            )
     return rows
 
 
@@ -49,8 +116,9 @@ def repeats() -> list[dict]:
     rows = []
     for word in WORDS:
         for times in (2, 3, 4):
-            rows.append({"instruction": f"Say {word} {NUMBER_WORDS[times]} times.",
-                         "response": " ".join([word] * times) + "."})
+            rows.append(
+                {"instruction": f"Say {word} {NUMBER_WORDS[times]} times.", "response": " ".join([word] * times) + "."}
+            )
     return rows
 
 
@@ -59,10 +127,15 @@ def calendar() -> list[dict]:
     for names, kind in ((DAYS, "day"), (MONTHS, "month")):
         for i, name in enumerate(names):
             after, before = names[(i + 1) % len(names)], names[i - 1]
-            rows.append({"instruction": f"Which {kind} comes after {name}?",
-                         "response": f"The {kind} after {name} is {after}."})
-            rows.append({"instruction": f"Which {kind} comes before {name}?",
-                         "response": f"The {kind} before {name} is {before}."})
+            rows.append(
+                {"instruction": f"Which {kind} comes after {name}?", "response": f"The {kind} after {name} is {after}."}
+            )
+            rows.append(
+                {
+                    "instruction": f"Which {kind} comes before {name}?",
+                    "response": f"The {kind} before {name} is {before}.",
+                }
+            )
     return rows
 
 
@@ -77,8 +150,12 @@ def opposites() -> list[dict]:
 def first_letters() -> list[dict]:
     rows = []
     for word in WORDS:
-        rows.append({"instruction": f"What is the first letter of {word}?",
-                     "response": f"The first letter of {word} is {word[0]}."})
+        rows.append(
+            {
+                "instruction": f"What is the first letter of {word}?",
+                "response": f"The first letter of {word} is {word[0]}.",
+            }
+        )
     return rows
 
 

@@ -16,6 +16,7 @@ All launches start when the module's first test asks for one (two at a time: eac
 2-core machine) and tests wait for the ones they need.  Cheap in-process checks cover the shipped
 configs and data.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -75,27 +76,57 @@ def _zero(*options: str) -> tuple[str, ...]:
 
 
 ACCELERATE = "lora_finetune_accelerate.py"
-LAUNCHES = {launch.name: launch for launch in [
-    *(Launch(f"accelerate_stage{s}", ACCELERATE, _zero("--config_file", str(CONFIGS / f"stage{s}.yaml")))
-      for s in (0, 1, 2)),
-    Launch("accelerate_stage3", ACCELERATE, _zero("--stage", "3", "--num_processes", "2")),
-    Launch("accelerate_multinode", ACCELERATE,
-           (*TORCHRUN, "--nnodes", "2", "--node_rank", "{node}", "--nproc_per_node", "1", "--master_addr",
-            "127.0.0.1", "--master_port", "{port}", "-m", "zero_plugin.run"),
-           env=(("ZERO_PLUGIN_STAGE", "3"), ("ACCELERATE_USE_CPU", "true")), nodes=2),
-    Launch("trainer_stage3", "finetune_trainer.py", _zero("--stage", "3", "--num_processes", "2")),
-    Launch("lightning_zero3", "lora_finetune_lightning.py", (PY,), env=(("MASTER_PORT", "{port}"),)),
-    Launch("full_stage3", "full_finetune.py",
-           (*TORCHRUN, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", "{port}"),
-           env=(("ZERO_PLUGIN_STAGE", "3"),)),
-]}
+LAUNCHES = {
+    launch.name: launch
+    for launch in [
+        *(
+            Launch(f"accelerate_stage{s}", ACCELERATE, _zero("--config_file", str(CONFIGS / f"stage{s}.yaml")))
+            for s in (0, 1, 2)
+        ),
+        Launch("accelerate_stage3", ACCELERATE, _zero("--stage", "3", "--num_processes", "2")),
+        Launch(
+            "accelerate_multinode",
+            ACCELERATE,
+            (
+                *TORCHRUN,
+                "--nnodes",
+                "2",
+                "--node_rank",
+                "{node}",
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                "{port}",
+                "-m",
+                "zero_plugin.run",
+            ),
+            env=(("ZERO_PLUGIN_STAGE", "3"), ("ACCELERATE_USE_CPU", "true")),
+            nodes=2,
+        ),
+        Launch("trainer_stage3", "finetune_trainer.py", _zero("--stage", "3", "--num_processes", "2")),
+        Launch("lightning_zero3", "lora_finetune_lightning.py", (PY,), env=(("MASTER_PORT", "{port}"),)),
+        Launch(
+            "full_stage3",
+            "full_finetune.py",
+            (*TORCHRUN, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", "{port}"),
+            env=(("ZERO_PLUGIN_STAGE", "3"),),
+        ),
+    ]
+}
 EXTRA_ARGS = {"lightning_zero3": ("--strategy", "zero3", "--devices", "2", "--accelerator", "cpu")}
 
 
 def _env(extra: dict[str, str], cache: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_PLUGIN_", "ACCELERATE_", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               XDG_CACHE_HOME=str(cache))
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        XDG_CACHE_HOME=str(cache),
+    )
     env.update(extra)
     return env
 
@@ -104,16 +135,24 @@ def _run_launch(launch: Launch, tmp: Path) -> SimpleNamespace:
     out = tmp / launch.name
     out.mkdir()
     port = str(_free_port())
-    args = [str(EXAMPLES / launch.script), "--output_dir", str(out), "--cache_dir", str(tmp / "cache"),
-            *SCRIPT_ARGS, *EXTRA_ARGS.get(launch.name, ())]
+    args = [
+        str(EXAMPLES / launch.script),
+        "--output_dir",
+        str(out),
+        "--cache_dir",
+        str(tmp / "cache"),
+        *SCRIPT_ARGS,
+        *EXTRA_ARGS.get(launch.name, ()),
+    ]
     env = _env({k: v.format(port=port) for k, v in launch.env}, tmp / "xdg")
     start = time.monotonic()
     procs = []
     for node in range(launch.nodes):
         cmd = [c.format(port=port, node=node) for c in launch.cmd] + args
         log = open(out / f"launch{node}.log", "w")
-        procs.append((subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True),
-                      log, cmd))
+        procs.append(
+            (subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True), log, cmd)
+        )
     codes = []
     for proc, log, _ in procs:
         try:
@@ -124,15 +163,29 @@ def _run_launch(launch: Launch, tmp: Path) -> SimpleNamespace:
             codes.append(-9)
         log.close()
     output = "\n".join((out / f"launch{n}.log").read_text() for n in range(launch.nodes))
-    return SimpleNamespace(name=launch.name, returncode=max(codes, key=abs), output=output, out=out,
-                           seconds=time.monotonic() - start, cmd=[c for _, _, c in procs])
+    return SimpleNamespace(
+        name=launch.name,
+        returncode=max(codes, key=abs),
+        output=output,
+        out=out,
+        seconds=time.monotonic() - start,
+        cmd=[c for _, _, c in procs],
+    )
 
 
 class Runs:
     """Starts every launch (two at a time) and hands out results by name."""
 
-    ORDER = ("accelerate_stage3", "accelerate_multinode", "trainer_stage3", "lightning_zero3", "full_stage3",
-             "accelerate_stage0", "accelerate_stage1", "accelerate_stage2")
+    ORDER = (
+        "accelerate_stage3",
+        "accelerate_multinode",
+        "trainer_stage3",
+        "lightning_zero3",
+        "full_stage3",
+        "accelerate_stage0",
+        "accelerate_stage1",
+        "accelerate_stage2",
+    )
 
     def __init__(self, tmp: Path) -> None:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
@@ -165,7 +218,7 @@ def _metrics(result) -> dict:
 def _assert_learns(losses: list[float], what: str) -> None:
     """The last quarter of the logged losses averages below 80% of the first one."""
     assert len(losses) >= 3 and all(x == x for x in losses), (what, losses)
-    tail = losses[-max(1, len(losses) // 4):]
+    tail = losses[-max(1, len(losses) // 4) :]
     assert sum(tail) / len(tail) < 0.8 * losses[0], f"{what}: the loss did not fall: {losses}"
 
 
@@ -218,7 +271,7 @@ def test_accelerate_example_every_stage(runs, stage):
     _assert_memory_matches_theory(metrics["memory"], stage)
     assert metrics["comm"]["total"]["bytes"] > 0
     assert "Model state per rank, ZeRO-" in result.output and "Communication per optimizer step" in result.output
-    assert (result.out / "state" / "zero_plugin_0").is_dir()   # save_state
+    assert (result.out / "state" / "zero_plugin_0").is_dir()  # save_state
     _assert_adapter_loads_and_helps(result.out / "adapter", metrics)
 
 
@@ -270,7 +323,7 @@ def test_full_finetune_example(runs):
     assert metrics["trainable_params"] == metrics["total_params"]
     _assert_learns(metrics["losses"], "full fine-tune")
     _assert_memory_matches_theory(metrics["memory"], 3)
-    assert (result.out / "checkpoint" / "COMPLETE").is_file()   # zp.save_checkpoint
+    assert (result.out / "checkpoint" / "COMPLETE").is_file()  # zp.save_checkpoint
     model_dir = result.out / "model"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -281,9 +334,14 @@ def test_full_finetune_example(runs):
 
 
 # -- shipped configs and data (in-process, fast) ---------------------------------------------------------
-EXPECTED_CONFIGS = {"stage0": (0, "none", False), "stage1": (1, "none", False), "stage2": (2, "none", False),
-                    "stage3": (3, "none", False), "stage2_offload": (2, "cpu", False),
-                    "stage3_offload": (3, "cpu", True)}
+EXPECTED_CONFIGS = {
+    "stage0": (0, "none", False),
+    "stage1": (1, "none", False),
+    "stage2": (2, "none", False),
+    "stage3": (3, "none", False),
+    "stage2_offload": (2, "cpu", False),
+    "stage3_offload": (3, "cpu", True),
+}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_CONFIGS))
@@ -298,13 +356,12 @@ def test_config_files(name, tmp_path):
     assert (config.stage, config.offload_optimizer, config.offload_params) == EXPECTED_CONFIGS[name]
     rest = {k: v for k, v in yaml.safe_load(path.read_text()).items() if k != "zero_plugin"}
     (tmp_path / "accelerate.yaml").write_text(yaml.safe_dump(rest))
-    ClusterConfig.from_yaml_file(str(tmp_path / "accelerate.yaml"))   # what Accelerate will read: valid
+    ClusterConfig.from_yaml_file(str(tmp_path / "accelerate.yaml"))  # what Accelerate will read: valid
 
 
 def test_shipped_data_is_what_make_data_generates(tmp_path):
     out = tmp_path / "instructions.jsonl"
-    subprocess.run([PY, str(EXAMPLES / "data" / "make_data.py"), "--out", str(out)], check=True,
-                   capture_output=True)
+    subprocess.run([PY, str(EXAMPLES / "data" / "make_data.py"), "--out", str(out)], check=True, capture_output=True)
     assert out.read_text() == (EXAMPLES / "data" / "instructions.jsonl").read_text()
     assert len(common.load_records(out)) >= 300
 
@@ -322,9 +379,9 @@ def test_data_formats(tmp_path):
     tokenizer = common.default_tokenizer(common.DEFAULT_DATA, tmp_path / "cache")
     row = common.encode({"instruction": "What is 1 plus 2?", "response": "1 plus 2 is 3."}, tokenizer, 128)
     prompt = common.prompt_ids(tokenizer, "What is 1 plus 2?")
-    assert row["labels"][:len(prompt)] == [common.IGNORE_INDEX] * len(prompt)   # the prompt is not trained on
-    assert row["labels"][len(prompt):] == row["input_ids"][len(prompt):]
+    assert row["labels"][: len(prompt)] == [common.IGNORE_INDEX] * len(prompt)  # the prompt is not trained on
+    assert row["labels"][len(prompt) :] == row["input_ids"][len(prompt) :]
     assert row["input_ids"][-1] == tokenizer.eos_token_id
-    assert tokenizer.decode(row["input_ids"][len(prompt):-1]) == "1 plus 2 is 3."
-    again = common.default_tokenizer(common.DEFAULT_DATA, tmp_path / "cache")   # from the cache
+    assert tokenizer.decode(row["input_ids"][len(prompt) : -1]) == "1 plus 2 is 3."
+    again = common.default_tokenizer(common.DEFAULT_DATA, tmp_path / "cache")  # from the cache
     assert again.get_vocab() == tokenizer.get_vocab()

@@ -5,6 +5,7 @@ Trainer example under ``zero-plugin launch --stage 3`` and plain DDP, measured f
 The writer and the benchmark's bookkeeping are checked in seconds; the end-to-end run of both launches
 (~1 min on 2 busy cores) is marked slow.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,7 @@ import torch
 from benchmarks import large_model as lm
 from benchmarks import write_llama_checkpoint as wl
 
-TINY = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv_heads", "2",
-        "--vocab", "512"]
+TINY = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv_heads", "2", "--vocab", "512"]
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +35,22 @@ def test_writer_output_loads_with_from_pretrained(tiny_checkpoint):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(str(out))
     state = model.state_dict()
-    assert set(index["weight_map"]) == set(state) and summary["files"] == 4   # embedding, 2 layers, head
+    assert set(index["weight_map"]) == set(state) and summary["files"] == 4  # embedding, 2 layers, head
     assert index["metadata"]["total_size"] == summary["bytes"] == sum(t.numel() * 4 for t in state.values())
     assert all(t.dtype == torch.float32 for t in state.values())
-    config = wl.llama_config(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512,
-                             eos_token_id=model.config.eos_token_id, pad_token_id=model.config.pad_token_id)
-    for i, (name, shape) in enumerate(wl.tensor_layout(config)):   # the seeded generator, tensor by tensor
+    config = wl.llama_config(
+        layers=2,
+        hidden=64,
+        intermediate=128,
+        heads=4,
+        kv_heads=2,
+        vocab=512,
+        eos_token_id=model.config.eos_token_id,
+        pad_token_id=model.config.pad_token_id,
+    )
+    for i, (name, shape) in enumerate(wl.tensor_layout(config)):  # the seeded generator, tensor by tensor
         assert torch.equal(state[name], wl.make_tensor(i, name, shape, seed=3, std=0.02)), name
-    assert not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])   # untied
+    assert not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])  # untied
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     assert tokenizer.eos_token_id == model.config.eos_token_id and len(tokenizer) <= model.config.vocab_size
     ids = torch.tensor([tokenizer("hello")["input_ids"]])
@@ -52,9 +60,30 @@ def test_writer_output_loads_with_from_pretrained(tiny_checkpoint):
 def test_writer_peak_rss_is_about_one_file(tmp_path):
     """20 layers of 13 MiB (272 MiB in all): the writer's peak RSS grows by about one file, not the model."""
     out = tmp_path / "mid"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.write_llama_checkpoint", str(out), "--layers", "20",
-                           "--hidden", "512", "--intermediate", "1536", "--heads", "4", "--kv_heads", "4",
-                           "--vocab", "512"], capture_output=True, text=True, cwd=lm.REPO, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.write_llama_checkpoint",
+            str(out),
+            "--layers",
+            "20",
+            "--hidden",
+            "512",
+            "--intermediate",
+            "1536",
+            "--heads",
+            "4",
+            "--kv_heads",
+            "4",
+            "--vocab",
+            "512",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=lm.REPO,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["files"] == 22 and summary["bytes"] > 18 * summary["largest_file_bytes"]
@@ -67,22 +96,43 @@ def test_writer_refuses_a_folder_with_files(tiny_checkpoint):
 
 
 def test_timings_from_step_lines():
-    lines = [(5.0, "zero-plugin launch: ..."), (20.0, "{'loss': '6.3', 'train_runtime': '1'}"), (21.0, " 33%|"),
-             (22.5, "{'loss': '6.1'}"), (24.5, "{'loss': '6.0'}"), (25.0, "{'train_runtime': '9', 'train_loss': '6'}")]
+    lines = [
+        (5.0, "zero-plugin launch: ..."),
+        (20.0, "{'loss': '6.3', 'train_runtime': '1'}"),
+        (21.0, " 33%|"),
+        (22.5, "{'loss': '6.1'}"),
+        (24.5, "{'loss': '6.0'}"),
+        (25.0, "{'train_runtime': '9', 'train_loss': '6'}"),
+    ]
     assert lm.timings(lines) == {"steps_logged": 3, "first_step_line_s": 20.0, "step_s": 2.25, "load_s": 17.75}
     assert lm.timings([(1.0, "no steps")]) == {"steps_logged": 0}
 
 
-@pytest.mark.parametrize("killed,marks,status", [
-    (None, {"load": {0: 5, 1: 6}, "train": {0: 7, 1: 8}}, "ok"),
-    ("killed by the watchdog after 9 s: MemAvailable fell to 1.90 GiB", {"load": {0: 5, 1: 6}},
-     "failed: killed by the watchdog after 9 s: MemAvailable fell to 1.90 GiB"),
-    ("killed by the watchdog after 9 s: x", {"train": {0: 7, 1: 8}},
-     "trained; then killed by the watchdog after 9 s: x in the example's epilogue (after training)"),
-])
+@pytest.mark.parametrize(
+    "killed,marks,status",
+    [
+        (None, {"load": {0: 5, 1: 6}, "train": {0: 7, 1: 8}}, "ok"),
+        (
+            "killed by the watchdog after 9 s: MemAvailable fell to 1.90 GiB",
+            {"load": {0: 5, 1: 6}},
+            "failed: killed by the watchdog after 9 s: MemAvailable fell to 1.90 GiB",
+        ),
+        (
+            "killed by the watchdog after 9 s: x",
+            {"train": {0: 7, 1: 8}},
+            "trained; then killed by the watchdog after 9 s: x in the example's epilogue (after training)",
+        ),
+    ],
+)
 def test_summary_status_and_ratio(killed, marks, status):
-    raw = {"name": "r", "killed": killed, "returncode": -9 if killed else 0, "marks": marks,
-           "hwm": {0: 9, 1: 10}, "timing": {}}
+    raw = {
+        "name": "r",
+        "killed": killed,
+        "returncode": -9 if killed else 0,
+        "marks": marks,
+        "hwm": {0: 9, 1: 10},
+        "timing": {},
+    }
     summary = lm.summarize(raw, full_copy=16)
     assert summary["status"] == status
     assert summary["ratio_to_full_copy"] == (0.5 if "train" in marks else None)
@@ -103,7 +153,7 @@ def test_watchdog_kills_the_whole_run(tmp_path):
     time.sleep(0.5)
     child = int(pid_file.read_text())
     gone = not os.path.exists(f"/proc/{child}")
-    assert gone or open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"   # or a zombie
+    assert gone or open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"  # or a zombie
     started = time.monotonic()
     raw = lm.run_one("m", ["sleep", "60"], {}, tmp_path / "m.log", timeout_s=60, min_available=2**60)
     assert time.monotonic() - started < 30 and raw["returncode"] == -9 and "MemAvailable fell to" in raw["killed"]

@@ -3,6 +3,7 @@
 The failure message starts with the spec as one JSON line, so any failure can be replayed alone with
 ``python -m tests.fuzz.replay 'SPEC_JSON'``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -81,8 +82,7 @@ def _error_line(exc: RankError) -> str:
     Ranks that only saw a peer go away say so and are passed over; a rank dies (no traceback) when gloo
     aborts the process on a collective size mismatch, and its stderr says so.
     """
-    last = {r: ([ln for ln in tb.strip().splitlines() if ln.strip()] or ["?"])[-1]
-            for r, tb in exc.tracebacks.items()}
+    last = {r: ([ln for ln in tb.strip().splitlines() if ln.strip()] or ["?"])[-1] for r, tb in exc.tracebacks.items()}
     own = [ln for ln in last.values() if not any(p in ln for p in _PEER_FAILURE)]
     hangs = [ln for ln in own if "timed out" in ln]
     if own and len(hangs) < len(own):
@@ -162,7 +162,7 @@ def _params_bf16(spec: dict, full: dict, ref: dict) -> list[str]:
         init = ref["initial"][k]
         if k in frozen:
             err = (full[k] - init).abs().max().item()
-            if not err <= 2 ** -8 * init.abs().max().item():
+            if not err <= 2**-8 * init.abs().max().item():
                 out.append(f"frozen param {k}: moved by {err:.3g}")
             continue
         diff += (full[k] - emulated[k]).pow(2).sum().item()
@@ -170,9 +170,11 @@ def _params_bf16(spec: dict, full: dict, ref: dict) -> list[str]:
         moved += (want - init).pow(2).sum().item()
         scale += init.pow(2).sum().item()
     # A floor for schedules that barely move the weights: bf16 rounding of the forward alone is ~2^-8.
-    denom = max(math.sqrt(moved), 2 ** -6 * math.sqrt(scale), 1e-12)
+    denom = max(math.sqrt(moved), 2**-6 * math.sqrt(scale), 1e-12)
     err, emu_err = math.sqrt(diff) / denom, math.sqrt(emu_diff) / denom
     if not err <= BF16_UPDATE_REL + emu_err:
-        out.append(f"bf16 update error ||p - p_emulated|| / ||p_ref - p0|| = {err:.3g} > {BF16_UPDATE_REL} + "
-                   f"{emu_err:.3g} (the emulation's own error; ||p_ref - p0|| = {math.sqrt(moved):.3g})")
+        out.append(
+            f"bf16 update error ||p - p_emulated|| / ||p_ref - p0|| = {err:.3g} > {BF16_UPDATE_REL} + "
+            f"{emu_err:.3g} (the emulation's own error; ||p_ref - p0|| = {math.sqrt(moved):.3g})"
+        )
     return out

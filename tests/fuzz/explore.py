@@ -9,6 +9,7 @@ how often it occurred and the smallest spec that showed it. ``--minimize`` then 
 specs greedily (``minimize.py``) while the signature stays the same. ``--out`` writes every failure as
 a JSON line {"signature", "spec", "detail"}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,13 @@ def explore(examples: int, seed: int, narrow: dict, out=None) -> dict[str, list[
     count, passed_s = [0], []
 
     @hypothesis_seed(seed)
-    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(spec=specs(**narrow))
     def one(spec):
         count[0] += 1
@@ -73,7 +79,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--minimize", action="store_true")
     parser.add_argument("--out")
-    ints = lambda text: tuple(int(v) for v in text.split(","))   # noqa: E731
+    ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
     parser.add_argument("--stages", type=ints, help="e.g. 0,1 (default: all)")
     parser.add_argument("--world-sizes", type=ints, help="e.g. 2,3 (default: 1-4)")
     parser.add_argument("--precisions", type=lambda t: tuple(t.split(",")), help="fp64,bf16,bf16_reduce_fp32")
@@ -83,8 +89,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-drop", action="store_true", help="every accumulation ends in a step")
     parser.add_argument("--one-sync", action="store_true", help="only the last micro-batch of a step is synced")
     args = parser.parse_args(argv)
-    narrow = {k: v for k, v in {"stages": args.stages, "world_sizes": args.world_sizes,
-                                "precisions": args.precisions}.items() if v}
+    narrow = {
+        k: v
+        for k, v in {"stages": args.stages, "world_sizes": args.world_sizes, "precisions": args.precisions}.items()
+        if v
+    }
     narrow.update({"uneven": (False,)} if args.even else {})
     narrow.update({"frozen": (False,)} if args.no_frozen else {})
     narrow.update({"zero_grad": ("optimizer",)} if args.no_model_zero_grad else {})
@@ -100,6 +109,7 @@ def main(argv: list[str]) -> int:
             spec = smallest.spec
             if args.minimize:
                 from tests.fuzz.minimize import minimize
+
                 spec = minimize(spec, lambda s, sig=sig: (f := failure_of(s)) is not None and signature(f) == sig)
             print(f"\n{len(failures)}x {sig}\nSPEC {to_json(spec)}")
     finally:

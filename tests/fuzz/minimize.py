@@ -1,6 +1,7 @@
 """Greedy shrinking of a failing spec, without hypothesis: try one simplification at a time, keep it when the
 spec still fails the same way, until none applies. Used by ``explore.py --minimize``; far fewer runs than
 hypothesis' shrinker needs through a process pool, and every candidate stays a valid spec."""
+
 from __future__ import annotations
 
 import copy
@@ -58,11 +59,13 @@ def _schedule_edits(spec: dict) -> Iterator[dict]:
         if op[0] != "zero_grad" or not follows_step or i == len(sched) - 1:
             yield _edit(spec, lambda s, i=i: s["schedule"].pop(i))
     if spec["world_size"] > 1:
+
         def drop_rank(s):
             s["world_size"] -= 1
             for op in s["schedule"]:
                 if op[0] == "micro":
                     op[1]["usage"].pop()
+
         yield _edit(spec, drop_rank)
     for i, op in enumerate(sched):
         if op[0] != "micro":
@@ -101,9 +104,11 @@ def _model_edits(spec: dict) -> Iterator[dict]:
         if m[key] > 1:
             yield _edit(spec, lambda s, key=key: s["model"].__setitem__(key, 1))
     if m["bias"]:
+
         def no_bias(s):
             s["model"]["bias"] = False
             s["model"]["frozen"] = [n for n in s["model"]["frozen"] if not n.endswith(".bias")]
+
         yield _edit(spec, no_bias)
 
 
@@ -119,6 +124,7 @@ def _drop_block(s: dict, b: int) -> None:
             return name
         k = int(hit.group(1))
         return None if k == b else f"blocks.{k - (k > b)}.{hit.group(2)}"
+
     m["frozen"] = [n for n in map(rename, m["frozen"]) if n is not None]
     for op in s["schedule"]:
         if op[0] == "micro":
@@ -147,5 +153,5 @@ def _config_edits(spec: dict) -> Iterator[dict]:
     for key, value in {"prefetch_depth": 1, "reshard_after_forward": True, "persistence_threshold": 0}.items():
         if spec["stage3"][key] != value:
             yield _edit(spec, lambda s, key=key, value=value: s["stage3"].__setitem__(key, value))
-    if spec["stage"] > 0:   # a lower stage allows every usage pattern a higher one does
+    if spec["stage"] > 0:  # a lower stage allows every usage pattern a higher one does
         yield _edit(spec, lambda s: s.update(stage=s["stage"] - 1, offload=s["offload"] and s["stage"] > 1))

@@ -4,6 +4,7 @@ Both sides of a comparison call these builders: the ranks (``workers.py``) and t
 reference (``reference.py``), so they start from the same weights, see the same batches and use the
 same param groups.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ Each micro-batch's loss is the mean over ranks of rank r's loss on its own batch
 so the gradients are what data-parallel averaging gives; no_sync only delays that averaging, so the
 reference ignores it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,7 +46,7 @@ def reference_bf16(spec: dict) -> dict:
     """
     n = spec["world_size"]
     master = build_model(spec, torch.float32)
-    work = copy.deepcopy(master).to(torch.bfloat16)   # deepcopy keeps the ties
+    work = copy.deepcopy(master).to(torch.bfloat16)  # deepcopy keeps the ties
     opt = build_optimizer(spec, master)
     pairs = [(m, w) for m, w in zip(master.parameters(), work.parameters()) if m.requires_grad]
     trainable = [m for m, _ in pairs]

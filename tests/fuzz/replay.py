@@ -2,6 +2,7 @@
 
 Prints OK, or the failure (the spec, what differed, and each failing rank's traceback); exit status 1 on failure.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ def main(argv: list[str]) -> int:
     text = sys.stdin.read() if arg == "-" else open(arg).read() if os.path.isfile(arg) else arg
     text = text.strip()
     if text.startswith("SPEC "):
-        text = text[len("SPEC "):]
+        text = text[len("SPEC ") :]
     try:
         run_spec(from_json(text))
     except FuzzFailure as exc:

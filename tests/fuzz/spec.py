@@ -19,6 +19,7 @@ blocks in each micro-batch (a block not called on some rank is an error there, n
 only USE/DISCARD differ between ranks. The micro-batch before a clip or a step is synced (outside
 ``no_sync``). Every step is followed by a zero_grad.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,13 +29,21 @@ from hypothesis import strategies as st
 from tests.fuzz.model import DISCARD, SKIP, USE, FuzzModel, tie_roots
 
 PRECISIONS = ("fp64", "bf16", "bf16_reduce_fp32")
-TINY_BUCKET_MB = 1e-4   # ~100 bytes: every parameter in its own bucket
+TINY_BUCKET_MB = 1e-4  # ~100 bytes: every parameter in its own bucket
 
 
 @st.composite
-def specs(draw, stages=(0, 1, 2, 3), world_sizes=(1, 2, 3, 4), precisions=PRECISIONS, uneven=(False, True),
-          frozen=(False, True), zero_grad=("optimizer", "optimizer", "model"), drop_steps=True,
-          multi_sync=True) -> dict:
+def specs(
+    draw,
+    stages=(0, 1, 2, 3),
+    world_sizes=(1, 2, 3, 4),
+    precisions=PRECISIONS,
+    uneven=(False, True),
+    frozen=(False, True),
+    zero_grad=("optimizer", "optimizer", "model"),
+    drop_steps=True,
+    multi_sync=True,
+) -> dict:
     """Every dimension by default; the keyword arguments narrow the draw (``explore.py`` uses them to look
     past a known bug that would otherwise fail most specs first)."""
     stage = draw(st.sampled_from(stages))
@@ -48,13 +57,16 @@ def specs(draw, stages=(0, 1, 2, 3), world_sizes=(1, 2, 3, 4), precisions=PRECIS
         "offload": stage > 0 and draw(st.booleans()),
         "precision": draw(st.sampled_from(precisions)),
         "bucket_size_mb": draw(st.sampled_from([25.0, TINY_BUCKET_MB])),
-        "stage3": {"prefetch_depth": draw(st.integers(0, 2)),
-                   "reshard_after_forward": draw(st.booleans()),
-                   "persistence_threshold": draw(st.sampled_from([0, 8]))},
+        "stage3": {
+            "prefetch_depth": draw(st.integers(0, 2)),
+            "reshard_after_forward": draw(st.booleans()),
+            "persistence_threshold": draw(st.sampled_from([0, 8])),
+        },
         "optimizer": draw(_optimizers()),
         "model": model,
-        "schedule": draw(_schedules(stage, world_size, len(model["widths"]), uneven, zero_grad, drop_steps,
-                                        multi_sync)),
+        "schedule": draw(
+            _schedules(stage, world_size, len(model["widths"]), uneven, zero_grad, drop_steps, multi_sync)
+        ),
     }
 
 
@@ -64,10 +76,17 @@ def _models(draw, frozen) -> dict:
     widths = [draw(st.integers(1, 9)) for _ in range(depth)]
     tie_to = [None] + [draw(st.one_of(st.none(), st.integers(0, j - 1))) for j in range(1, depth)]
     tie_to = tie_roots(tie_to)
-    widths = [widths[i] if i is not None else w for w, i in zip(widths, tie_to)]   # tied mixes are square alike
-    m = {"d_in": draw(st.integers(1, 6)), "widths": widths, "d_out": draw(st.integers(1, 5)),
-         "bias": draw(st.booleans()), "batch": draw(st.integers(1, 3)), "tie_to": tie_to, "frozen": []}
-    names = [n for n, _ in _shape_only(m).named_parameters() if n != "head.weight"]   # keep one trainable
+    widths = [widths[i] if i is not None else w for w, i in zip(widths, tie_to)]  # tied mixes are square alike
+    m = {
+        "d_in": draw(st.integers(1, 6)),
+        "widths": widths,
+        "d_out": draw(st.integers(1, 5)),
+        "bias": draw(st.booleans()),
+        "batch": draw(st.integers(1, 3)),
+        "tie_to": tie_to,
+        "frozen": [],
+    }
+    names = [n for n, _ in _shape_only(m).named_parameters() if n != "head.weight"]  # keep one trainable
     if draw(st.sampled_from(frozen)):
         m["frozen"] = [n for n in names if draw(st.integers(0, 3)) == 0]
     return m
@@ -82,12 +101,24 @@ def _shape_only(m: dict) -> FuzzModel:
 
 
 def _optimizers():
-    sgd = st.fixed_dictionaries({
-        "kind": st.just("sgd"), "lr": st.sampled_from([0.05, 0.2]), "momentum": st.sampled_from([0.0, 0.9]),
-        "weight_decay": st.sampled_from([0.0, 0.01]), "two_groups": st.booleans()})
-    adamw = st.fixed_dictionaries({
-        "kind": st.just("adamw"), "lr": st.sampled_from([0.01, 0.05]), "momentum": st.just(0.0),
-        "weight_decay": st.sampled_from([0.0, 0.1]), "two_groups": st.booleans()})
+    sgd = st.fixed_dictionaries(
+        {
+            "kind": st.just("sgd"),
+            "lr": st.sampled_from([0.05, 0.2]),
+            "momentum": st.sampled_from([0.0, 0.9]),
+            "weight_decay": st.sampled_from([0.0, 0.01]),
+            "two_groups": st.booleans(),
+        }
+    )
+    adamw = st.fixed_dictionaries(
+        {
+            "kind": st.just("adamw"),
+            "lr": st.sampled_from([0.01, 0.05]),
+            "momentum": st.just(0.0),
+            "weight_decay": st.sampled_from([0.0, 0.1]),
+            "two_groups": st.booleans(),
+        }
+    )
     return st.one_of(sgd, adamw)
 
 
@@ -96,16 +127,16 @@ def _usage(draw, stage: int, world_size: int, depth: int, uneven: bool) -> list[
     """One micro-batch: per rank, per block, SKIP / DISCARD / USE."""
     if not uneven:
         return [[USE] * depth for _ in range(world_size)]
-    if stage == 3:   # every rank calls the same blocks
+    if stage == 3:  # every rank calls the same blocks
         called = [draw(st.integers(0, 3)) > 0 for _ in range(depth)]
-        return [[(USE if draw(st.booleans()) else DISCARD) if c else SKIP for c in called]
-                for _ in range(world_size)]
+        return [[(USE if draw(st.booleans()) else DISCARD) if c else SKIP for c in called] for _ in range(world_size)]
     return [[draw(st.sampled_from([SKIP, DISCARD, USE, USE])) for _ in range(depth)] for _ in range(world_size)]
 
 
 @st.composite
-def _schedules(draw, stage: int, world_size: int, depth: int, uneven, zero_grad, drop_steps: bool,
-               multi_sync: bool) -> list:
+def _schedules(
+    draw, stage: int, world_size: int, depth: int, uneven, zero_grad, drop_steps: bool, multi_sync: bool
+) -> list:
     uneven = draw(st.sampled_from(uneven))
     schedule: list = []
     for _ in range(draw(st.integers(1, 3))):

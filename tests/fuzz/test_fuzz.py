@@ -9,6 +9,7 @@ with ``reference.py``. A failure prints the spec as JSON; replay it with ``pytho
 * Long: ``pytest tests/fuzz -m fuzz`` runs ``test_fuzz_long`` with fresh random specs and shrinking;
   ``ZERO_PLUGIN_FUZZ_EXAMPLES`` sets how many (default 500). See README.md.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,7 @@ LONG_EXAMPLES = int(os.environ.get("ZERO_PLUGIN_FUZZ_EXAMPLES", "500"))
 _COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@settings(max_examples=CI_EXAMPLES, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
-          **_COMMON)
+@settings(max_examples=CI_EXAMPLES, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate], **_COMMON)
 @given(spec=specs())
 def test_fuzz_ci(spec):
     note(f"SPEC {to_json(spec)}")
@@ -41,12 +41,14 @@ def test_fuzz_long(spec):
     run_spec(spec)
 
 
-SELF_CHECK = ('{"bucket_size_mb":25.0,"buffered":false,"model":{"batch":2,"bias":true,"d_in":3,"d_out":2,"frozen":[],'
-              '"tie_to":[null,null],"widths":[5,7]},"offload":false,"optimizer":{"kind":"adamw","lr":0.05,'
-              '"momentum":0.0,"two_groups":false,"weight_decay":0.1},"precision":"fp64","schedule":[["micro",'
-              '{"scale":1.0,"sync":true,"usage":[[2,2],[2,1]]}],["clip",0.05],["step"],["zero_grad","optimizer"]],'
-              '"seed":1,"stage":0,"stage3":{"persistence_threshold":0,"prefetch_depth":1,'
-              '"reshard_after_forward":true},"world_size":2}')
+SELF_CHECK = (
+    '{"bucket_size_mb":25.0,"buffered":false,"model":{"batch":2,"bias":true,"d_in":3,"d_out":2,"frozen":[],'
+    '"tie_to":[null,null],"widths":[5,7]},"offload":false,"optimizer":{"kind":"adamw","lr":0.05,'
+    '"momentum":0.0,"two_groups":false,"weight_decay":0.1},"precision":"fp64","schedule":[["micro",'
+    '{"scale":1.0,"sync":true,"usage":[[2,2],[2,1]]}],["clip",0.05],["step"],["zero_grad","optimizer"]],'
+    '"seed":1,"stage":0,"stage3":{"persistence_threshold":0,"prefetch_depth":1,'
+    '"reshard_after_forward":true},"world_size":2}'
+)
 
 
 def test_comparison_catches_a_wrong_update():

@@ -1,4 +1,5 @@
 """What every rank runs for one fuzz spec (module level, so the worker pool pickles it by reference)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,7 @@ import zero_plugin as zp
 from tests.fuzz.model import batch, build_model, build_optimizer, loss_fn
 from tests.unit.memory_comm_workers import collectives_layout
 
-TIMEOUT_S = 15.0   # a collective mismatch fails in seconds instead of the default ten minutes
+TIMEOUT_S = 15.0  # a collective mismatch fails in seconds instead of the default ten minutes
 
 
 def precision(spec: dict) -> tuple[torch.dtype, dict]:
@@ -27,10 +28,17 @@ def make_config(spec: dict) -> zp.ZeroConfig:
     s3 = spec["stage3"]
     _, fields = precision(spec)
     return zp.ZeroConfig(
-        stage=spec["stage"], offload_optimizer="cpu" if spec["offload"] else "none",
-        bucket_size_mb=spec["bucket_size_mb"], prefetch_depth=s3["prefetch_depth"],
-        reshard_after_forward=s3["reshard_after_forward"], persistence_threshold=s3["persistence_threshold"],
-        unit_classes=("FuzzBlock",), timeout_s=TIMEOUT_S, debug_collectives=True, **fields)
+        stage=spec["stage"],
+        offload_optimizer="cpu" if spec["offload"] else "none",
+        bucket_size_mb=spec["bucket_size_mb"],
+        prefetch_depth=s3["prefetch_depth"],
+        reshard_after_forward=s3["reshard_after_forward"],
+        persistence_threshold=s3["persistence_threshold"],
+        unit_classes=("FuzzBlock",),
+        timeout_s=TIMEOUT_S,
+        debug_collectives=True,
+        **fields,
+    )
 
 
 def fuzz_worker(spec: dict) -> dict:

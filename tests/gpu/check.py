@@ -18,6 +18,7 @@
   4. Step time of stage 3 against torch FSDP2 (fully_shard) on the same ~1B model, world size 1.
 Each part is independent: a failure is recorded in the JSON and the next part runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,13 @@ def part_parity() -> dict:
         ref_opt.zero_grad()
     want = {k: v.detach().cpu() for k, v in ref.named_parameters()}
     out = {}
-    for name, cfg in {"stage0": dict(stage=0), "stage1": dict(stage=1), "stage2": dict(stage=2),
-                      "stage3": dict(stage=3), "stage3_offload": dict(stage=3, offload_optimizer="cpu")}.items():
+    for name, cfg in {
+        "stage0": dict(stage=0),
+        "stage1": dict(stage=1),
+        "stage2": dict(stage=2),
+        "stage3": dict(stage=3),
+        "stage3_offload": dict(stage=3, offload_optimizer="cpu"),
+    }.items():
         model = models.make_odd_mlp().cuda()
         model, opt = zp.setup(model, models.two_group_adamw(model), zp.ZeroConfig(**cfg))
         for x, y in batches:
@@ -70,8 +76,15 @@ def part_parity() -> dict:
 def _llama(hidden: int, layers: int, inter: int, heads: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=512,
+    )
     return cfg, (lambda: LlamaForCausalLM(cfg))
 
 
@@ -101,14 +114,16 @@ def part_fake_pg_memory() -> dict:
             "    print('RESULT' + json.dumps({'peak': torch.cuda.max_memory_allocated(), 'theory': rep['theory']['total'], 'measured': rep['measured']['total']}))\n"
         ).replace("{stage}", str(stage))
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400)
-        out[f"stage{stage}"] = (json.loads(res.stdout.split("RESULT", 1)[1]) if "RESULT" in res.stdout
-                                else {"error": res.stderr[-2000:]})
+        out[f"stage{stage}"] = (
+            json.loads(res.stdout.split("RESULT", 1)[1]) if "RESULT" in res.stdout else {"error": res.stderr[-2000:]}
+        )
     return out
 
 
 def part_13b_lora() -> dict:
-    import zero_plugin as zp
     from peft import LoraConfig, get_peft_model
+
+    import zero_plugin as zp
     from zero_plugin.materialize import empty_model, from_init_fn
 
     _nccl_world1()
@@ -119,9 +134,12 @@ def part_13b_lora() -> dict:
     model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     t0 = time.time()
-    model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3, offload_params=True, offload_optimizer="cpu",
-                                                    param_dtype="bf16"),
-                          param_source=from_init_fn(model.base_model.model._init_weights))
+    model, opt = zp.setup(
+        model,
+        opt,
+        zp.ZeroConfig(stage=3, offload_params=True, offload_optimizer="cpu", param_dtype="bf16"),
+        param_source=from_init_fn(model.base_model.model._init_weights),
+    )
     setup_s = time.time() - t0
     ids = torch.randint(0, 32000, (1, 128), device="cuda")
     losses, times = [], []
@@ -134,13 +152,19 @@ def part_13b_lora() -> dict:
         torch.cuda.synchronize()
         losses.append(loss.item())
         times.append(time.time() - t)
-    return {"params": psi, "setup_s": setup_s, "step_s": times, "losses": losses,
-            "peak_cuda_gib": torch.cuda.max_memory_allocated() / GiB}
+    return {
+        "params": psi,
+        "setup_s": setup_s,
+        "step_s": times,
+        "losses": losses,
+        "peak_cuda_gib": torch.cuda.max_memory_allocated() / GiB,
+    }
 
 
 def part_speed_vs_fsdp2(steps: int = 10) -> dict:
-    import zero_plugin as zp
     from torch.distributed.fsdp import fully_shard
+
+    import zero_plugin as zp
 
     _nccl_world1()
     cfg, build = _llama(2048, 16, 5504, 16)
@@ -179,8 +203,9 @@ def part_lazy_load() -> dict:
     import sys
 
     env = {**os.environ, "MASTER_PORT": "29534"}
-    res = subprocess.run([sys.executable, "-m", "tests.gpu.lazy_load"], capture_output=True, text=True, timeout=300,
-                         env=env)
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.lazy_load"], capture_output=True, text=True, timeout=300, env=env
+    )
     if "RESULT" not in res.stdout:
         return {"error": (res.stdout + res.stderr)[-3000:], "ok": False}
     return json.loads(res.stdout.split("RESULT", 1)[1])
@@ -205,9 +230,16 @@ def part_qlora() -> dict:
     return run()
 
 
-PARTS = {"parity": part_parity, "overlap": part_overlap, "offload": part_offload, "fake_pg_memory": part_fake_pg_memory,
-         "lazy_load": part_lazy_load, "qlora": part_qlora, "lora_13b": part_13b_lora,
-         "speed_vs_fsdp2": part_speed_vs_fsdp2}
+PARTS = {
+    "parity": part_parity,
+    "overlap": part_overlap,
+    "offload": part_offload,
+    "fake_pg_memory": part_fake_pg_memory,
+    "lazy_load": part_lazy_load,
+    "qlora": part_qlora,
+    "lora_13b": part_13b_lora,
+    "speed_vs_fsdp2": part_speed_vs_fsdp2,
+}
 
 
 def main() -> None:

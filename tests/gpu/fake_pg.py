@@ -3,6 +3,7 @@
 Collectives move no data, so results are meaningless, but every allocation is real: this measures the
 per-rank memory of a large world size on one device (CPU here, CUDA in tests/gpu/run.sh).
 """
+
 from __future__ import annotations
 
 import contextlib

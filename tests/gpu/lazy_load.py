@@ -9,6 +9,7 @@ now each parameter reaches the device only while its unit is sharded.  Two LoRA 
 
     python -m tests.gpu.lazy_load    # prints RESULT{json}; one process, NCCL world size 1
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,15 @@ def write_checkpoint(folder: str) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-                         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=256,
+    )
     model = LlamaForCausalLM(config)
     model.save_pretrained(folder, max_shard_size="300MB")
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -36,12 +44,12 @@ def run(folder: str, model_bytes: int) -> dict:
     os.environ.update(ZERO_PLUGIN_STAGE="3", ZERO_PLUGIN_OFFLOAD_PARAMS="true", ZERO_PLUGIN_OFFLOAD="cpu")
     from zero_plugin import run as zero_run
 
-    zero_run.install()   # what the launched child does before the script's imports
+    zero_run.install()  # what the launched child does before the script's imports
     from tests.gpu.check import _nccl_world1
 
     _nccl_world1()
     torch.cuda.set_per_process_memory_fraction(CAP_BYTES / torch.cuda.get_device_properties(0).total_memory, 0)
-    from accelerate import Accelerator   # zero_plugin's, after install()
+    from accelerate import Accelerator  # zero_plugin's, after install()
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -61,11 +69,16 @@ def run(folder: str, model_bytes: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"model_bytes": model_bytes, "cap_bytes": CAP_BYTES, "meta_after_load": meta,
-            "setup_peak_bytes": setup_peak, "train_peak_bytes": torch.cuda.max_memory_allocated(),
-            "losses": losses, "whole_model_fits_under_cap": _fits(model_bytes),
-            "ok": meta > 0 and model_bytes > 2 * CAP_BYTES and setup_peak < CAP_BYTES
-            and all(x == x for x in losses)}
+    return {
+        "model_bytes": model_bytes,
+        "cap_bytes": CAP_BYTES,
+        "meta_after_load": meta,
+        "setup_peak_bytes": setup_peak,
+        "train_peak_bytes": torch.cuda.max_memory_allocated(),
+        "losses": losses,
+        "whole_model_fits_under_cap": _fits(model_bytes),
+        "ok": meta > 0 and model_bytes > 2 * CAP_BYTES and setup_peak < CAP_BYTES and all(x == x for x in losses),
+    }
 
 
 def _fits(nbytes: int) -> bool:

@@ -9,6 +9,7 @@
   wait for every copy, step everything, then copy everything back), and its step time is recorded next to
   that path's.
 """
+
 from __future__ import annotations
 
 import time
@@ -29,8 +30,9 @@ def _train(offload: bool, blocked: bool = True, steps: int = 4) -> dict:
     model = _model().cuda()
     psi = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=2, param_dtype="bf16",
-                                                    offload_optimizer="cpu" if offload else "none"))
+    model, opt = zp.setup(
+        model, opt, zp.ZeroConfig(stage=2, param_dtype="bf16", offload_optimizer="cpu" if offload else "none")
+    )
     if not blocked:
         opt.blocked = None
     x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
@@ -45,9 +47,13 @@ def _train(offload: bool, blocked: bool = True, steps: int = 4) -> dict:
         torch.cuda.synchronize()
         step_s.append(time.perf_counter() - t)
         opt.zero_grad()
-    out = {"psi": psi, "peak": torch.cuda.max_memory_allocated(), "step_s": sorted(step_s)[len(step_s) // 2],
-           "blocked_used": opt.blocked is not None and blocked,
-           "params": [p.detach().float().cpu() for p in model.parameters()]}
+    out = {
+        "psi": psi,
+        "peak": torch.cuda.max_memory_allocated(),
+        "step_s": sorted(step_s)[len(step_s) // 2],
+        "blocked_used": opt.blocked is not None and blocked,
+        "params": [p.detach().float().cpu() for p in model.parameters()],
+    }
     del model, opt
     torch.cuda.empty_cache()
     return out
@@ -63,13 +69,20 @@ def part_offload() -> dict:
     on = _train(offload=True)
     torch.manual_seed(1)
     whole = _train(offload=True, blocked=False)
-    state_bytes = 12 * on["psi"]   # fp32 master + exp_avg + exp_avg_sq
+    state_bytes = 12 * on["psi"]  # fp32 master + exp_avg + exp_avg_sq
     drop = off["peak"] - on["peak"]
     bitwise = all(torch.equal(a, b) for a, b in zip(on["params"], whole["params"]))
-    return {"psi": on["psi"], "peak_gib": {"no_offload": off["peak"] / GiB, "offload": on["peak"] / GiB},
-            "drop_over_state": drop / state_bytes, "blocked_bitwise_whole_tensor": bitwise,
-            "blocked_used": on["blocked_used"],
-            "step_ms": {"no_offload": off["step_s"] * 1e3, "offload_blocked": on["step_s"] * 1e3,
-                        "offload_whole_tensor": whole["step_s"] * 1e3},
-            # at least the state: without offload the step's own temporaries (foreach AdamW) may add more
-            "ok": bitwise and on["blocked_used"] and drop >= 0.9 * state_bytes}
+    return {
+        "psi": on["psi"],
+        "peak_gib": {"no_offload": off["peak"] / GiB, "offload": on["peak"] / GiB},
+        "drop_over_state": drop / state_bytes,
+        "blocked_bitwise_whole_tensor": bitwise,
+        "blocked_used": on["blocked_used"],
+        "step_ms": {
+            "no_offload": off["step_s"] * 1e3,
+            "offload_blocked": on["step_s"] * 1e3,
+            "offload_whole_tensor": whole["step_s"] * 1e3,
+        },
+        # at least the state: without offload the step's own temporaries (foreach AdamW) may add more
+        "ok": bitwise and on["blocked_used"] and drop >= 0.9 * state_bytes,
+    }

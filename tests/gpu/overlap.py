@@ -12,6 +12,7 @@ Measured with CUDA timing events:
     ``record_stream``: when memory is freed does not depend on GPU timing), and at most the full gradients
     of the in-flight reductions above the control's peak.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -63,17 +64,19 @@ def _slow_collectives(comm, cycles: int, spans: dict) -> None:
 
         def slow(out, inp, *args, _original=original, _name=name, tag="", **kwargs):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()   # on the current stream: the gather/reduce stream, or compute under NO_STREAMS
+            start.record()  # on the current stream: the gather/reduce stream, or compute under NO_STREAMS
             torch.cuda._sleep(cycles)
             end.record()
             spans.setdefault((_name, tag), []).append((start, end))
             return _original(out, inp, *args, tag=tag, **kwargs)
+
         setattr(comm, name, slow)
 
 
 def _forward_spans(engine, spans: dict) -> list:
     handles = []
     for unit in engine.units[1:]:
+
         def pre(module, args, unit=unit):
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -83,18 +86,19 @@ def _forward_spans(engine, spans: dict) -> list:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             spans[("forward", unit.name)][-1][1] = event
+
         handles += [unit.module.register_forward_pre_hook(pre), unit.module.register_forward_hook(post)]
     return handles
 
 
 def _overlap_fraction(spans: dict, order: list, origin) -> float:
     """Median over units i of |sleep of unit i+1's last forward-time gather ∩ unit i's last forward| / sleep."""
-    t = lambda ev: origin.elapsed_time(ev)   # noqa: E731
+    t = lambda ev: origin.elapsed_time(ev)  # noqa: E731
     fractions = []
     for cur, nxt in zip(order, order[1:]):
         f0, f1 = spans[("forward", cur)][-1]
         gathers = [(t(a), t(b)) for a, b in spans.get(("all_gather", nxt), [])]
-        inside = [g for g in gathers if g[0] <= t(f1)]   # launched before unit i's forward ended
+        inside = [g for g in gathers if g[0] <= t(f1)]  # launched before unit i's forward ended
         if not inside:
             fractions.append(0.0)
             continue
@@ -139,14 +143,21 @@ def _run(use_side_streams: bool, cycles: int, steps: int = 5) -> dict:
     overlap = _overlap_fraction(spans, order, origin)
     for h in handles:
         h.remove()
-    unit_grad_bytes = max(sum(sp.layout.padded_numel * sp.unsharded.element_size() for sp in u.trainable)
-                          for u in engine.units)
+    unit_grad_bytes = max(
+        sum(sp.layout.padded_numel * sp.unsharded.element_size() for sp in u.trainable) for u in engine.units
+    )
     del model, opt, engine
     torch.cuda.empty_cache()
-    return {"engine_streams": kind, "side_streams": use_side_streams, "overlap": overlap,
-            "step_ms": statistics.median(times[2:]), "peaks": peaks[2:], "gathers_per_step": 2 * BLOCKS - 1,
-            "held_grads_bound": (_MAX_INFLIGHT_REDUCES + 1) * unit_grad_bytes,
-            "is_cuda_streams": kind == CudaStreams.__name__}
+    return {
+        "engine_streams": kind,
+        "side_streams": use_side_streams,
+        "overlap": overlap,
+        "step_ms": statistics.median(times[2:]),
+        "peaks": peaks[2:],
+        "gathers_per_step": 2 * BLOCKS - 1,
+        "held_grads_bound": (_MAX_INFLIGHT_REDUCES + 1) * unit_grad_bytes,
+        "is_cuda_streams": kind == CudaStreams.__name__,
+    }
 
 
 def part_overlap() -> dict:
@@ -156,16 +167,21 @@ def part_overlap() -> dict:
     cycles = int(SLEEP_MS * _cycles_per_ms())
     side = _run(True, cycles)
     serial = _run(False, cycles)
-    total_sleep = (2 * BLOCKS + BLOCKS) * SLEEP_MS   # gathers (forward + backward) and reductions, roughly
+    total_sleep = (2 * BLOCKS + BLOCKS) * SLEEP_MS  # gathers (forward + backward) and reductions, roughly
     checks = {
         "engine uses CudaStreams": side["is_cuda_streams"],
         "prefetched gather overlaps compute (>= 0.8 of its time)": side["overlap"] >= 0.8,
         "control without side streams does not overlap (<= 0.2)": serial["overlap"] <= 0.2,
-        "side streams save at least half the stand-in wire time":
-            side["step_ms"] <= serial["step_ms"] - 0.5 * total_sleep,
+        "side streams save at least half the stand-in wire time": side["step_ms"]
+        <= serial["step_ms"] - 0.5 * total_sleep,
         "peak memory identical on every measured step": len(set(side["peaks"])) == 1,
-        "peak memory within the held gradients of the control":
-            max(side["peaks"]) <= max(serial["peaks"]) + side["held_grads_bound"],
+        "peak memory within the held gradients of the control": max(side["peaks"])
+        <= max(serial["peaks"]) + side["held_grads_bound"],
     }
-    return {"side_streams": side, "no_side_streams": serial, "sleep_ms": SLEEP_MS, "checks": checks,
-            "ok": all(checks.values())}
+    return {
+        "side_streams": side,
+        "no_side_streams": serial,
+        "sleep_ms": SLEEP_MS,
+        "checks": checks,
+        "ok": all(checks.values()),
+    }

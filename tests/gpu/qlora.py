@@ -6,6 +6,7 @@ QLoRA; the packed weights after training must be bitwise the loaded ones.  Never
 
     python -m tests.gpu.qlora    # prints RESULT{json}
 """
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,16 @@ def _load(folder: str):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_quant_storage=torch.bfloat16, bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, dtype=torch.bfloat16,
-                                                 device_map={"": 0})
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_quant_storage=torch.bfloat16,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=quant, dtype=torch.bfloat16, device_map={"": 0}
+    )
     torch.manual_seed(0)
     return get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"]))
 
@@ -62,8 +69,16 @@ def part_qlora() -> dict:
     _nccl_world1()
     with tempfile.TemporaryDirectory() as folder:
         torch.manual_seed(1)
-        LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                                     num_attention_heads=4, num_key_value_heads=4)).save_pretrained(folder)
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=1024,
+                hidden_size=256,
+                intermediate_size=704,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+            )
+        ).save_pretrained(folder)
         ref = _train(folder, None)
         out = {"reference_losses": ref["losses"]}
         for name, cfg in {"stage3": dict(stage=3), "stage3_offload_params": dict(stage=3, offload_params=True)}.items():
@@ -71,9 +86,12 @@ def part_qlora() -> dict:
             diff = max(float((got["lora"][k] - ref["lora"][k]).abs().max()) for k in ref["lora"])
             out[name] = {"losses": got["losses"], "lora_max_abs_diff": diff, "bits_equal": got["bits_equal"]}
     # world size 1: the same kernels on the same data, so equal up to bf16 rounding of the LoRA update
-    out["ok"] = all(out[n]["bits_equal"] and out[n]["lora_max_abs_diff"] < 1e-2 and
-                    max(abs(a - b) for a, b in zip(out[n]["losses"], ref["losses"])) < 1e-2
-                    for n in ("stage3", "stage3_offload_params"))
+    out["ok"] = all(
+        out[n]["bits_equal"]
+        and out[n]["lora_max_abs_diff"] < 1e-2
+        and max(abs(a - b) for a, b in zip(out[n]["losses"], ref["losses"])) < 1e-2
+        for n in ("stage3", "stage3_offload_params")
+    )
     return out
 
 

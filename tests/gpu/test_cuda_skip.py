@@ -1,4 +1,5 @@
 """The CUDA checks live in tests/gpu/check.py (run by tests/gpu/run.sh on a GPU); here they skip cleanly."""
+
 import pytest
 import torch
 

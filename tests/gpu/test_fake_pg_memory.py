@@ -2,6 +2,7 @@
 
 Runs on CPU in CI; tests/gpu/run.sh runs the CUDA variant with torch.cuda.max_memory_allocated.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -34,10 +35,12 @@ _SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_world_size_8_model_states_match_theory(stage):
     import json
+
     from tests.harness import REPO_ROOT
 
-    out = subprocess.run([sys.executable, "-c", _SCRIPT.format(root=REPO_ROOT, stage=stage)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT.format(root=REPO_ROOT, stage=stage)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rep = json.loads(out.stdout.split("REPORT", 1)[1])
     measured, theory = rep["measured"]["total"], rep["theory"]["total"]

@@ -1,4 +1,5 @@
 """Optimizer offload on a real device (tests/gpu/offload.py; run by tests/gpu/run.sh); skips without CUDA."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """Stage-3 side streams on a real device (tests/gpu/overlap.py; run by tests/gpu/run.sh); skips without CUDA."""
+
 import pytest
 import torch
 

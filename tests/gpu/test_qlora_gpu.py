@@ -1,4 +1,5 @@
 """QLoRA on a real device (tests/gpu/qlora.py; run by tests/gpu/run.sh); skips without CUDA."""
+
 import pytest
 import torch
 

@@ -4,6 +4,7 @@ zero_plugin against DDP with torch's GradScaler.
 Every run starts from a huge loss scale so that fp16 overflows in the first steps (and again after each
 growth, ``GROWTH_INTERVAL`` clean steps later): the skipped steps must be the same as the reference's.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,12 +14,12 @@ import torch.distributed as dist
 
 from tests import models
 
-INIT_SCALE = 2.0 ** 20
+INIT_SCALE = 2.0**20
 GROWTH_INTERVAL = 2
 STEPS = 8
 PER_RANK_BATCH = 2
 CLIP = 1.0
-CLIP_VALUE = 0.01   # clip="value": elementwise, so exact on shards; a clamp must not hide an overflow's inf
+CLIP_VALUE = 0.01  # clip="value": elementwise, so exact on shards; a clamp must not hide an overflow's inf
 
 
 def _batches(steps: int = STEPS) -> list:
@@ -33,7 +34,6 @@ def _scheduler(optimizer):
 def _accelerator(config, **kwargs):
     from accelerate.state import AcceleratorState
     from accelerate.utils import GradScalerKwargs
-
     from zero_plugin.integrations.accelerate import Accelerator
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -69,8 +69,14 @@ def accelerate_fp16_run(stage: int, param_dtype: str | None = None, clip: str = 
     param_dtypes.update(str(p.dtype) for p in model.parameters())
     state = zp.full_state_dict(model)
     accelerator.wait_for_everyone()
-    return {"losses": losses, "skipped": skipped, "lrs": lrs, "state": state, "param_dtypes": sorted(param_dtypes),
-            "loss_scale": float(optimizer.optimizer.loss_scale)}
+    return {
+        "losses": losses,
+        "skipped": skipped,
+        "lrs": lrs,
+        "state": state,
+        "param_dtypes": sorted(param_dtypes),
+        "loss_scale": float(optimizer.optimizer.loss_scale),
+    }
 
 
 def ddp_grad_scaler_run(clip: str = "norm") -> dict:

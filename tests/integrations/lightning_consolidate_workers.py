@@ -4,6 +4,7 @@ A module with ``save_hyperparameters()`` and a tied tiny Llama built in ``__init
 ``load_from_checkpoint`` rebuilds), trained under a ZeRO strategy with ``ModelCheckpoint`` writing a
 sharded directory per epoch; and a plain-DDP resume from the consolidated file.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,7 +36,7 @@ def module_class():
         def __init__(self, layers: int = 2, lr: float = LR) -> None:
             super().__init__()
             self.save_hyperparameters()
-            self.net = models.make_tiny_llama(layers=layers)   # lm_head tied to the embedding
+            self.net = models.make_tiny_llama(layers=layers)  # lm_head tied to the embedding
             self.step_losses: list[float] = []
 
         def training_step(self, batch, batch_idx):
@@ -55,10 +56,8 @@ def train_worker(strategy: str, ckpt_dir: str, epochs: int = 2) -> dict:
     """Fit ``epochs`` epochs, a sharded checkpoint per epoch; the final full state, the consolidated optimizer
     state (both rank 0), the losses, and what the strategy logged about loading the directories."""
     import lightning.pytorch as pl
-
-    from zero_plugin.integrations import _lightning_common as common
-
     from lightning_utilities.core import rank_zero
+    from zero_plugin.integrations import _lightning_common as common
 
     records: list[str] = []
     handler = logging.Handler()
@@ -70,15 +69,18 @@ def train_worker(strategy: str, ckpt_dir: str, epochs: int = 2) -> dict:
         info_logger.setLevel(logging.INFO)
         try:
             module = module_class()()
-            saver = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", every_n_epochs=1,
-                                                 save_top_k=-1)
+            saver = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
             trainer = make_trainer(strategy, root, max_epochs=epochs, callbacks=[saver], enable_checkpointing=True)
             trainer.fit(module, loader(STEPS_PER_EPOCH * ACCUM))
         finally:
             info_logger.removeHandler(handler)
             info_logger.setLevel(logging.NOTSET)
-        out = {"losses": list(module.step_losses), "state": full_state(trainer),
-               "optimizer": common.full_optimizer_state(trainer.optimizers[0]), "log": records}
+        out = {
+            "losses": list(module.step_losses),
+            "state": full_state(trainer),
+            "optimizer": common.full_optimizer_state(trainer.optimizers[0]),
+            "log": records,
+        }
     return out
 
 

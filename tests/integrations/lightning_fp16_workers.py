@@ -7,6 +7,7 @@ which Lightning takes as it is: under DDP this is Lightning's real fp16 path (au
 The initial scale is huge, so fp16 overflows in the first steps (and again after each growth,
 ``GROWTH_INTERVAL`` clean steps later): the skipped steps must be the reference's.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from tests import models
 from tests.integrations import lightning_workers as lw
 
-INIT_SCALE = 2.0 ** 20
+INIT_SCALE = 2.0**20
 GROWTH_INTERVAL = 2
 STEPS = 8
 ACCUM = 2
@@ -38,8 +39,9 @@ def _strategy(spec, fabric: bool):
     reference builds the same weights on every rank)."""
     if spec == "ddp":
         return spec
-    import zero_plugin as zp
     from zero_plugin.integrations.lightning import ZeroFabricStrategy, ZeroStrategy
+
+    import zero_plugin as zp
 
     config = zp.ZeroConfig(stage=spec) if isinstance(spec, int) else spec
     return (ZeroFabricStrategy if fabric else ZeroStrategy)(config=config, meta_init=False)
@@ -59,7 +61,7 @@ def loss_scale_of(precision, optimizer) -> float:
 
     zero_optimizer = _common.zero_optimizer_of(optimizer)
     if zero_optimizer is not None:
-        return zero_optimizer.loss_scale   # Fabric's plugin keeps its GradScaler, which the strategy never calls
+        return zero_optimizer.loss_scale  # Fabric's plugin keeps its GradScaler, which the strategy never calls
     return precision.scaler.get_scale()
 
 
@@ -109,16 +111,33 @@ def trainer_fp16_run(spec, clip: tuple = ("value", CLIP_VALUE), accum: int = ACC
 
     with lw.lightning_ranks(), tempfile.TemporaryDirectory() as root:
         module = _module_class()()
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=_strategy(spec, fabric=False),
-                             plugins=[_plugin("lightning.pytorch")], default_root_dir=root, logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, max_epochs=1, accumulate_grad_batches=accum,
-                             gradient_clip_algorithm=clip[0], gradient_clip_val=clip[1])
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=_strategy(spec, fabric=False),
+            plugins=[_plugin("lightning.pytorch")],
+            default_root_dir=root,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            max_epochs=1,
+            accumulate_grad_batches=accum,
+            gradient_clip_algorithm=clip[0],
+            gradient_clip_val=clip[1],
+        )
         module.accum = accum
         trainer.fit(module, lw.loader(STEPS * accum, seed=1))
-        out = {"losses": module.step_losses, "skipped": _skips(module.scales), "loss_scale": module.scales[-1],
-               "lrs": module.lrs, "global_step": trainer.global_step, "state": lw.full_state(trainer),
-               "param_dtypes": sorted({str(p.dtype) for p in module.parameters()})}
+        out = {
+            "losses": module.step_losses,
+            "skipped": _skips(module.scales),
+            "loss_scale": module.scales[-1],
+            "lrs": module.lrs,
+            "global_step": trainer.global_step,
+            "state": lw.full_state(trainer),
+            "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+        }
         if dist.get_rank() == 0:
             out["init"] = module.init_state
         return out
@@ -130,8 +149,9 @@ def fabric_fp16_run(spec) -> dict:
     from lightning.fabric import Fabric
 
     with lw.lightning_ranks():
-        fabric = Fabric(accelerator="cpu", devices=2, strategy=_strategy(spec, fabric=True),
-                        plugins=[_plugin("lightning.fabric")])
+        fabric = Fabric(
+            accelerator="cpu", devices=2, strategy=_strategy(spec, fabric=True), plugins=[_plugin("lightning.fabric")]
+        )
         fabric.launch()
         net = models.make_tiny_llama(tie=False, layers=2)
         init = {k: v.detach().clone() for k, v in net.state_dict().items()}
@@ -143,11 +163,12 @@ def fabric_fp16_run(spec) -> dict:
         for batch in models.make_batches("llama", STEPS, world, lw.PER_RANK_BATCH, seed=1):
             loss = model(**models.shard_batch(batch, rank, world)).loss.float()
             fabric.backward(loss)
-            if len(losses) % 2:   # one clip per step: Lightning's GradScaler refuses to unscale twice
+            if len(losses) % 2:  # one clip per step: Lightning's GradScaler refuses to unscale twice
                 fabric.clip_gradients(model, optimizer, clip_val=CLIP_VALUE)
             else:
-                norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=NO_CLIP_NORM,
-                                                         error_if_nonfinite=False)))
+                norms.append(
+                    float(fabric.clip_gradients(model, optimizer, max_norm=NO_CLIP_NORM, error_if_nonfinite=False))
+                )
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
@@ -155,8 +176,15 @@ def fabric_fp16_run(spec) -> dict:
             scales.append(loss_scale_of(fabric.strategy.precision, optimizer))
             lrs.append(optimizer.param_groups[0]["lr"])
         state = fabric.strategy.get_module_state_dict(model._forward_module)
-        return {"losses": losses, "skipped": _skips(scales), "loss_scale": scales[-1], "lrs": lrs, "norms": norms,
-                "state": state if rank == 0 else {}, "init": init}
+        return {
+            "losses": losses,
+            "skipped": _skips(scales),
+            "loss_scale": scales[-1],
+            "lrs": lrs,
+            "norms": norms,
+            "state": state if rank == 0 else {},
+            "init": init,
+        }
 
 
 # -- refusals -------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 Each returns plain Python / CPU tensors; full states are gathered on rank 0 ({} elsewhere).
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,9 +27,11 @@ def save_weights(path: str, layers: int = 2) -> None:
 
 def _probe(net: nn.Module) -> dict:
     """What the strategy built: meta parameters, real buffers."""
-    return {"params_meta": all(p.is_meta for p in net.parameters()),
-            "buffers_real": all(not b.is_meta for b in net.buffers()),
-            "rng": torch.get_rng_state()}
+    return {
+        "params_meta": all(p.is_meta for p in net.parameters()),
+        "buffers_real": all(not b.is_meta for b in net.buffers()),
+        "rng": torch.get_rng_state(),
+    }
 
 
 def _tied(net: nn.Module) -> bool:
@@ -49,7 +52,7 @@ def _meta_module_class(bad: bool = False):
 
         def configure_model(self) -> None:
             self.configure_calls += 1
-            if self.net is not None:   # idempotent, as Lightning asks
+            if self.net is not None:  # idempotent, as Lightning asks
                 return
             net = lw.build_net(self.kind)
             if bad:
@@ -57,7 +60,7 @@ def _meta_module_class(bad: bool = False):
             self.net = net
             self.built = _probe(net)
 
-        def on_fit_start(self) -> None:   # after strategy.setup: materialised and sharded
+        def on_fit_start(self) -> None:  # after strategy.setup: materialised and sharded
             self.init_state = zp.full_state_dict(self)
             self.built["tied_after_setup"] = _tied(self.net)
 
@@ -94,7 +97,6 @@ def trainer_meta_worker(strategy_kwargs: dict, validate: bool = False, bad: bool
 # -- Fabric: init_module ---------------------------------------------------------------------------------------
 def _fabric(strategy_kwargs: dict):
     from lightning.fabric import Fabric
-
     from zero_plugin.integrations.lightning import ZeroFabricStrategy
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy=ZeroFabricStrategy(**strategy_kwargs))
@@ -114,8 +116,13 @@ def fabric_meta_worker(strategy_kwargs: dict, empty_init: bool | None = True, st
         batches = models.make_batches("llama", steps * lw.ACCUM, 2, lw.PER_RANK_BATCH, seed=0)
         losses: list = []
         lw._fabric_train(fabric, model, opt, batches, losses, [])
-        return {"losses": losses, "init": init, "state": zp.full_state_dict(net), "tied": tied,
-                "built": {k: v for k, v in built.items() if k != "rng"}}
+        return {
+            "losses": losses,
+            "init": init,
+            "state": zp.full_state_dict(net),
+            "tied": tied,
+            "built": {k: v for k, v in built.items() if k != "rng"},
+        }
 
 
 def empty_init_worker(preset: str) -> dict:
@@ -132,8 +139,7 @@ def empty_init_worker(preset: str) -> dict:
                 before = torch.get_rng_state()
                 with enter(empty_init=empty_init):
                     probe = _probe(nn.Linear(8, 8))
-                out[(api, empty_init)] = {"meta": probe["params_meta"],
-                                          "drew": not torch.equal(before, probe["rng"])}
+                out[(api, empty_init)] = {"meta": probe["params_meta"], "drew": not torch.equal(before, probe["rng"])}
     return out
 
 
@@ -142,9 +148,17 @@ def _bigger_llama():
     """~6.6M parameters (26 MB fp32): 8 decoder layers of ~0.79M, a tied 1024 x 256 embedding."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-                         tie_word_embeddings=True, attn_implementation="eager")
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
     return LlamaForCausalLM(config)
 
 
@@ -169,15 +183,16 @@ def setup_memory_worker(meta_init: bool) -> dict:
         engine = zp.engine.engine_of(net, "test")
         unit_bytes = [sum(sp.layout.numel * sp.param.element_size() for sp in u.params) for u in engine.units]
         shard_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-        return {"peak": _peak_bytes(prof), "full": sum(unit_bytes), "max_unit": max(unit_bytes),
-                "shard": shard_bytes}
+        return {"peak": _peak_bytes(prof), "full": sum(unit_bytes), "max_unit": max(unit_bytes), "shard": shard_bytes}
 
 
 def init_stats(state: dict) -> dict:
     """Per kind of tensor, what transformers' Llama init gives: norms 1, matrices normal(0, 0.02)."""
     norms = [v for k, v in state.items() if k.endswith("norm.weight")]
     mats = torch.cat([v.reshape(-1) for k, v in state.items() if v.ndim == 2])
-    return {"norms_one": all(bool((v == 1).all()) for v in norms) and bool(norms),
-            "std": float(mats.std()), "mean": float(mats.mean()),
-            "finite": all(bool(torch.isfinite(v).all()) for v in state.values())}
-
+    return {
+        "norms_one": all(bool((v == 1).all()) for v in norms) and bool(norms),
+        "std": float(mats.std()),
+        "mean": float(mats.mean()),
+        "finite": all(bool(torch.isfinite(v).all()) for v in state.values()),
+    }

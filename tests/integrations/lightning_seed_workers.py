@@ -6,6 +6,7 @@ Lightning's Trainer DDP strategy calls ``reset_seed()`` when it sets up the proc
 data drawn in ``train_dataloader()`` start from the seed again, not from wherever model init left the
 generator; ``ZeroStrategy`` must do the same for a run to reproduce its ``strategy="ddp"`` run.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,7 @@ from tests import models
 from tests.integrations.lightning_workers import lightning_ranks
 
 SEED = 42
-ROWS = 8   # per rank: every rank's sampler takes 4 batches of 2 from the 2 * ROWS rows
+ROWS = 8  # per rank: every rank's sampler takes 4 batches of 2 from the 2 * ROWS rows
 
 
 @functools.cache
@@ -48,8 +49,10 @@ def _dropout_module_class():
 
         def train_dataloader(self) -> DataLoader:
             world = 2 * ROWS
-            data = TensorDataset(torch.randn(world, models.MLP_IN, dtype=torch.float64),
-                                 torch.randn(world, models.MLP_OUT, dtype=torch.float64))
+            data = TensorDataset(
+                torch.randn(world, models.MLP_IN, dtype=torch.float64),
+                torch.randn(world, models.MLP_OUT, dtype=torch.float64),
+            )
             return DataLoader(data, batch_size=2)
 
         def configure_optimizers(self):
@@ -65,9 +68,18 @@ def seeded_fit_worker(strategy: str, steps: int = 2) -> dict:
     with lightning_ranks(), tempfile.TemporaryDirectory() as root:
         pl.seed_everything(SEED, verbose=False)
         module = _dropout_module_class()()
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                             default_root_dir=root, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, num_sanity_val_steps=0)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=steps,
+            logger=False,
+            default_root_dir=root,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
         trainer.fit(module)
         return {"losses": module.losses, "first_batch": module.first_batch}
 
@@ -79,6 +91,6 @@ def seeded_fabric_worker(strategy: str) -> dict:
 
     with lightning_ranks():
         seed_everything(SEED, verbose=False)
-        torch.randn(100)   # what building a model before launch() takes from the generator
+        torch.randn(100)  # what building a model before launch() takes from the generator
         Fabric(accelerator="cpu", devices=2, strategy=strategy).launch()
         return {"after_launch": torch.randn(4, dtype=torch.float64), "rank": dist.get_rank()}

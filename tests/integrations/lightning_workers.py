@@ -9,6 +9,7 @@ Two ways in:
 
 Every worker returns plain Python / CPU tensors; rank 0 adds the full model state.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,10 @@ def build_net(kind: str):
 def make_optimizer(params, lr: float = LR):
     """AdamW: matrices (wd 0.1) and vectors (wd 0, lr / 2); LoRA has matrices only."""
     params = [p for p in params if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1, "lr": lr},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": lr / 2}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1, "lr": lr},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": lr / 2},
+    ]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
 
 
@@ -73,7 +76,7 @@ def _module_class(package: str = "lightning.pytorch"):
             self.init_state: dict[str, torch.Tensor] = {}
 
         def configure_model(self) -> None:
-            if self.net is not None:   # fit -> validate -> test -> predict call this again
+            if self.net is not None:  # fit -> validate -> test -> predict call this again
                 return
             self.net = build_net(self.kind)
             self.init_state = {k: v.detach().clone() for k, v in self.state_dict().items()}
@@ -147,8 +150,13 @@ def lightning_ranks() -> Iterator[None]:
     import zero_plugin.integrations.lightning  # noqa: F401  (registers zero1 ... zero3_offload)
 
     saved = dict(os.environ)
-    os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0", WORLD_SIZE=str(dist.get_world_size()),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+    os.environ.update(
+        LOCAL_RANK=str(dist.get_rank()),
+        NODE_RANK="0",
+        WORLD_SIZE=str(dist.get_world_size()),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT", "29500"),
+    )
     for name in _QUIET:
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
@@ -178,10 +186,19 @@ def resolve_strategy(name: Any, package: str = "lightning.pytorch", meta_init: b
 
 def make_trainer(strategy: str, root: str, package: str = "lightning.pytorch", **kwargs: Any):
     pl = _lightning(package)
-    options = dict(accelerator="cpu", devices=2, strategy=resolve_strategy(strategy, package), default_root_dir=root,
-                   logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, accumulate_grad_batches=ACCUM,
-                   gradient_clip_val=CLIP)
+    options = dict(
+        accelerator="cpu",
+        devices=2,
+        strategy=resolve_strategy(strategy, package),
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=CLIP,
+    )
     options.update(kwargs)
     return pl.Trainer(**options)
 
@@ -203,17 +220,27 @@ def _result(trainer, module, **extra) -> dict:
     return out
 
 
-def fit_worker(kind: str, strategy: str, steps: int = 3, package: str = "lightning.pytorch", manual: bool = False,
-               **trainer_kwargs: Any) -> dict:
+def fit_worker(
+    kind: str,
+    strategy: str,
+    steps: int = 3,
+    package: str = "lightning.pytorch",
+    manual: bool = False,
+    **trainer_kwargs: Any,
+) -> dict:
     """``steps`` optimizer steps of ACCUM micro-batches, clipping at CLIP; losses and final weights."""
-    if manual:   # the module accumulates and clips itself
+    if manual:  # the module accumulates and clips itself
         trainer_kwargs.update(accumulate_grad_batches=1, gradient_clip_val=None)
     with lightning_ranks(), tempfile.TemporaryDirectory() as root:
         module = make_module(kind, package, manual)
         trainer = make_trainer(strategy, root, package, max_epochs=1, **trainer_kwargs)
         trainer.fit(module, loader(steps * ACCUM))
-        return _result(trainer, module, global_step=trainer.global_step,
-                       strategy_class=f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__name__}")
+        return _result(
+            trainer,
+            module,
+            global_step=trainer.global_step,
+            strategy_class=f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__name__}",
+        )
 
 
 def fit_eval_worker(strategy: str) -> dict:
@@ -226,8 +253,7 @@ def fit_eval_worker(strategy: str) -> dict:
         test = trainer.test(module, loader(2, seed=2), verbose=False)
         preds = trainer.predict(module, loader(2, seed=3))
         again = trainer.validate(module, loader(2, seed=1), verbose=False)
-        return _result(trainer, module, val=val, test=test, again=again,
-                       preds=[p.clone() for p in preds])
+        return _result(trainer, module, val=val, test=test, again=again, preds=[p.clone() for p in preds])
 
 
 def eval_first_worker(strategy: str) -> dict:
@@ -246,8 +272,7 @@ def checkpoint_worker(strategy: str, ckpt_dir: str, epochs: int = 2, steps_per_e
     pl = _lightning()
     with lightning_ranks(), tempfile.TemporaryDirectory() as root:
         module = make_module("llama")
-        saver = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", every_n_epochs=1,
-                                             save_top_k=-1)
+        saver = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
         trainer = make_trainer(strategy, root, max_epochs=epochs, callbacks=[saver], enable_checkpointing=True)
         trainer.fit(module, loader(steps_per_epoch * ACCUM))
         return _result(trainer, module, files=sorted(os.listdir(ckpt_dir)))
@@ -286,8 +311,12 @@ def cross_stage_resume_worker(save_strategy: str, load_strategy: str, ckpt_dir: 
         with lightning_ranks():
             resumed = resume_run(load_strategy, os.path.join(ckpt_dir, "epoch=0.ckpt"))
         fabric = fabric_worker("llama", save_strategy, save=os.path.join(ckpt_dir, "fabric"))
-    return {"full": full, "resumed": resumed, "fabric": fabric,
-            "layout": sorted(os.listdir(os.path.join(ckpt_dir, "epoch=0.ckpt")))}
+    return {
+        "full": full,
+        "resumed": resumed,
+        "fabric": fabric,
+        "layout": sorted(os.listdir(os.path.join(ckpt_dir, "epoch=0.ckpt"))),
+    }
 
 
 def summary_worker(strategy: str) -> dict:
@@ -310,35 +339,43 @@ def summary_worker(strategy: str) -> dict:
 
         summary = ZeroSummary(module, max_depth=2)
         shard_numel = sum(p.numel() for p in module.parameters())
-        return {"log": "\n".join(records), "total": summary.total_parameters,
-                "trainable": summary.trainable_parameters, "layers": dict(zip(summary.layer_names,
-                                                                              summary.param_nums)),
-                "shard_numel": shard_numel, "callbacks": [type(c).__name__ for c in trainer.callbacks]}
+        return {
+            "log": "\n".join(records),
+            "total": summary.total_parameters,
+            "trainable": summary.trainable_parameters,
+            "layers": dict(zip(summary.layer_names, summary.param_nums)),
+            "shard_numel": shard_numel,
+            "callbacks": [type(c).__name__ for c in trainer.callbacks],
+        }
 
 
 def env_strategy_worker() -> dict:
     """PL_TRAINER_STRATEGY=zero3 switches a Trainer that does not pass strategy= itself; registered names."""
-    import lightning_fabric.strategies
-    import pytorch_lightning.strategies
-
     import lightning.fabric.strategies
     import lightning.pytorch.strategies
+    import lightning_fabric.strategies
+    import pytorch_lightning.strategies
 
     pl = _lightning()
     with lightning_ranks():
         from zero_plugin.integrations.lightning import register_strategies
 
-        register_strategies()   # idempotent: a second call (e.g. from a launcher) changes nothing
+        register_strategies()  # idempotent: a second call (e.g. from a launcher) changes nothing
         os.environ["PL_TRAINER_STRATEGY"] = "zero3"
         trainer = pl.Trainer(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
         strategy = trainer.strategy
-        registries = {"lightning.pytorch": lightning.pytorch.strategies.StrategyRegistry,
-                      "pytorch_lightning": pytorch_lightning.strategies.StrategyRegistry,
-                      "lightning.fabric": lightning.fabric.strategies.STRATEGY_REGISTRY,
-                      "lightning_fabric": lightning_fabric.strategies.STRATEGY_REGISTRY}
+        registries = {
+            "lightning.pytorch": lightning.pytorch.strategies.StrategyRegistry,
+            "pytorch_lightning": pytorch_lightning.strategies.StrategyRegistry,
+            "lightning.fabric": lightning.fabric.strategies.STRATEGY_REGISTRY,
+            "lightning_fabric": lightning_fabric.strategies.STRATEGY_REGISTRY,
+        }
         names = {pkg: sorted(k for k in reg if k.startswith("zero")) for pkg, reg in registries.items()}
-        return {"type": type(strategy).__name__, "stage": getattr(getattr(strategy, "config", None), "stage", None),
-                "names": names}
+        return {
+            "type": type(strategy).__name__,
+            "stage": getattr(getattr(strategy, "config", None), "stage", None),
+            "names": names,
+        }
 
 
 def errors_worker() -> dict:
@@ -353,8 +390,9 @@ def errors_worker() -> dict:
             out["bad_preset"] = str(exc)
         module = _two_optimizer_class()("llama")
         try:
-            make_trainer("zero3", root, max_epochs=1, gradient_clip_val=None,
-                         accumulate_grad_batches=1).fit(module, loader(2))
+            make_trainer("zero3", root, max_epochs=1, gradient_clip_val=None, accumulate_grad_batches=1).fit(
+                module, loader(2)
+            )
         except ValueError as exc:
             out["two_optimizers"] = str(exc)
     return out
@@ -442,12 +480,12 @@ def fabric_worker(kind: str, strategy: str, steps: int = 3, save: str | None = N
         model, opt = fabric.setup(net, make_optimizer(net.parameters()))
         batches = models.make_batches("llama", 2 * steps * ACCUM, 2, PER_RANK_BATCH, seed=0)
         losses, norms = [], []
-        _fabric_train(fabric, model, opt, batches[:steps * ACCUM], losses, norms)
+        _fabric_train(fabric, model, opt, batches[: steps * ACCUM], losses, norms)
         out = {"init": init, "mid": _fabric_state(fabric, model), "losses": list(losses), "norms": list(norms)}
         if save is None:
             return out
         fabric.save(save, {"model": model, "optimizer": opt, "step": steps})
-        _fabric_train(fabric, model, opt, batches[steps * ACCUM:], losses, norms)
+        _fabric_train(fabric, model, opt, batches[steps * ACCUM :], losses, norms)
         out["final"] = _fabric_state(fabric, model)
         fresh = build_net(kind)
         model2, opt2 = fabric.setup(fresh, make_optimizer(fresh.parameters()))
@@ -456,9 +494,13 @@ def fabric_worker(kind: str, strategy: str, steps: int = 3, save: str | None = N
         out["loaded_step"] = state["step"]
         out["remainder"] = sorted(remainder)
         losses2, norms2 = [], []
-        _fabric_train(fabric, model2, opt2, batches[steps * ACCUM:], losses2, norms2)
-        out.update(resumed=_fabric_state(fabric, model2), resumed_losses=losses2, all_losses=list(losses),
-                   is_dir=os.path.isdir(save))
+        _fabric_train(fabric, model2, opt2, batches[steps * ACCUM :], losses2, norms2)
+        out.update(
+            resumed=_fabric_state(fabric, model2),
+            resumed_losses=losses2,
+            all_losses=list(losses),
+            is_dir=os.path.isdir(save),
+        )
         return out
 
 
@@ -466,8 +508,14 @@ def fabric_worker(kind: str, strategy: str, steps: int = 3, save: str | None = N
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("command", choices=["resume"])
-    parser.add_argument("--run", action="append", nargs=3, metavar=("STRATEGY", "CKPT", "OUT"), required=True,
-                        help="one resumed fit per --run, all in the same two new processes")
+    parser.add_argument(
+        "--run",
+        action="append",
+        nargs=3,
+        metavar=("STRATEGY", "CKPT", "OUT"),
+        required=True,
+        help="one resumed fit per --run, all in the same two new processes",
+    )
     args = parser.parse_args(argv)
     import zero_plugin.integrations.lightning  # noqa: F401  (registers the names in every rank)
 

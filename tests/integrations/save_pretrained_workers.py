@@ -4,6 +4,7 @@ transformers' ``run_clm_no_trainer.py`` saves, under zero_plugin's ``Accelerator
 Module-level so the worker pool pickles them by reference.  Accelerate reads its distributed setup from the
 environment, which the harness's processes (already in a gloo group) do not set: the worker sets it first.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,6 @@ from tests import models
 
 def _accelerator(config):
     from accelerate.state import AcceleratorState
-
     from zero_plugin.integrations.accelerate import Accelerator
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -47,6 +47,6 @@ def train_and_save_pretrained(stage: int, peft: bool, output_dir: str, rank0_onl
         output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save
     )
 
-    trained = zp.full_state_dict(model)   # rank 0: the trained weights; {} elsewhere
+    trained = zp.full_state_dict(model)  # rank 0: the trained weights; {} elsewhere
     accelerator.wait_for_everyone()
     return trained

@@ -17,6 +17,7 @@ checkpoints are checked in one process, in ``test_accelerate_in_process.py``.
 
 All launches start together in a small thread pool (module fixture) and tests wait for the ones they need.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -72,22 +73,41 @@ STAGE_LAUNCHES = {
     # Each stage exercises one launch form; the script and its arguments never change.
     "ddp": Launch("ddp", (*ACCELERATE_LAUNCH, "--multi_gpu", *TWO), TRAIN, env=tuple(CPU_ENV.items())),
     "stage0": Launch("stage0", (*ZERO_LAUNCH, "launch", "--stage", "0", *TWO), TRAIN, ("--memory_report",)),
-    "stage1": Launch("stage1", (*ACCELERATE_LAUNCH, "--multi_gpu", *TWO, "-m", "zero_plugin.run"), TRAIN,
-                     ("--memory_report",), env=(("ZERO_PLUGIN_STAGE", "1"), *CPU_ENV.items())),
-    "stage2": Launch("stage2", (PY, "-m", "zero_plugin.cli", "launch", "--config_file", "{tmp}/stage2.yaml"),
-                     TRAIN, ("--memory_report",)),
-    "stage3": Launch("stage3", (PY, "-m", "zero_plugin.cli", "launch", "--cpu", "--stage", "3", *TWO), TRAIN,
-                     ("--memory_report",)),
-    "stage3_offload": Launch("stage3_offload", (*ZERO_LAUNCH, "launch", "--stage", "3", "--offload", "cpu", *TWO),
-                             TRAIN, ("--memory_report",)),
+    "stage1": Launch(
+        "stage1",
+        (*ACCELERATE_LAUNCH, "--multi_gpu", *TWO, "-m", "zero_plugin.run"),
+        TRAIN,
+        ("--memory_report",),
+        env=(("ZERO_PLUGIN_STAGE", "1"), *CPU_ENV.items()),
+    ),
+    "stage2": Launch(
+        "stage2",
+        (PY, "-m", "zero_plugin.cli", "launch", "--config_file", "{tmp}/stage2.yaml"),
+        TRAIN,
+        ("--memory_report",),
+    ),
+    "stage3": Launch(
+        "stage3", (PY, "-m", "zero_plugin.cli", "launch", "--cpu", "--stage", "3", *TWO), TRAIN, ("--memory_report",)
+    ),
+    "stage3_offload": Launch(
+        "stage3_offload",
+        (*ZERO_LAUNCH, "launch", "--stage", "3", "--offload", "cpu", *TWO),
+        TRAIN,
+        ("--memory_report",),
+    ),
 }
 TRAINER = "trainer_lora.py"
 TRAINER_LAUNCHES = {
     "trainer": Launch("trainer", (*ZERO_LAUNCH, "launch", "--stage", "3", *TWO), TRAINER),
-    "trainer_resumed": Launch("trainer_resumed", (*ZERO_LAUNCH, "launch", "--stage", "3", *TWO), TRAINER,
-                              ("--resume", "{tmp}/trainer/checkpoint-4")),
-    "trainer_ddp": Launch("trainer_ddp", (*ACCELERATE_LAUNCH, "--multi_gpu", *TWO), TRAINER,
-                          env=tuple(CPU_ENV.items())),
+    "trainer_resumed": Launch(
+        "trainer_resumed",
+        (*ZERO_LAUNCH, "launch", "--stage", "3", *TWO),
+        TRAINER,
+        ("--resume", "{tmp}/trainer/checkpoint-4"),
+    ),
+    "trainer_ddp": Launch(
+        "trainer_ddp", (*ACCELERATE_LAUNCH, "--multi_gpu", *TWO), TRAINER, env=tuple(CPU_ENV.items())
+    ),
 }
 
 
@@ -101,8 +121,9 @@ def _clean_env(extra: dict[str, str]) -> dict[str, str]:
 def _run(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = LAUNCH_TIMEOUT_S):
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    return SimpleNamespace(returncode=proc.returncode, output=proc.stdout + proc.stderr,
-                           seconds=time.monotonic() - start, cmd=cmd)
+    return SimpleNamespace(
+        returncode=proc.returncode, output=proc.stdout + proc.stderr, seconds=time.monotonic() - start, cmd=cmd
+    )
 
 
 class Runner:
@@ -122,7 +143,7 @@ class Runner:
         for launch, future in zip(chain, futures):
             try:
                 future.set_result(self._launch(launch))
-            except BaseException as exc:   # noqa: BLE001 - handed to the waiting test
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting test
                 future.set_exception(exc)
 
     def _launch(self, launch: Launch):
@@ -154,8 +175,9 @@ def runs(tmp_path_factory):
     runner = Runner(tmp, chains + [[s] for s in stages])
     yield runner
     runner.close()
-    timings = {name: round(f.result().seconds, 1) for name, f in runner.futures.items() if f.done()
-               and f.exception() is None}
+    timings = {
+        name: round(f.result().seconds, 1) for name, f in runner.futures.items() if f.done() and f.exception() is None
+    }
     print(f"\nlaunch wall times (s): {timings}")
 
 
@@ -190,21 +212,23 @@ def test_accelerate_script_matches_ddp(runs, name):
     assert info["accelerator_class"] == "zero_plugin.integrations.accelerate_plugin.Accelerator"
     assert info["num_processes"] == ddp_info["num_processes"] == 2
     assert info["distributed_type"] == ddp_info["distributed_type"] == "DistributedType.MULTI_CPU"
-    assert info["model_class"] == "LlamaForCausalLM"   # sharded in place, no DDP wrapper
+    assert info["model_class"] == "LlamaForCausalLM"  # sharded in place, no DDP wrapper
     assert ddp_info["zero_config"] is None
     assert info["zero_config"]["stage"] == (3 if name.startswith("stage3") else int(name[-1]))
     assert info["zero_config"]["offload_optimizer"] == ("cpu" if name.endswith("offload") else "none")
-    if name == "stage2":   # from the zero_plugin: section of the Accelerate YAML
+    if name == "stage2":  # from the zero_plugin: section of the Accelerate YAML
         assert info["zero_config"]["bucket_size_mb"] == 0.05
     for epoch in ("epoch1", "epoch2", "replay"):
         for key in ("losses", "grad_norms"):
-            _assert_close_lists(info["epochs"][epoch][key], ddp_info["epochs"][epoch][key], LOSS_RTOL,
-                                f"{name} {epoch} {key}")
+            _assert_close_lists(
+                info["epochs"][epoch][key], ddp_info["epochs"][epoch][key], LOSS_RTOL, f"{name} {epoch} {key}"
+            )
     init = _load(ddp, "init.pt")
     assert _update_norm_error(_load(run, "final.pt"), _load(ddp, "final.pt"), init) <= UPDATE_NORM_TOL
     # load_state restored model, optimizer, scheduler and step: epoch 2 replays exactly.
-    _assert_close_lists(info["epochs"]["replay"]["losses"], info["epochs"]["epoch2"]["losses"], 1e-6,
-                        f"{name} replay after load_state")
+    _assert_close_lists(
+        info["epochs"]["replay"]["losses"], info["epochs"]["epoch2"]["losses"], 1e-6, f"{name} replay after load_state"
+    )
     assert _update_norm_error(_load(run, "final.pt"), _load(run, "before_replay.pt"), init) <= 1e-5
     # save_model (inherited) writes the gathered weights.
     from safetensors.torch import load_file
@@ -226,7 +250,7 @@ def test_memory_report_matches_theory(runs, name):
             measured, theory = report["measured"][key], report["theory"][key]
             # Adam's per-parameter `step` scalars (4 bytes each) are outside the theory.
             assert abs(measured - theory) <= 1e-3 * theory + 4 * 64, (name, report["rank"], key, measured, theory)
-        if name.endswith("offload"):   # optimizer state and masters live on the host
+        if name.endswith("offload"):  # optimizer state and masters live on the host
             host = report["placement"]["host"]
             assert abs(host["total"] - report["placement"]["theory"]["host"]) <= 4 * 64, report["placement"]
             assert host["total"] >= report["measured"]["optimizer"] > 0
@@ -248,13 +272,21 @@ def test_trainer_lora_stage3_matches_ddp_and_resumes(runs):
     steps = sorted(_losses(info_ddp))
     for key in ("loss", "grad_norm", "eval_loss"):
         want = _losses(info_ddp, key)
-        _assert_close_lists([_losses(info, key)[s] for s in sorted(want)], [want[s] for s in sorted(want)],
-                            LOSS_RTOL, f"trainer {key} vs DDP")
+        _assert_close_lists(
+            [_losses(info, key)[s] for s in sorted(want)],
+            [want[s] for s in sorted(want)],
+            LOSS_RTOL,
+            f"trainer {key} vs DDP",
+        )
     assert max(_losses(info, "grad_norm").values()) > 0.15
     assert _losses(info)[steps[-1]] < _losses(info)[steps[0]]
     # Resumed from checkpoint-4 (sharded optimizer state, scheduler, RNG): steps 5-8 and the adapter match.
-    _assert_close_lists([_losses(info_resumed)[s] for s in (5, 6, 7, 8)], [_losses(info)[s] for s in (5, 6, 7, 8)],
-                        1e-6, "resumed losses")
+    _assert_close_lists(
+        [_losses(info_resumed)[s] for s in (5, 6, 7, 8)],
+        [_losses(info)[s] for s in (5, 6, 7, 8)],
+        1e-6,
+        "resumed losses",
+    )
     adapter = load_file(full.out / "final" / "adapter_model.safetensors")
     adapter_resumed = load_file(resumed.out / "final" / "adapter_model.safetensors")
     assert adapter.keys() == adapter_resumed.keys()
@@ -280,26 +312,30 @@ def _launch_error(cmd: list[str], tmp_path: Path, env: dict[str, str] | None = N
 def test_bad_zero_plugin_section_names_the_field(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(STAGE2_YAML.replace("stage: 2", "stage: 7"))
-    output = _launch_error([*ZERO_LAUNCH, "launch", "--config_file", str(bad), str(SCRIPTS / "hello_accelerate.py")],
-                           tmp_path)
+    output = _launch_error(
+        [*ZERO_LAUNCH, "launch", "--config_file", str(bad), str(SCRIPTS / "hello_accelerate.py")], tmp_path
+    )
     assert "ZeroConfig.stage must be one of 0, 1, 2, 3; got 7" in output, output[-3000:]
-    assert "hello from" not in output   # refused before any process started
+    assert "hello from" not in output  # refused before any process started
     typo = tmp_path / "typo.yaml"
     typo.write_text(STAGE2_YAML.replace("bucket_size_mb", "bucket_size"))
-    output = _launch_error([*ZERO_LAUNCH, "launch", "--config_file", str(typo), str(SCRIPTS / "hello_accelerate.py")],
-                           tmp_path)
+    output = _launch_error(
+        [*ZERO_LAUNCH, "launch", "--config_file", str(typo), str(SCRIPTS / "hello_accelerate.py")], tmp_path
+    )
     assert "unknown key(s) 'bucket_size' (did you mean 'bucket_size_mb'?)" in output, output[-3000:]
 
 
 def test_cpu_launch_traps_fail_clearly(tmp_path):
     hello = str(SCRIPTS / "hello_accelerate.py")
     # Accelerate's simple launcher starts one process for --num_processes 2 on a CPU-only machine.
-    output = _launch_error([*ACCELERATE_LAUNCH, *TWO, "-m", "zero_plugin.run", hello], tmp_path,
-                           {"ZERO_PLUGIN_STAGE": "3"})
+    output = _launch_error(
+        [*ACCELERATE_LAUNCH, *TWO, "-m", "zero_plugin.run", hello], tmp_path, {"ZERO_PLUGIN_STAGE": "3"}
+    )
     assert "started only this one" in output, output[-3000:]
     # torchrun starts two, but without ACCELERATE_USE_CPU each sets up a single-process run.
-    output = _launch_error([*ACCELERATE_LAUNCH, "--multi_gpu", *TWO, "-m", "zero_plugin.run", hello], tmp_path,
-                           {"ZERO_PLUGIN_STAGE": "3"})
+    output = _launch_error(
+        [*ACCELERATE_LAUNCH, "--multi_gpu", *TWO, "-m", "zero_plugin.run", hello], tmp_path, {"ZERO_PLUGIN_STAGE": "3"}
+    )
     assert "each process would train alone" in output, output[-3000:]
 
 
@@ -324,11 +360,14 @@ def _build_launch(argv: list[str], monkeypatch, tmp_path: Path):
 
 def test_launch_builds_multi_process_cpu_run(monkeypatch, tmp_path):
     (tmp_path / "zero.yaml").write_text("stage: 1\nprefetch_depth: 2\n")
-    args, env, _ = _build_launch(["--cpu", "--num_processes", "2", "--zero_config", "zero.yaml", "--offload", "cpu",
-                                  "train.py", "--stage", "9"], monkeypatch, tmp_path)
+    args, env, _ = _build_launch(
+        ["--cpu", "--num_processes", "2", "--zero_config", "zero.yaml", "--offload", "cpu", "train.py", "--stage", "9"],
+        monkeypatch,
+        tmp_path,
+    )
     assert args.multi_gpu and not args.cpu and env["ACCELERATE_USE_CPU"] == "true"
     assert (args.training_script, args.module) == ("zero_plugin.run", True)
-    assert args.training_script_args == ["train.py", "--stage", "9"]   # the script's own --stage untouched
+    assert args.training_script_args == ["train.py", "--stage", "9"]  # the script's own --stage untouched
     assert env["ZERO_PLUGIN_CONFIG"] == str(tmp_path / "zero.yaml") and env["ZERO_PLUGIN_OFFLOAD"] == "cpu"
     args, env, _ = _build_launch(["--stage", "3", "-m", "pkg.train", "--lr", "1"], monkeypatch, tmp_path)
     assert args.num_processes == 1 and not args.multi_gpu and "ACCELERATE_USE_CPU" not in env

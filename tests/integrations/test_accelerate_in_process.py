@@ -2,6 +2,7 @@
 ``ZeroPlugin`` configuration, the Trainer's refusals of unsupported features, and
 ``integrations/_common.py`` checkpoints round-tripping across stages (2 ranks of the worker pool).  The end-to-end launches are in ``test_accelerate.py``.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,8 @@ from tests.harness import run_ranks
 @pytest.fixture
 def accelerator():
     from accelerate.state import AcceleratorState
-
     from zero_plugin.integrations.accelerate import Accelerator, ZeroPlugin
+
     import zero_plugin as zp
 
     AcceleratorState._reset_state(True)
@@ -54,9 +55,9 @@ def test_prepare_shards_model_with_its_optimizer(accelerator):
 
 def test_bf16_autocast_is_kept_at_stage3():
     from accelerate.state import AcceleratorState
+    from zero_plugin.integrations.accelerate import Accelerator
 
     import zero_plugin as zp
-    from zero_plugin.integrations.accelerate import Accelerator
 
     AcceleratorState._reset_state(True)
     try:
@@ -65,10 +66,10 @@ def test_bf16_autocast_is_kept_at_stage3():
         inner = []
         model[0].register_forward_hook(lambda m, i, o: inner.append(o.dtype))
         out = model(torch.randn(4, 7))
-        assert inner == [torch.bfloat16] and out.dtype == torch.float32   # autocast inside, fp32 outputs
+        assert inner == [torch.bfloat16] and out.dtype == torch.float32  # autocast inside, fp32 outputs
         accelerator.backward(out.square().mean())
         optimizer.step()
-        assert model[0].weight.dtype == torch.float32   # fp32 shards stepped
+        assert model[0].weight.dtype == torch.float32  # fp32 shards stepped
     finally:
         AcceleratorState._reset_state(True)
 
@@ -76,15 +77,19 @@ def test_bf16_autocast_is_kept_at_stage3():
 @pytest.mark.parametrize("which", ["model", "optimizer", "two_optimizers"])
 def test_prepare_refuses_model_without_its_optimizer(accelerator, which):
     model, optimizer = _model_and_optimizer()
-    args = {"model": (model,), "optimizer": (optimizer,),
-            "two_optimizers": (model, optimizer, torch.optim.SGD(model.parameters(), lr=0.1))}[which]
+    args = {
+        "model": (model,),
+        "optimizer": (optimizer,),
+        "two_optimizers": (model, optimizer, torch.optim.SGD(model.parameters(), lr=0.1)),
+    }[which]
     with pytest.raises(ValueError, match=r"accelerator.prepare\(model, optimizer\)"):
         accelerator.prepare(*args)
 
 
 def test_zero_plugin_coercion_and_errors(monkeypatch):
-    import zero_plugin as zp
     from zero_plugin.integrations.accelerate import ZeroPlugin
+
+    import zero_plugin as zp
 
     assert ZeroPlugin.coerce({"stage": 3}).config == zp.ZeroConfig(stage=3)
     assert ZeroPlugin.coerce(zp.ZeroConfig(stage=1)).config.stage == 1
@@ -109,9 +114,10 @@ def test_trainer_refuses_unsupported_features(field, value):
 def test_trainer_load_best_model_at_end_needs_the_sharded_folder():
     from zero_plugin.integrations.hf_trainer import _check_supported
 
-    args = SimpleNamespace(auto_find_batch_size=False, load_best_model_at_end=True, save_only_model=False,
-                           deepspeed=None, fsdp=[])
-    _check_supported(args)   # supported (tests/integrations/test_trainer_checkpoints.py)
+    args = SimpleNamespace(
+        auto_find_batch_size=False, load_best_model_at_end=True, save_only_model=False, deepspeed=None, fsdp=[]
+    )
+    _check_supported(args)  # supported (tests/integrations/test_trainer_checkpoints.py)
     args.save_only_model = True
     with pytest.raises(ValueError, match="load_best_model_at_end=True with save_only_model=True .*=False"):
         _check_supported(args)
@@ -120,13 +126,15 @@ def test_trainer_load_best_model_at_end_needs_the_sharded_folder():
 # -- integrations/_common.py checkpoints, resharding across stages --------------------------------------------
 def _checkpoint_roundtrip(path: str, save_stage: int, load_stage: int) -> float:
     """Train 2 steps at save_stage, save_sharded, load into a fresh model at load_stage; both step once more."""
-    import zero_plugin as zp
     from zero_plugin.integrations import _common
+
+    import zero_plugin as zp
 
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
-    data = [torch.randn(4, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * s + rank))
-            for s in range(3)]
+    data = [
+        torch.randn(4, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * s + rank)) for s in range(3)
+    ]
 
     def build(stage):
         torch.manual_seed(0)
@@ -157,7 +165,7 @@ def test_common_checkpoint_roundtrip_reshards(tmp_path, save_stage, load_stage):
     assert max(errors) < 1e-10, errors
     from zero_plugin.ckpt.format import COMPLETE
 
-    assert os.path.isfile(os.path.join(path, COMPLETE))   # zp.save_checkpoint's sharded folder
+    assert os.path.isfile(os.path.join(path, COMPLETE))  # zp.save_checkpoint's sharded folder
 
 
 def test_stage3_evaluation_mode_shards_then_prepare_with_optimizer_trains():
@@ -167,10 +175,10 @@ def test_stage3_evaluation_mode_shards_then_prepare_with_optimizer_trains():
     import copy
 
     from accelerate.state import AcceleratorState
-
-    import zero_plugin as zp
     from zero_plugin.integrations import _common
     from zero_plugin.integrations.accelerate import Accelerator
+
+    import zero_plugin as zp
 
     model, _ = _model_and_optimizer()
     model = model.double()
@@ -181,7 +189,7 @@ def test_stage3_evaluation_mode_shards_then_prepare_with_optimizer_trains():
         accelerator = Accelerator(zero_plugin=zp.ZeroConfig(stage=3))
         prepared = accelerator.prepare_model(model, evaluation_mode=True)
         assert prepared is model and _common.is_set_up(model)
-        assert model[0].weight.shape == (7 * 15,)   # a 1-D shard between forwards (world size 1: all of it)
+        assert model[0].weight.shape == (7 * 15,)  # a 1-D shard between forwards (world size 1: all of it)
         with torch.no_grad():
             assert torch.equal(model(x), reference(x))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

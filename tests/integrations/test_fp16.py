@@ -9,14 +9,15 @@ which fp32 gradients are summed over ranks: 1e-5 relative.
 
 Lightning's ``precision="16-mixed"`` takes the same path: ``test_lightning_fp16.py``.
 """
+
 from __future__ import annotations
 
 import pytest
+from zero_plugin.integrations import _loss_scaling
 
 import zero_plugin as zp
 from tests.harness import run_ranks
 from tests.integrations import fp16_workers as fw
-from zero_plugin.integrations import _loss_scaling
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
@@ -34,7 +35,7 @@ def _max_rel_loss_diff(a: list, b: list) -> float:
 @pytest.fixture(scope="module")
 def ddp_reference():
     ref = run_ranks(2, fw.ddp_grad_scaler_run)
-    assert any(ref[0]["skipped"]) and not all(ref[0]["skipped"]), ref[0]["skipped"]   # the test can fail
+    assert any(ref[0]["skipped"]) and not all(ref[0]["skipped"]), ref[0]["skipped"]  # the test can fail
     return ref
 
 
@@ -50,7 +51,7 @@ def test_accelerate_fp16_skips_and_trains_like_ddp_grad_scaler(stage, ddp_refere
         err = _max_rel_loss_diff(got[rank]["losses"], ref[rank]["losses"])
         assert err < LOSS_RTOL, (rank, err, got[rank]["losses"], ref[rank]["losses"])
         assert got[rank]["loss_scale"] == ref[rank]["loss_scale"]
-    assert got[0]["param_dtypes"] == ["torch.float32"]   # parameters stay fp32, as under Accelerate + DDP
+    assert got[0]["param_dtypes"] == ["torch.float32"]  # parameters stay fp32, as under Accelerate + DDP
     assert _max_weight_diff(got[0]["state"], ref[0]["state"]) < WEIGHT_ATOL
 
 
@@ -82,13 +83,16 @@ def test_fp16_parameters_stay_an_explicit_opt_in(ddp_reference):
     got = run_ranks(2, fw.accelerate_fp16_run, 2, "fp16")
     assert got[0]["param_dtypes"] == ["torch.float16"]
     assert got[0]["skipped"] == got[1]["skipped"] and got[0]["skipped"][:3] == ddp_reference[0]["skipped"][:3]
-    assert _max_rel_loss_diff(got[0]["losses"][:3], ddp_reference[0]["losses"][:3]) < 5e-3   # fp16 rounding
+    assert _max_rel_loss_diff(got[0]["losses"][:3], ddp_reference[0]["losses"][:3]) < 5e-3  # fp16 rounding
 
 
-@pytest.mark.parametrize("config, fragment", [
-    (zp.ZeroConfig(param_dtype="bf16"), "param_dtype=torch.bfloat16"),
-    (zp.ZeroConfig(loss_scaling=False), "loss_scaling=False"),
-])
+@pytest.mark.parametrize(
+    "config, fragment",
+    [
+        (zp.ZeroConfig(param_dtype="bf16"), "param_dtype=torch.bfloat16"),
+        (zp.ZeroConfig(loss_scaling=False), "loss_scaling=False"),
+    ],
+)
 def test_fp16_flag_refuses_contradicting_configs(config, fragment):
     with pytest.raises(ValueError, match=fragment):
         _loss_scaling.fp16_config(config, {}, "mixed_precision='fp16'")

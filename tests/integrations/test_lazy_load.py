@@ -12,6 +12,7 @@ warning (the eager-load path of before).  Launched as a user would:
   most this rank's shard + the largest unit + ``SLACK`` (and the eager run's is not: it holds a full copy),
   tied embeddings stay tied, saved weights reload to the same loss, and full fine-tune losses equal eager.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -31,10 +32,18 @@ EXAMPLES = REPO / "examples"
 SCRIPT = REPO / "tests" / "integrations" / "scripts" / "lazy_load.py"
 PY = sys.executable
 CONSOLE = Path(PY).parent / "zero-plugin"
-LAUNCH = [*([str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.cli"]), "launch", "--stage", "3",
-          "--num_processes", "2", "--main_process_port", "0"]
+LAUNCH = [
+    *([str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.cli"]),
+    "launch",
+    "--stage",
+    "3",
+    "--num_processes",
+    "2",
+    "--main_process_port",
+    "0",
+]
 EXAMPLE_ARGS = ("--max_steps", "4", "--log_every", "1", "--warmup_steps", "1", "--max_new_tokens", "3")
-SLACK = 24 * 2**20   # loading machinery (~9 MiB measured before any tensor) and allocator rounding
+SLACK = 24 * 2**20  # loading machinery (~9 MiB measured before any tensor) and allocator rounding
 TIMEOUT_S = 600
 FALLBACK = "cannot build this model lazily on the meta device because pytorch_model.bin is a pickle checkpoint"
 
@@ -50,10 +59,19 @@ def _checkpoint(folder: Path, tokenizer, hidden: int, inter: int, layers: int, s
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=None,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = LlamaForCausalLM(config)
     safe, pickled = folder / "safetensors", folder / "pickle"
     model.save_pretrained(safe, max_shard_size=shard)
@@ -69,16 +87,20 @@ def _checkpoint(folder: Path, tokenizer, hidden: int, inter: int, layers: int, s
 
 def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_PLUGIN_", "ACCELERATE_", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               XDG_CACHE_HOME=str(tmp / "xdg"))
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        XDG_CACHE_HOME=str(tmp / "xdg"),
+    )
     return env
 
 
 def _launch(tmp: Path, name: str, args: list[str]) -> SimpleNamespace:
     out = tmp / name
     out.mkdir()
-    proc = subprocess.run([*LAUNCH, *args], env=_env(tmp), cwd=out, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    proc = subprocess.run([*LAUNCH, *args], env=_env(tmp), cwd=out, capture_output=True, text=True, timeout=TIMEOUT_S)
     return SimpleNamespace(name=name, returncode=proc.returncode, output=proc.stdout + proc.stderr, out=out)
 
 
@@ -87,13 +109,21 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lazy")
     tokenizer = common.default_tokenizer(common.DEFAULT_DATA, tmp / "cache")
     tiny, tiny_bin = _checkpoint(tmp / "tiny", tokenizer, 64, 128, 2, "100KB")
-    big, big_bin = _checkpoint(tmp / "big", tokenizer, 512, 1024, 8, "20MB")   # 19M parameters, 77 MB
+    big, big_bin = _checkpoint(tmp / "big", tokenizer, 512, 1024, 8, "20MB")  # 19M parameters, 77 MB
     launches = {}
     for kind, path in (("lazy", tiny), ("eager", tiny_bin)):
         for example in ("lora_finetune_accelerate", "finetune_trainer"):
             out = tmp / f"{example}_{kind}_out"
-            launches[f"{example}_{kind}"] = [str(EXAMPLES / f"{example}.py"), "--model", path, "--output_dir",
-                                             str(out), "--cache_dir", str(tmp / "cache"), *EXAMPLE_ARGS]
+            launches[f"{example}_{kind}"] = [
+                str(EXAMPLES / f"{example}.py"),
+                "--model",
+                path,
+                "--output_dir",
+                str(out),
+                "--cache_dir",
+                str(tmp / "cache"),
+                *EXAMPLE_ARGS,
+            ]
     for kind, path in (("lazy", big), ("eager", big_bin)):
         launches[f"full_{kind}"] = [str(SCRIPT), "--model", path, "--out", str(tmp / f"full_{kind}_out")]
     launches["lora_lazy"] = [str(SCRIPT), "--model", big, "--out", str(tmp / "lora_lazy_out"), "--lora"]
@@ -123,9 +153,11 @@ def test_examples_lazy_losses_equal_eager(runs, example):
     assert eager.output.count(FALLBACK) == 2, "one fallback warning per rank"
     got, want = (json.loads((r.out / "metrics.json").read_text()) for r in (lazy, eager))
     assert len(got["losses"]) == 4
-    assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"], strict=True)) <= 1e-6, \
-        (got["losses"], want["losses"])
-    assert got["samples_reloaded"] == got["samples_after"]   # adapter saved from the lazy model reloads
+    assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"], strict=True)) <= 1e-6, (
+        got["losses"],
+        want["losses"],
+    )
+    assert got["samples_reloaded"] == got["samples_after"]  # adapter saved from the lazy model reloads
 
 
 @pytest.mark.parametrize("name", ["full_lazy", "lora_lazy"])
@@ -134,7 +166,7 @@ def test_host_memory_is_shard_plus_one_unit(runs, name):
         bound = r["shard_bytes"] + r["largest_unit_bytes"] + SLACK
         assert r["meta_after_load"] > 0
         assert r["growth"] <= bound, (r["growth"] / 2**20, bound / 2**20)
-    for r in _ranks(_get(runs, "full_eager")):   # the measure can fail: a full copy per rank exceeds it
+    for r in _ranks(_get(runs, "full_eager")):  # the measure can fail: a full copy per rank exceeds it
         assert r["meta_after_load"] == 0
         assert r["growth"] > r["shard_bytes"] + r["largest_unit_bytes"] + SLACK, r["growth"] / 2**20
 

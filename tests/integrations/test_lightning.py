@@ -9,6 +9,7 @@ Tolerances (tiny Llama / LoRA in fp32, 3 optimizer steps of two-group AdamW with
 update-norm error ||Δθ - Δθ_ddp|| / ||Δθ_ddp|| <= 1e-3 (only summation order differs from DDP).
 Resuming from a checkpoint must match the uninterrupted run to 1e-6.
 """
+
 from __future__ import annotations
 
 import functools
@@ -91,7 +92,7 @@ def test_trainer_bf16_mixed_autocast():
     result = trainer_run("llama", "zero3", precision="bf16-mixed")
     ref = trainer_run("llama", "ddp", precision="bf16-mixed")
     fp32 = trainer_run("llama", "ddp")
-    assert _max_rel(result[0]["losses"], fp32[0]["losses"]) > 0   # autocast really ran
+    assert _max_rel(result[0]["losses"], fp32[0]["losses"]) > 0  # autocast really ran
     assert_parity(result, ref, loss_rtol=2e-2, update_tol=0.1)
 
 
@@ -133,12 +134,17 @@ def resumed(tmp_path_factory):
     for var in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "PL_TRAINER_STRATEGY"):
         env.pop(var, None)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "tests.integrations.lightning_workers", "resume", *runs],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integrations.lightning_workers", "resume", *runs],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     print(f"resume script (2 new processes, 2 fits): {time.monotonic() - start:.1f} s")
-    loaded = {mode: [torch.load(root / f"{mode}.out.rank{r}", weights_only=False) for r in range(2)]
-              for mode in cases}
+    loaded = {mode: [torch.load(root / f"{mode}.out.rank{r}", weights_only=False) for r in range(2)] for mode in cases}
     return uninterrupted, loaded, root
 
 
@@ -151,8 +157,8 @@ def test_checkpoint_resume_in_new_processes(resumed, mode):
     # Sharded directories need zp.save_checkpoint; without it the strategy writes one full file instead.
     assert ckpt.is_dir() == (mode == "sharded" and _has_sharded_checkpoints())
     assert resumed_run[0]["global_step"] == 4
-    for rank in range(2):   # the resumed run trains epoch 1 only: the second half of the losses
-        tail = full_run[rank]["losses"][len(full_run[rank]["losses"]) // 2:]
+    for rank in range(2):  # the resumed run trains epoch 1 only: the second half of the losses
+        tail = full_run[rank]["losses"][len(full_run[rank]["losses"]) // 2 :]
         assert _max_rel(resumed_run[rank]["losses"], tail) <= RESUME_TOL, rank
     for name, value in full_run[0]["state"].items():
         torch.testing.assert_close(resumed_run[0]["state"][name], value, rtol=RESUME_TOL, atol=RESUME_TOL)
@@ -165,12 +171,12 @@ def test_sharded_checkpoint_reshards_across_stages(tmp_path):
     assert ranks[0]["layout"] == ["meta.pt", "zero"]
     for rank in range(2):
         full, resumed = ranks[rank]["full"], ranks[rank]["resumed"]
-        assert _max_rel(resumed["losses"], full["losses"][len(full["losses"]) // 2:]) <= RESUME_TOL
+        assert _max_rel(resumed["losses"], full["losses"][len(full["losses"]) // 2 :]) <= RESUME_TOL
     for name, value in ranks[0]["full"]["state"].items():
         torch.testing.assert_close(ranks[0]["resumed"]["state"][name], value, rtol=RESUME_TOL, atol=RESUME_TOL)
     fabric = ranks[0]["fabric"]
     assert fabric["is_dir"] and fabric["loaded_step"] == 3
-    assert _max_rel(fabric["resumed_losses"], fabric["all_losses"][-len(fabric["resumed_losses"]):]) <= RESUME_TOL
+    assert _max_rel(fabric["resumed_losses"], fabric["all_losses"][-len(fabric["resumed_losses"]) :]) <= RESUME_TOL
 
 
 def test_model_summary_reports_full_counts():
@@ -179,7 +185,7 @@ def test_model_summary_reports_full_counts():
     assert "ZeroModelSummary" in out["callbacks"]
     assert out["total"] == ddp["total"] and out["trainable"] == ddp["trainable"]
     assert out["layers"] == ddp["layers"]
-    assert out["shard_numel"] < out["total"]   # the parameters really are shards
+    assert out["shard_numel"] < out["total"]  # the parameters really are shards
     tail = [line for line in out["log"].splitlines() if "params" in line.lower()]
     assert any("Total params" in line for line in tail), out["log"]
     assert tail == [line for line in ddp["log"].splitlines() if "params" in line.lower()], out["log"]

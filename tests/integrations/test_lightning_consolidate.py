@@ -7,6 +7,7 @@ equal the trained ones exactly.  A DDP run resumed from the consolidated epoch-0
 uninterrupted ZeRO run's second epoch as DDP tracks ZeRO (summation order only: losses 1e-4 relative,
 update error 1e-3, as in ``test_lightning.py``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,14 +50,14 @@ def _assert_same_optimizer_state(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_consolidated_file_loads_with_load_from_checkpoint(trained, tmp_path, strategy):
     run, ckpt_root = trained(strategy)
-    ckpt_dir = ckpt_root / "epoch=1.ckpt"   # the last save: the trained weights
+    ckpt_dir = ckpt_root / "epoch=1.ckpt"  # the last save: the trained weights
     assert ckpt_dir.is_dir()
-    with pytest.raises(IsADirectoryError):   # Lightning's own loader, before any zero_plugin code runs
+    with pytest.raises(IsADirectoryError):  # Lightning's own loader, before any zero_plugin code runs
         cw.module_class().load_from_checkpoint(ckpt_dir)
     assert any("zero-plugin consolidate" in line and "--format lightning" in line for line in run["log"])
     out = tmp_path / "model.ckpt"
     _consolidate(ckpt_dir, out)
-    model = cw.module_class().load_from_checkpoint(out)   # strict: every key, tied lm_head included
+    model = cw.module_class().load_from_checkpoint(out)  # strict: every key, tied lm_head included
     assert model.hparams.layers == 2 and model.net.lm_head.weight is model.net.model.embed_tokens.weight
     state = model.state_dict()
     assert sorted(state) == sorted(run["state"])
@@ -74,7 +75,7 @@ def test_plain_ddp_resumes_from_consolidated_file(trained, tmp_path):
     _consolidate(ckpt_root / "epoch=0.ckpt", out)
     resumed = run_ranks(2, cw.ddp_resume_worker, str(out))
     assert resumed[0]["global_step"] == 2 * cw.STEPS_PER_EPOCH
-    tail = run["losses"][len(run["losses"]) // 2:]   # the uninterrupted run's second epoch (rank 0)
+    tail = run["losses"][len(run["losses"]) // 2 :]  # the uninterrupted run's second epoch (rank 0)
     assert len(resumed[0]["losses"]) == len(tail)
     assert max(abs(a - b) / abs(b) for a, b in zip(resumed[0]["losses"], tail)) <= LOSS_RTOL
     start = torch.load(out, weights_only=True)["state_dict"]
@@ -87,8 +88,10 @@ def test_plain_ddp_resumes_from_consolidated_file(trained, tmp_path):
 
 def test_consolidate_lightning_refuses_a_plain_checkpoint_folder(tmp_path, capsys):
     (tmp_path / "not_lightning").mkdir()
-    assert cli.main(["consolidate", str(tmp_path / "not_lightning"), str(tmp_path / "x.ckpt"),
-                     "--format", "lightning"]) == 2
+    assert (
+        cli.main(["consolidate", str(tmp_path / "not_lightning"), str(tmp_path / "x.ckpt"), "--format", "lightning"])
+        == 2
+    )
     assert "not a sharded Lightning checkpoint" in capsys.readouterr().err
 
 
@@ -99,7 +102,7 @@ def test_safetensors_export_accepts_the_lightning_directory(trained, tmp_path):
     run, ckpt_root = trained("zero3")
     assert cli.main(["consolidate", str(ckpt_root / "epoch=1.ckpt"), str(tmp_path / "st")]) == 0
     weights = load_file(tmp_path / "st" / "model.safetensors")
-    assert "net.lm_head.weight" not in weights   # tied: stored under its first name only
+    assert "net.lm_head.weight" not in weights  # tied: stored under its first name only
     for name, value in weights.items():
         assert torch.equal(value, run["state"][name]), name
 
@@ -116,7 +119,7 @@ def test_fabric_directory_consolidates_under_its_own_keys(tmp_path):
     saved = torch.load(tmp_path / "one.ckpt", weights_only=True)
     assert saved["step"] == 3 and "zero_plugin" not in saved
     net = lw.build_net("llama")
-    net.load_state_dict(saved["model"])   # strict, the tied lm_head name included
-    for name, value in run["mid"].items():   # fabric.save came right after the state "mid" was taken
+    net.load_state_dict(saved["model"])  # strict, the tied lm_head name included
+    for name, value in run["mid"].items():  # fabric.save came right after the state "mid" was taken
         assert torch.equal(net.state_dict()[name], value), name
     assert saved["optimizer"]["state"] and len(saved["optimizer"]["param_groups"]) == 2

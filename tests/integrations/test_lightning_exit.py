@@ -12,6 +12,7 @@ Both ranks are started by the test, torchrun-style (``LOCAL_RANK`` / ``WORLD_SIZ
 that both exit codes are seen (under Lightning's own launcher rank 1 is rank 0's child).  Each round is a
 one-epoch fit writing a sharded checkpoint, then a second process pair resuming from it.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,7 @@ import sys
 from tests.harness import REPO_ROOT
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "scripts", "lightning_short_run.py")
-ROUNDS = ("zero1", "zero3", "zero3")   # each: a fit, then a resume from its sharded checkpoint
+ROUNDS = ("zero1", "zero3", "zero3")  # each: a fit, then a resume from its sharded checkpoint
 _THREADS = re.compile(r"THREADS before=(\d+) at_exit=(\d+)")
 
 
@@ -38,12 +39,21 @@ def _run_pair(strategy: str, ckpt_dir: str, resume: bool) -> list[tuple[int, str
     port = str(_free_port())
     procs = []
     for rank in range(2):
-        env = dict(os.environ, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
+        env = dict(
+            os.environ,
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=REPO_ROOT,
+        )
         env.pop("PL_TRAINER_STRATEGY", None)
         args = [sys.executable, SCRIPT, strategy, ckpt_dir, "--count-threads"] + (["--resume"] if resume else [])
-        procs.append(subprocess.Popen(args, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(args, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     return [(p.wait(timeout=600), p.stdout.read()) for p in procs]
 
 
@@ -58,4 +68,4 @@ def test_short_runs_exit_0_with_gloo_threads_joined(tmp_path):
                 assert found is not None, f"{what}: no thread count\n{out[-3000:]}"
                 before, at_exit = map(int, found.groups())
                 assert at_exit <= before, f"{what}: {at_exit} threads left at exit (started with {before})"
-        assert os.path.isdir(os.path.join(ckpt_dir, "epoch=1.ckpt"))   # the resume trained its epoch
+        assert os.path.isdir(os.path.join(ckpt_dir, "epoch=1.ckpt"))  # the resume trained its epoch

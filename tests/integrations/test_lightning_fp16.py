@@ -10,6 +10,7 @@ step under both), and the gradients are DDP's fp32 ones, so losses and weights a
 The runs clip by value: a clamp turns an overflowed inf into a finite value, which must still skip the step
 (torch's GradScaler records infs when it unscales, before clipping).
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,8 +24,8 @@ from tests.integrations import lightning_fp16_workers as fw
 
 # Measured: every run but offload equals DDP's bit for bit (clipping by value, see lightning_fp16_workers.py).
 LOSS_RTOL = 1e-7
-WEIGHT_RTOL = 1e-7   # ||θ - θ_ddp|| / ||θ_ddp||, over every floating-point entry
-UPDATE_TOL = 1e-6    # ||Δθ - Δθ_ddp|| / ||Δθ_ddp||
+WEIGHT_RTOL = 1e-7  # ||θ - θ_ddp|| / ||θ_ddp||, over every floating-point entry
+UPDATE_TOL = 1e-6  # ||Δθ - Δθ_ddp|| / ||Δθ_ddp||
 # Offload steps with the fused CPU AdamW kernel, not torch's foreach one: 5.6e-7 / 6.9e-6 measured.
 OFFLOAD_WEIGHT_RTOL, OFFLOAD_UPDATE_TOL = 2e-6, 3e-5
 TRAINER_SPECS = (0, 1, 2, 3, "zero3_offload")
@@ -46,7 +47,7 @@ def _flat(state: dict, names: list[str], base: dict | None = None) -> torch.Tens
 
 
 def assert_like_ddp(got: list, ref: list, weight_rtol: float = WEIGHT_RTOL, update_tol: float = UPDATE_TOL) -> None:
-    assert any(ref[0]["skipped"]) and not all(ref[0]["skipped"]), ref[0]["skipped"]   # the test can fail
+    assert any(ref[0]["skipped"]) and not all(ref[0]["skipped"]), ref[0]["skipped"]  # the test can fail
     for rank in range(2):
         assert got[rank]["skipped"] == ref[rank]["skipped"], (rank, got[rank]["skipped"], ref[rank]["skipped"])
         assert got[rank]["loss_scale"] == ref[rank]["loss_scale"]
@@ -70,15 +71,15 @@ def test_trainer_16_mixed_skips_and_trains_like_ddp_grad_scaler(spec):
     got, ref = trainer_run(spec), trainer_run("ddp")
     offload = isinstance(spec, str) and spec.endswith("offload")
     assert_like_ddp(got, ref, *((OFFLOAD_WEIGHT_RTOL, OFFLOAD_UPDATE_TOL) if offload else ()))
-    assert got[0]["global_step"] == ref[0]["global_step"] == fw.STEPS   # a skipped step still counts, as in DDP
-    assert got[0]["param_dtypes"] == ["torch.float32"]   # parameters stay fp32, as under DDP
+    assert got[0]["global_step"] == ref[0]["global_step"] == fw.STEPS  # a skipped step still counts, as in DDP
+    assert got[0]["param_dtypes"] == ["torch.float32"]  # parameters stay fp32, as under DDP
 
 
 @pytest.mark.parametrize("spec", FABRIC_SPECS)
 def test_fabric_16_mixed_skips_and_trains_like_ddp_grad_scaler(spec):
     got, ref = fabric_run(spec), fabric_run("ddp")
     assert_like_ddp(got, ref)
-    norms, ref_norms = got[0]["norms"], ref[0]["norms"]   # unscaled before the norm; inf/NaN where DDP's is
+    norms, ref_norms = got[0]["norms"], ref[0]["norms"]  # unscaled before the norm; inf/NaN where DDP's is
     assert [math.isfinite(n) for n in norms] == [math.isfinite(n) for n in ref_norms] and any(map(math.isfinite, norms))
     assert [n for n in norms if math.isfinite(n)] == pytest.approx([n for n in ref_norms if math.isfinite(n)], rel=1e-6)
 
@@ -93,9 +94,9 @@ def test_the_plugin_scaler_maps_onto_the_config():
     """Init scale and growth interval carry over, a disabled or absent scaler means no scaling, another scaler class
     is refused, and other precisions keep the config as it is."""
     from lightning.pytorch.plugins.precision import MixedPrecision
+    from zero_plugin.integrations import _lightning_common as common
 
     import zero_plugin as zp
-    from zero_plugin.integrations import _lightning_common as common
 
     default = common.loss_scaler_settings(MixedPrecision("16-mixed", "cpu"))
     assert default == {"loss_scale_init": 65536.0, "loss_scale_growth_interval": 2000}

@@ -7,6 +7,7 @@ construction (which visits the modules in construction order).  Exact equality i
 loaded weights: a meta model filled from ``save_pretrained`` safetensors trains exactly like the same
 model built eagerly (same seed, same strategy): losses and final weights to 1e-6 in float32.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,7 +49,7 @@ def test_trainer_configure_model_loaded_matches_eager(weights):
     eager = run_ranks(2, mw.trainer_meta_worker, {"config": "zero3", "meta_init": False})
     assert meta[0]["built"]["params_meta"] and not eager[0]["built"]["params_meta"]
     assert meta[0]["built"]["buffers_real"] and meta[0]["built"]["tied_after_setup"]
-    assert _max_abs(meta[0]["init"], eager[0]["init"]) == 0.0   # loaded = the eager seed-0 weights
+    assert _max_abs(meta[0]["init"], eager[0]["init"]) == 0.0  # loaded = the eager seed-0 weights
     for rank in range(2):
         assert _max_rel(meta[rank]["losses"], eager[rank]["losses"]) <= EXACT, rank
     assert _max_abs(meta[0]["state"], eager[0]["state"]) <= EXACT
@@ -99,9 +100,9 @@ def test_empty_init_semantics_per_stage(preset):
     for api in ("fabric", "trainer"):
         # empty_init=False: real parameters, torch.nn.init draws, at every stage
         assert out[(api, False)] == {"meta": False, "drew": True}, (api, out)
-        if preset == "zero3":   # None (configure_model) and True: meta, nothing drawn
+        if preset == "zero3":  # None (configure_model) and True: meta, nothing drawn
             assert out[(api, None)] == out[(api, True)] == {"meta": True, "drew": False}, (api, out)
-        else:                   # as DDP: None initialises, True skips torch.nn.init (uninitialised memory)
+        else:  # as DDP: None initialises, True skips torch.nn.init (uninitialised memory)
             assert out[(api, None)] == {"meta": False, "drew": True}, (api, out)
             assert out[(api, True)] == {"meta": False, "drew": False}, (api, out)
 

@@ -5,6 +5,7 @@ without it, dropout masks and data made in ``train_dataloader()`` continue from 
 construction left the generator.  The first loss of every rank is compared bitwise (dropout p=0.5 on,
 float64): before the first update it depends only on the data, the mask and the initial weights.
 """
+
 from __future__ import annotations
 
 import functools

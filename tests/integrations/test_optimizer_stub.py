@@ -1,12 +1,12 @@
 """The stub ``optimizer.pt`` ([Note: optimizer stub] in integrations/_optimizer_stub.py): every way of
 loading it fails with the message it carries, and nothing else in a checkpoint folder is taken for it."""
+
 from __future__ import annotations
 
 import pickle
 
 import pytest
 import torch
-
 from zero_plugin.integrations._optimizer_stub import is_stub, write_stub
 
 MESSAGE = "NOT AN OPTIMIZER STATE: checkpoint-2/zero_plugin/ holds it; resume under `zero-plugin launch`"
@@ -21,7 +21,7 @@ def stub(tmp_path):
 
 def test_torch_load_weights_only_quotes_the_message(stub):
     with pytest.raises(pickle.UnpicklingError) as info:
-        torch.load(stub, map_location="cpu", weights_only=True)   # what transformers.Trainer calls
+        torch.load(stub, map_location="cpu", weights_only=True)  # what transformers.Trainer calls
     assert MESSAGE in str(info.value)
 
 

@@ -3,6 +3,7 @@ Accelerate script with a bitsandbytes 4-bit base and PEFT LoRA, on 2 CPU process
 one process on the concatenated batches (bitsandbytes' CPU backend runs the 4-bit matmuls).  Losses rtol 1e-5;
 the saved adapters (``save_pretrained`` on every rank) to 1e-5 of their update.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,15 +37,36 @@ def test_qlora_script_under_zero_plugin_launch_stage3_matches_one_process(tmp_pa
     single, sharded = tmp_path / "single", tmp_path / "stage3"
     single.mkdir(), sharded.mkdir()
     _run([PY, str(SCRIPT), "--base", str(base), "--out", str(single), "--batch_size", "4"], single)
-    _run([*ZERO_LAUNCH, "launch", "--cpu", "--stage", "3", "--num_processes", "2", "--main_process_port", "0",
-          str(SCRIPT), "--base", str(base), "--out", str(sharded), "--batch_size", "2"], sharded)
+    _run(
+        [
+            *ZERO_LAUNCH,
+            "launch",
+            "--cpu",
+            "--stage",
+            "3",
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            "0",
+            str(SCRIPT),
+            "--base",
+            str(base),
+            "--out",
+            str(sharded),
+            "--batch_size",
+            "2",
+        ],
+        sharded,
+    )
     want, got = (json.loads((d / "losses.json").read_text()) for d in (single, sharded))
     assert len(got) == len(want) == 3
     for step, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: stage-3 loss {a} != one-process loss {b}"
     initial = w.lora_weights(w.load_qlora(str(base)).state_dict())
-    adapters = [w.lora_weights(PeftModel.from_pretrained(w.load_base(str(base)), d / "adapter").state_dict())
-                for d in (single, sharded)]
+    adapters = [
+        w.lora_weights(PeftModel.from_pretrained(w.load_base(str(base)), d / "adapter").state_dict())
+        for d in (single, sharded)
+    ]
     num = sum(float((adapters[1][k] - adapters[0][k]).norm() ** 2) for k in initial) ** 0.5
     den = sum(float((adapters[0][k] - initial[k]).norm() ** 2) for k in initial) ** 0.5
     assert den > 0 and num / den < 1e-5, f"saved adapters differ by {num / den:.3g} of their update"

@@ -6,6 +6,7 @@ zero_plugin's ``Accelerator`` after two training steps; the folder is then loade
 here, in a plain process, and compared with the trained weights (float32, exact).  With PEFT the adapter
 folder is loaded onto a fresh base model with ``PeftModel.from_pretrained``.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,9 @@ from tests.integrations import save_pretrained_workers as w
 def _compare(loaded: dict, trained: dict) -> None:
     assert list(loaded) == list(trained), f"keys differ: {sorted(set(loaded) ^ set(trained))[:5]}"
     for key, value in trained.items():
-        assert loaded[key].shape == value.shape, f"{key}: saved {tuple(loaded[key].shape)}, trained {tuple(value.shape)}"
+        assert loaded[key].shape == value.shape, (
+            f"{key}: saved {tuple(loaded[key].shape)}, trained {tuple(value.shape)}"
+        )
         assert torch.equal(loaded[key], value), f"{key}: max |Δ| {(loaded[key] - value).abs().max():.3g}"
 
 

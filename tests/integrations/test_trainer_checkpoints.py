@@ -12,6 +12,7 @@ evaluates every step with ``load_best_model_at_end=True`` and a metric that make
 
 All launches start together in a small thread pool (module fixture); tests wait for the ones they need.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -66,8 +67,14 @@ def _launch(tmp: Path, name: str) -> SimpleNamespace:
     cmd = [*prefix, str(SCRIPT), "--out", str(out), *(a.format(tmp=tmp) for a in args)]
     start = time.monotonic()
     proc = subprocess.run(cmd, env=_env(extra), cwd=out, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    return SimpleNamespace(name=name, out=out, cmd=cmd, returncode=proc.returncode, output=proc.stdout + proc.stderr,
-                           seconds=time.monotonic() - start)
+    return SimpleNamespace(
+        name=name,
+        out=out,
+        cmd=cmd,
+        returncode=proc.returncode,
+        output=proc.stdout + proc.stderr,
+        seconds=time.monotonic() - start,
+    )
 
 
 class Runs:
@@ -84,7 +91,7 @@ class Runs:
         for name in chain:
             try:
                 self.futures[name].set_result(_launch(self.tmp, name))
-            except BaseException as exc:   # noqa: BLE001 - handed to the waiting test
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting test
                 self.futures[name].set_exception(exc)
 
     def any(self, name: str) -> SimpleNamespace:
@@ -150,11 +157,12 @@ def test_load_best_model_at_end_loads_the_best_checkpoint(runs, stage):
 def test_plain_trainer_refuses_a_zero_plugin_checkpoint(runs):
     runs.ok("stage2")
     plain = runs.any("plain_resumed")
-    assert plain.returncode != 0, "a plain Trainer resumed a zero_plugin checkpoint without its optimizer state:\n" \
-                                  + plain.output[-3000:]
+    assert plain.returncode != 0, (
+        "a plain Trainer resumed a zero_plugin checkpoint without its optimizer state:\n" + plain.output[-3000:]
+    )
     assert "checkpoint-2/zero_plugin" in plain.output, plain.output[-3000:]
     assert "zero-plugin launch" in plain.output and "zero-plugin consolidate" in plain.output, plain.output[-3000:]
-    assert not (plain.out / "checkpoint-3").exists()   # it stopped before training
+    assert not (plain.out / "checkpoint-3").exists()  # it stopped before training
 
 
 def test_resume_under_zero_plugin_is_exact(runs):

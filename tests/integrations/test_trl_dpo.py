@@ -6,6 +6,7 @@ TRL prepares the reference model with ``accelerator.prepare_model(ref_model, eva
 The script (``scripts/dpo_trl.py``, no zero_plugin in it) reports the bytes each rank's reference model
 holds: half the model at stage 3 on 2 ranks, the whole model under DDP.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -31,8 +32,13 @@ LAUNCHES = {
 def _launch(name: str, out: Path) -> subprocess.CompletedProcess:
     cmd, env = LAUNCHES[name]
     out.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([*cmd, str(SCRIPT), "--out", str(out), "--max_steps", "4"], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, **env})
+    return subprocess.run(
+        [*cmd, str(SCRIPT), "--out", str(out), "--max_steps", "4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **env},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +70,7 @@ def test_dpo_losses_equal_ddp(runs):
     for want, have in zip(steps, got):
         for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "grad_norm"):
             assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (key, want, have)
-    assert steps[0]["rewards/margins"] != 0   # the reference differs from the policy: it moves the loss
+    assert steps[0]["rewards/margins"] != 0  # the reference differs from the policy: it moves the loss
 
 
 def test_reference_model_is_sharded(runs):
@@ -72,5 +78,5 @@ def test_reference_model_is_sharded(runs):
     _, zero = _result(runs, "stage3")
     full = ddp[0]["ref_full_bytes"]
     assert all(m["ref_param_bytes"] == full for m in ddp)
-    for m in zero:   # 1/2 of the model, padding at most one element per parameter (21 tensors)
+    for m in zero:  # 1/2 of the model, padding at most one element per parameter (21 tensors)
         assert full / 2 - 21 * 4 <= m["ref_param_bytes"] <= full / 2 + 21 * 4, (m, full)

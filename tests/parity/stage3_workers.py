@@ -5,6 +5,7 @@ results are plain Python or CPU tensors.  ``build_model`` and
 ``build_optimizer`` also build the single-process reference in the parent, so
 both sides start from the same weights and the same param groups.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,9 +49,8 @@ def build_model(kind: str):
         model = models.make_tiny_llama_lora(layers=2)
     if ckpt is not None:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)   # gradient_checkpointing_enable is a deprecated alias
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
+            warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_enable is a deprecated alias
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
         if base == "lora":
             # A frozen embedding gives the first checkpointed layer an input without grad; reentrant
             # checkpointing then drops the layer's gradients unless the input is made to require grad.
@@ -64,8 +64,9 @@ def build_optimizer(model) -> torch.optim.AdamW:
     first = [p for n, p in named if p.ndim >= 2 and "lora_B" not in n]
     second = [p for n, p in named if not (p.ndim >= 2 and "lora_B" not in n)]
     assert first and second, "both param groups must be non-empty"
-    return torch.optim.AdamW([{"params": first, "lr": LR, "weight_decay": 0.1},
-                              {"params": second, "lr": LR / 2, "weight_decay": 0.0}], lr=LR)
+    return torch.optim.AdamW(
+        [{"params": first, "lr": LR, "weight_decay": 0.1}, {"params": second, "lr": LR / 2, "weight_decay": 0.0}], lr=LR
+    )
 
 
 def train_loop(model, opt, batches: list, steps: int, accum: int, max_norm: float) -> dict:
@@ -74,7 +75,7 @@ def train_loop(model, opt, batches: list, steps: int, accum: int, max_norm: floa
     losses, norms = [], []
     for step in range(steps):
         step_loss = 0.0
-        for i, micro in enumerate(batches[step * accum:(step + 1) * accum]):
+        for i, micro in enumerate(batches[step * accum : (step + 1) * accum]):
             sync = contextlib.nullcontext() if i == accum - 1 else zp.no_sync(model)
             with sync:
                 value = models.loss_fn(model, models.shard_batch(micro, rank, world))
@@ -87,20 +88,34 @@ def train_loop(model, opt, batches: list, steps: int, accum: int, max_norm: floa
     return {"losses": losses, "clip_norms": norms}
 
 
-def parity_worker(kind: str, batches: list, steps: int, accum: int, max_norm: float, prefetch_depth: int = 1,
-                  reshard_after_forward: bool = True, buffered: bool = False, persistence_threshold: int = 0) -> dict:
+def parity_worker(
+    kind: str,
+    batches: list,
+    steps: int,
+    accum: int,
+    max_norm: float,
+    prefetch_depth: int = 1,
+    reshard_after_forward: bool = True,
+    buffered: bool = False,
+    persistence_threshold: int = 0,
+) -> dict:
     """Train at stage 3; return losses, clip norms, this rank's shards and (rank 0) the full state dict.
     ``buffered``: the rank-major collective layout NCCL uses, forced on gloo (collectives.py)."""
     from tests.unit.memory_comm_workers import collectives_layout
 
     model = build_model(kind)
-    config = zp.ZeroConfig(stage=3, prefetch_depth=prefetch_depth, reshard_after_forward=reshard_after_forward,
-                           persistence_threshold=persistence_threshold)
+    config = zp.ZeroConfig(
+        stage=3,
+        prefetch_depth=prefetch_depth,
+        reshard_after_forward=reshard_after_forward,
+        persistence_threshold=persistence_threshold,
+    )
     with collectives_layout(buffered):
         model, opt = zp.setup(model, build_optimizer(model), config)
     out = train_loop(model, opt, batches, steps, accum, max_norm)
     out["shards"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     from zero_plugin.engine import engine_of
+
     out["unsharded_units_after"] = [u.name for u in engine_of(model, "test").unsharded_units()]
     out["root_params"] = sorted(sp.name for sp in engine_of(model, "test").units[0].params)
     out["full_state_dict"] = zp.full_state_dict(model)

@@ -18,6 +18,7 @@ Tiny Llama / LoRA fp32: update-norm error ||θ - θ_ref|| / ||θ_ref - θ0|| <= 
 loss and clip norm 1e-4 relative.  Activation checkpointing recomputes the same
 ops, so checkpointed kinds are held against the plain model's reference.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,14 +43,21 @@ CASES = (
 
 @functools.cache
 def global_batches(kind: str) -> list:
-    return models.make_batches(workers.batch_kind(kind), STEPS * ACCUM, world_size=1,
-                               per_rank_batch=GLOBAL_ROWS, seed=0)
+    return models.make_batches(
+        workers.batch_kind(kind), STEPS * ACCUM, world_size=1, per_rank_batch=GLOBAL_ROWS, seed=0
+    )
 
 
 @functools.cache
 def reference(base: str) -> dict:
-    return models.reference_train(functools.partial(workers.build_model, base), workers.build_optimizer,
-                                  global_batches(base), steps=STEPS, accum=ACCUM, clip=MAX_NORM[base])
+    return models.reference_train(
+        functools.partial(workers.build_model, base),
+        workers.build_optimizer,
+        global_batches(base),
+        steps=STEPS,
+        accum=ACCUM,
+        clip=MAX_NORM[base],
+    )
 
 
 def assert_rel_close(got, want, rel: float, what: str) -> None:
@@ -74,12 +82,13 @@ def check_shards_tile(results: list[dict], full: dict, what: str) -> None:
     """Concatenating every rank's 1-D shard in rank order gives the flattened full parameter exactly."""
     for name, value in full.items():
         if name not in results[0]["shards"]:
-            continue   # a tied alias: named_parameters lists the shared weight once
+            continue  # a tied alias: named_parameters lists the shared weight once
         pieces = [r["shards"][name] for r in results]
         assert all(p.dim() == 1 for p in pieces), f"{what}: {name} shards are not 1-D between uses"
         joined = torch.cat(pieces)
-        assert joined.shape == value.reshape(-1).shape, f"{what}: {name} shards hold {joined.numel()} elements, " \
-                                                        f"the parameter has {value.numel()}"
+        assert joined.shape == value.reshape(-1).shape, (
+            f"{what}: {name} shards hold {joined.numel()} elements, the parameter has {value.numel()}"
+        )
         assert torch.equal(joined, value.reshape(-1)), f"{what}: {name} shards differ from the gathered values"
 
 
@@ -112,8 +121,17 @@ def test_stage3_parity_with_persistent_small_parameters(kind, world_size):
 def check_stage3_parity(kind: str, world_size: int, buffered: bool = False, persistence_threshold: int = 0):
     base = workers.base_kind(kind)
     ref = reference(base)
-    results = run_ranks(world_size, workers.parity_worker, kind, global_batches(base), STEPS, ACCUM,
-                        MAX_NORM[base], buffered=buffered, persistence_threshold=persistence_threshold)
+    results = run_ranks(
+        world_size,
+        workers.parity_worker,
+        kind,
+        global_batches(base),
+        STEPS,
+        ACCUM,
+        MAX_NORM[base],
+        buffered=buffered,
+        persistence_threshold=persistence_threshold,
+    )
     rel = 1e-10 if base == "mlp" else 1e-4
     global_losses = torch.tensor([r["losses"] for r in results], dtype=torch.float64).mean(0).tolist()
     assert_rel_close(global_losses, ref["losses"], rel, "per-step global loss")
@@ -121,7 +139,7 @@ def check_stage3_parity(kind: str, world_size: int, buffered: bool = False, pers
         assert_rel_close(r["clip_norms"], ref["clip_norms"], rel, f"rank {rank} clip norm")
         assert r["unsharded_units_after"] == [], f"rank {rank}: units still gathered {r['unsharded_units_after']}"
     ckpt = workers.KINDS[kind][1]
-    want_ckpt = [] if ckpt is None else [ckpt == "reentrant"] * 2   # both decoder layers
+    want_ckpt = [] if ckpt is None else [ckpt == "reentrant"] * 2  # both decoder layers
     assert results[0]["checkpointing"] == want_ckpt, f"checkpointing in effect: {results[0]['checkpointing']}"
     full = results[0]["full_state_dict"]
     assert_params_match(base, full, ref, "full_state_dict on rank 0")

@@ -18,6 +18,7 @@ Tolerances:
 ``MAX_NORM`` is chosen per model so that clipping bites on some steps and not
 on others (asserted on the reference), which exercises both branches.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,8 +40,9 @@ FLOAT64_KINDS = ("mlp", "mlp_frozen")
 
 @functools.cache
 def global_batches(kind: str) -> list:
-    return models.make_batches(workers.batch_kind(kind), STEPS * ACCUM, world_size=1,
-                               per_rank_batch=GLOBAL_ROWS, seed=0)
+    return models.make_batches(
+        workers.batch_kind(kind), STEPS * ACCUM, world_size=1, per_rank_batch=GLOBAL_ROWS, seed=0
+    )
 
 
 @functools.cache
@@ -56,16 +58,33 @@ def reference(kind: str, use_scheduler: bool = False, steps: int = STEPS) -> dic
             opt.register_step_post_hook(lambda *_: scheduler.step())
         return opt
 
-    out = models.reference_train(functools.partial(workers.build_model, kind), opt_fn, global_batches(kind),
-                                 steps=steps, accum=ACCUM, clip=MAX_NORM[kind])
+    out = models.reference_train(
+        functools.partial(workers.build_model, kind),
+        opt_fn,
+        global_batches(kind),
+        steps=steps,
+        accum=ACCUM,
+        clip=MAX_NORM[kind],
+    )
     out["optim"] = holder["opt"].state_dict()
     return out
 
 
-def run_parity(kind: str, stage: int, world_size: int, use_scheduler: bool = False,
-               buffered: bool = False) -> list[dict]:
-    return run_ranks(world_size, workers.parity_worker, kind, stage, global_batches(kind), STEPS, ACCUM,
-                     MAX_NORM[kind], use_scheduler=use_scheduler, buffered=buffered)
+def run_parity(
+    kind: str, stage: int, world_size: int, use_scheduler: bool = False, buffered: bool = False
+) -> list[dict]:
+    return run_ranks(
+        world_size,
+        workers.parity_worker,
+        kind,
+        stage,
+        global_batches(kind),
+        STEPS,
+        ACCUM,
+        MAX_NORM[kind],
+        use_scheduler=use_scheduler,
+        buffered=buffered,
+    )
 
 
 def assert_rel_close(got, want, rel: float, what: str) -> None:
@@ -109,8 +128,13 @@ def check_optimizer_state(kind: str, results: list[dict], ref: dict) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             assert entry[key].shape == want_entry[key].shape, f"state {idx} {key} shape"
             if kind in FLOAT64_KINDS:
-                torch.testing.assert_close(entry[key], want_entry[key], rtol=1e-8, atol=1e-14,
-                                           msg=lambda m, i=idx, k=key: f"state {i} {k}: {m}")
+                torch.testing.assert_close(
+                    entry[key],
+                    want_entry[key],
+                    rtol=1e-8,
+                    atol=1e-14,
+                    msg=lambda m, i=idx, k=key: f"state {i} {k}: {m}",
+                )
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -165,14 +189,20 @@ def test_lr_scheduler_changes_lr(stage):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_frozen_params_have_no_grad_and_no_state(stage, world_size):
     ref = reference("mlp_frozen")
-    results = run_ranks(world_size, workers.frozen_worker, stage, global_batches("mlp_frozen"), STEPS, ACCUM,
-                        MAX_NORM["mlp_frozen"])
-    check_against_reference("mlp_frozen", [dict(r, full_state_dict=r["params"] if i == 0 else {})
-                                           for i, r in enumerate(results)], ref)
+    results = run_ranks(
+        world_size, workers.frozen_worker, stage, global_batches("mlp_frozen"), STEPS, ACCUM, MAX_NORM["mlp_frozen"]
+    )
+    check_against_reference(
+        "mlp_frozen", [dict(r, full_state_dict=r["params"] if i == 0 else {}) for i, r in enumerate(results)], ref
+    )
     trainable = sum(p.requires_grad for p in workers.build_model("mlp_frozen").parameters())
     for rank, r in enumerate(results):
-        assert r["frozen_names"] == ["blocks.0.fc.bias", "blocks.0.fc.weight", "blocks.0.norm.bias",
-                                     "blocks.0.norm.weight"]
+        assert r["frozen_names"] == [
+            "blocks.0.fc.bias",
+            "blocks.0.fc.weight",
+            "blocks.0.norm.bias",
+            "blocks.0.norm.weight",
+        ]
         assert not any(r["frozen_grad_after_backward"].values()), (rank, r["frozen_grad_after_backward"])
         assert not any(r["frozen_grad_after_step"].values()), (rank, r["frozen_grad_after_step"])
         assert not r["frozen_in_optimizer"] and not r["frozen_with_state"]
@@ -184,8 +214,9 @@ def test_frozen_params_have_no_grad_and_no_state(stage, world_size):
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_state_dict_round_trip(stage, world_size):
-    results = run_ranks(world_size, workers.roundtrip_worker, "mlp", stage, global_batches("mlp"), 3, ACCUM,
-                        MAX_NORM["mlp"])
+    results = run_ranks(
+        world_size, workers.roundtrip_worker, "mlp", stage, global_batches("mlp"), 3, ACCUM, MAX_NORM["mlp"]
+    )
     for rank, r in enumerate(results):
         assert r["params_after_load"] == 0.0, (rank, r)
         assert r["shard_after_full_load"] == 0.0, (rank, r)
@@ -201,9 +232,10 @@ def test_resume_from_unsharded_optimizer_state(stage):
     """Load an unsharded AdamW's state_dict() (and its weights) halfway, train on: same as never stopping."""
     half = STEPS // 2
     mid, ref = reference("mlp", steps=half), reference("mlp")
-    rest = global_batches("mlp")[half * ACCUM:]
-    results = run_ranks(3, workers.resume_worker, "mlp", stage, mid["params"], mid["optim"], rest, STEPS - half,
-                        ACCUM, MAX_NORM["mlp"])
+    rest = global_batches("mlp")[half * ACCUM :]
+    results = run_ranks(
+        3, workers.resume_worker, "mlp", stage, mid["params"], mid["optim"], rest, STEPS - half, ACCUM, MAX_NORM["mlp"]
+    )
     for rank, r in enumerate(results):
         assert_rel_close(r["clip_norms"], ref["clip_norms"][half:], 1e-10, f"rank {rank} clip norm after resume")
         assert_params_match("mlp", r["params"], ref, f"rank {rank} parameters after resume")
@@ -218,7 +250,7 @@ def _two_head_data():
 @pytest.mark.parametrize("stage", STAGES)
 def test_globally_unused_parameter_is_not_stepped(stage):
     x, y = _two_head_data()
-    use_b = [False, True, False]          # head_a unused in step 1, head_b in steps 0 and 2
+    use_b = [False, True, False]  # head_a unused in step 1, head_b in steps 0 and 2
     want = workers.train_two_head(None, x, y, use_b)
     for world_size in (1, 2):
         got = run_ranks(world_size, workers.train_two_head, stage, x, y, use_b)[0]

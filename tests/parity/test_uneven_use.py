@@ -18,6 +18,7 @@ nothing, see each test).  One ``run_ranks`` call per test.
 Stage 3 with a block not called at all on one rank is not trainable (the gathers no longer pair): every
 rank must raise a RuntimeError naming the unit, promptly, instead of aborting in gloo or hanging.
 """
+
 from __future__ import annotations
 
 import functools
@@ -110,10 +111,11 @@ BUCKETED = [(s, lay) for s, lay in STAGE_LAYOUTS if s < 3]
 
 def check_parity(world_size: int, stage: int, layout: str, runs: list[tuple[str, str, str]]) -> None:
     try:
-        errors = run_ranks(world_size, W.parity_worker, stage, LAYOUTS[layout], runs, references(world_size),
-                           timeout=CALL_TIMEOUT_S)
+        errors = run_ranks(
+            world_size, W.parity_worker, stage, LAYOUTS[layout], runs, references(world_size), timeout=CALL_TIMEOUT_S
+        )
     except RankError:
-        _discard_pool(world_size)   # ranks that timed out in a mismatched collective may still hold it
+        _discard_pool(world_size)  # ranks that timed out in a mismatched collective may still hold it
         raise
     for rank, per_run in enumerate(errors):
         bad = {k: f"{v:.3g}" for k, v in per_run.items() if not v <= TOL}
@@ -145,8 +147,13 @@ def test_uneven_use_one_bucket_per_parameter(world_size, stage, layout):
 # (absent block, whether it is larger, layout).  Today: blocks.1 same size is caught by the tag check,
 # but rank 1's message names another unit; blocks.1 one parameter larger aborts rank 1 in gloo;
 # blocks.2 (the last) blocks both ranks until the collective timeout, in either layout.
-DIVERGENCE_CASES = [(1, False, "in_place"), (1, False, "buffered"), (1, True, "in_place"), (1, True, "buffered"),
-                    (2, False, "in_place")]
+DIVERGENCE_CASES = [
+    (1, False, "in_place"),
+    (1, False, "buffered"),
+    (1, True, "in_place"),
+    (1, True, "buffered"),
+    (2, False, "in_place"),
+]
 DIVERGENCE_IDS = [f"blocks.{a}-{'larger' if big else 'same-size'}-{lay}" for a, big, lay in DIVERGENCE_CASES]
 
 
@@ -159,8 +166,7 @@ def test_block_not_called_on_one_rank_raises_on_every_rank(absent, larger, layou
     world_size, name = 2, f"blocks.{absent}"
     try:
         with pytest.raises(RankError) as info:
-            run_ranks(world_size, W.divergence_worker, absent, larger, LAYOUTS[layout],
-                      timeout=DIVERGENCE_TIMEOUT_S)
+            run_ranks(world_size, W.divergence_worker, absent, larger, LAYOUTS[layout], timeout=DIVERGENCE_TIMEOUT_S)
     finally:
         _discard_pool(world_size)
     err = info.value
@@ -170,5 +176,6 @@ def test_block_not_called_on_one_rank_raises_on_every_rank(absent, larger, layou
         assert "worker exited" not in text, f"rank {rank} died (gloo abort?):\n{err}"
         assert "RuntimeError" in text, f"rank {rank}:\n{text}"
         assert "did not complete" not in text, f"rank {rank} waited for the collective timeout:\n{text}"
-        assert name in text and re.search(r"diverg", text, re.IGNORECASE), \
+        assert name in text and re.search(r"diverg", text, re.IGNORECASE), (
             f"rank {rank}: the error must name {name} and say the order diverged:\n{text}"
+        )

@@ -17,6 +17,7 @@ block of the same size.  ``BUCKETS["block"]`` is one block's bytes, so each bloc
 stages 0-2; ``"tiny"`` puts every parameter in its own bucket (the paired reductions then differ in size)
 and ``"default"`` puts everything in one bucket.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 import zero_plugin as zp
 from tests.unit.memory_comm_workers import collectives_layout
 
-WIDTH, OUT = 15, 7          # odd widths: every parameter is padded for 2 and 3 ranks
+WIDTH, OUT = 15, 7  # odd widths: every parameter is padded for 2 and 3 ranks
 N_BLOCKS, STEPS, ROWS_PER_RANK = 3, 3, 3
 CASES = ("expert", "ignored", "branch")
 OPTIMIZERS = ("adamw", "sgd")
@@ -124,12 +125,17 @@ def make_data(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``STEPS`` global batches of ``world * ROWS_PER_RANK`` rows; rank r takes rows [r*R, (r+1)*R)."""
     gen = torch.Generator().manual_seed(world)
     rows = world * ROWS_PER_RANK
-    return [(torch.randn(rows, WIDTH, generator=gen, dtype=torch.float64),
-             torch.randn(rows, OUT, generator=gen, dtype=torch.float64)) for _ in range(STEPS)]
+    return [
+        (
+            torch.randn(rows, WIDTH, generator=gen, dtype=torch.float64),
+            torch.randn(rows, OUT, generator=gen, dtype=torch.float64),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def rank_slice(t: torch.Tensor, rank: int) -> torch.Tensor:
-    return t[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]
+    return t[rank * ROWS_PER_RANK : (rank + 1) * ROWS_PER_RANK]
 
 
 def reference(case: str, opt_name: str, world: int) -> dict[str, torch.Tensor]:
@@ -138,8 +144,10 @@ def reference(case: str, opt_name: str, world: int) -> dict[str, torch.Tensor]:
     model = build_model()
     opt = build_optimizer(model, opt_name)
     for step, (x, y) in enumerate(make_data(world)):
-        losses = [F.mse_loss(model(rank_slice(x, r), block_modes(case, r, world, step)), rank_slice(y, r))
-                  for r in range(world)]
+        losses = [
+            F.mse_loss(model(rank_slice(x, r), block_modes(case, r, world, step)), rank_slice(y, r))
+            for r in range(world)
+        ]
         (sum(losses) / world).backward()
         opt.step()
         opt.zero_grad()
@@ -154,8 +162,10 @@ def gradient_order(case: str, world: int, step: int) -> list[list[str]]:
     orders = []
     for r in range(world):
         seen: list[str] = []
-        handles = [p.register_post_accumulate_grad_hook(lambda p, n=n: seen.append(n))
-                   for n, p in model.named_parameters()]
+        handles = [
+            p.register_post_accumulate_grad_hook(lambda p, n=n, seen=seen: seen.append(n))
+            for n, p in model.named_parameters()
+        ]
         F.mse_loss(model(rank_slice(x, r), block_modes(case, r, world, step)), rank_slice(y, r)).backward()
         for h in handles:
             h.remove()

@@ -5,6 +5,7 @@ argument and result is plain Python or CPU tensors. The model and optimizer
 builders are also used by the single-process reference in the parent, so both
 sides start from the same weights and the same param groups.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,9 @@ def build_optimizer(model) -> torch.optim.AdamW:
     first = [p for n, p in named if p.ndim >= 2 and "lora_B" not in n]
     second = [p for n, p in named if not (p.ndim >= 2 and "lora_B" not in n)]
     assert first and second, "both param groups must be non-empty"
-    return torch.optim.AdamW([{"params": first, "lr": LR, "weight_decay": 0.1},
-                              {"params": second, "lr": LR / 2, "weight_decay": 0.0}], lr=LR)
+    return torch.optim.AdamW(
+        [{"params": first, "lr": LR, "weight_decay": 0.1}, {"params": second, "lr": LR / 2, "weight_decay": 0.0}], lr=LR
+    )
 
 
 def build_scheduler(optimizer) -> torch.optim.lr_scheduler.StepLR:
@@ -62,7 +64,7 @@ def _train(model, opt, batches, steps: int, accum: int, max_norm: float, schedul
     losses, norms, lrs = [], [], []
     for step in range(steps):
         step_loss = 0.0
-        micro_batches = batches[step * accum:(step + 1) * accum]
+        micro_batches = batches[step * accum : (step + 1) * accum]
         for i, micro in enumerate(micro_batches):
             local = models.shard_batch(micro, rank, world)
             sync = contextlib.nullcontext() if i == accum - 1 else zp.no_sync(model)
@@ -84,8 +86,16 @@ def _params(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def parity_worker(kind: str, stage: int, batches: list, steps: int, accum: int, max_norm: float,
-                  use_scheduler: bool = False, buffered: bool = False) -> dict:
+def parity_worker(
+    kind: str,
+    stage: int,
+    batches: list,
+    steps: int,
+    accum: int,
+    max_norm: float,
+    use_scheduler: bool = False,
+    buffered: bool = False,
+) -> dict:
     """Train through zero_plugin; rank 0 also returns the full model and optimizer state dicts.
     ``buffered``: the rank-major collective layout NCCL uses, forced on gloo (collectives.py)."""
     from tests.unit.memory_comm_workers import collectives_layout
@@ -94,7 +104,7 @@ def parity_worker(kind: str, stage: int, batches: list, steps: int, accum: int, 
         model, opt = _setup(kind, stage)
     scheduler = build_scheduler(opt) if use_scheduler else None
     out = _train(model, opt, batches, steps, accum, max_norm, scheduler)
-    out["params"] = _params(model)   # stages 0-2: every rank holds the full, re-gathered parameters
+    out["params"] = _params(model)  # stages 0-2: every rank holds the full, re-gathered parameters
     out["full_state_dict"] = zp.full_state_dict(model)
     out["optim_full"] = opt.consolidate_state_dict()
     return out
@@ -135,8 +145,9 @@ def _shard_tensors(sd: dict) -> dict:
 def _max_diff(a: dict, b: dict) -> float:
     if a.keys() != b.keys():
         return float("inf")
-    return max(((x.double() - y.double()).abs().max().item() for x, y in zip(a.values(), b.values())
-                if x.numel()), default=0.0)
+    return max(
+        ((x.double() - y.double()).abs().max().item() for x, y in zip(a.values(), b.values()) if x.numel()), default=0.0
+    )
 
 
 def _setup(kind: str, stage: int, perturb_seed: int | None = None):
@@ -160,7 +171,7 @@ def roundtrip_worker(kind: str, stage: int, batches: list, steps: int, accum: in
     """
     model, opt = _setup(kind, stage)
     _train(model, opt, batches, steps, accum, max_norm)
-    model_full = zp.full_state_dict(model)                 # rank 0 only
+    model_full = zp.full_state_dict(model)  # rank 0 only
     optim_full = opt.consolidate_state_dict(to_rank=None)  # every rank
     shard = opt.state_dict()
 
@@ -171,8 +182,9 @@ def roundtrip_worker(kind: str, stage: int, batches: list, steps: int, accum: in
         "params_after_load": _max_diff(_params(model), _params(fresh)),
         "shard_after_full_load": _max_diff(_shard_tensors(shard), _shard_tensors(fresh_opt.state_dict())),
         "groups_after_full_load": _groups_without_params(fresh_opt) == _groups_without_params(opt),
-        "full_after_full_load": _max_diff(_shard_tensors(optim_full),
-                                          _shard_tensors(fresh_opt.consolidate_state_dict(to_rank=None))),
+        "full_after_full_load": _max_diff(
+            _shard_tensors(optim_full), _shard_tensors(fresh_opt.consolidate_state_dict(to_rank=None))
+        ),
     }
     # A shard (this rank's state_dict) loads back into the same layout too.
     _, third_opt = _setup(kind, stage)
@@ -188,8 +200,9 @@ def roundtrip_worker(kind: str, stage: int, batches: list, steps: int, accum: in
     return out
 
 
-def resume_worker(kind: str, stage: int, params: dict, optim_state: dict, batches: list, steps: int, accum: int,
-                  max_norm: float) -> dict:
+def resume_worker(
+    kind: str, stage: int, params: dict, optim_state: dict, batches: list, steps: int, accum: int, max_norm: float
+) -> dict:
     """Start from an unsharded run's parameters and ``torch.optim.AdamW.state_dict()``, then keep training."""
     model, opt = _setup(kind, stage)
     zp.load_full_state_dict(model, params if dist.get_rank() == 0 else None, src_rank=0)
@@ -252,6 +265,8 @@ def mixed_precision_roundtrip_worker(stage: int) -> dict:
     zp.load_full_state_dict(loaded, model_sd if rank == 0 else None, src_rank=0)
     loaded_opt.load_state_dict(optim_sd)
     loaded_masters = [p.detach().clone() for g in loaded_opt.param_groups for p in g["params"]]
-    return {"master_dtypes": sorted({str(m.dtype) for m in masters}),
-            "state_dict_dtypes": sorted({str(v.dtype) for v in model_sd.values()}),
-            "master_max_diff": _max_diff(dict(enumerate(masters)), dict(enumerate(loaded_masters)))}
+    return {
+        "master_dtypes": sorted({str(m.dtype) for m in masters}),
+        "state_dict_dtypes": sorted({str(v.dtype) for v in model_sd.values()}),
+        "master_max_diff": _max_diff(dict(enumerate(masters)), dict(enumerate(loaded_masters))),
+    }

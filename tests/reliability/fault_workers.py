@@ -1,4 +1,5 @@
 """Rank-side functions for test_faults.py and a standalone rank-death scenario."""
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ from tests import models
 def _expect_error(fn) -> str:
     try:
         fn()
-    except Exception as exc:   # the test inspects the message
+    except Exception as exc:  # the test inspects the message
         return f"{type(exc).__name__}: {exc}"
     return ""
 
@@ -47,13 +48,16 @@ def bad_input_worker() -> dict:
         "setup_not_optimizer": _expect_error(lambda: zp.setup(model, [1, 2], zp.ZeroConfig())),
         "setup_bad_config": _expect_error(lambda: zp.setup(model, opt, {"stage": 3})),
         "setup_foreign_param": _expect_error(
-            lambda: zp.setup(model, torch.optim.AdamW(other.parameters()), zp.ZeroConfig())),
+            lambda: zp.setup(model, torch.optim.AdamW(other.parameters()), zp.ZeroConfig())
+        ),
         "setup_missing_param": _expect_error(
-            lambda: zp.setup(model, torch.optim.AdamW(list(model.parameters())[:1]), zp.ZeroConfig())),
+            lambda: zp.setup(model, torch.optim.AdamW(list(model.parameters())[:1]), zp.ZeroConfig())
+        ),
     }
     model, zopt = zp.setup(model, opt, zp.ZeroConfig(stage=2))
-    out["setup_twice"] = _expect_error(lambda: zp.setup(model, torch.optim.AdamW(model.parameters()),
-                                                        zp.ZeroConfig(stage=2)))
+    out["setup_twice"] = _expect_error(
+        lambda: zp.setup(model, torch.optim.AdamW(model.parameters()), zp.ZeroConfig(stage=2))
+    )
     out["clip_bad_norm"] = _expect_error(lambda: zp.clip_grad_norm_(model, -1.0))
     out["load_full_not_dict"] = _expect_error(lambda: zp.load_full_state_dict(model, [1], src_rank=None))
     out["add_param_group"] = _expect_error(lambda: zopt.add_param_group({"params": [torch.zeros(1)]}))
@@ -66,7 +70,7 @@ class BNNet(torch.nn.Module):
         super().__init__()
         self.lin = torch.nn.Linear(7, 5, dtype=torch.float64)
         self.bn = torch.nn.BatchNorm1d(5, dtype=torch.float64)
-        self.empty = torch.nn.Parameter(torch.zeros(0, dtype=torch.float64))   # zero-size parameter
+        self.empty = torch.nn.Parameter(torch.zeros(0, dtype=torch.float64))  # zero-size parameter
 
     def forward(self, x):
         return self.bn(self.lin(x)).sum(-1) + self.empty.sum()
@@ -82,8 +86,11 @@ def buffers_worker(stage: int) -> dict:
         model(torch.randn(6, 7, generator=g, dtype=torch.float64)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    return {"running_mean": model.bn.running_mean.clone(), "running_var": model.bn.running_var.clone(),
-            "tracked": int(model.bn.num_batches_tracked)}
+    return {
+        "running_mean": model.bn.running_mean.clone(),
+        "running_var": model.bn.running_var.clone(),
+        "tracked": int(model.bn.num_batches_tracked),
+    }
 
 
 def rank_death_main(rank: int, world: int, port: int, result_dir: str, stage: int) -> None:
@@ -109,4 +116,4 @@ def rank_death_main(rank: int, world: int, port: int, result_dir: str, stage: in
         outcome = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{time.time() - start:.1f}\n{outcome}")
-    os._exit(0)   # the process group is broken; do not wait on it
+    os._exit(0)  # the process group is broken; do not wait on it

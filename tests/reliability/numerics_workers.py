@@ -1,4 +1,5 @@
 """Rank-side functions for test_numerics.py."""
+
 from __future__ import annotations
 
 import warnings
@@ -112,8 +113,12 @@ def skipped_spike_worker(stage: int, precision: str, how: str, batches: list, po
             opt.step()
             opt.zero_grad()
     params = {k: v.double() for k, v in zp.full_state_dict(model, rank0_only=False).items()}
-    return {"params": params, "skipped": opt.skipped_steps, "scale": opt.loss_scale,
-            "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
+    return {
+        "params": params,
+        "skipped": opt.skipped_steps,
+        "scale": opt.loss_scale,
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+    }
 
 
 def config_clip_worker(stage: int, batches: list, config_max: float, user_max: float | None) -> dict:

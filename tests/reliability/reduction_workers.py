@@ -1,4 +1,5 @@
 """Rank-side functions of ``test_reductions.py``: several synced backwards per step, and reduce_dtype."""
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ def synced_backwards_worker(stage: int, buffered: bool, mode: str, batches: list
         model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=stage, bucket_size_mb=0.0005))
         rank, world = dist.get_rank(), dist.get_world_size()
         for step in range(steps):
-            micro = batches[2 * step: 2 * step + 2]
+            micro = batches[2 * step : 2 * step + 2]
             if mode == "accumulate":
                 for batch in micro:
                     (models.loss_fn(model, models.shard_batch(batch, rank, world)) / 2).backward()
@@ -32,7 +33,7 @@ def synced_backwards_worker(stage: int, buffered: bool, mode: str, batches: list
                 (loss / 2).backward()
             opt.step()
             opt.zero_grad()
-        full = zp.full_state_dict(model)   # collective: every rank calls it, rank 0 gets the tensors
+        full = zp.full_state_dict(model)  # collective: every rank calls it, rank 0 gets the tensors
         return {k: v.clone() for k, v in full.items()}
 
 
@@ -40,7 +41,7 @@ def reference_synced_backwards(mode: str, batches: list, steps: int) -> dict:
     model = models.make_odd_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(steps):
-        micro = batches[2 * step: 2 * step + 2]
+        micro = batches[2 * step : 2 * step + 2]
         if mode == "accumulate":
             for batch in micro:
                 (models.loss_fn(model, batch) / 2).backward()

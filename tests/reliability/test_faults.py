@@ -1,4 +1,5 @@
 """Faults and bad input: every case ends in a clear error on every rank, never a hang or silent damage."""
+
 from __future__ import annotations
 
 import multiprocessing as mp

@@ -6,6 +6,7 @@ Per-step gradient state: gradients thrown away with ``model.zero_grad()`` or ``o
 ``ZeroConfig.clip_grad_norm`` clips as torch's ``clip_grad_norm_`` right before ``optimizer.step()``.
 References are single-process torch on the global batch, float64 (1e-10) unless the run is fp16.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,16 +16,16 @@ from tests import models
 from tests.harness import run_ranks
 from tests.reliability import numerics_workers as NW
 
-GLOBAL_ROWS = 4   # divisible by world sizes 1 and 2
+GLOBAL_ROWS = 4  # divisible by world sizes 1 and 2
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_inf_on_one_rank_skips_step_everywhere_and_lowers_scale(stage):
     results = run_ranks(2, NW.poisoned_step_worker, stage, "fp16", "inf")
     for r in results:
-        assert r["changed"] == [True, False, True], r      # step 1 skipped on every rank, training continues
+        assert r["changed"] == [True, False, True], r  # step 1 skipped on every rank, training continues
         assert r["skipped"] == [0, 1, 1]
-        assert r["scales"][1] == r["scales"][0] / 2         # dynamic scale backed off
+        assert r["scales"][1] == r["scales"][0] / 2  # dynamic scale backed off
         assert r["finite"]
     assert results[0]["scales"] == results[1]["scales"]
 
@@ -60,8 +61,7 @@ def _torch_reference(batches: list, opt_fn, clips: tuple = ()) -> dict:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         opt.step()
         opt.zero_grad()
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "init_params": init,
-            "norms": norms}
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "init_params": init, "norms": norms}
 
 
 def _assert_params(params: dict, ref: dict, what: str, tol: float = 1e-10) -> None:
@@ -110,7 +110,7 @@ def test_clip_then_zero_grad_without_step_keeps_the_nan_check(stage, world_size,
 
 
 # -- ZeroConfig.clip_grad_norm ---------------------------------------------------------------------------
-CONFIG_MAX, USER_MAX = 0.9, 1.0   # reference pre-clip norms of _batches(6, 5): 1.36 1.13 0.86 0.88 0.96 0.75
+CONFIG_MAX, USER_MAX = 0.9, 1.0  # reference pre-clip norms of _batches(6, 5): 1.36 1.13 0.86 0.88 0.96 0.75
 
 
 def _bites_sometimes(norms: list, max_norm: float) -> bool:

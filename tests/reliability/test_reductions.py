@@ -8,6 +8,7 @@
 * ``reduce_dtype="fp32"`` with bf16 parameters: stages 1-2 rounded the reduced gradients back to bf16;
   stage 3 kept fp32.  Every stage must hand the optimizer the fp32 average of the ranks' bf16 gradients.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,8 +35,9 @@ def _reference(mode: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["accumulate", "retain"])
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("stage,buffered", [(0, False), (1, False), (1, True), (2, False), (2, True),
-                                            (3, False), (3, True)])
+@pytest.mark.parametrize(
+    "stage,buffered", [(0, False), (1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
+)
 def test_several_synced_backwards_before_one_step(stage, buffered, world_size, mode):
     got = run_ranks(world_size, W.synced_backwards_worker, stage, buffered, mode, _batches(), STEPS)[0]
     ref = _reference(mode)
@@ -47,7 +49,7 @@ def test_several_synced_backwards_before_one_step(stage, buffered, world_size, m
 def test_fp32_reduction_of_bf16_gradients_stays_fp32(stage, buffered):
     world = 2
     batch = _batches()[0]
-    expected = run_ranks(1, W.local_bf16_grads, batch, world)[0]   # one thread, as the ranks
+    expected = run_ranks(1, W.local_bf16_grads, batch, world)[0]  # one thread, as the ranks
     for rank, grads in enumerate(run_ranks(world, W.reduced_grad_worker, stage, buffered, batch)):
         for name, (lo, hi, dtype, got) in grads.items():
             assert dtype == torch.float32, f"stage {stage} rank {rank} {name}: reduced gradient kept in {dtype}"

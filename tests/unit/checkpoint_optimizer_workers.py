@@ -1,6 +1,7 @@
 """Rank-side functions of ``tests/unit/test_checkpoint.py`` about optimizer-side state across a checkpoint:
 the fp16 loss scaler, and state of another optimizer class.  Builders and observers are shared with
 ``checkpoint_workers.py``."""
+
 from __future__ import annotations
 
 import json
@@ -10,11 +11,20 @@ import torch
 
 import zero_plugin as zp
 from tests import models
-from tests.unit.checkpoint_workers import (LR, _copy, _rank0_file_op, _rank_world, _replace_and_reseal, batches,
-                                           build, full_optimizer_state, full_params, train)
+from tests.unit.checkpoint_workers import (
+    LR,
+    _copy,
+    _rank0_file_op,
+    _rank_world,
+    _replace_and_reseal,
+    batches,
+    build,
+    full_optimizer_state,
+    full_params,
+    train,
+)
 from zero_plugin.checkpoint import load_checkpoint, save_checkpoint
 from zero_plugin.ckpt import format as ckpt_format
-
 
 # -- fp16 loss scaler across a resume ------------------------------------------------------------------
 # Step 1's loss is blown up so that its fp16 gradients overflow at any scale: skipped, scale 2^16 -> 2^15.
@@ -54,8 +64,11 @@ def fp16_resume_first_half(stage: int, path: str) -> dict:
     sharded and consolidated state dicts loaded into fresh optimizers."""
     data = batches(torch.float32, FP16_STEPS)
     model, opt = _fp16_build(stage)
-    out = {"straight_trace": _fp16_train(model, opt, data, 0, FP16_STEPS), "straight_params": full_params(model),
-           "straight_opt": full_optimizer_state(model, opt)}
+    out = {
+        "straight_trace": _fp16_train(model, opt, data, 0, FP16_STEPS),
+        "straight_params": full_params(model),
+        "straight_opt": full_optimizer_state(model, opt),
+    }
     model, opt = _fp16_build(stage)
     out["split_trace"] = _fp16_train(model, opt, data, 0, FP16_SAVE_AT)
     save_checkpoint(path, model, opt)
@@ -94,7 +107,7 @@ def _strip_index_key(directory: str, key: str) -> None:
 # -- an optimizer of another class ------------------------------------------------------------------------
 def _sgd_build(stage: int):
     model = models.make_odd_mlp(seed=5)
-    groups = models.two_group_adamw(model).param_groups   # same two groups, as SGD with momentum
+    groups = models.two_group_adamw(model).param_groups  # same two groups, as SGD with momentum
     opt = torch.optim.SGD([{"params": g["params"], "lr": g["lr"]} for g in groups], lr=LR, momentum=0.9)
     return zp.setup(model, opt, zp.ZeroConfig(stage=stage))
 
@@ -111,19 +124,24 @@ def wrong_optimizer_class(stage: int, path: str) -> dict:
     train(sgd_model, sgd_opt, data, 0, 1)
     before = _snapshot(sgd_model, sgd_opt)
     errors = {}
-    for kind, load in (("checkpoint", lambda: load_checkpoint(path, sgd_model, sgd_opt)),
-                       ("sharded", lambda: sgd_opt.load_state_dict(dicts["sharded"])),
-                       ("consolidated", lambda: sgd_opt.load_state_dict(dicts["consolidated"]))):
+    for kind, load in (
+        ("checkpoint", lambda: load_checkpoint(path, sgd_model, sgd_opt)),
+        ("sharded", lambda: sgd_opt.load_state_dict(dicts["sharded"])),
+        ("consolidated", lambda: sgd_opt.load_state_dict(dicts["consolidated"])),
+    ):
         try:
             load()
             errors[kind] = None
         except ValueError as exc:
             errors[kind] = f"{type(exc).__name__}: {exc}"
     after = _snapshot(sgd_model, sgd_opt)
-    train(sgd_model, sgd_opt, data, 1, 2)   # still trains as SGD
+    train(sgd_model, sgd_opt, data, 1, 2)  # still trains as SGD
     return {"errors": errors, "before": before, "after": after}
 
 
 def _snapshot(model, opt) -> dict:
-    return {"params": full_params(model), "opt": full_optimizer_state(model, opt),
-            "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
+    return {
+        "params": full_params(model),
+        "opt": full_optimizer_state(model, opt),
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+    }

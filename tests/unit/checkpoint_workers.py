@@ -5,15 +5,15 @@ results are plain Python or CPU tensors.  Optimizer state is compared through
 :func:`full_optimizer_state`, a gather written here from the engine's slots so
 that the checkpoint code is checked against something it does not share.
 """
+
 from __future__ import annotations
 
-import json
 import os
-import warnings
 import pickle
 import random
 import shutil
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -27,12 +27,11 @@ from zero_plugin.ckpt import format as ckpt_format
 from zero_plugin.engine import engine_of
 
 LR = 1e-2
-GLOBAL_ROWS = 4   # divisible by every world size used (1, 2, 4)
+GLOBAL_ROWS = 4  # divisible by every world size used (1, 2, 4)
 
 
 # -- building and training ----------------------------------------------------------
-def build(stage: int, dtype: torch.dtype = torch.float64, seed: int = 0, model: nn.Module | None = None,
-          **config):
+def build(stage: int, dtype: torch.dtype = torch.float64, seed: int = 0, model: nn.Module | None = None, **config):
     model = models.make_odd_mlp(dtype=dtype, seed=seed) if model is None else model
     opt = models.two_group_adamw(model, lr=LR)
     return zp.setup(model, opt, zp.ZeroConfig(stage=stage, **config))
@@ -85,15 +84,17 @@ def full_optimizer_state(model, opt) -> dict:
     for (name, key), value in scalars.items():
         state.setdefault(name, {})[key] = value
     numel = {s.name: s.layout.numel for s in engine.slots}
-    for (name, key) in pieces[0]:
+    for name, key in pieces[0]:
         full = None
         for piece in pieces:
             lo, hi, values = piece[(name, key)]
             full = torch.empty(numel[name], dtype=values.dtype) if full is None else full
             full[lo:hi] = values
         state.setdefault(name, {})[key] = full
-    groups = [({k: v for k, v in g.items() if k != "params"}, [engine.name_of_master(p) for p in g["params"]])
-              for g in opt.inner.param_groups]
+    groups = [
+        ({k: v for k, v in g.items() if k != "params"}, [engine.name_of_master(p) for p in g["params"]])
+        for g in opt.inner.param_groups
+    ]
     return {"state": state, "groups": groups}
 
 
@@ -117,8 +118,9 @@ def resume_first_half(stage: int, path: str, config: dict | None = None) -> dict
     model, opt = build(stage, torch.float32, **config)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     train(model, opt, data, 0, 3, scheduler)
-    save_checkpoint(path, model, opt, extra={"step": 3, "scheduler": scheduler.state_dict(),
-                                             "data_position": 3 * GLOBAL_ROWS})
+    save_checkpoint(
+        path, model, opt, extra={"step": 3, "scheduler": scheduler.state_dict(), "data_position": 3 * GLOBAL_ROWS}
+    )
     out["rng_after_save"] = _rng_sample()
     train(model, opt, data, 3, 6, scheduler)
     out["split_lrs"] = [g["lr"] for g in opt.param_groups]
@@ -134,8 +136,13 @@ def resume_second_half(stage: int, path: str, config: dict | None = None) -> dic
     rng = _rng_sample()
     scheduler.load_state_dict(extra["scheduler"])
     train(model, opt, data, extra["step"], 6, scheduler)
-    return {"params": full_params(model), "opt": full_optimizer_state(model, opt), "rng_after_load": rng,
-            "extra": extra, "lrs": [g["lr"] for g in opt.param_groups]}
+    return {
+        "params": full_params(model),
+        "opt": full_optimizer_state(model, opt),
+        "rng_after_load": rng,
+        "extra": extra,
+        "lrs": [g["lr"] for g in opt.param_groups],
+    }
 
 
 # -- resharding ---------------------------------------------------------------------------------
@@ -232,12 +239,16 @@ def _replace_and_reseal(directory: str, name: str, data: bytes, listed_as: str |
         f.write(data)
     manifest = ckpt_format.read_json(os.path.join(directory, ckpt_format.COMPLETE), "manifest")
     for listed in {name, listed_as} - {None}:
-        manifest["files"][listed] = {"size": len(data), "sha256": ckpt_format.sha256_file(os.path.join(directory, name))}
+        manifest["files"][listed] = {
+            "size": len(data),
+            "sha256": ckpt_format.sha256_file(os.path.join(directory, name)),
+        }
     ckpt_format.write_json(os.path.join(directory, ckpt_format.COMPLETE), manifest)
 
 
 def _torch_save_bytes(obj) -> bytes:
     import io
+
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
@@ -260,7 +271,10 @@ def _corruptions(good: str, root: str, sentinel: str) -> dict[str, str]:
     evil = pickle.dumps(Evil(sentinel))
     make("planted_pickle", lambda d: _replace_and_reseal(d, "evil.pkl", evil))
     make("pickle_as_shard", lambda d: _replace_and_reseal(d, rank_file(0, 2), evil))
-    make("torch_save_as_shard", lambda d: _replace_and_reseal(d, rank_file(1, 2), _torch_save_bytes({"w": Evil(sentinel)})))
+    make(
+        "torch_save_as_shard",
+        lambda d: _replace_and_reseal(d, rank_file(1, 2), _torch_save_bytes({"w": Evil(sentinel)})),
+    )
     make("pickle_as_index", lambda d: _replace_and_reseal(d, ckpt_format.INDEX, evil))
     make("wrong_shape", lambda d: _reshape_last_state(os.path.join(d, rank_file(1, 2)), d))
     return cases
@@ -311,7 +325,7 @@ def bad_input(stage: int, root: str, sentinel: str) -> dict:
     train(model, opt, data, 0, 2)
     good = os.path.join(root, "good")
     save_checkpoint(good, model, opt, extra={"step": 2})
-    train(model, opt, data, 2, 3)   # the live state now differs from the checkpoint
+    train(model, opt, data, 2, 3)  # the live state now differs from the checkpoint
     before = {"params": full_params(model), "opt": full_optimizer_state(model, opt)}
     errors = {case: _try_load(path, model, opt) for case, path in _corruptions(good, root, sentinel).items()}
     for case, cls in (("wider_head", _WiderHead), ("extra_param", _ExtraParam)):
@@ -322,14 +336,19 @@ def bad_input(stage: int, root: str, sentinel: str) -> dict:
         errors[case + "_unchanged"] = all(torch.equal(v, full_params(other)[k]) for k, v in other_before.items())
     after = {"params": full_params(model), "opt": full_optimizer_state(model, opt)}
     in_place = _loads_in_place(good, model, opt)
-    return {"errors": errors, "before": before, "after": after, "sentinel_exists": os.path.exists(sentinel),
-            "in_place": in_place}
+    return {
+        "errors": errors,
+        "before": before,
+        "after": after,
+        "sentinel_exists": os.path.exists(sentinel),
+        "in_place": in_place,
+    }
 
 
 def _storage(model, opt) -> dict:
     engine = engine_of(model, "test")
     out = {f"param {n}": p.data_ptr() for n, p in model.named_parameters()}
-    for p, sp in (getattr(engine, "sharded", None) or {}).items():
+    for _p, sp in (getattr(engine, "sharded", None) or {}).items():
         out[f"shard {sp.name}"] = sp.local.data_ptr()
     for slot in engine.slots:
         out[f"master {slot.name}"] = slot.master.data_ptr()
@@ -412,13 +431,19 @@ def peft_adapter(directory: str) -> dict:
     if rank != 0:
         return {"save_warnings": save_warnings}
     from safetensors.torch import load_file
+
     saved = load_file(os.path.join(directory, "adapter_model.safetensors"))
     base = models.make_tiny_llama(layers=2)
     with torch.no_grad():
         base_logits = base(input_ids=ids).logits
         ref = PeftModel.from_pretrained(base, directory)(input_ids=ids).logits
-    return {"keys": sorted(saved), "max_diff": float((ref - logits).abs().max()), "equal": torch.equal(ref, logits),
-            "adapter_effect": float((ref - base_logits).abs().max()), "save_warnings": save_warnings}
+    return {
+        "keys": sorted(saved),
+        "max_diff": float((ref - logits).abs().max()),
+        "equal": torch.equal(ref, logits),
+        "adapter_effect": float((ref - base_logits).abs().max()),
+        "save_warnings": save_warnings,
+    }
 
 
 # -- offline export (zero-plugin consolidate) -----------------------------------------------------------------

@@ -5,6 +5,7 @@ Module-level so the worker pool pickles them by reference; they return CPU tenso
 Each rank builds the same seeded model twice: one is set up, the other stays a plain single-process model
 (the reference) and sees the same inputs.
 """
+
 from __future__ import annotations
 
 import copy
@@ -56,7 +57,7 @@ def forward_matches(kind: str) -> dict:
         got = _out(model(*args, **kwargs))
     with torch.inference_mode():
         got_inference = _out(model(*args, **kwargs)).clone()
-    got_grad_mode = _out(model(*args, **kwargs))   # grad enabled: run without autograd anyway
+    got_grad_mode = _out(model(*args, **kwargs))  # grad enabled: run without autograd anyway
     report = zp.memory_report(model)
     return {
         "equal_no_grad": torch.equal(got, expected),
@@ -68,7 +69,9 @@ def forward_matches(kind: str) -> dict:
         "grads": sum(p.grad is not None for p in model.parameters()),
         "sharded": all(p.numel() <= -(-full_numels[n] // world) for n, p in model.named_parameters()),
         "requires_grad_kept": all(p.requires_grad for p in model.parameters()),
-        "measured": report["measured"], "theory": report["theory"], "full_bytes": full_bytes,
+        "measured": report["measured"],
+        "theory": report["theory"],
+        "full_bytes": full_bytes,
     }
 
 
@@ -93,7 +96,7 @@ def input_needing_grad_refused() -> dict:
 def replicated_stages(stage: int) -> dict:
     """Stages 0-2: the model stays whole, with rank 0's values; nothing is attached."""
     rank = dist.get_rank()
-    model = models.make_odd_mlp(seed=rank)   # different values per rank
+    model = models.make_odd_mlp(seed=rank)  # different values per rank
     rank0 = models.make_odd_mlp(seed=0)
     out_model, out_opt = zp.setup(model, None, zp.ZeroConfig(stage=stage))
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), rank0.parameters()))
@@ -109,7 +112,7 @@ def evaluation_then_training(kind: str, steps: int) -> dict:
     """Set up for evaluation, run a forward, then set up again with an optimizer and train."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _make(kind)
-    opt = models.two_group_adamw(model, lr=1e-2)   # groups by ndim: built while the parameters are whole
+    opt = models.two_group_adamw(model, lr=1e-2)  # groups by ndim: built while the parameters are whole
     zp.setup(model, None, zp.ZeroConfig(stage=3))
     args, kwargs = _inputs(kind, rank)
     with torch.no_grad():
@@ -130,9 +133,16 @@ def _hook_count(model) -> int:
     """Module hooks of every kind on every submodule, and autograd hooks on the parameters."""
     count = _param_hooks(model)
     for m in model.modules():
-        for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks,
-                  m._state_dict_hooks, m._state_dict_pre_hooks, m._load_state_dict_pre_hooks,
-                  m._load_state_dict_post_hooks):
+        for d in (
+            m._forward_pre_hooks,
+            m._forward_hooks,
+            m._backward_hooks,
+            m._backward_pre_hooks,
+            m._state_dict_hooks,
+            m._state_dict_pre_hooks,
+            m._load_state_dict_pre_hooks,
+            m._load_state_dict_post_hooks,
+        ):
             count += len(d)
     return count
 

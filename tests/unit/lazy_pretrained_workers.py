@@ -1,4 +1,5 @@
 """Rank-side functions for test_lazy_pretrained.py: lazily loaded models set up and trained beside eager ones."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +17,7 @@ LORA_TARGETS = ("q_proj", "v_proj", "down_proj")
 @contextlib.contextmanager
 def lazy_loading():
     """What ``zero_plugin.run`` installs at stage 3, for the block only (test workers are reused)."""
-    materialize._SET_UP[0] = False   # an earlier test's zp.setup in this reused process
+    materialize._SET_UP[0] = False  # an earlier test's zp.setup in this reused process
     lazy_pretrained.install()
     try:
         yield
@@ -31,7 +32,7 @@ def load(path: str, lazy: bool, lora: bool, dtype: torch.dtype = torch.float32, 
 
     torch.manual_seed(seed)
     with lazy_loading() if lazy else contextlib.nullcontext(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)   # peft reads a deprecated transformers property
+        warnings.simplefilter("ignore", FutureWarning)  # peft reads a deprecated transformers property
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         if lora:
             config = LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_TARGETS), lora_dropout=0.0)
@@ -43,8 +44,14 @@ def _inner(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def train_worker(path: str, stage: int, lazy_ranks: tuple[int, ...], lora: bool, steps: int = 3,
-                 cpu_ram_efficient_loading: bool = False) -> dict:
+def train_worker(
+    path: str,
+    stage: int,
+    lazy_ranks: tuple[int, ...],
+    lora: bool,
+    steps: int = 3,
+    cpu_ram_efficient_loading: bool = False,
+) -> dict:
     """Load (lazily on ``lazy_ranks``), set up, train ``steps``; losses, ties and rank 0's final weights."""
     rank = dist.get_rank()
     model = load(path, lazy=rank in lazy_ranks, lora=lora)
@@ -65,8 +72,13 @@ def train_worker(path: str, stage: int, lazy_ranks: tuple[int, ...], lora: bool,
         losses.append(loss.item())
     inner = _inner(model)
     state = zp.full_state_dict(model)
-    return {"losses": losses, "meta_before": meta_before, "any_meta": any(p.is_meta for p in model.parameters()),
-            "tied": inner.lm_head.weight is inner.model.embed_tokens.weight, "state": state}
+    return {
+        "losses": losses,
+        "meta_before": meta_before,
+        "any_meta": any(p.is_meta for p in model.parameters()),
+        "tied": inner.lm_head.weight is inner.model.embed_tokens.weight,
+        "state": state,
+    }
 
 
 def load_after_setup_worker(path: str) -> dict:

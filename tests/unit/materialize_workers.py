@@ -1,4 +1,5 @@
 """Rank-side functions for test_materialize.py."""
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,11 @@ def from_checkpoint_worker(path: str, stage: int) -> dict:
     ids = torch.arange(12).view(1, 12)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
-    return {"logits": logits, "largest_local": largest_local,
-            "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+    return {
+        "logits": logits,
+        "largest_local": largest_local,
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+    }
 
 
 def init_fn_worker(stage: int) -> dict:

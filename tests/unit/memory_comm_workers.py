@@ -1,4 +1,5 @@
 """Functions that run inside the ranks of ``tests/unit/test_memory_comm.py``."""
+
 from __future__ import annotations
 
 import contextlib
@@ -84,7 +85,7 @@ def independent_count(model, opt) -> int:
 
 def _all_live_tensors() -> list[torch.Tensor]:
     gc.collect()
-    with warnings.catch_warnings():   # isinstance() on deprecated torch.distributed.reduce_op warns
+    with warnings.catch_warnings():  # isinstance() on deprecated torch.distributed.reduce_op warns
         warnings.simplefilter("ignore", FutureWarning)
         return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not o.is_meta]
 
@@ -147,7 +148,6 @@ def memory_worker(stage: int, mixed: bool) -> dict:
     }
 
 
-
 def comm_worker(stage: int, mixed: bool, bucket_size_mb: float, buffered: bool = False) -> dict:
     """comm_stats() after each phase of one accumulation step: no_sync backward, backward, clip, step."""
     with collectives_layout(buffered):
@@ -187,9 +187,26 @@ COUNTED = {
     "broadcast_object_list": "broadcast_object",
 }
 # Collectives zero_plugin is not expected to use at all: any call shows up under its own name.
-OTHERS = ("all_gather", "reduce_scatter", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
-          "gather_object", "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
-          "barrier", "monitored_barrier", "send_object_list", "recv_object_list")
+OTHERS = (
+    "all_gather",
+    "reduce_scatter",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "gather_object",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "barrier",
+    "monitored_barrier",
+    "send_object_list",
+    "recv_object_list",
+)
 
 
 class _CollectiveSpy:
@@ -216,6 +233,7 @@ class _CollectiveSpy:
                 return fn(*args, **kwargs)
             finally:
                 self._depth.n = depth
+
         return spy
 
     def install(self) -> None:
@@ -224,8 +242,9 @@ class _CollectiveSpy:
             fn = getattr(dist, name, None)
             if fn is not None:
                 originals[id(fn)] = (name, fn)
-        modules = [dist, dist.distributed_c10d] + [m for n, m in list(sys.modules.items())
-                                                   if n.startswith("zero_plugin") and m is not None]
+        modules = [dist, dist.distributed_c10d] + [
+            m for n, m in list(sys.modules.items()) if n.startswith("zero_plugin") and m is not None
+        ]
         for module in modules:
             for attr, value in list(vars(module).items()):
                 if id(value) in originals and originals[id(value)][1] is value:

@@ -5,6 +5,7 @@ masters, and autograd through gathered stage-3 parameters.
 Module-level so the worker pool pickles them by reference; each returns plain Python or CPU tensors and
 builds its own single-process reference from the same seeded model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,6 +41,7 @@ def _step(model, opt, batch, loss=models.loss_fn, shard: bool = True) -> float:
 
 # ---------------------------------------------------------------------------------------------- item 3
 
+
 def lora_bf16_worker(stage: int, steps: int = 2) -> dict:
     """LoRA (frozen base, trainable adapters) with param_dtype=bf16: frozen params and buffers end up in the
     dtypes stage 3 gives them, and the adapters train like fp32 single-process training (bf16 tolerance)."""
@@ -48,8 +50,10 @@ def lora_bf16_worker(stage: int, steps: int = 2) -> dict:
     model = W.build_model("lora")
     model, opt = zp.setup(model, W.build_optimizer(model), zp.ZeroConfig(stage=stage, param_dtype="bf16"))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    out = {"frozen_dtypes": {n: str(p.dtype) for n, p in model.named_parameters() if n not in trainable},
-           "buffer_dtypes": {n: str(b.dtype) for n, b in model.named_buffers()}}
+    out = {
+        "frozen_dtypes": {n: str(p.dtype) for n, p in model.named_parameters() if n not in trainable},
+        "buffer_dtypes": {n: str(b.dtype) for n, b in model.named_buffers()},
+    }
     out["losses"] = [_step(model, opt, b) for b in batches]
     got = {n: v.double() for n, v in _full(model).items()}
     ref_model = W.build_model("lora")
@@ -71,6 +75,7 @@ def _mean_over_ranks(values: list[float]) -> list[float]:
 
 # ---------------------------------------------------------------------------------------------- item 4
 
+
 def unfreeze_worker(stage: int) -> dict:
     """``blocks.0`` frozen at setup, one step, then unfrozen: an eval forward still works, a training
     forward/backward must raise zero_plugin's error on every rank (never train silently without it)."""
@@ -81,12 +86,12 @@ def unfreeze_worker(stage: int) -> dict:
     _step(model, opt, batches[0])
     model.blocks[0].requires_grad_(True)
     out = {}
-    with torch.no_grad():   # no gradient wanted: nothing to refuse
+    with torch.no_grad():  # no gradient wanted: nothing to refuse
         model(models.shard_batch(batches[1], rank, world)[0])
     try:
         _step(model, opt, batches[1])
         out["error"] = None
-    except Exception as e:   # noqa: BLE001 - the test checks type and message
+    except Exception as e:  # noqa: BLE001 - the test checks type and message
         out["error"] = f"{type(e).__name__}: {e}"
     return out
 
@@ -117,16 +122,18 @@ def freeze_later_worker(stage: int) -> dict:
     want = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
     got = _full(model)
     frozen = [n for n in want if n.startswith("blocks.1.")]
-    return {"max_abs_diff": models.max_abs_diff(got, want),
-            "frozen_moved_in_ref": max((want[n] - mid[n]).abs().max().item() for n in frozen),
-            "moved": models.max_abs_diff(want, mid)}
+    return {
+        "max_abs_diff": models.max_abs_diff(got, want),
+        "frozen_moved_in_ref": max((want[n] - mid[n]).abs().max().item() for n in frozen),
+        "moved": models.max_abs_diff(want, mid),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- item 8
 
 EDITED = "blocks.1.fc.weight"
 EDIT_AT = (2, 3)
-EDIT_VALUE = 0.5   # exact in bf16
+EDIT_VALUE = 0.5  # exact in bf16
 
 
 @contextlib.contextmanager
@@ -142,7 +149,7 @@ def _separate_host_masters():
     try:
         yield
     finally:
-        s3.host_for = original   # the worker process is reused
+        s3.host_for = original  # the worker process is reused
 
 
 def gathered_edit_worker(stage: int, host_masters: bool = False) -> dict:
@@ -157,8 +164,11 @@ def gathered_edit_worker(stage: int, host_masters: bool = False) -> dict:
         config = zp.ZeroConfig(stage=stage, param_dtype="bf16", offload_optimizer=offload)
         model, opt = zp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
     engine = engine_of(model, "test")
-    out = {"separate_masters": sum(not s.is_identity and s.master.dtype != s.param.dtype
-                                   for s in engine.slots if s.master.numel())}
+    out = {
+        "separate_masters": sum(
+            not s.is_identity and s.master.dtype != s.param.dtype for s in engine.slots if s.master.numel()
+        )
+    }
     _step(model, opt, batches[0])
     before = _full(model)
     with zp.gathered_parameters(model, modifier_rank=0):
@@ -209,7 +219,7 @@ def regulariser_worker(stage: int, where: str, steps: int = 3) -> dict:
     try:
         for batch in batches:
             _step(model, opt, batch, loss=lambda m, b: _reg_loss(m, b, where))
-    except Exception as e:   # noqa: BLE001 - the test checks type and message
+    except Exception as e:  # noqa: BLE001 - the test checks type and message
         out["error"] = f"{type(e).__name__}: {e}"
         return out
     ref_model = W.build_model("mlp")

@@ -1,4 +1,5 @@
 """Rank-side functions for ``test_offload.py`` (module-level so the worker pool can pickle them)."""
+
 from __future__ import annotations
 
 import torch
@@ -12,31 +13,47 @@ def build(kind: str):
     return models.make_odd_mlp(dtype=torch.float32) if kind == "mlp32" else W.build_model(kind)
 
 
-def train_worker(kind: str, stage: int, offload: bool, batches: list, steps: int, accum: int,
-                 param_dtype: str | None = None, block: int | None = None) -> dict:
+def train_worker(
+    kind: str,
+    stage: int,
+    offload: bool,
+    batches: list,
+    steps: int,
+    accum: int,
+    param_dtype: str | None = None,
+    block: int | None = None,
+) -> dict:
     """``block``: elements per block of the blocked offload step (0: whole-tensor path instead)."""
     from zero_plugin.optim import blocked_step
 
     model = build(kind)
-    cfg = zp.ZeroConfig(stage=stage, offload_optimizer="cpu" if offload else "none", param_dtype=param_dtype,
-                        reduce_dtype="fp32" if param_dtype else None)
+    cfg = zp.ZeroConfig(
+        stage=stage,
+        offload_optimizer="cpu" if offload else "none",
+        param_dtype=param_dtype,
+        reduce_dtype="fp32" if param_dtype else None,
+    )
     model, opt = zp.setup(model, W.build_optimizer(model), cfg)
     defaults = blocked_step.BLOCK, blocked_step.SINGLE_BLOCK
     if block == 0:
         opt.blocked = None
     elif block is not None:
-        blocked_step.BLOCK, blocked_step.SINGLE_BLOCK = block, 1   # split even the small test model
+        blocked_step.BLOCK, blocked_step.SINGLE_BLOCK = block, 1  # split even the small test model
     try:
         out = W._train(model, opt, batches, steps, accum, 1.0)
     finally:
-        blocked_step.BLOCK, blocked_step.SINGLE_BLOCK = defaults   # the worker process is reused
-    out["blocked"] = opt.blocked is not None and opt.blocked.block is not None   # planned at its first step
+        blocked_step.BLOCK, blocked_step.SINGLE_BLOCK = defaults  # the worker process is reused
+    out["blocked"] = opt.blocked is not None and opt.blocked.block is not None  # planned at its first step
     out["block"] = opt.blocked.block if opt.blocked is not None else None
     full = zp.full_state_dict(model)
     out["params"] = {k: v.double() for k, v in full.items()}
     optim = opt.consolidate_state_dict()
-    out["optim"] = {(i, k): v for i, e in optim.get("state", {}).items() for k, v in e.items()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0}
+    out["optim"] = {
+        (i, k): v
+        for i, e in optim.get("state", {}).items()
+        for k, v in e.items()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    }
     out["fused"] = [g.get("fused") for g in opt.param_groups]
     return out
 
@@ -64,8 +81,7 @@ def memory_worker(stage: int, offload: bool, param_dtype: str | None) -> dict:
 ACCUMULATION = {1: "local_bf16", 2: "local_bf16", 3: "reduced_fp32"}
 
 
-def bf16_split_reference(kind: str, batches: list, world: int, steps: int, accum: int,
-                         accumulation: str) -> dict:
+def bf16_split_reference(kind: str, batches: list, world: int, steps: int, accum: int, accumulation: str) -> dict:
     """Single process doing what bf16 data parallelism over ``world`` ranks means, rounding where the ranks do.
 
     Each rank's share of each micro-batch (``models.shard_batch``, the ranks' split and mean-loss
@@ -79,14 +95,14 @@ def bf16_split_reference(kind: str, batches: list, world: int, steps: int, accum
     """
     master = build(kind)
     opt = W.build_optimizer(master)
-    for group in opt.param_groups:   # as ``use_fast_cpu_kernels`` does for the offloaded run
+    for group in opt.param_groups:  # as ``use_fast_cpu_kernels`` does for the offloaded run
         group["fused"], group["foreach"] = True, False
     model = build(kind).to(torch.bfloat16)
     losses, norms = [], []
     for step in range(steps):
-        micro_batches = batches[step * accum:(step + 1) * accum]
+        micro_batches = batches[step * accum : (step + 1) * accum]
         shares = [_share_grads(model, micro_batches, rank, world, accum) for rank in range(world)]
-        losses.append(sum(loss for loss, _ in shares) / world)   # as the test averages the ranks' losses
+        losses.append(sum(loss for loss, _ in shares) / world)  # as the test averages the ranks' losses
         grads = _average(accumulation, [g for _, g in shares], world)
         norms.append(_clip_like_engine(grads, 1.0))
         for m, g in zip(master.parameters(), grads):
@@ -96,8 +112,11 @@ def bf16_split_reference(kind: str, batches: list, world: int, steps: int, accum
         with torch.no_grad():
             for p, m in zip(model.parameters(), master.parameters()):
                 p.copy_(m)
-    return {"losses": losses, "clip_norms": norms,
-            "params": {n: p.detach().double() for n, p in master.named_parameters()}}
+    return {
+        "losses": losses,
+        "clip_norms": norms,
+        "params": {n: p.detach().double() for n, p in master.named_parameters()},
+    }
 
 
 def _share_grads(model, micro_batches: list, rank: int, world: int, accum: int) -> tuple[float, list]:
@@ -105,7 +124,7 @@ def _share_grads(model, micro_batches: list, rank: int, world: int, accum: int) 
     step_loss, per_micro = 0.0, []
     for micro in micro_batches:
         x, target = models.shard_batch(micro, rank, world)
-        value = models.loss_fn(model, (x.to(torch.bfloat16), target))   # inputs cast, target kept (as zp.setup)
+        value = models.loss_fn(model, (x.to(torch.bfloat16), target))  # inputs cast, target kept (as zp.setup)
         (value / accum).backward()
         step_loss += value.item() / accum
         per_micro.append([p.grad for p in model.parameters()])
@@ -115,9 +134,9 @@ def _share_grads(model, micro_batches: list, rank: int, world: int, accum: int) 
 
 def _average(accumulation: str, grads: list, world: int) -> list[torch.Tensor]:
     """``grads[rank][micro][i]`` -> the averaged gradient i (fp32)."""
-    if accumulation == "reduced_fp32":   # stage 3: average each micro-batch, accumulate the averages in fp32
+    if accumulation == "reduced_fp32":  # stage 3: average each micro-batch, accumulate the averages in fp32
         return _sum_each([_mean_over_ranks([g[m] for g in grads], world) for m in range(len(grads[0]))])
-    local = [_sum_each(per_micro) for per_micro in grads]   # no_sync: each rank accumulates in bf16
+    local = [_sum_each(per_micro) for per_micro in grads]  # no_sync: each rank accumulates in bf16
     return _mean_over_ranks(local, world)
 
 

@@ -6,6 +6,7 @@ The base is a tiny random Llama saved with ``save_pretrained`` and loaded with a
 (nf4, double quantization, bf16 storage, fp32 compute so parity can be tight).  Odd sizes (hidden 36,
 intermediate 75) give packed MLP weights of 675 bf16 elements: padded at 2 ranks.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,16 +28,28 @@ def save_base(folder: str, aligned: bool = False) -> None:
 
     torch.manual_seed(1)
     hidden, inter, heads = (64, 128, 4) if aligned else (36, 75, 6)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
-                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=64,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
 def bnb_config(**overrides):
     from transformers import BitsAndBytesConfig
 
-    kw = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-              bnb_4bit_quant_storage=torch.bfloat16, bnb_4bit_compute_dtype=torch.float32)
+    kw = dict(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_quant_storage=torch.bfloat16,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
     kw.update(overrides)
     return BitsAndBytesConfig(**kw)
 
@@ -46,8 +59,9 @@ def load_base(folder: str, cpu_repacking: bool = False, **overrides):
     repacking in eval-mode forwards)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=bnb_config(**overrides),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=bnb_config(**overrides), dtype=torch.float32
+    )
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = module.support_avx512bf16_for_cpu and cpu_repacking
@@ -78,8 +92,11 @@ def lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
 def packed_bits(model) -> dict[str, torch.Tensor]:
     """Every packed 4-bit weight of a state dict, as its raw 16-bit patterns (a NaN stays what it was)."""
     sd = model.state_dict()
-    return {k: v.view(torch.int16).clone() for k, v in sd.items() if k.endswith(".weight") and
-            k + ".quant_state.bitsandbytes__nf4" in sd}
+    return {
+        k: v.view(torch.int16).clone()
+        for k, v in sd.items()
+        if k.endswith(".weight") and k + ".quant_state.bitsandbytes__nf4" in sd
+    }
 
 
 def lora_weights(state: dict) -> dict[str, torch.Tensor]:
@@ -99,7 +116,7 @@ def train_worker(folder: str, stage: int, steps: int, out_dir: str | None = None
     shard_bytes, full_bytes = _packed_bytes(model, engine_of(model, "test"))
     losses = []
     for ids in global_batches(steps, world):
-        loss = lm_loss(model, ids[rank * PER_RANK:(rank + 1) * PER_RANK])
+        loss = lm_loss(model, ids[rank * PER_RANK : (rank + 1) * PER_RANK])
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -109,11 +126,16 @@ def train_worker(folder: str, stage: int, steps: int, out_dir: str | None = None
     if out_dir is not None:
         zp.save_checkpoint(os.path.join(out_dir, "ckpt"), model, opt)
         model.save_pretrained(os.path.join(out_dir, "adapter"), is_main_process=rank == 0)
-    return {"losses": losses, "lora": lora_weights(state), "shard_bytes": shard_bytes, "full_bytes": full_bytes,
-            "bits_equal": all(torch.equal(before[k], after[k]) for k in before),
-            "nan_patterns": sum(int(torch.isnan(v.view(torch.bfloat16)).sum()) for v in before.values()),
-            "quant_keys": sorted(k for k in state if ".weight." in k),
-            "packed_shapes": {k: tuple(state[k].shape) for k in before}}
+    return {
+        "losses": losses,
+        "lora": lora_weights(state),
+        "shard_bytes": shard_bytes,
+        "full_bytes": full_bytes,
+        "bits_equal": all(torch.equal(before[k], after[k]) for k in before),
+        "nan_patterns": sum(int(torch.isnan(v.view(torch.bfloat16)).sum()) for v in before.values()),
+        "quant_keys": sorted(k for k in state if ".weight." in k),
+        "packed_shapes": {k: tuple(state[k].shape) for k in before},
+    }
 
 
 def _packed_bytes(model, engine) -> tuple[int, int]:
@@ -147,19 +169,25 @@ def load_state_dict_worker(folder: str) -> dict:
     model = load_qlora(folder)
     model, _ = zp.setup(model, optimizer_for(model), zp.ZeroConfig(stage=3))
     result = model.load_state_dict(state, strict=False)
-    got = lm_loss(model, ids).item()   # every rank runs the whole global batch
-    return {"want": want, "got": got, "missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys),
-            "unsharded_missing": list(unsharded.missing_keys), "unsharded_unexpected": list(unsharded.unexpected_keys)}
+    got = lm_loss(model, ids).item()  # every rank runs the whole global batch
+    return {
+        "want": want,
+        "got": got,
+        "missing": list(result.missing_keys),
+        "unexpected": list(result.unexpected_keys),
+        "unsharded_missing": list(unsharded.missing_keys),
+        "unsharded_unexpected": list(unsharded.unexpected_keys),
+    }
 
 
 def evaluation_save_worker(folder: str, out: str) -> dict:
     """Stage 3, evaluation only (a reference model): forward on the 4-bit base, then ``save_pretrained`` on
     every rank (rank 0 writes), which transformers must read back as a pre-quantized checkpoint."""
     rank = dist.get_rank()
-    model = load_base(folder, cpu_repacking=True)   # as from_pretrained leaves it
+    model = load_base(folder, cpu_repacking=True)  # as from_pretrained leaves it
     model, _ = zp.setup(model, None, zp.ZeroConfig(stage=3))
     ids = global_batches(1, 1)[0]
-    logits = [model(input_ids=ids).logits.detach().clone() for _ in range(2)]   # eval mode, as loaded
+    logits = [model(input_ids=ids).logits.detach().clone() for _ in range(2)]  # eval mode, as loaded
     model.save_pretrained(out, is_main_process=rank == 0)
     return {"logits": logits}
 
@@ -183,7 +211,7 @@ def base_checkpoint_worker(folder: str, out_dir: str) -> dict:
     opt = optimizer_for(model)
     model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3))
     ids = global_batches(1, world)[0]
-    lm_loss(model, ids[rank * PER_RANK:(rank + 1) * PER_RANK]).backward()
+    lm_loss(model, ids[rank * PER_RANK : (rank + 1) * PER_RANK]).backward()
     opt.step()
     opt.zero_grad()
     zp.save_checkpoint(os.path.join(out_dir, "ckpt"), model, opt)

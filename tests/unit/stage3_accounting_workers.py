@@ -4,6 +4,7 @@ and moves -- the prefetch bound, memory and communication accounting.
 Module-level so the worker pool pickles them by reference; the models and shared helpers are in
 ``stage3_behaviour_workers.py``.  Instrumentation is attached to this call's engine objects only.
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,13 +12,23 @@ import torch.nn.functional as F
 
 import zero_plugin as zp
 from tests import models
-from tests.unit.stage3_behaviour_workers import (MLP_ROWS, DeepMLP, _full_params, _rank_world, _seeded, _setup,
-                                                 _unsharded, reference, train_steps)
+from tests.unit.stage3_behaviour_workers import (
+    MLP_ROWS,
+    DeepMLP,
+    _full_params,
+    _rank_world,
+    _seeded,
+    _setup,
+    _unsharded,
+    reference,
+    train_steps,
+)
 from zero_plugin.engine import engine_of
 from zero_plugin.stage3.param import ShardedState
 
 # ---------------------------------------------------------------------------------------------------------------
 # prefetch bound
+
 
 def _instrument_peak(engine, record: dict, phase: dict) -> None:
     """Wrap each non-root unit's unshard/wait_unshard (instance attributes) to record, per phase, the most
@@ -48,8 +59,9 @@ def _instrument_peak(engine, record: dict, phase: dict) -> None:
 def prefetch_worker(prefetch_depth: int, depth: int = 6) -> dict:
     batches = models.make_batches("mlp", 3, 1, MLP_ROWS, seed=8)
     rank, world = _rank_world()
-    model, opt = _setup(_seeded(DeepMLP, depth),
-                        zp.ZeroConfig(stage=3, prefetch_depth=prefetch_depth, reshard_after_forward=True))
+    model, opt = _setup(
+        _seeded(DeepMLP, depth), zp.ZeroConfig(stage=3, prefetch_depth=prefetch_depth, reshard_after_forward=True)
+    )
     engine = engine_of(model, "test")
     record, phase = {}, {"now": "other"}
     _instrument_peak(engine, record, phase)
@@ -65,12 +77,16 @@ def prefetch_worker(prefetch_depth: int, depth: int = 6) -> dict:
         opt.step()
         opt.zero_grad()
     ref, _, _ = reference(lambda: _seeded(DeepMLP, depth), batches)
-    return {"peak": record, "n_blocks": len(engine.units) - 1,
-            "max_abs_diff": models.max_abs_diff(_full_params(model), ref["params"])}
+    return {
+        "peak": record,
+        "n_blocks": len(engine.units) - 1,
+        "max_abs_diff": models.max_abs_diff(_full_params(model), ref["params"]),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # memory
+
 
 def _storage_bytes(tensors, seen: set) -> int:
     total = 0
@@ -100,35 +116,50 @@ def memory_worker(kind: str) -> dict:
         model = _seeded(DeepMLP, 6, dtype=torch.float32)
     model, opt = _setup(model)
     engine = engine_of(model, "test")
-    train_steps(model, opt, batches[:1])                                  # Adam state exists now
+    train_steps(model, opt, batches[:1])  # Adam state exists now
     models.loss_fn(model, models.shard_batch(batches[1], rank, world)).backward()
     report = zp.memory_report(model, opt)
 
     sps = list(engine.sharded.values())
     seen: set = set()
-    own = {"params": _storage_bytes([p.data for p in model.parameters()] + [sp.unsharded for sp in sps], seen),
-           "grads": _storage_bytes([sp.sharded_grad for sp in sps] + [p.grad for p in model.parameters()], seen),
-           "optimizer": _storage_bytes([v for s in opt.state.values() for v in s.values()
-                                        if isinstance(v, torch.Tensor)], seen)}
+    own = {
+        "params": _storage_bytes([p.data for p in model.parameters()] + [sp.unsharded for sp in sps], seen),
+        "grads": _storage_bytes([sp.sharded_grad for sp in sps] + [p.grad for p in model.parameters()], seen),
+        "optimizer": _storage_bytes(
+            [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)], seen
+        ),
+    }
     own["total"] = sum(own.values())
     trainable = [sp for sp in sps if sp.param.requires_grad]
-    step_bytes = sum(s["step"].untyped_storage().nbytes() for s in opt.state.values()
-                     if isinstance(s.get("step"), torch.Tensor))
-    exact = {"params": 4 * sum(sp.layout.local_numel for sp in sps),
-             "grads": 4 * sum(sp.layout.local_numel for sp in trainable),
-             "optimizer": 8 * sum(sp.layout.local_numel for sp in trainable) + step_bytes}
+    step_bytes = sum(
+        s["step"].untyped_storage().nbytes() for s in opt.state.values() if isinstance(s.get("step"), torch.Tensor)
+    )
+    exact = {
+        "params": 4 * sum(sp.layout.local_numel for sp in sps),
+        "grads": 4 * sum(sp.layout.local_numel for sp in trainable),
+        "optimizer": 8 * sum(sp.layout.local_numel for sp in trainable) + step_bytes,
+    }
     exact["total"] = sum(exact.values())
     psi = sum(sp.layout.numel for sp in sps)
-    return {"measured": report["measured"], "theory": report["theory"], "own": own, "exact": exact,
-            "psi": psi, "padded": sum(sp.layout.padded_numel for sp in sps),
-            "sixteen_psi_over_n": 16 * psi / world, "n_params": len(sps), "step_bytes": step_bytes,
-            "unsharded_bytes": sum(sp.unsharded.untyped_storage().nbytes() for sp in sps),
-            "param_grads": sum(p.grad is not None for p in model.parameters()),
-            "unsharded_units": _unsharded(model)}
+    return {
+        "measured": report["measured"],
+        "theory": report["theory"],
+        "own": own,
+        "exact": exact,
+        "psi": psi,
+        "padded": sum(sp.layout.padded_numel for sp in sps),
+        "sixteen_psi_over_n": 16 * psi / world,
+        "n_params": len(sps),
+        "step_bytes": step_bytes,
+        "unsharded_bytes": sum(sp.unsharded.untyped_storage().nbytes() for sp in sps),
+        "param_grads": sum(p.grad is not None for p in model.parameters()),
+        "unsharded_units": _unsharded(model),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # communication volume
+
 
 def _unit_bytes(unit, trainable_only: bool, padded: bool = True) -> int:
     sps = unit.trainable if trainable_only else unit.params
@@ -158,12 +189,12 @@ def _comm_worker(kind: str, steps: int, buffered: bool) -> dict:
         model = _seeded(DeepMLP, 6)
     model, opt = _setup(model)
     engine = engine_of(model, "test")
-    train_steps(model, opt, batches[:1])          # warm-up: records the forward order, creates Adam state
+    train_steps(model, opt, batches[:1])  # warm-up: records the forward order, creates Adam state
     zp.reset_comm_stats()
     train_steps(model, opt, batches[1:])
     stats = zp.comm_stats()
-    root, blocks = engine.units[0], engine.units[1:]
-    gathered = [u for u in engine.units if any(sp.layout.numel for sp in u.params)]   # one collective each
+    root = engine.units[0]
+    gathered = [u for u in engine.units if any(sp.layout.numel for sp in u.params)]  # one collective each
     reduced = [u for u in engine.units if any(sp.layout.numel for sp in u.trainable)]
     elem = next(iter(engine.sharded.values())).unsharded.element_size()
     # root and the last unit of the forward order: once per step (kept from forward into backward,
@@ -173,13 +204,17 @@ def _comm_worker(kind: str, steps: int, buffered: bool) -> dict:
     gathers = sum(times[id(u)] for u in gathered)
     entries = 1 + len(engine.runtime.forward_order)
     payload = {
-        "all_gather": {"calls": gathers,
-                       "bytes": sum(times[id(u)] * _unit_bytes(u, False, buffered) for u in engine.units)},
+        "all_gather": {
+            "calls": gathers,
+            "bytes": sum(times[id(u)] * _unit_bytes(u, False, buffered) for u in engine.units),
+        },
         "reduce_scatter": {"calls": len(reduced), "bytes": sum(_unit_bytes(u, True, buffered) for u in engine.units)},
         # the step's one "some rank has inf/NaN" flag (optim/loss_scale.py, 4 bytes counted twice); in place
         # also one float32 has-gradient flag per trainable parameter of every reduced unit
-        "all_reduce": {"calls": 1 + (0 if buffered else len(reduced)),
-                       "bytes": 8 + (0 if buffered else sum(2 * 4 * len(u.trainable) for u in reduced))},
+        "all_reduce": {
+            "calls": 1 + (0 if buffered else len(reduced)),
+            "bytes": 8 + (0 if buffered else sum(2 * 4 * len(u.trainable) for u in reduced)),
+        },
         # the control channel ([Note: collective order], [Note: rank-agreed reduction order]): at each unit
         # the forward enters (the root included), after the forward and at the end of backward, (3 + one per
         # unit) float64 per rank; backward gathers follow the agreed list unchecked
@@ -192,8 +227,13 @@ def _comm_worker(kind: str, steps: int, buffered: bool) -> dict:
         "reduce_scatter": sum(world * (len(u.trainable) + 4) * elem for u in reduced),
     }
     per_step = {k: {"calls": v["calls"] / steps, "bytes": v["bytes"] / steps} for k, v in stats.items()}
-    return {"per_step": per_step, "payload": payload, "metadata_bound": metadata_bound, "elem": elem,
-            "psi": sum(sp.layout.numel for sp in engine.sharded.values()),
-            "padded": sum(sp.layout.padded_numel for sp in engine.sharded.values()),
-            "padding_bound": (world - 1) * len(engine.sharded) * elem,   # bytes, per pass over every parameter
-            "root_padded_bytes": sum(_unit_bytes(u, False, buffered) for u in engine.units if id(u) in kept)}
+    return {
+        "per_step": per_step,
+        "payload": payload,
+        "metadata_bound": metadata_bound,
+        "elem": elem,
+        "psi": sum(sp.layout.numel for sp in engine.sharded.values()),
+        "padded": sum(sp.layout.padded_numel for sp in engine.sharded.values()),
+        "padding_bound": (world - 1) * len(engine.sharded) * elem,  # bytes, per pass over every parameter
+        "root_padded_bytes": sum(_unit_bytes(u, False, buffered) for u in engine.units if id(u) in kept),
+    }

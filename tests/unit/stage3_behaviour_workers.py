@@ -10,6 +10,7 @@ The models and shared helpers here also serve ``stage3_generate_workers.py``
 (generation, evaluation) and ``stage3_accounting_workers.py`` (prefetch bound,
 memory and communication).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,9 +38,13 @@ class TwiceMLP(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList([OddBlock(models.MLP_IN, models.MLP_HIDDEN),
-                                     OddBlock(models.MLP_HIDDEN, models.MLP_HIDDEN),
-                                     OddBlock(models.MLP_HIDDEN, models.MLP_HIDDEN)])
+        self.blocks = nn.ModuleList(
+            [
+                OddBlock(models.MLP_IN, models.MLP_HIDDEN),
+                OddBlock(models.MLP_HIDDEN, models.MLP_HIDDEN),
+                OddBlock(models.MLP_HIDDEN, models.MLP_HIDDEN),
+            ]
+        )
         self.head = nn.Linear(models.MLP_HIDDEN, models.MLP_OUT)
 
     def forward(self, x):
@@ -74,8 +79,11 @@ class DeepMLP(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(
             [OddBlock(models.MLP_IN, models.MLP_HIDDEN)]
-            + [(ShiftedOddBlock if i == shifted else OddBlock)(models.MLP_HIDDEN, models.MLP_HIDDEN)
-               for i in range(1, depth)])
+            + [
+                (ShiftedOddBlock if i == shifted else OddBlock)(models.MLP_HIDDEN, models.MLP_HIDDEN)
+                for i in range(1, depth)
+            ]
+        )
         self.head = nn.Linear(models.MLP_HIDDEN, models.MLP_OUT)
         self.skip: int | None = None
 
@@ -130,6 +138,7 @@ def tied_loss(model, batch):
 # ---------------------------------------------------------------------------------------------------------------
 # shared helpers
 
+
 def _rank_world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
@@ -139,14 +148,15 @@ def _setup(model, config: zp.ZeroConfig | None = None, lr: float = 1e-2):
     return zp.setup(model, models.two_group_adamw(model, lr=lr), config)
 
 
-def train_steps(model, opt, batches: list, accum: int = 1, clip: float | None = None, loss=models.loss_fn,
-                shard: bool = True) -> dict:
+def train_steps(
+    model, opt, batches: list, accum: int = 1, clip: float | None = None, loss=models.loss_fn, shard: bool = True
+) -> dict:
     """``len(batches) // accum`` steps; with ``shard`` each rank takes its slice and uses zp verbs."""
     rank, world = _rank_world() if shard else (0, 1)
     losses, norms = [], []
     for step in range(len(batches) // accum):
         step_loss = 0.0
-        for i, micro in enumerate(batches[step * accum:(step + 1) * accum]):
+        for i, micro in enumerate(batches[step * accum : (step + 1) * accum]):
             sync = zp.no_sync(model) if shard and i < accum - 1 else contextlib.nullcontext()
             with sync:
                 value = loss(model, models.shard_batch(micro, rank, world))
@@ -157,8 +167,7 @@ def train_steps(model, opt, batches: list, accum: int = 1, clip: float | None = 
             if shard:
                 norms.append(float(zp.clip_grad_norm_(model, clip)))
             else:
-                norms.append(float(nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
-                                                            clip)))
+                norms.append(float(nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)))
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "clip_norms": norms}
@@ -190,11 +199,13 @@ def _parity(model, got: dict, ref: dict) -> dict:
     global_losses = torch.tensor(got["losses"], dtype=torch.float64)
     dist.all_reduce(global_losses)
     global_losses /= dist.get_world_size()
-    return {"max_abs_diff": models.max_abs_diff(full, ref["params"]),
-            "update_norm_error": models.update_norm_error(full, ref["params"], ref["init"]),
-            "loss_rel": _rel(global_losses.tolist(), ref["losses"]),
-            "clip_rel": _rel(got["clip_norms"], ref["clip_norms"]),
-            "moved": models.max_abs_diff(ref["params"], ref["init"])}
+    return {
+        "max_abs_diff": models.max_abs_diff(full, ref["params"]),
+        "update_norm_error": models.update_norm_error(full, ref["params"], ref["init"]),
+        "loss_rel": _rel(global_losses.tolist(), ref["losses"]),
+        "clip_rel": _rel(got["clip_norms"], ref["clip_norms"]),
+        "moved": models.max_abs_diff(ref["params"], ref["init"]),
+    }
 
 
 def _unsharded(model) -> list[str]:
@@ -217,8 +228,11 @@ def twice_worker() -> dict:
     model, opt = _setup(_seeded(TwiceMLP))
     got = train_steps(model, opt, batches, MLP_ACCUM, clip=0.5)
     ref, _, _ = reference(lambda: _seeded(TwiceMLP), batches, MLP_ACCUM, clip=0.5)
-    return {**_parity(model, got, ref), "unsharded_after": _unsharded(model),
-            "n_units": len(engine_of(model, "test").units)}
+    return {
+        **_parity(model, got, ref),
+        "unsharded_after": _unsharded(model),
+        "n_units": len(engine_of(model, "test").units),
+    }
 
 
 def tied_worker() -> dict:
@@ -238,6 +252,7 @@ def tied_worker() -> dict:
 
 # ---------------------------------------------------------------------------------------------------------------
 # gathered_parameters
+
 
 def gathered_worker() -> dict:
     rank, world = _rank_world()
@@ -273,11 +288,13 @@ def gathered_worker() -> dict:
     edited = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
     out["sharded_after_modify"] = _all_sharded(model) and not _unsharded(model)
     full = zp.full_state_dict(model)
-    out["diff_full_state_dict_after_edit"] = models.max_abs_diff(
-        {n: full[n] for n in edited}, edited) if rank == 0 else None
+    out["diff_full_state_dict_after_edit"] = (
+        models.max_abs_diff({n: full[n] for n in edited}, edited) if rank == 0 else None
+    )
     with zp.gathered_parameters(model):
         out["diff_gathered_after_edit"] = models.max_abs_diff(
-            {n: p.detach().clone() for n, p in model.named_parameters()}, edited)
+            {n: p.detach().clone() for n, p in model.named_parameters()}, edited
+        )
 
     # Training continues from the edited weights (and the existing Adam state).
     train_steps(model, opt, batches[2:])
@@ -292,8 +309,10 @@ def gathered_worker() -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # a branch taken on one rank only
 
-def branch_worker(skipped_is_larger: bool, skip_block: int = 2, skip_rank: int = 1, steps: int = 2,
-                  debug: bool = False) -> dict:
+
+def branch_worker(
+    skipped_is_larger: bool, skip_block: int = 2, skip_rank: int = 1, steps: int = 2, debug: bool = False
+) -> dict:
     """Rank ``skip_rank`` leaves out block ``skip_block``; the reference is DDP semantics (that rank's
     gradient for the skipped block is zero), simulated in one process by replaying each rank's path.
 
@@ -333,6 +352,7 @@ def branch_worker(skipped_is_larger: bool, skip_block: int = 2, skip_rank: int =
 # ---------------------------------------------------------------------------------------------------------------
 # LoRA + activation checkpointing through transformers
 
+
 def lora_checkpointing_worker(steps: int = 2) -> dict:
     rank, world = _rank_world()
     batches = models.make_batches("llama", steps, world, per_rank_batch=2, seed=12)
@@ -352,8 +372,12 @@ def lora_checkpointing_worker(steps: int = 2) -> dict:
     ref, _, _ = reference(build, batches)
     lora = [n for n in after if "lora_" in n]
     base = [n for n in after if "lora_" not in n]
-    return {"losses": got["losses"], "finite": all(math.isfinite(v) for v in got["losses"]),
-            "lora_moved": min((after[n] - before[n]).abs().max().item() for n in lora),
-            "base_moved": max((after[n] - before[n]).abs().max().item() for n in base),
-            "update_norm_error": models.update_norm_error(after, ref["params"], ref["init"]),
-            "n_lora": len(lora), "unsharded_after": _unsharded(model)}
+    return {
+        "losses": got["losses"],
+        "finite": all(math.isfinite(v) for v in got["losses"]),
+        "lora_moved": min((after[n] - before[n]).abs().max().item() for n in lora),
+        "base_moved": max((after[n] - before[n]).abs().max().item() for n in base),
+        "update_norm_error": models.update_norm_error(after, ref["params"], ref["init"]),
+        "n_lora": len(lora),
+        "unsharded_after": _unsharded(model),
+    }

@@ -5,6 +5,7 @@ Module-level so the worker pool pickles them by reference; they return CPU tenso
 the test file asserts.  The single-process references are built in the test file from the same seeded
 models and batches.
 """
+
 from __future__ import annotations
 
 import io
@@ -55,25 +56,31 @@ def entry_points_worker(kind: str, steps: int) -> dict:
     train(model, opt, data[:steps])
     full = zp.full_state_dict(model, rank0_only=False)
     sd = model.state_dict()
-    out = {"keys": list(sd), "state": sd, "full": full,
-           "devices": sorted({str(v.device) for v in sd.values()}),
-           "still_sharded": [n for n, p in model.named_parameters() if p.dim() != 1]}
+    out = {
+        "keys": list(sd),
+        "state": sd,
+        "full": full,
+        "devices": sorted({str(v.device) for v in sd.values()}),
+        "still_sharded": [n for n, p in model.named_parameters() if p.dim() != 1],
+    }
     base = model.get_base_model() if kind == "lora" else model
     layer = base.blocks[1] if kind == "mlp" else base.model.layers[1]
     lname = next(n for n, m in model.named_modules() if m is layer) + "."
-    out["submodule"] = _same(layer.state_dict(), {k[len(lname):]: v for k, v in full.items() if k.startswith(lname)})
-    out["prefixed"] = _same(layer.state_dict(prefix="p."),
-                            {"p." + k[len(lname):]: v for k, v in full.items() if k.startswith(lname)})
+    out["submodule"] = _same(layer.state_dict(), {k[len(lname) :]: v for k, v in full.items() if k.startswith(lname)})
+    out["prefixed"] = _same(
+        layer.state_dict(prefix="p."), {"p." + k[len(lname) :]: v for k, v in full.items() if k.startswith(lname)}
+    )
     kept = model.state_dict(keep_vars=True)
     params = dict(model.named_parameters())
-    out["keep_vars"] = all(isinstance(kept[n], nn.Parameter) and kept[n].requires_grad == p.requires_grad
-                           for n, p in params.items()) and _same(kept, full)
+    out["keep_vars"] = all(
+        isinstance(kept[n], nn.Parameter) and kept[n].requires_grad == p.requires_grad for n, p in params.items()
+    ) and _same(kept, full)
     out["tied_shared"] = (sd["lm_head.weight"] is sd["model.embed_tokens.weight"]) if kind == "llama" else None
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     buffer.seek(0)
     out["saved_shapes"] = {k: tuple(v.shape) for k, v in torch.load(buffer, weights_only=True).items()}
-    train(model, opt, data[steps:])   # training goes on after the calls
+    train(model, opt, data[steps:])  # training goes on after the calls
     out["after"] = zp.full_state_dict(model, rank0_only=False)
     return out
 
@@ -97,8 +104,11 @@ def load_worker(stage: int, loaded: dict, steps_before: int, steps_after: int) -
     result = model.load_state_dict(loaded)
     right_after = zp.full_state_dict(model, rank0_only=False)
     train(model, opt, data[steps_before:])
-    return {"result": (result.missing_keys, result.unexpected_keys), "right_after": right_after,
-            "final": zp.full_state_dict(model, rank0_only=False)}
+    return {
+        "result": (result.missing_keys, result.unexpected_keys),
+        "right_after": right_after,
+        "final": zp.full_state_dict(model, rank0_only=False),
+    }
 
 
 def strict_worker(cases: dict) -> dict:
@@ -146,15 +156,21 @@ def memory_worker(layers: int) -> dict:
     model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3))
     engine = engine_of(model, "test")
     unit_bytes = [sum(sp.layout.numel * sp.local.element_size() for sp in u.params) for u in engine.units]
-    model.state_dict()   # warm: first-call allocations out of the measurement
+    model.state_dict()  # warm: first-call allocations out of the measurement
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         sd = model.state_dict()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     live = peak = 0
     for event in events:
         live += event.nbytes()
         peak = max(peak, live)
     result = sum(v.numel() * v.element_size() for v in sd.values())
-    return {"peak": peak, "end": live, "result": result, "units": unit_bytes,
-            "model": sum(sp.layout.numel * sp.local.element_size() for sp in engine.sharded.values())}
+    return {
+        "peak": peak,
+        "end": live,
+        "result": result,
+        "units": unit_bytes,
+        "model": sum(sp.layout.numel * sp.local.element_size() for sp in engine.sharded.values()),
+    }

@@ -7,6 +7,7 @@ stream, what the protocol orders: pool takes and gives, collective launches and 
 unit's forward, and the moment each full gradient a reduction read is freed.  Instrumentation goes on this
 call's objects only (instance attributes, hooks with handles removed at the end).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,11 +87,12 @@ def _instrument(engine, model, streams: RecordingStreams) -> tuple[list, dict]:
             kind, detail = entry(*args, **kwargs)
             log.append((kind, streams.current, detail))
             return original(*args, **kwargs)
+
         setattr(obj, name, wrapped)
 
     wrap(pool, "take", lambda numel, *a, **k: ("take", numel))
     wrap(pool, "give", lambda t, *a, **k: ("give", None if t is None else t.numel()))
-    reduce_comm = engine.units[0].reduce_comm   # [Note: reductions on their own group] in stage3/hooks.py
+    reduce_comm = engine.units[0].reduce_comm  # [Note: reductions on their own group] in stage3/hooks.py
     wrap(comm, "all_gather", lambda out, inp, *a, tag="", **k: ("all_gather", tag))
     wrap(reduce_comm, "reduce_scatter", lambda out, inp, *a, tag="", **k: ("reduce_scatter", tag))
     for c in {id(comm): comm, id(reduce_comm): reduce_comm}.values():
@@ -109,20 +111,28 @@ def _instrument(engine, model, streams: RecordingStreams) -> tuple[list, dict]:
                     weakref.finalize(grad, freed, unit.name)
                     counts["sources"] += 1
             return launched
+
         unit.reduce_grads = reduce_grads
 
     handles = []
     for unit in engine.units:
         module = model if unit is engine.runtime.root else unit.module
-        handles.append(module.register_forward_pre_hook(
-            lambda m, args, name=unit.name: log.append(("forward", streams.current, name))))
+        handles.append(
+            module.register_forward_pre_hook(
+                lambda m, args, name=unit.name: log.append(("forward", streams.current, name))
+            )
+        )
     return handles, counts
 
 
 def _unsharded_units(engine):
     def probe():
-        return sorted(u.name for u in engine.units
-                      if all(sp.state is ShardedState.UNSHARDED for sp in u.params if sp.layout.numel))
+        return sorted(
+            u.name
+            for u in engine.units
+            if all(sp.state is ShardedState.UNSHARDED for sp in u.params if sp.layout.numel)
+        )
+
     return probe
 
 
@@ -150,14 +160,27 @@ def protocol_worker(buffered: bool, prefetch_depth: int = 1, steps: int = 3) -> 
         train_steps(model, opt, batches)
         for h in handles:
             h.remove()
-        log = list(log)   # the training steps only (the state-dict gathers below are not unit gathers)
-        results.append({"params": _full_params(model), "log": log, "sources": counts["sources"],
-                        "own_streams": type(own).__name__, "own_is_no_streams": own is NO_STREAMS,
-                        "own_overlaps": own.overlaps, "units": [u.name for u in engine.units],
-                        "in_place": engine.comm.gathers_regions_in_place})
+        log = list(log)  # the training steps only (the state-dict gathers below are not unit gathers)
+        results.append(
+            {
+                "params": _full_params(model),
+                "log": log,
+                "sources": counts["sources"],
+                "own_streams": type(own).__name__,
+                "own_is_no_streams": own is NO_STREAMS,
+                "own_overlaps": own.overlaps,
+                "units": [u.name for u in engine.units],
+                "in_place": engine.comm.gathers_regions_in_place,
+            }
+        )
     plain, recorded = results
     same = all(torch.equal(plain["params"][k], recorded["params"][k]) for k in plain["params"])
     out = {k: v for k, v in recorded.items() if k != "params"}
-    out.update(same_params=same, own_streams=plain["own_streams"], own_is_no_streams=plain["own_is_no_streams"],
-               own_overlaps=plain["own_overlaps"], rank=rank)
+    out.update(
+        same_params=same,
+        own_streams=plain["own_streams"],
+        own_is_no_streams=plain["own_is_no_streams"],
+        own_overlaps=plain["own_overlaps"],
+        rank=rank,
+    )
     return out

@@ -1,5 +1,6 @@
 """[Note: cache-blocked offload step]: the blocked step is the whole-tensor offload step, bitwise, without
 ever holding an fp32 gradient larger than one block; it steps aside where the direct fused step would."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,13 +13,13 @@ from zero_plugin.optim.blocked_step import BlockedStep
 from zero_plugin.optim.cpu_step import fused_cpu_step
 from zero_plugin.optim.master import MasterParam
 
-SHAPES = [(7, 5), (13,), (300,), (1000,), (64,), (3, 3)]   # 1000 and 300 cross blocks of 128
+SHAPES = [(7, 5), (13,), (300,), (1000,), (64,), (3, 3)]  # 1000 and 300 cross blocks of 128
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(B, "BLOCK", 128)
-    monkeypatch.setattr(B, "SINGLE_BLOCK", 1)   # always split, however small the masters are in all
+    monkeypatch.setattr(B, "SINGLE_BLOCK", 1)  # always split, however small the masters are in all
 
 
 def _slots(param_dtype: torch.dtype, cls, hyper: dict):
@@ -37,18 +38,26 @@ def _slots(param_dtype: torch.dtype, cls, hyper: dict):
 def _grads(step: int, grad_dtype: torch.dtype) -> list:
     g = torch.Generator().manual_seed(100 + step)
     grads = [torch.randn(shape, generator=g).to(grad_dtype) for shape in SHAPES]
-    grads[5] = None   # never a gradient: no state, untouched
+    grads[5] = None  # never a gradient: no state, untouched
     return grads
 
 
-@pytest.mark.parametrize("cls,hyper", [
-    (torch.optim.AdamW, {"weight_decay": 0.01}),
-    (torch.optim.AdamW, {"amsgrad": True, "maximize": True, "betas": (0.8, 0.99)}),
-    (torch.optim.Adam, {"weight_decay": 0.1, "eps": 1e-6}),
-])
-@pytest.mark.parametrize("param_dtype,grad_dtype", [
-    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
-])
+@pytest.mark.parametrize(
+    "cls,hyper",
+    [
+        (torch.optim.AdamW, {"weight_decay": 0.01}),
+        (torch.optim.AdamW, {"amsgrad": True, "maximize": True, "betas": (0.8, 0.99)}),
+        (torch.optim.Adam, {"weight_decay": 0.1, "eps": 1e-6}),
+    ],
+)
+@pytest.mark.parametrize(
+    "param_dtype,grad_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
 def test_bitwise_same_as_whole_tensor_path(small_blocks, cls, hyper, param_dtype, grad_dtype):
     ref_slots, ref_opt = _slots(param_dtype, cls, hyper)
     slots, opt = _slots(param_dtype, cls, hyper)
@@ -66,10 +75,10 @@ def test_bitwise_same_as_whole_tensor_path(small_blocks, cls, hyper, param_dtype
             assert s.master.grad is None
         blocked.step(opt)
         for s in slots:
-            s.write_back()   # a no-op for the ones the blocked step wrote
+            s.write_back()  # a no-op for the ones the blocked step wrote
             assert s.deferred_grad is None and not s.written_back
     if grad_dtype == torch.float32:
-        assert blocked.scratch is None   # nothing to cast: the kernel reads the gradient in place
+        assert blocked.scratch is None  # nothing to cast: the kernel reads the gradient in place
     else:
         assert blocked.scratch.numel() <= 128
     for a, b in zip(ref_slots, slots):
@@ -94,11 +103,12 @@ def test_blocks_cover_each_element_once_at_aligned_offsets(small_blocks):
             assert starts[pc.entry] % B.ALIGN == 0 and pc.at % 16 == 0 and pc.at + pc.size <= B.BLOCK
             assert entries[pc.entry].sizes[pc.k] == pc.size
             starts[pc.entry] += pc.size
-    assert starts == [e.tensors[0].numel() for e in entries] and len(entries) == 2   # (3, 3) has no gradient
+    assert starts == [e.tensors[0].numel() for e in entries] and len(entries) == 2  # (3, 3) has no gradient
 
 
 def _train(stage: int, blocked: bool, monkeypatch, hook: bool = False):
     from tests import models
+
     torch.manual_seed(0)
     model = models.make_odd_mlp(dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -153,7 +163,7 @@ def test_steps_aside_for_strided_state(small_blocks):
         s.set_grad(gr, blocked=True)
     step.step(opt)
     assert step.applies(opt)
-    master = slots[0].master   # (7, 5)
+    master = slots[0].master  # (7, 5)
     opt.state[master]["exp_avg"] = opt.state[master]["exp_avg"].t().contiguous().t()
     assert not step.applies(opt)
 
@@ -162,7 +172,7 @@ def test_not_wanted_without_separate_masters():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     _, opt = zp.setup(model, torch.optim.AdamW(model.parameters()), zp.ZeroConfig(stage=2, offload_optimizer="cpu"))
-    assert opt.blocked is None   # fp32 parameters are their own masters: nothing to cast, fused_cpu_step runs
+    assert opt.blocked is None  # fp32 parameters are their own masters: nothing to cast, fused_cpu_step runs
 
 
 def test_waits_for_each_copy_and_writes_back_block_by_block(small_blocks, monkeypatch):
@@ -189,7 +199,7 @@ def test_waits_for_each_copy_and_writes_back_block_by_block(small_blocks, monkey
         return real(params, *args, **kwargs)
 
     slots, opt = _slots(torch.bfloat16, torch.optim.AdamW, {})
-    for s, gr in zip(slots, _grads(0, torch.float32)):   # fp32: as the host copies arrive on CUDA
+    for s, gr in zip(slots, _grads(0, torch.float32)):  # fp32: as the host copies arrive on CUDA
         s.set_grad(gr, blocked=True)
         s.grad_ready = Event(s.name) if gr is not None else None
     monkeypatch.setattr(B, "_copy_into", store)
@@ -200,16 +210,16 @@ def test_waits_for_each_copy_and_writes_back_block_by_block(small_blocks, monkey
     waits = {name: i for i, (k, name) in enumerate(trace) if k == "wait"}
     assert sorted(waits) == ["p0", "p1", "p2", "p3", "p4"] and len(kernels) > 5
     assert waits["p3"] > kernels[0] and waits["p4"] > kernels[1], "later copies are not waited for up front"
-    for a, b in zip(kernels, kernels[1:]):   # between two kernels: the first one's stores, then waits only
-        between = trace[a + 1:b]
+    for a, b in zip(kernels, kernels[1:]):  # between two kernels: the first one's stores, then waits only
+        between = trace[a + 1 : b]
         stored = sum(n for k, n in between if k == "store")
-        assert stored == trace[a][1] and kinds[a + 1:b] == sorted(kinds[a + 1:b], key=lambda k: k != "store")
+        assert stored == trace[a][1] and kinds[a + 1 : b] == sorted(kinds[a + 1 : b], key=lambda k: k != "store")
     assert all(s.grad_ready is None and s.written_back for s in slots[:5])
 
 
 def test_small_masters_are_one_block(monkeypatch):
     """Separate masters of at most SINGLE_BLOCK blocks in all: one kernel call per group, one scratch for all."""
-    monkeypatch.setattr(B, "BLOCK", 512)   # SINGLE_BLOCK (4) blocks: 2048 elements; the masters have 1456
+    monkeypatch.setattr(B, "BLOCK", 512)  # SINGLE_BLOCK (4) blocks: 2048 elements; the masters have 1456
     calls = []
     real = torch._fused_adamw_
 
@@ -230,13 +240,16 @@ def test_identity_masters_larger_than_the_separate_ones(monkeypatch):
     """An fp32 parameter that is its own master (gradient used in place) next to a small bf16 one: the block
     is sized by the separate masters (here under ALIGN elements), the large one is split and stepped all the
     same, bitwise as the whole-tensor path."""
+
     def build():
         g = torch.Generator().manual_seed(0)
         own = torch.nn.Parameter(torch.randn(1000, generator=g))
         small = torch.randn(20, generator=g)
         low = torch.nn.Parameter(small.bfloat16())
-        slots = [MasterParam("own", own, ShardLayout(1000, 1, 0), own, None),
-                 MasterParam("low", low, ShardLayout(20, 1, 0), low.data, torch.float32, source=small)]
+        slots = [
+            MasterParam("own", own, ShardLayout(1000, 1, 0), own, None),
+            MasterParam("low", low, ShardLayout(20, 1, 0), low.data, torch.float32, source=small),
+        ]
         assert slots[0].is_identity and slots[1].separate
         return slots, torch.optim.AdamW([s.master for s in slots], lr=1e-3, fused=True)
 
@@ -262,12 +275,15 @@ def test_identity_masters_larger_than_the_separate_ones(monkeypatch):
 def test_empty_shard_next_to_others(small_blocks):
     """A rank whose shard of some parameter is empty (world size above its element count): stepped like the
     whole-tensor path does (its step count advances, nothing else)."""
+
     def build():
         g = torch.Generator().manual_seed(0)
         fulls = [torch.randn(n, generator=g) for n in (0, 300)]
         params = [torch.nn.Parameter(f.bfloat16()) for f in fulls]
-        slots = [MasterParam(f"p{i}", p, ShardLayout(p.numel(), 1, 0), p.data, torch.float32, source=f)
-                 for i, (p, f) in enumerate(zip(params, fulls))]
+        slots = [
+            MasterParam(f"p{i}", p, ShardLayout(p.numel(), 1, 0), p.data, torch.float32, source=f)
+            for i, (p, f) in enumerate(zip(params, fulls))
+        ]
         return slots, torch.optim.AdamW([s.master for s in slots], lr=1e-3, fused=True)
 
     (ref, ref_opt), (slots, opt) = build(), build()

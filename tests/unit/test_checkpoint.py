@@ -20,6 +20,7 @@
 * PEFT under stage 3: ``save_peft_adapter`` writes an adapter that ``PeftModel.from_pretrained``
   loads into an unsharded base model with identical logits.
 """
+
 from __future__ import annotations
 
 import glob
@@ -68,8 +69,10 @@ def max_diff(a: dict, b: dict) -> float:
 OFFLOAD = {"offload_optimizer": "cpu"}
 
 
-@pytest.mark.parametrize("stage,config", [(s, {}) for s in STAGES] + [(1, OFFLOAD), (2, OFFLOAD), (3, OFFLOAD),
-                                                                     (3, {**OFFLOAD, "offload_params": True})])
+@pytest.mark.parametrize(
+    "stage,config",
+    [(s, {}) for s in STAGES] + [(1, OFFLOAD), (2, OFFLOAD), (3, OFFLOAD), (3, {**OFFLOAD, "offload_params": True})],
+)
 def test_exact_resume(stage, config, tmp_path):
     path = str(tmp_path / "ckpt")
     first = run_ranks(2, w.resume_first_half, stage, path, config, timeout=120)
@@ -97,11 +100,11 @@ def test_fp16_exact_resume_keeps_the_loss_scale(stage, tmp_path):
         straight = a["straight_trace"]
         assert [s for s, _ in straight] == [2.0**16, 2.0**15, 2.0**15, 2.0**15, 2.0**15, 2.0**15], straight
         assert [n for _, n in straight] == [0, 1, 1, 1, 1, 1], "step 1 overflows; step 4 must not at 2^15"
-        assert a["split_trace"] == straight[:ow.FP16_SAVE_AT]
+        assert a["split_trace"] == straight[: ow.FP16_SAVE_AT]
         assert a["saved_scaler"] == straight[ow.FP16_SAVE_AT - 1]
         assert a["state_dict_scalers"] == {"sharded": a["saved_scaler"], "consolidated": a["saved_scaler"]}
         assert b["loaded_scaler"] == a["saved_scaler"]
-        assert b["trace"] == straight[ow.FP16_SAVE_AT:]
+        assert b["trace"] == straight[ow.FP16_SAVE_AT :]
         assert_params_equal(a["straight_params"], b["params"])
         assert_opt_equal(a["straight_opt"], b["opt"])
 
@@ -112,7 +115,6 @@ def test_checkpoint_without_loss_scale_record_still_loads(tmp_path):
     run_ranks(2, ow.fp16_resume_first_half, 2, path, timeout=120)
     for b in run_ranks(2, ow.fp16_resume_second_half, 2, path, strip_scaler=True, timeout=120):
         assert b["loaded_scaler"] == (2.0**16, 0)
-
 
 
 # -- resharding --------------------------------------------------------------------------------------
@@ -156,8 +158,10 @@ def test_mixed_precision_masters_and_offload(tmp_path):
     mixed = {"param_dtype": "bf16"}
     saved_run = run_ranks(2, w.mixed_save, 2, path, mixed, timeout=120)[0]
     assert all(v.dtype == torch.float32 for v in saved_run["params"].values())
-    targets = {2: [(3, {**mixed, "offload_optimizer": "cpu", "offload_params": True}), (0, {})],
-               4: [(1, {**mixed, "offload_optimizer": "cpu"})]}
+    targets = {
+        2: [(3, {**mixed, "offload_optimizer": "cpu", "offload_params": True}), (0, {})],
+        4: [(1, {**mixed, "offload_optimizer": "cpu"})],
+    }
     for world, runs in targets.items():
         for result in run_ranks(world, w.mixed_load, path, runs, timeout=120):
             for loaded in result:
@@ -169,8 +173,10 @@ def test_mixed_precision_masters_and_offload(tmp_path):
 def test_killed_save_keeps_previous_checkpoint(tmp_path):
     path, marker = str(tmp_path / "ckpt"), str(tmp_path / "first-file-written")
     old_params = w.save_small(path, steps=2)
-    code = f"import sys; sys.path.insert(0, {REPO_ROOT!r}); from tests.unit import checkpoint_workers as w; " \
-           f"w.crash_save({path!r}, {marker!r})"
+    code = (
+        f"import sys; sys.path.insert(0, {REPO_ROOT!r}); from tests.unit import checkpoint_workers as w; "
+        f"w.crash_save({path!r}, {marker!r})"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
         deadline = time.monotonic() + 120
@@ -189,7 +195,7 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
     loaded, error = w.load_small(partial[0])
     assert loaded is None and "incomplete checkpoint (interrupted save?)" in error and partial[0] in error
 
-    new_params = w.save_small(path, steps=3)   # the next save replaces the old one and clears the leftovers
+    new_params = w.save_small(path, steps=3)  # the next save replaces the old one and clears the leftovers
     assert glob.glob(path + ".tmp-*") == [] and glob.glob(path + ".old-*") == []
     loaded, _ = w.load_small(path)
     assert loaded["extra"] == {"step": 3}
@@ -199,7 +205,7 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
 def test_crash_between_renames_points_to_previous(tmp_path):
     path = str(tmp_path / "ckpt")
     w.save_small(path, steps=1)
-    os.rename(path, path + ".old-deadbeef")   # what a crash between "move aside" and "rename" leaves
+    os.rename(path, path + ".old-deadbeef")  # what a crash between "move aside" and "rename" leaves
     _, error = w.load_small(path)
     assert "no checkpoint at" in error and path + ".old-deadbeef" in error
 
@@ -215,8 +221,7 @@ EXPECTED = {
     "torch_save_as_shard": ("rank-00001-of-00002.safetensors", "not a valid safetensors file"),
     "pickle_as_index": ("index.json", "cannot read checkpoint index"),
     "wrong_shape": ("rank-00001-of-00002.safetensors", "has shape"),
-    "wider_head": ("shape mismatch for 'head.weight': checkpoint has (13, 15), the model has (15, 15)",
-                   "'head.bias'"),
+    "wider_head": ("shape mismatch for 'head.weight': checkpoint has (13, 15), the model has (15, 15)", "'head.bias'"),
     "extra_param": ("missing parameters (in the model, not in the checkpoint): ['extra_bias']", "different model"),
 }
 
@@ -253,14 +258,14 @@ def test_unstorable_extra_and_mismatched_optimizer(tmp_path):
     w.train(model, opt, w.batches(torch.float64), 0, 1)
     w.save_checkpoint(path, model, opt)
     other = w.models.make_odd_mlp(seed=3)
-    other_opt = torch.optim.AdamW(other.parameters(), lr=w.LR)   # one group instead of two
+    other_opt = torch.optim.AdamW(other.parameters(), lr=w.LR)  # one group instead of two
     other, other_opt = w.zp.setup(other, other_opt, w.zp.ZeroConfig(stage=3))
     before = w.full_params(other)
     with pytest.raises(w.CheckpointError, match="has 2 optimizer param groups, this optimizer has 1"):
         w.load_checkpoint(path, other, other_opt)
     assert_params_equal(before, w.full_params(other))
     assert not other_opt.state
-    w.load_checkpoint(path, other)   # the model alone loads fine
+    w.load_checkpoint(path, other)  # the model alone loads fine
     assert_params_equal(w.full_params(model), w.full_params(other))
 
 
@@ -282,11 +287,18 @@ def test_state_of_another_optimizer_class_is_refused_before_anything_changes(wor
 def test_writer_output_is_standard_safetensors(tmp_path):
     """Our streaming writer against the safetensors library's own reader, and its sha256 against the file's."""
     from safetensors.torch import load_file
+
     from zero_plugin.ckpt import format as fmt
 
-    tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(), "scalar": torch.tensor(2.5),
-               "empty": torch.zeros(0), "mask": torch.tensor([True, False]), "u32": torch.tensor([1, 2**31 + 5], dtype=torch.int64).to(torch.uint32),
-               "view": torch.arange(10.0)[3:8]}
+    tensors = {
+        "f32": torch.randn(3, 5),
+        "bf16": torch.randn(7).bfloat16(),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0),
+        "mask": torch.tensor([True, False]),
+        "u32": torch.tensor([1, 2**31 + 5], dtype=torch.int64).to(torch.uint32),
+        "view": torch.arange(10.0)[3:8],
+    }
     path = str(tmp_path / "x.safetensors")
     record = fmt.write_safetensors(path, list(tensors.items()), {"note": "hi"})
     assert record.size == os.path.getsize(path) and record.sha256 == fmt.sha256_file(path)
@@ -299,7 +311,7 @@ def test_writer_output_is_standard_safetensors(tmp_path):
 # -- PEFT under stage 3 -----------------------------------------------------------------------------------------
 def test_peft_adapter_from_stage3_loads_unsharded(tmp_path):
     results = run_ranks(2, w.peft_adapter, str(tmp_path / "adapter"), timeout=180)
-    for rank, r in enumerate(results):   # the export record is built on rank 0 alone: no collective state_dict()
+    for rank, r in enumerate(results):  # the export record is built on rank 0 alone: no collective state_dict()
         assert r["save_warnings"] == [], f"rank {rank}: {r['save_warnings']}"
     result = results[0]
     assert result["keys"] and all("lora_" in k for k in result["keys"])
@@ -307,6 +319,7 @@ def test_peft_adapter_from_stage3_loads_unsharded(tmp_path):
     assert result["adapter_effect"] > 1e-4, "the trained adapter should change the base model's logits"
     # Offline: the stage-3 checkpoint consolidated with --format hf is the same adapter, byte for byte.
     from safetensors.torch import load_file
+
     from zero_plugin.cli import main
 
     out = tmp_path / "adapter-offline"
@@ -315,7 +328,11 @@ def test_peft_adapter_from_stage3_loads_unsharded(tmp_path):
     live, offline = (load_file(str(d / "adapter_model.safetensors")) for d in (tmp_path / "adapter", out))
     assert sorted(offline) == result["keys"] and all(torch.equal(live[k], offline[k]) for k in live)
     from peft import PeftConfig
-    assert PeftConfig.from_pretrained(str(out)).to_dict() == PeftConfig.from_pretrained(str(tmp_path / "adapter")).to_dict()
+
+    assert (
+        PeftConfig.from_pretrained(str(out)).to_dict()
+        == PeftConfig.from_pretrained(str(tmp_path / "adapter")).to_dict()
+    )
 
 
 @pytest.mark.parametrize("stage,config", [(3, {}), (1, {"param_dtype": "bf16"})])
@@ -326,6 +343,7 @@ def test_consolidate_to_hf_folder_loads_with_from_pretrained(stage, config, tmp_
     several shards with an index when --max-shard-size is small; --dtype bf16 casts."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
+
     from zero_plugin.cli import main
 
     ckpt = str(tmp_path / "ckpt")
@@ -339,7 +357,7 @@ def test_consolidate_to_hf_folder_loads_with_from_pretrained(stage, config, tmp_
     got = loaded.state_dict()
     for name, value in ref["state"].items():
         assert torch.equal(got[name].float(), value.float()), name
-    if not config:   # fp32 compute: the unsharded model computes what the sharded one did (kernels may differ)
+    if not config:  # fp32 compute: the unsharded model computes what the sharded one did (kernels may differ)
         with torch.no_grad():
             torch.testing.assert_close(loaded(input_ids=ref["ids"]).logits, ref["logits"], rtol=1e-5, atol=1e-6)
     flat = tmp_path / "flat"
@@ -352,11 +370,11 @@ def test_consolidate_to_hf_folder_loads_with_from_pretrained(stage, config, tmp_
 
 
 def test_consolidate_refuses_bad_input_and_leaves_nothing(tmp_path, capsys):
-    from zero_plugin.cli import main
     from zero_plugin.ckpt import consolidate as cons
+    from zero_plugin.cli import main
 
     path = str(tmp_path / "ckpt")
-    w.save_small(path, steps=1)   # OddMLP: no transformers config
+    w.save_small(path, steps=1)  # OddMLP: no transformers config
     out = tmp_path / "out"
     assert main(["consolidate", path, str(out), "--format", "hf"]) == 2
     assert "records no transformers config" in capsys.readouterr().err and not out.exists()

@@ -1,4 +1,5 @@
 """Unit tests for zero_plugin.config.ZeroConfig: validation, normalisation, serialisation, loading."""
+
 import dataclasses
 import json
 import math
@@ -29,6 +30,7 @@ def _raises(match_parts, **kwargs):
 
 # --------------------------------------------------------------------- defaults and normalisation
 
+
 def test_defaults_are_valid():
     config = ZeroConfig()
     assert config.stage == 2
@@ -41,11 +43,22 @@ def test_defaults_are_valid():
     assert not config.mixed_precision and config.effective_reduce_dtype is None
 
 
-@pytest.mark.parametrize("text, dtype", [
-    ("fp32", torch.float32), ("float32", torch.float32), ("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16),
-    ("fp16", torch.float16), ("float16", torch.float16), ("half", torch.float16),
-    ("fp64", torch.float64), ("float64", torch.float64), ("double", torch.float64), (torch.bfloat16, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "text, dtype",
+    [
+        ("fp32", torch.float32),
+        ("float32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("BFloat16", torch.bfloat16),
+        ("fp16", torch.float16),
+        ("float16", torch.float16),
+        ("half", torch.float16),
+        ("fp64", torch.float64),
+        ("float64", torch.float64),
+        ("double", torch.float64),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
 def test_dtype_names_normalise(text, dtype):
     assert ZeroConfig(param_dtype=text).param_dtype is dtype
     assert ZeroConfig(reduce_dtype=text).reduce_dtype is dtype
@@ -55,7 +68,9 @@ def test_master_dtype_normalises():
     assert ZeroConfig(master_dtype="fp64").master_dtype is torch.float64
 
 
-@pytest.mark.parametrize("value, expected", [(None, "none"), (False, "none"), (True, "cpu"), ("CPU", "cpu"), ("none", "none")])
+@pytest.mark.parametrize(
+    "value, expected", [(None, "none"), (False, "none"), (True, "cpu"), ("CPU", "cpu"), ("none", "none")]
+)
 def test_offload_optimizer_normalises(value, expected):
     config = ZeroConfig(offload_optimizer=value)
     assert config.offload_optimizer == expected
@@ -92,28 +107,62 @@ def test_constructor_ignores_environment(monkeypatch):
 
 # --------------------------------------------------------------------- single-field validation
 
-@pytest.mark.parametrize("field, value, shown", [
-    ("stage", 5, "5"), ("stage", -1, "-1"), ("stage", True, "True"), ("stage", "3", "'3'"), ("stage", 2.0, "2.0"),
-    ("offload_optimizer", "gpu", "'gpu'"), ("offload_optimizer", 1, "1"),
-    ("offload_params", "yes", "'yes'"), ("offload_params", 1, "1"),
-    ("param_dtype", "int8", "'int8'"), ("param_dtype", torch.int32, "torch.int32"), ("param_dtype", 3, "3"),
-    ("reduce_dtype", torch.int64, "torch.int64"), ("reduce_dtype", "fp8", "'fp8'"),
-    ("master_dtype", "bf16", "'bf16'"), ("master_dtype", torch.float16, "torch.float16"), ("master_dtype", None, "None"),
-    ("bucket_size_mb", 0, "0"), ("bucket_size_mb", -1.0, "-1.0"), ("bucket_size_mb", 5000, "5000"),
-    ("bucket_size_mb", "25", "'25'"), ("bucket_size_mb", True, "True"), ("bucket_size_mb", math.nan, "nan"),
-    ("prefetch_depth", -1, "-1"), ("prefetch_depth", 9, "9"), ("prefetch_depth", 1.5, "1.5"),
-    ("persistence_threshold", -1, "-1"), ("persistence_threshold", "0", "'0'"),
-    ("reshard_after_forward", "yes", "'yes'"), ("reshard_after_forward", 0, "0"),
-    ("unit_classes", 5, "5"), ("unit_classes", [int], "<class 'int'>"), ("unit_classes", [""], "''"),
-    ("unit_classes", [torch.nn.Linear(1, 1)], "Linear"),
-    ("unit_policy", 5, "5"), ("unit_policy", torch.nn.Linear, "Linear"),
-    ("clip_grad_norm", 0, "0"), ("clip_grad_norm", -1.0, "-1.0"), ("clip_grad_norm", "1", "'1'"),
-    ("clip_grad_norm", math.inf, "inf"),
-    ("loss_scale", "static", "'static'"), ("loss_scale", 0, "0"), ("loss_scale", -2.0, "-2.0"),
-    ("debug_collectives", 1, "1"), ("timeout_s", 0, "0"), ("timeout_s", math.inf, "inf"),
-    ("check_ranks", "true", "'true'"), ("trim_host_heap", "no", "'no'"),
-    ("loss_scaling", "yes", "'yes'"), ("loss_scaling", 1, "1"),
-])
+
+@pytest.mark.parametrize(
+    "field, value, shown",
+    [
+        ("stage", 5, "5"),
+        ("stage", -1, "-1"),
+        ("stage", True, "True"),
+        ("stage", "3", "'3'"),
+        ("stage", 2.0, "2.0"),
+        ("offload_optimizer", "gpu", "'gpu'"),
+        ("offload_optimizer", 1, "1"),
+        ("offload_params", "yes", "'yes'"),
+        ("offload_params", 1, "1"),
+        ("param_dtype", "int8", "'int8'"),
+        ("param_dtype", torch.int32, "torch.int32"),
+        ("param_dtype", 3, "3"),
+        ("reduce_dtype", torch.int64, "torch.int64"),
+        ("reduce_dtype", "fp8", "'fp8'"),
+        ("master_dtype", "bf16", "'bf16'"),
+        ("master_dtype", torch.float16, "torch.float16"),
+        ("master_dtype", None, "None"),
+        ("bucket_size_mb", 0, "0"),
+        ("bucket_size_mb", -1.0, "-1.0"),
+        ("bucket_size_mb", 5000, "5000"),
+        ("bucket_size_mb", "25", "'25'"),
+        ("bucket_size_mb", True, "True"),
+        ("bucket_size_mb", math.nan, "nan"),
+        ("prefetch_depth", -1, "-1"),
+        ("prefetch_depth", 9, "9"),
+        ("prefetch_depth", 1.5, "1.5"),
+        ("persistence_threshold", -1, "-1"),
+        ("persistence_threshold", "0", "'0'"),
+        ("reshard_after_forward", "yes", "'yes'"),
+        ("reshard_after_forward", 0, "0"),
+        ("unit_classes", 5, "5"),
+        ("unit_classes", [int], "<class 'int'>"),
+        ("unit_classes", [""], "''"),
+        ("unit_classes", [torch.nn.Linear(1, 1)], "Linear"),
+        ("unit_policy", 5, "5"),
+        ("unit_policy", torch.nn.Linear, "Linear"),
+        ("clip_grad_norm", 0, "0"),
+        ("clip_grad_norm", -1.0, "-1.0"),
+        ("clip_grad_norm", "1", "'1'"),
+        ("clip_grad_norm", math.inf, "inf"),
+        ("loss_scale", "static", "'static'"),
+        ("loss_scale", 0, "0"),
+        ("loss_scale", -2.0, "-2.0"),
+        ("debug_collectives", 1, "1"),
+        ("timeout_s", 0, "0"),
+        ("timeout_s", math.inf, "inf"),
+        ("check_ranks", "true", "'true'"),
+        ("trim_host_heap", "no", "'no'"),
+        ("loss_scaling", "yes", "'yes'"),
+        ("loss_scaling", 1, "1"),
+    ],
+)
 def test_invalid_field_value(field, value, shown):
     kwargs = {field: value}
     if field == "loss_scale":
@@ -127,6 +176,7 @@ def test_stage_message_lists_allowed_values():
 
 
 # --------------------------------------------------------------------- cross-field validation
+
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_offload_params_requires_stage3(stage):
@@ -150,10 +200,17 @@ def test_fixed_loss_scale_with_fp16_is_allowed():
     assert ZeroConfig(loss_scale=1024.0, param_dtype="fp16").loss_scale == 1024.0
 
 
-@pytest.mark.parametrize("param_dtype, loss_scaling, scales", [
-    (None, None, False), ("bf16", None, False), ("fp16", None, True),   # default: exactly fp16 parameters
-    (None, True, True), ("fp32", True, True), ("fp16", False, False),   # explicit: whatever the parameters
-])
+@pytest.mark.parametrize(
+    "param_dtype, loss_scaling, scales",
+    [
+        (None, None, False),
+        ("bf16", None, False),
+        ("fp16", None, True),  # default: exactly fp16 parameters
+        (None, True, True),
+        ("fp32", True, True),
+        ("fp16", False, False),  # explicit: whatever the parameters
+    ],
+)
 def test_loss_scaling_switch(param_dtype, loss_scaling, scales):
     assert ZeroConfig(param_dtype=param_dtype, loss_scaling=loss_scaling).scales_loss is scales
 
@@ -177,12 +234,14 @@ def test_reduce_dtype_without_param_dtype_is_allowed():
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_stage3_knobs_are_harmless_below_stage3(stage):
-    config = ZeroConfig(stage=stage, prefetch_depth=4, persistence_threshold=1000, reshard_after_forward=False,
-                        unit_classes=[Block])
+    config = ZeroConfig(
+        stage=stage, prefetch_depth=4, persistence_threshold=1000, reshard_after_forward=False, unit_classes=[Block]
+    )
     assert config.replace(stage=3).prefetch_depth == 4
 
 
 # --------------------------------------------------------------------- frozen, replace, fingerprint
+
 
 def test_frozen():
     config = ZeroConfig()
@@ -223,6 +282,7 @@ def test_hashable_and_picklable():
 
 # --------------------------------------------------------------------- to_dict / from_dict
 
+
 def test_to_dict_is_json_and_yaml_safe():
     config = ZeroConfig(stage=3, param_dtype="bf16", unit_classes=[Block, "GPT2Block"])
     data = config.to_dict()
@@ -233,12 +293,28 @@ def test_to_dict_is_json_and_yaml_safe():
 
 
 def test_round_trip():
-    config = ZeroConfig(stage=3, offload_optimizer="cpu", offload_params=True, param_dtype="fp16",
-                        reduce_dtype="fp32", master_dtype="fp64", bucket_size_mb=12.5, prefetch_depth=2,
-                        persistence_threshold=100, reshard_after_forward=False, unit_policy=_policy,
-                        clip_grad_norm=1.0, loss_scale=256.0, debug_collectives=True, timeout_s=30.0,
-                        check_ranks=False, trim_host_heap=False, loss_scaling=True, loss_scale_init=1024.0,
-                        loss_scale_growth_interval=10)
+    config = ZeroConfig(
+        stage=3,
+        offload_optimizer="cpu",
+        offload_params=True,
+        param_dtype="fp16",
+        reduce_dtype="fp32",
+        master_dtype="fp64",
+        bucket_size_mb=12.5,
+        prefetch_depth=2,
+        persistence_threshold=100,
+        reshard_after_forward=False,
+        unit_policy=_policy,
+        clip_grad_norm=1.0,
+        loss_scale=256.0,
+        debug_collectives=True,
+        timeout_s=30.0,
+        check_ranks=False,
+        trim_host_heap=False,
+        loss_scaling=True,
+        loss_scale_init=1024.0,
+        loss_scale_growth_interval=10,
+    )
     assert config.to_dict()["unit_policy"] == f"{__name__}._policy"
     assert ZeroConfig.from_dict(config.to_dict()) == config
 
@@ -251,12 +327,26 @@ def test_round_trip_keeps_class_names_as_strings():
 
 
 def test_from_dict_parses_strings():
-    config = ZeroConfig.from_dict({
-        "stage": "3", "offload_optimizer": "true", "offload_params": "True", "param_dtype": "bf16",
-        "reduce_dtype": "none", "bucket_size_mb": "25", "prefetch_depth": "2", "reshard_after_forward": "false",
-        "unit_classes": "LlamaDecoderLayer, GPT2Block", "clip_grad_norm": "0.5", "timeout_s": "60",
-        "debug_collectives": "yes", "check_ranks": "0", "unit_policy": "null", "loss_scale": "dynamic",
-        "trim_host_heap": "off"})
+    config = ZeroConfig.from_dict(
+        {
+            "stage": "3",
+            "offload_optimizer": "true",
+            "offload_params": "True",
+            "param_dtype": "bf16",
+            "reduce_dtype": "none",
+            "bucket_size_mb": "25",
+            "prefetch_depth": "2",
+            "reshard_after_forward": "false",
+            "unit_classes": "LlamaDecoderLayer, GPT2Block",
+            "clip_grad_norm": "0.5",
+            "timeout_s": "60",
+            "debug_collectives": "yes",
+            "check_ranks": "0",
+            "unit_policy": "null",
+            "loss_scale": "dynamic",
+            "trim_host_heap": "off",
+        }
+    )
     assert config.stage == 3 and config.offload and config.offload_params
     assert config.param_dtype is torch.bfloat16 and config.reduce_dtype is None
     assert config.bucket_size_mb == 25.0 and config.prefetch_depth == 2 and not config.reshard_after_forward
@@ -265,10 +355,16 @@ def test_from_dict_parses_strings():
     assert config.debug_collectives and not config.check_ranks and not config.trim_host_heap
 
 
-@pytest.mark.parametrize("field, text", [
-    ("stage", "three"), ("check_ranks", "maybe"), ("bucket_size_mb", "big"), ("unit_policy", "no.such.module_fn"),
-    ("loss_scale", "static"),
-])
+@pytest.mark.parametrize(
+    "field, text",
+    [
+        ("stage", "three"),
+        ("check_ranks", "maybe"),
+        ("bucket_size_mb", "big"),
+        ("unit_policy", "no.such.module_fn"),
+        ("loss_scale", "static"),
+    ],
+)
 def test_from_dict_bad_string(field, text):
     with pytest.raises(ValueError) as info:
         ZeroConfig.from_dict({field: text})
@@ -290,12 +386,16 @@ def test_from_dict_rejects_non_mapping():
 
 # --------------------------------------------------------------------- from_file
 
-@pytest.mark.parametrize("name, text", [
-    ("c.yaml", "stage: 3\noffload_optimizer: cpu\nparam_dtype: bf16\n"),
-    ("c.yml", "zero_plugin:\n  stage: 3\n  offload_optimizer: true\n  param_dtype: bf16\nother_tool:\n  x: 1\n"),
-    ("c.json", '{"stage": 3, "offload_optimizer": "cpu", "param_dtype": "bf16"}'),
-    ("n.json", '{"zero_plugin": {"stage": "3", "offload_optimizer": "cpu", "param_dtype": "bfloat16"}}'),
-])
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("c.yaml", "stage: 3\noffload_optimizer: cpu\nparam_dtype: bf16\n"),
+        ("c.yml", "zero_plugin:\n  stage: 3\n  offload_optimizer: true\n  param_dtype: bf16\nother_tool:\n  x: 1\n"),
+        ("c.json", '{"stage": 3, "offload_optimizer": "cpu", "param_dtype": "bf16"}'),
+        ("n.json", '{"zero_plugin": {"stage": "3", "offload_optimizer": "cpu", "param_dtype": "bfloat16"}}'),
+    ],
+)
 def test_from_file(tmp_path, name, text):
     path = tmp_path / name
     path.write_text(text)
@@ -335,6 +435,7 @@ def test_from_file_invalid_value_names_path_and_field(tmp_path):
 
 # --------------------------------------------------------------------- from_env
 
+
 def test_from_env_empty_gives_defaults():
     assert ZeroConfig.from_env({}) == ZeroConfig()
     assert ZeroConfig.from_env({"ZERO_PLUGIN_STAGE": "", "UNRELATED": "x"}) == ZeroConfig()
@@ -344,9 +445,17 @@ def test_from_env_stage():
     assert ZeroConfig.from_env({"ZERO_PLUGIN_STAGE": "3"}).stage == 3
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("cpu", "cpu"), ("none", "none"), ("1", "cpu"), ("0", "none"), ("true", "cpu"), ("false", "none"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("cpu", "cpu"),
+        ("none", "none"),
+        ("1", "cpu"),
+        ("0", "none"),
+        ("true", "cpu"),
+        ("false", "none"),
+    ],
+)
 def test_from_env_offload(text, expected):
     assert ZeroConfig.from_env({"ZERO_PLUGIN_OFFLOAD": text}).offload_optimizer == expected
 
@@ -359,20 +468,29 @@ def test_from_env_config_file_then_overrides(tmp_path):
 
 
 def test_from_env_generic_fields():
-    config = ZeroConfig.from_env({
-        "ZERO_PLUGIN_PARAM_DTYPE": "bf16", "ZERO_PLUGIN_BUCKET_SIZE_MB": "50",
-        "ZERO_PLUGIN_UNIT_CLASSES": "GPT2Block", "ZERO_PLUGIN_LAUNCHER_ONLY": "x", "ZERO_PLUGIN_stage": "3"})
+    config = ZeroConfig.from_env(
+        {
+            "ZERO_PLUGIN_PARAM_DTYPE": "bf16",
+            "ZERO_PLUGIN_BUCKET_SIZE_MB": "50",
+            "ZERO_PLUGIN_UNIT_CLASSES": "GPT2Block",
+            "ZERO_PLUGIN_LAUNCHER_ONLY": "x",
+            "ZERO_PLUGIN_stage": "3",
+        }
+    )
     assert config.param_dtype is torch.bfloat16 and config.bucket_size_mb == 50.0
     assert config.unit_classes == ("GPT2Block",) and config.stage == 2  # lower-case names are not fields
 
 
-@pytest.mark.parametrize("environ, var", [
-    ({"ZERO_PLUGIN_STAGE": "9"}, "ZERO_PLUGIN_STAGE"),
-    ({"ZERO_PLUGIN_STAGE": "abc"}, "ZERO_PLUGIN_STAGE"),
-    ({"ZERO_PLUGIN_OFFLOAD": "gpu"}, "ZERO_PLUGIN_OFFLOAD"),
-    ({"ZERO_PLUGIN_TIMEOUT_S": "-1"}, "ZERO_PLUGIN_TIMEOUT_S"),
-    ({"ZERO_PLUGIN_OFFLOAD": "cpu", "ZERO_PLUGIN_OFFLOAD_OPTIMIZER": "none"}, "ZERO_PLUGIN_OFFLOAD_OPTIMIZER"),
-])
+@pytest.mark.parametrize(
+    "environ, var",
+    [
+        ({"ZERO_PLUGIN_STAGE": "9"}, "ZERO_PLUGIN_STAGE"),
+        ({"ZERO_PLUGIN_STAGE": "abc"}, "ZERO_PLUGIN_STAGE"),
+        ({"ZERO_PLUGIN_OFFLOAD": "gpu"}, "ZERO_PLUGIN_OFFLOAD"),
+        ({"ZERO_PLUGIN_TIMEOUT_S": "-1"}, "ZERO_PLUGIN_TIMEOUT_S"),
+        ({"ZERO_PLUGIN_OFFLOAD": "cpu", "ZERO_PLUGIN_OFFLOAD_OPTIMIZER": "none"}, "ZERO_PLUGIN_OFFLOAD_OPTIMIZER"),
+    ],
+)
 def test_from_env_bad_value_names_variable(environ, var):
     with pytest.raises(ValueError) as info:
         ZeroConfig.from_env(environ)

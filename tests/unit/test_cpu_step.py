@@ -1,5 +1,6 @@
 """[Note: direct fused step]: ``fused_cpu_step`` is ``optimizer.step()`` for fused Adam/AdamW, bitwise, and
 steps aside for everything it does not cover."""
+
 from __future__ import annotations
 
 import warnings
@@ -13,27 +14,32 @@ from zero_plugin.optim.cpu_step import fused_cpu_step
 def _pair(cls, **hyper):
     """Two identical optimizers over identical parameters: two groups, odd shapes, one parameter without
     a gradient."""
+
     def build():
         g = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in [(7, 5), (13,), (3, 3), (4,)]]
         groups = [{"params": params[:2]}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}]
         return params, cls(groups, lr=1e-3, fused=True, **hyper)
+
     return build(), build()
 
 
-@pytest.mark.parametrize("cls,hyper", [
-    (torch.optim.AdamW, {"weight_decay": 0.01}),
-    (torch.optim.AdamW, {"amsgrad": True, "maximize": True, "betas": (0.8, 0.99)}),
-    (torch.optim.Adam, {"weight_decay": 0.1, "eps": 1e-6}),
-])
+@pytest.mark.parametrize(
+    "cls,hyper",
+    [
+        (torch.optim.AdamW, {"weight_decay": 0.01}),
+        (torch.optim.AdamW, {"amsgrad": True, "maximize": True, "betas": (0.8, 0.99)}),
+        (torch.optim.Adam, {"weight_decay": 0.1, "eps": 1e-6}),
+    ],
+)
 def test_bitwise_same_as_step(cls, hyper):
     (pa, oa), (pb, ob) = _pair(cls, **hyper)
     g = torch.Generator().manual_seed(1)
-    for step in range(4):
+    for _step in range(4):
         grads = [torch.randn(p.shape, generator=g) for p in pa]
         for params in (pa, pb):
             for i, (p, gr) in enumerate(zip(params, grads)):
-                p.grad = None if i == 3 else gr.clone()   # the last parameter never gets a gradient
+                p.grad = None if i == 3 else gr.clone()  # the last parameter never gets a gradient
         oa.step()
         assert fused_cpu_step(ob)
     for a, b in zip(pa, pb):
@@ -53,7 +59,7 @@ def test_steps_aside_for_what_it_does_not_cover():
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.ones(3)
     assert not fused_cpu_step(MyAdamW([p], fused=True))
-    assert not fused_cpu_step(torch.optim.AdamW([p]))                       # not fused
+    assert not fused_cpu_step(torch.optim.AdamW([p]))  # not fused
     assert not fused_cpu_step(torch.optim.SGD([p], lr=0.1))
     assert not fused_cpu_step(torch.optim.AdamW([p], fused=True, lr=torch.tensor(1e-3)))
     hooked = torch.optim.AdamW([p], fused=True)
@@ -71,7 +77,7 @@ def test_lr_scheduler_sees_the_step():
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     p.grad = torch.ones(3)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")   # "Detected call of lr_scheduler.step() before optimizer.step()"
+        warnings.simplefilter("error")  # "Detected call of lr_scheduler.step() before optimizer.step()"
         assert fused_cpu_step(opt)
         sched.step()
     assert opt.param_groups[0]["lr"] == 0.5

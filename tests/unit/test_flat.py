@@ -1,4 +1,5 @@
 """Property tests of the shard math in ``zero_plugin._flat`` (single process)."""
+
 from __future__ import annotations
 
 import torch
@@ -33,7 +34,7 @@ def test_bounds_tile_every_element_once(numel, world_size):
     for layout in layouts(numel, world_size):
         lo, hi = layout.bounds()
         assert (lo, hi) == layouts(numel, world_size)[0].bounds(layout.rank)
-        assert lo == cursor and lo <= hi <= numel            # contiguous, in rank order
+        assert lo == cursor and lo <= hi <= numel  # contiguous, in rank order
         assert hi - lo == layout.local_numel <= layout.shard_numel
         owners[lo:hi] += 1
         cursor = hi
@@ -50,28 +51,33 @@ def test_local_view_and_chunk_view_agree_with_bounds(numel, world_size):
         view = layout.local_view(full)
         assert torch.equal(view, full[lo:hi])
         if view.numel():
-            assert view.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()   # a view, no copy
+            assert view.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()  # a view, no copy
         row = torch.arange(layout.shard_numel, dtype=torch.float64)
         assert layout.chunk_view(row).numel() == hi - lo
 
 
 @fast
-@given(numel=numels, world_size=world_sizes, left=st.integers(0, 5), right=st.integers(0, 5),
-       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+@given(
+    numel=numels,
+    world_size=world_sizes,
+    left=st.integers(0, 5),
+    right=st.integers(0, 5),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+)
 def test_rows_round_trip_and_zero_padding(numel, world_size, left, right, dtype):
     layout = ShardLayout(numel, world_size, 0)
     s = layout.shard_numel
-    src = (torch.arange(numel, dtype=torch.float64) + 1).to(dtype)   # no zeros, so padding is recognisable
+    src = (torch.arange(numel, dtype=torch.float64) + 1).to(dtype)  # no zeros, so padding is recognisable
     # Rows are columns of a wider bucket buffer, as in grads/bucket.py; the neighbours must stay untouched.
     bucket = torch.full((world_size, left + s + right), float("nan"), dtype=dtype)
-    rows = bucket[:, left:left + s]
+    rows = bucket[:, left : left + s]
     copy_padded_rows(rows, src, layout)
 
-    assert torch.isnan(bucket[:, :left]).all() and torch.isnan(bucket[:, left + s:]).all()
+    assert torch.isnan(bucket[:, :left]).all() and torch.isnan(bucket[:, left + s :]).all()
     for r in range(world_size):
         lo, hi = layout.bounds(r)
         assert torch.equal(rows[r, : hi - lo], src[lo:hi]), f"row {r} holds rank {r}'s chunk"
-        assert bool((rows[r, hi - lo:] == 0).all()), f"row {r}: padding must be zero"
+        assert bool((rows[r, hi - lo :] == 0).all()), f"row {r}: padding must be zero"
     assert int((rows != 0).sum()) == numel
 
     out = torch.full((numel,), -1.0, dtype=dtype)

@@ -7,6 +7,7 @@ exactly the gathered weights).  Stages 0-2 keep the model replicated.  Accelerat
 evaluation_mode=True)`` is in tests/integrations/test_accelerate_in_process.py, TRL's DPOTrainer in
 tests/integrations/test_trl_dpo.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -64,7 +65,7 @@ def test_evaluation_only_model_can_be_set_up_for_training_later(kind):
     for name, value in model.state_dict().items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-10)
     mean = [sum(r["losses"][i] for r in results) / 2 for i in range(steps)]
-    assert mean == pytest.approx(losses, rel=1e-6)   # the mean of two half-batch means (the loss is float32)
+    assert mean == pytest.approx(losses, rel=1e-6)  # the mean of two half-batch means (the loss is float32)
 
 
 @pytest.mark.parametrize("stage,train", [(0, True), (1, True), (2, True), (3, True), (3, False)])

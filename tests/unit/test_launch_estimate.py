@@ -5,6 +5,7 @@
 The numbers must be ``zero_plugin.planner``'s for the same model, setting and world size; the two rows
 are a full fine-tune and a frozen base ([Note: two rows at launch]).
 """
+
 from __future__ import annotations
 
 import re
@@ -23,9 +24,16 @@ _UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
 def _tiny_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=160, vocab_size=320,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=160,
+        vocab_size=320,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
 
 
 @pytest.fixture
@@ -47,24 +55,28 @@ def _frozen_planner(**kwargs):
 
 
 def _close(printed: float, exact: float) -> bool:
-    return abs(printed - exact) <= 0.005 * max(exact, 1) + 0.5   # two decimals of the printed unit
+    return abs(printed - exact) <= 0.005 * max(exact, 1) + 0.5  # two decimals of the printed unit
 
 
 def test_lines_equal_planner_estimate_for_local_config_folder(model_dir):
-    lines = le.estimate_lines(["--model", model_dir, "--max_steps", "2"], ZeroConfig(stage=3), 2,
-                              le.Machine(host_bytes=64 * GIB))
+    lines = le.estimate_lines(
+        ["--model", model_dir, "--max_steps", "2"], ZeroConfig(stage=3), 2, le.Machine(host_bytes=64 * GIB)
+    )
     full = zpp.estimate(_tiny_config(), world_size=2, stage=3, device="cpu")
     frozen = _frozen_planner(device="cpu").estimate(2, 3)
     assert frozen["params"]["trainable"] == 64 * (2 * 2 + 1) and full["peak"]["total"] > frozen["peak"]["total"]
-    assert len(lines) == 4   # header, full fine-tune, frozen base, this machine; no warning
-    assert lines[0].startswith(f"zero-plugin launch: memory per rank planned for --model {model_dir} "
-                               f"({full['params']['total']:,} parameters, float32; ")
+    assert len(lines) == 4  # header, full fine-tune, frozen base, this machine; no warning
+    assert lines[0].startswith(
+        f"zero-plugin launch: memory per rank planned for --model {model_dir} "
+        f"({full['params']['total']:,} parameters, float32; "
+    )
     assert "no activations" in lines[0]
     assert lines[1].startswith("  --stage 3, 2 ranks on cpu, full fine-tune")
     assert _close(_bytes(lines[1])[-1], full["peak"]["total"])
     assert "frozen base" in lines[2] and _close(_bytes(lines[2])[-1], frozen["peak"]["total"])
-    assert lines[3] == ("  this machine: 64.00 GiB host memory available for 2 ranks (10% kept free); "
-                        "skip with --no_estimate")
+    assert lines[3] == (
+        "  this machine: 64.00 GiB host memory available for 2 ranks (10% kept free); skip with --no_estimate"
+    )
 
 
 def test_gpu_machine_prints_device_and_host_with_activations(model_dir):
@@ -87,15 +99,18 @@ def test_warning_names_the_setting_that_fits_when_gpu_memory_is_short(model_dir)
     """Stage 3 on 2 GPUs too small for this tiny model's stage-3 peak even with a frozen base (two
     gathered blocks outweigh the sharded rest): the warning names what ``Planner.fit`` ranks first."""
     frozen = _frozen_planner(device="cuda")
-    gpu = frozen.estimate(2, 3)["peak"]["device"]   # 10% kept free: over by 10%
-    assert zpp.Planner(_tiny_config()).fit(2, gpu, 64 * GIB)["best"] is None   # no full fine-tune fits
+    gpu = frozen.estimate(2, 3)["peak"]["device"]  # 10% kept free: over by 10%
+    assert zpp.Planner(_tiny_config()).fit(2, gpu, 64 * GIB)["best"] is None  # no full fine-tune fits
     best = frozen.fit(2, gpu, 64 * GIB)["best"]
     assert best is not None and best["stage"] != 3
-    lines = le.estimate_lines(["--model", model_dir], ZeroConfig(stage=3), 2,
-                              le.Machine(host_bytes=64 * GIB, gpu_bytes=gpu))
+    lines = le.estimate_lines(
+        ["--model", model_dir], ZeroConfig(stage=3), 2, le.Machine(host_bytes=64 * GIB, gpu_bytes=gpu)
+    )
     assert len(lines) == 5
-    assert lines[4].startswith("zero-plugin launch: WARNING: --stage 3 will not fit this machine even with a "
-                               f"frozen base (GPU: {le._size(gpu)} per rank, {le._size(gpu)} per device); ")
+    assert lines[4].startswith(
+        "zero-plugin launch: WARNING: --stage 3 will not fit this machine even with a "
+        f"frozen base (GPU: {le._size(gpu)} per rank, {le._size(gpu)} per device); "
+    )
     assert f"; {_flags(best)} fits a frozen base (device " in lines[4]
 
 
@@ -105,12 +120,15 @@ def test_note_names_a_full_fine_tune_setting_that_fits(model_dir):
     gpu = full.estimate(2, 0)["peak"]["device"]
     best = full.fit(2, gpu, 64 * GIB)["best"]
     assert best is not None and best["stage"] != 0
-    lines = le.estimate_lines(["--model", model_dir], ZeroConfig(stage=0), 2,
-                              le.Machine(host_bytes=64 * GIB, gpu_bytes=gpu))
+    lines = le.estimate_lines(
+        ["--model", model_dir], ZeroConfig(stage=0), 2, le.Machine(host_bytes=64 * GIB, gpu_bytes=gpu)
+    )
     assert lines[4].startswith("zero-plugin launch: note: a full fine-tune at --stage 0 will not fit (GPU: ")
-    assert lines[4].endswith(f"it fits only if the base model is frozen (LoRA / PEFT); {_flags(best)} fits a "
-                             f"full fine-tune (device {le._size(best['peak']['device'])}, host "
-                             f"{le._size(best['peak']['host'])} per rank)")
+    assert lines[4].endswith(
+        f"it fits only if the base model is frozen (LoRA / PEFT); {_flags(best)} fits a "
+        f"full fine-tune (device {le._size(best['peak']['device'])}, host "
+        f"{le._size(best['peak']['host'])} per rank)"
+    )
 
 
 def test_note_when_only_a_frozen_base_fits(model_dir):
@@ -118,17 +136,22 @@ def test_note_when_only_a_frozen_base_fits(model_dir):
     host = 2 * frozen3 / 0.9 * 1.01
     lines = le.estimate_lines(["--model", model_dir], ZeroConfig(stage=3), 2, le.Machine(host_bytes=host))
     assert lines[-1].startswith("zero-plugin launch: note: a full fine-tune at --stage 3 will not fit (host: ")
-    assert "it fits only if the base model is frozen (LoRA / PEFT); no setting fits a full fine-tune on 2 ranks" \
+    assert (
+        "it fits only if the base model is frozen (LoRA / PEFT); no setting fits a full fine-tune on 2 ranks"
         in lines[-1]
+    )
 
 
-@pytest.mark.parametrize("script_args,expected", [
-    (["--lr", "1"], None),
-    (["--model", "a", "--x", "--model=b"], "b"),
-    (["--model_name_or_path", "org/name"], "org/name"),
-    (["--model"], None),
-    (["--modelx", "a"], None),
-])
+@pytest.mark.parametrize(
+    "script_args,expected",
+    [
+        (["--lr", "1"], None),
+        (["--model", "a", "--x", "--model=b"], "b"),
+        (["--model_name_or_path", "org/name"], "org/name"),
+        (["--model"], None),
+        (["--modelx", "a"], None),
+    ],
+)
 def test_find_model(script_args, expected):
     assert le.find_model(script_args) == expected
 
@@ -146,6 +169,7 @@ def launched(monkeypatch, capsys):
     def launch(*argv: str):
         code = run.launch(["--stage", "3", "--num_processes", "2", *argv])
         return code, capsys.readouterr().err, started
+
     return launch
 
 
@@ -156,12 +180,15 @@ def test_launch_prints_the_estimate_before_starting(launched, model_dir):
     assert err.splitlines() == expected
 
 
-@pytest.mark.parametrize("argv", [
-    ("train.py", "--lr", "1"),                            # no model named
-    ("--no_estimate", "train.py", "--model", "MODEL"),    # asked not to
-    ("train.py", "--model", "no-such-org/no-such-model-zp"),   # not local, not in the HF cache: no network
-    ("train.py", "--model", "MISSING"),                   # a folder without config.json
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("train.py", "--lr", "1"),  # no model named
+        ("--no_estimate", "train.py", "--model", "MODEL"),  # asked not to
+        ("train.py", "--model", "no-such-org/no-such-model-zp"),  # not local, not in the HF cache: no network
+        ("train.py", "--model", "MISSING"),  # a folder without config.json
+    ],
+)
 def test_launch_is_silent_without_a_visible_model(launched, model_dir, tmp_path, argv):
     argv = [a.replace("MODEL", model_dir).replace("MISSING", str(tmp_path)) for a in argv]
     code, err, started = launched(*argv)

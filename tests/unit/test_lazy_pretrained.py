@@ -4,6 +4,7 @@ Each lazily loaded model is compared with transformers' eager load of the same c
 parameters after filling (float32 exact), the same buffers, ties and dtypes, the same LoRA adapters from
 the same seed, and the same training losses at stage 3 (and at stage 2 with ``cpu_ram_efficient_loading``).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.* is
 
 def _save(tmp_path, disk_dtype=torch.float32, sharded=False, safe=True, tie=True) -> str:
     model = models.make_tiny_llama(tie=tie, dtype=disk_dtype)
-    if not safe:   # transformers 5 writes safetensors only; a pickle checkpoint as older versions wrote it
+    if not safe:  # transformers 5 writes safetensors only; a pickle checkpoint as older versions wrote it
         model.config.save_pretrained(tmp_path)
         torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
         return str(tmp_path)
@@ -34,16 +35,21 @@ def _save(tmp_path, disk_dtype=torch.float32, sharded=False, safe=True, tie=True
 
 def _filled(model) -> None:
     """Fill a lazily loaded model's meta parameters from its recorded files, in this process."""
+
     class _Rank0:
         rank, backend = 0, "gloo"
+
     materialize.materialize_all(model, materialize.recorded_source(model), _Rank0())
 
 
-@pytest.mark.parametrize("disk_dtype,dtype,sharded", [
-    (torch.float32, torch.float32, False),
-    (torch.bfloat16, torch.float32, True),    # bf16 on disk, fp32 in training, index + 3 files
-    (torch.float32, torch.bfloat16, True),
-])
+@pytest.mark.parametrize(
+    "disk_dtype,dtype,sharded",
+    [
+        (torch.float32, torch.float32, False),
+        (torch.bfloat16, torch.float32, True),  # bf16 on disk, fp32 in training, index + 3 files
+        (torch.float32, torch.bfloat16, True),
+    ],
+)
 @pytest.mark.parametrize("lora", [False, True])
 def test_lazy_load_matches_eager(tmp_path, disk_dtype, dtype, sharded, lora):
     path = _save(tmp_path, disk_dtype, sharded)
@@ -52,15 +58,15 @@ def test_lazy_load_matches_eager(tmp_path, disk_dtype, dtype, sharded, lora):
     eager = LW.load(path, lazy=False, lora=lora, dtype=dtype)
     lazy = LW.load(path, lazy=True, lora=lora, dtype=dtype)
     meta = {n for n, p in lazy.named_parameters() if p.is_meta}
-    assert meta == {n for n, _ in lazy.named_parameters() if "lora_" not in n}   # adapters are real
+    assert meta == {n for n, _ in lazy.named_parameters() if "lora_" not in n}  # adapters are real
     inner = LW._inner(lazy)
     assert inner.lm_head.weight is inner.model.embed_tokens.weight
     for (n, b), (n2, b2) in zip(eager.named_buffers(), lazy.named_buffers(), strict=True):
-        assert n == n2 and not b2.is_meta and torch.equal(b, b2), n   # rotary inv_freq computed as eagerly
+        assert n == n2 and not b2.is_meta and torch.equal(b, b2), n  # rotary inv_freq computed as eagerly
     _filled(lazy)
     for (n, p), (n2, p2) in zip(eager.named_parameters(), lazy.named_parameters(), strict=True):
         assert n == n2 and p.dtype == p2.dtype and torch.equal(p, p2), n
-        assert p.dtype == dtype or "lora_" in n   # PEFT keeps adapters of a bf16 base in fp32
+        assert p.dtype == dtype or "lora_" in n  # PEFT keeps adapters of a bf16 base in fp32
     assert inner.lm_head.weight is inner.model.embed_tokens.weight
 
 
@@ -136,10 +142,10 @@ def test_frozen_lazy_model_prepared_alone(tmp_path, stage):
     import contextlib
 
     from accelerate.state import AcceleratorState
-
-    import zero_plugin as zp
     from zero_plugin.integrations import _common
     from zero_plugin.integrations.accelerate import Accelerator, ZeroPlugin
+
+    import zero_plugin as zp
 
     path = _save(tmp_path)
     eager = LW.load(path, lazy=False, lora=False)
@@ -147,12 +153,13 @@ def test_frozen_lazy_model_prepared_alone(tmp_path, stage):
     AcceleratorState._reset_state(True)
     try:
         accelerator = Accelerator(zero_plugin=ZeroPlugin(zp.ZeroConfig(stage=stage)))
-        warns = pytest.warns(UserWarning, match="prepared without an optimizer") if stage < 3 \
-            else contextlib.nullcontext()
+        warns = (
+            pytest.warns(UserWarning, match="prepared without an optimizer") if stage < 3 else contextlib.nullcontext()
+        )
         with warns:
             prepared = accelerator.prepare(frozen)
         assert prepared is frozen and _common.is_set_up(prepared) == (stage == 3)
-        state = prepared.state_dict()   # full tensors at stage 3 too ([Note: stage-3 state dicts])
+        state = prepared.state_dict()  # full tensors at stage 3 too ([Note: stage-3 state dicts])
         ids = torch.arange(12).reshape(2, 6)
         with torch.no_grad():
             assert torch.equal(prepared(input_ids=ids).logits, eager(input_ids=ids).logits)

@@ -1,4 +1,5 @@
 """Models bigger than one rank: built on the meta device, filled unit by unit at setup."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,7 +19,7 @@ def test_pretrained_on_meta_loads_the_checkpoint(stage, tmp_path):
     for r in run_ranks(2, MW.from_checkpoint_worker, str(tmp_path), stage):
         assert r["tied"]
         assert (r["logits"] - want).abs().max().item() <= 1e-5
-        if stage == 3:   # no rank holds a full parameter after setup
+        if stage == 3:  # no rank holds a full parameter after setup
             assert r["largest_local"] <= -(-max(p.numel() for p in ref.parameters()) // 2)
 
 

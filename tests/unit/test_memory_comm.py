@@ -26,6 +26,7 @@ rounded up to a multiple of N elements). The clip norm's all-reduce (one float64
 bytes, stages 1-2 only, where grads are sharded) is checked separately and
 subtracted.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,18 +36,20 @@ from tests.unit import memory_comm_workers as workers
 
 STAGES = (0, 1, 2)
 MEMORY_TOL_BYTES = 4096
-CLIP_BYTES = 16   # all_reduce of one float64: 2 x 8 logical bytes
+CLIP_BYTES = 16  # all_reduce of one float64: 2 x 8 logical bytes
 # The step's inf/NaN check reuses the (global) clip norm when clip_grad_norm_ ran, so no extra collective.
 
 PSI, PARAM_SIZES = workers.numel_of_model()
 
 
 def theory(stage: int, world_size: int, mixed: bool) -> dict[str, float]:
-    low = 2 if mixed else 4             # bytes of a parameter / gradient element
-    optimizer = 12 if mixed else 8      # fp32 (master +) exp_avg + exp_avg_sq
-    out = {"params": low * PSI,
-           "grads": low * PSI / (world_size if stage >= 2 else 1),
-           "optimizer": optimizer * PSI / (world_size if stage >= 1 else 1)}
+    low = 2 if mixed else 4  # bytes of a parameter / gradient element
+    optimizer = 12 if mixed else 8  # fp32 (master +) exp_avg + exp_avg_sq
+    out = {
+        "params": low * PSI,
+        "grads": low * PSI / (world_size if stage >= 2 else 1),
+        "optimizer": optimizer * PSI / (world_size if stage >= 1 else 1),
+    }
     out["total"] = sum(out.values())
     return out
 
@@ -69,10 +72,12 @@ def test_memory_matches_theory(stage, world_size, mixed):
             assert report["theory"][key] == pytest.approx(value, abs=1), f"{where}: theory[{key}]"
             got = report["measured"][key]
             assert abs(got - value) <= MEMORY_TOL_BYTES, f"{where}: measured[{key}] {got} vs theory {value:.0f}"
-        assert abs(r["independent"] - want["total"]) <= MEMORY_TOL_BYTES, \
+        assert abs(r["independent"] - want["total"]) <= MEMORY_TOL_BYTES, (
             f"{where}: independent count {r['independent']} vs theory {want['total']:.0f}"
-        assert abs(r["live"] - want["total"]) <= MEMORY_TOL_BYTES, \
+        )
+        assert abs(r["live"] - want["total"]) <= MEMORY_TOL_BYTES, (
             f"{where}: live tensors {r['live']} vs theory {want['total']:.0f} (memory the report does not see?) {r['unexplained']}"
+        )
         # ZeRO-2 keeps no full gradient in .grad; stages 0-1 keep all of them.
         assert r["full_grads"] == (0 if stage == 2 else len(PARAM_SIZES)), where
 
@@ -114,11 +119,11 @@ def test_communication_per_step_is_two_psi(stage, layout, world_size, mixed):
             # rank on the control channel ([Note: rank-agreed reduction order] in grads/schedule.py)
             late = {"calls": 1, "bytes": 8 * world_size * ph["backward"]["reduce_scatter"]["calls"]}
             assert ph["backward"].get("control") == (late if stage == 2 else None), where
-            if buffered:   # flags: N columns per parameter in the reduce-scatter input
+            if buffered:  # flags: N columns per parameter in the reduce-scatter input
                 assert set(kinds(ph["backward"])) == {"reduce_scatter"}, where
                 flag_bytes = world_size * n_params * elem
                 assert rs == (moved + world_size * n_params) * elem, where
-            else:          # flags: one float32 per parameter, all-reduced (counted twice)
+            else:  # flags: one float32 per parameter, all-reduced (counted twice)
                 assert set(kinds(ph["backward"])) == {"reduce_scatter", "all_reduce"}, where
                 flag_bytes = 2 * 4 * n_params
                 assert ph["backward"]["all_reduce"]["bytes"] == flag_bytes, where
@@ -157,5 +162,6 @@ def test_counter_check_catches_a_bypass():
     """Control: one raw torch.distributed.all_reduce is seen by the spies and missing from comm_stats()."""
     for r in run_ranks(2, workers.spy_worker, 2, False, bypass=True):
         assert r["spy"]["all_reduce"] == r["physical"]["all_reduce"] + 1
-        assert {k: v for k, v in r["spy"].items() if k != "all_reduce"} == \
-            {k: v for k, v in r["physical"].items() if k != "all_reduce"}
+        assert {k: v for k, v in r["spy"].items() if k != "all_reduce"} == {
+            k: v for k, v in r["physical"].items() if k != "all_reduce"
+        }

@@ -1,6 +1,7 @@
 """Frozen parameters and mixed precision at every stage; freezing or unfreezing after setup; edits through
 ``zp.gathered_parameters`` with bf16 parameters and fp32 masters; autograd through gathered stage-3
 parameters; ``unit_classes`` that match nothing.  Workers in ``mixed_frozen_workers.py``."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,6 +19,7 @@ F64 = 1e-10
 
 # -- frozen parameters with param_dtype ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def stage3_lora_dtypes():
     r = run_ranks(2, MW.lora_bf16_worker, 3, 1)[0]
@@ -27,7 +29,7 @@ def stage3_lora_dtypes():
 @pytest.mark.parametrize("stage", STAGES)
 def test_lora_bf16_frozen_base_cast_like_stage3(stage, stage3_lora_dtypes):
     frozen3, buffers3 = stage3_lora_dtypes
-    assert set(frozen3.values()) == {"torch.bfloat16"}, frozen3   # stage 3 stores frozen params in param_dtype
+    assert set(frozen3.values()) == {"torch.bfloat16"}, frozen3  # stage 3 stores frozen params in param_dtype
     for rank, r in enumerate(run_ranks(2, MW.lora_bf16_worker, stage)):
         assert r["frozen_dtypes"] == frozen3, f"rank {rank}: frozen params {r['frozen_dtypes']}"
         assert r["buffer_dtypes"] == buffers3, f"rank {rank}: buffers {r['buffer_dtypes']}"
@@ -38,6 +40,7 @@ def test_lora_bf16_frozen_base_cast_like_stage3(stage, stage3_lora_dtypes):
 
 
 # -- unfreezing / freezing after setup ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_unfrozen_after_setup_is_refused(stage):
@@ -59,20 +62,33 @@ def test_frozen_after_setup_matches_reference(stage, world_size):
 
 # -- gathered_parameters edits with fp32 masters -------------------------------------------------------------------
 
-@pytest.mark.parametrize("stage,host_masters,world_size", [
-    (0, False, 2), (1, False, 2), (2, False, 2), (3, False, 2), (3, False, 3), (1, False, 3),
-    (3, True, 2), (3, True, 1)])
+
+@pytest.mark.parametrize(
+    "stage,host_masters,world_size",
+    [
+        (0, False, 2),
+        (1, False, 2),
+        (2, False, 2),
+        (3, False, 2),
+        (3, False, 3),
+        (1, False, 3),
+        (3, True, 2),
+        (3, True, 1),
+    ],
+)
 def test_gathered_edit_keeps_unedited_masters_bitwise(stage, host_masters, world_size):
     for rank, r in enumerate(run_ranks(world_size, MW.gathered_edit_worker, stage, host_masters)):
         assert r["master_dtypes"] == ["torch.float32"], r["master_dtypes"]
-        if host_masters:   # the layout under test: bf16 shards, separate fp32 host masters
+        if host_masters:  # the layout under test: bf16 shards, separate fp32 host masters
             assert r["separate_masters"] > 0, r
-        assert r["changed"] == {} and r["max_error"] == 0.0, \
+        assert r["changed"] == {} and r["max_error"] == 0.0, (
             f"rank {rank}: masters changed by an edit of one element: {r['changed']} (max {r['max_error']:.3g})"
-        assert abs(r["edit_after_step"] - MW.EDIT_VALUE) < 0.05, r["edit_after_step"]   # one lr=1e-2 step away
+        )
+        assert abs(r["edit_after_step"] - MW.EDIT_VALUE) < 0.05, r["edit_after_step"]  # one lr=1e-2 step away
 
 
 # -- autograd through parameters used outside their unit's forward -------------------------------------------------
+
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("where", ["gathered_after", "gathered_before"])
@@ -86,14 +102,15 @@ def test_regulariser_inside_gathered_parameters_matches_reference(stage, where, 
 
 # -- unit_classes ---------------------------------------------------------------------------------------------------
 
+
 def test_unit_classes_matching_nothing_is_an_error():
     model = models.make_odd_mlp()
     with pytest.raises(ValueError) as info:
         assign_units(model, zp.ZeroConfig(stage=3, unit_classes=("OddBlok", torch.nn.Conv2d)))
     message = str(info.value)
     assert message.startswith("zp.setup") and "unit_classes" in message, message
-    assert "OddBlok" in message and "Conv2d" in message, message           # what was asked for
-    assert "OddBlock" in message and "Linear" in message, message          # what the model has
+    assert "OddBlok" in message and "Conv2d" in message, message  # what was asked for
+    assert "OddBlock" in message and "Linear" in message, message  # what the model has
 
 
 def test_unit_classes_matching_something_still_works():
@@ -121,12 +138,21 @@ def test_parameter_used_outside_any_unit_trains_at_stages_0_to_2(stage):
 
 # -- [Note: leaf units] -----------------------------------------------------------------------------------------------
 
+
 def _untied_llama_with_big_vocab():
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+
+    cfg = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
-        return LlamaForCausalLM(cfg)   # 8192 x 128 = 1M elements each: embedding and head are leaf units
+        return LlamaForCausalLM(cfg)  # 8192 x 128 = 1M elements each: embedding and head are leaf units
 
 
 @pytest.mark.parametrize("unit_classes", [(), ("LlamaDecoderLayer",), ("LlamaMLP", "LlamaAttention")])
@@ -140,6 +166,6 @@ def test_big_embedding_and_head_are_units_of_their_own_with_default_or_named_blo
 
 
 def test_a_custom_unit_policy_decides_alone():
-    policy = lambda module, name: type(module).__name__ == "LlamaDecoderLayer"   # noqa: E731
+    policy = lambda module, name: type(module).__name__ == "LlamaDecoderLayer"  # noqa: E731
     units, _ = assign_units(_untied_llama_with_big_vocab(), zp.ZeroConfig(stage=3, unit_policy=policy))
     assert [n for n, _ in units] == ["<root>", "model.layers.0", "model.layers.1"]

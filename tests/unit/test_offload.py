@@ -6,6 +6,7 @@ kernel's rounding (float64: 1e-10; the GPU copies are exercised by tests/gpu/). 
 ``param_dtype=bf16`` (fp32 masters) runs are compared with a single process that splits every micro-batch
 into the ranks' shares and rounds where the ranks do: update-norm error 1e-3, losses 1e-4 relative.
 """
+
 from __future__ import annotations
 
 import functools
@@ -78,7 +79,7 @@ def test_offload_bf16_against_split_reference(stage, world):
     each micro-batch gives its own bf16 gradient, averaged in fp32 (``OW.bf16_split_reference``)."""
     got = _bf16_run(stage, world, True)
     assert all(got["fused"])
-    assert got["blocked"] == (stage != 3)   # stage 3 on a CPU-only machine: the fp32 shard is the master
+    assert got["blocked"] == (stage != 3)  # stage 3 on a CPU-only machine: the fp32 shard is the master
     _assert_same_training(got, _bf16_reference(world, world, OW.ACCUMULATION[stage]), 1e-3, 1e-4)
 
 
@@ -97,8 +98,10 @@ def test_offload_bf16_blocked_step_is_bitwise_whole_tensor_step(stage, world):
     """[Note: cache-blocked offload step] across ranks: blocks of 128 elements (every odd shard split,
     several shards per block) against the whole-tensor cast / fused step / write-back."""
     batches = _batches("mlp32", world, dtype=torch.float32)
-    runs = [run_ranks(world, OW.train_worker, "mlp32", stage, True, batches, STEPS, ACCUM, "bf16", block)
-            for block in (128, 0)]
+    runs = [
+        run_ranks(world, OW.train_worker, "mlp32", stage, True, batches, STEPS, ACCUM, "bf16", block)
+        for block in (128, 0)
+    ]
     (blocked, whole) = (r[0] for r in runs)
     assert blocked["blocked"] and not whole["blocked"] and blocked["block"] == 128
     assert blocked["losses"] == whole["losses"]

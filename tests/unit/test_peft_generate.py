@@ -1,5 +1,6 @@
 """generate() through a PEFT wrapper at stage 3: the wrapper's generate enters the inner transformers model
 directly, so the root unit must be gathered from there too ([Note: root entries] in stage3/hooks.py)."""
+
 from tests.harness import run_ranks
 from tests.unit import peft_generate_workers as W
 

@@ -4,6 +4,7 @@ Model states must equal ``zp.memory_report``'s theory exactly; the activation tr
 real CPU forward (saved tensors) and torch's allocation timeline; the whole prediction against the peak
 RSS of a real 2-rank gloo run (benchmarks/planner_accuracy.py, the small case).
 """
+
 from __future__ import annotations
 
 import sys
@@ -22,9 +23,17 @@ GIB = 2**30
 def _tiny_config(tied: bool = False):
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=160, vocab_size=320,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                       tie_word_embeddings=tied, use_cache=False)
+    return LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=160,
+        vocab_size=320,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        use_cache=False,
+    )
 
 
 def _tiny_llama(tied: bool = False, frozen_embeddings: bool = False):
@@ -67,7 +76,7 @@ _STATE_CASES = [
 def test_model_states_equal_memory_report_theory(fake_world, world, stage, dtype, offload, tied, frozen):
     model = _tiny_llama(tied, frozen)
     config = zp.ZeroConfig(stage=stage, param_dtype=dtype, offload_optimizer="cpu" if offload else "none")
-    plan = zpp.Planner(model, device="cpu", config=config)   # before setup: the planner does not modify it
+    plan = zpp.Planner(model, device="cpu", config=config)  # before setup: the planner does not modify it
     predicted = plan.estimate(world, stage, offload=offload)["model_states"]
     if world > 1:
         fake_world(world)
@@ -82,7 +91,7 @@ def test_estimate_api_matches_theory_formulas():
     assert out["model_states"]["total"] == pytest.approx(16 * psi / 8)
     assert out["params"] == {"total": psi, "trainable": psi, "frozen": 0}
     zero = zpp.estimate(psi, world_size=8, stage=0)
-    assert zero["model_states"]["total"] == 16 * psi   # fp32 AdamW: 4 + 4 + 8 bytes per parameter
+    assert zero["model_states"]["total"] == 16 * psi  # fp32 AdamW: 4 + 4 + 8 bytes per parameter
 
 
 # -- activations ----------------------------------------------------------------------------------------
@@ -130,17 +139,16 @@ def test_activation_peak_matches_torch_allocation_timeline():
     batch, seq = 4, 48
     plan = zpp.Planner(_tiny_llama(), batch=batch, seq=seq, device="cpu")
     grads, predicted = 0, 0
-    for ev in plan.trace.events:   # stage-agnostic: gradients simply accumulate (no engine)
+    for ev in plan.trace.events:  # stage-agnostic: gradients simply accumulate (no engine)
         if ev[0] == "seg":
             predicted = max(predicted, ev[1] + grads)
         elif ev[0] == "grad":
             grads += plan.params[ev[1]].numel * 4
     model = _tiny_llama()
     ids = torch.randint(0, 320, (batch, seq))
-    model(input_ids=ids, labels=ids).loss.backward()   # warm-up: lazily built state is not activation memory
+    model(input_ids=ids, labels=ids).loss.backward()  # warm-up: lazily built state is not activation memory
     model.zero_grad(set_to_none=True)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         model(input_ids=ids, labels=ids).loss.backward()
     live = peak = 0
     for _, action, (key, _), size in prof._memory_profile().timeline:
@@ -157,7 +165,7 @@ def test_fit_7b_on_8_x_24gib_picks_stage_3():
     best = result["best"]
     assert (best["stage"], best["offload"], best["offload_params"]) == (3, False, False)
     fits = {(r["stage"], r["offload"]) for r in result["rows"] if r["fits"]}
-    assert not fits & {(0, False), (1, False), (2, False)}   # 7B bf16 states alone: 112 / 38 / 26 GB
+    assert not fits & {(0, False), (1, False), (2, False)}  # 7B bf16 states alone: 112 / 38 / 26 GB
     assert result["rows"][0] is best
 
 
@@ -240,8 +248,9 @@ def test_cli_table(capsys):
 
 
 def test_cli_fit(capsys):
-    code = main(["estimate", "--params", "7B", "--world-size", "8", "--fit", "--gpu-mem", "24GiB",
-                 "--host-mem", "128GiB"])
+    code = main(
+        ["estimate", "--params", "7B", "--world-size", "8", "--fit", "--gpu-mem", "24GiB", "--host-mem", "128GiB"]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "best: ZeroConfig(stage=3)" in out
@@ -257,18 +266,21 @@ def test_cli_fit_on_cpu_needs_no_gpu_memory(capsys):
     assert f"best: ZeroConfig(stage={fit['best']['stage']})" in out
     stage0 = next(r for r in fit["rows"] if (r["stage"], r["offload"]) == (0, False))
     assert not stage0["fits"]
-    fit_section = out[out.index("fit: "):]
+    fit_section = out[out.index("fit: ") :]
     row = next(line.split() for line in fit_section.splitlines() if line.split()[:2] == ["0", "-"])
     assert float(row[4]) == pytest.approx(stage0["peak"]["total"] * 2 / GIB, abs=0.01)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
-    (["--model", "tiny-llama", "--world-size", "0"], "world_size must be an int >= 1"),
-    (["--params", "1B", "--batch", "2", "--seq", "8"], "need --model"),
-    (["--model", "tiny-llama", "--batch", "2"], "batch and seq must be given together"),
-    (["--params", "1B", "--fit"], "--fit needs --gpu-mem"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--model", "tiny-llama", "--world-size", "0"], "world_size must be an int >= 1"),
+        (["--params", "1B", "--batch", "2", "--seq", "8"], "need --model"),
+        (["--model", "tiny-llama", "--batch", "2"], "batch and seq must be given together"),
+        (["--params", "1B", "--fit"], "--fit needs --gpu-mem"),
+    ],
+)
 def test_cli_bad_input(capsys, argv, message):
     assert main(["estimate", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -286,7 +298,7 @@ def test_api_bad_input():
 
 
 def test_cli_plot_without_matplotlib(capsys, monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     assert main(["estimate", "--params", "1B", "--plot", str(tmp_path / "m.png")]) == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
 
@@ -326,8 +338,15 @@ def test_prediction_within_10_percent_of_measured_rss(stage, tmp_path):
     with the root unit gathered."""
     from benchmarks.planner_accuracy import measure, predict
 
-    job = {"size": "smoke", "world_size": 2, "batch": 4, "seq": 128, "steps": 3, "config": {"stage": stage},
-           "allocator": "exact"}
+    job = {
+        "size": "smoke",
+        "world_size": 2,
+        "batch": 4,
+        "seq": 128,
+        "steps": 3,
+        "config": {"stage": stage},
+        "allocator": "exact",
+    }
     ranks = measure(job, tmp_path)
     predicted = predict(job, {})["peak"]["total"]
     measured = ranks[0]["peak"]

@@ -4,6 +4,7 @@ matmuls, so the parity runs here: 2 gloo ranks against the unsharded single-proc
 concatenated batches (same seed, same data).  Tolerances: losses rtol 1e-5, LoRA weights 1e-5 of their update
 (fp32 compute over a dequantized base: only the batch split's summation order differs).
 """
+
 from __future__ import annotations
 
 import json
@@ -55,14 +56,17 @@ def _relative_update_error(got: dict, want: dict, initial: dict) -> float:
 
 # param_dtype="fp32" on a bf16-stored base: a cast of the packed codes (what stage 3 and stages 0-2 did to
 # every frozen float parameter) would hand bitsandbytes 4-byte elements.
-@pytest.mark.parametrize("stage,config", [(3, {}), (3, {"param_dtype": "fp32", "offload_params": True}),
-                                          (2, {"param_dtype": "fp32"})], ids=["stage3", "stage3-offload-fp32", "stage2-fp32"])
+@pytest.mark.parametrize(
+    "stage,config",
+    [(3, {}), (3, {"param_dtype": "fp32", "offload_params": True}), (2, {"param_dtype": "fp32"})],
+    ids=["stage3", "stage3-offload-fp32", "stage2-fp32"],
+)
 def test_qlora_matches_unsharded_single_process(base, stage, config, tmp_path):
     out = str(tmp_path) if not config else None
     results = run_ranks(2, w.train_worker, base, stage, STEPS, out, config, timeout=300)
     ref_losses, initial, ref_lora = _reference(base, STEPS, 2)
     for step, want in enumerate(ref_losses):
-        got = sum(r["losses"][step] for r in results) / 2   # equal token counts: the mean of the halves
+        got = sum(r["losses"][step] for r in results) / 2  # equal token counts: the mean of the halves
         assert got == pytest.approx(want, rel=1e-5), f"step {step}: loss {got} != unsharded {want}"
     for rank, r in enumerate(results):
         assert sorted(r["lora"]) == sorted(ref_lora), f"rank {rank}: LoRA keys differ"
@@ -73,14 +77,14 @@ def test_qlora_matches_unsharded_single_process(base, stage, config, tmp_path):
         assert r["bits_equal"], f"rank {rank}: the gathered packed weights differ from the loaded ones"
         assert any(k.endswith(".weight.quant_state.bitsandbytes__nf4") for k in r["quant_keys"]), r["quant_keys"]
         assert all(len(s) == 2 and s[1] == 1 for s in r["packed_shapes"].values()), r["packed_shapes"]
-        if stage == 3:   # the packed base is sharded: half the bytes per rank (padding is not stored)
+        if stage == 3:  # the packed base is sharded: half the bytes per rank (padding is not stored)
             assert r["shard_bytes"] == pytest.approx(r["full_bytes"] / 2, rel=0.01), (r["shard_bytes"], r["full_bytes"])
         else:
             assert r["shard_bytes"] == r["full_bytes"]
     if out is not None:
         _check_saved(base, out, ref_lora)
         resumed = run_ranks(2, w.resume_worker, base, out, timeout=300)
-        for rank, r in enumerate(resumed):   # the checkpoint holds exactly what training left
+        for rank, r in enumerate(resumed):  # the checkpoint holds exactly what training left
             assert all(torch.equal(r["lora"][k], results[0]["lora"][k]) for k in ref_lora), f"rank {rank}: resumed LoRA"
             assert float(r["steps"][0]) == STEPS, r["steps"]
 
@@ -114,7 +118,7 @@ def test_load_state_dict_of_a_full_qlora_state(base):
     for rank, r in enumerate(results):
         assert r["missing"] == r["unsharded_missing"] == [], (rank, r["missing"][:3])
         assert r["unexpected"] == r["unsharded_unexpected"], (rank, r["unexpected"][:3], r["unsharded_unexpected"][:3])
-        assert all(".weight." in k for k in r["unexpected"]), r["unexpected"][:3]   # the quant-state entries only
+        assert all(".weight." in k for k in r["unexpected"]), r["unexpected"][:3]  # the quant-state entries only
         assert r["got"] == pytest.approx(r["want"], rel=1e-6), (rank, r)
 
 
@@ -128,17 +132,21 @@ def test_evaluation_only_4bit_base_forward_and_save_pretrained(aligned_base, tmp
     want = w.load_base(base)(input_ids=w.global_batches(1, 1)[0]).logits
     for rank, r in enumerate(results):
         for i, logits in enumerate(r["logits"]):
-            assert torch.allclose(logits, want, rtol=1e-5, atol=1e-6), f"rank {rank}, forward {i}: sharded 4-bit forward differs"
+            assert torch.allclose(logits, want, rtol=1e-5, atol=1e-6), (
+                f"rank {rank}, forward {i}: sharded 4-bit forward differs"
+            )
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["quantization_config"]["bnb_4bit_quant_storage"] == "bfloat16"
     from transformers import AutoModelForCausalLM
 
-    reloaded = AutoModelForCausalLM.from_pretrained(out)   # a pre-quantized checkpoint: no quantization_config
+    reloaded = AutoModelForCausalLM.from_pretrained(out)  # a pre-quantized checkpoint: no quantization_config
     for module in reloaded.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     got = reloaded(input_ids=w.global_batches(1, 1)[0]).logits
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), "save_pretrained of the sharded 4-bit model reloads differently"
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (
+        "save_pretrained of the sharded 4-bit model reloads differently"
+    )
 
 
 # -- unsupported schemes: ValueError at setup, before any collective ---------------------------------
@@ -199,4 +207,6 @@ def test_consolidate_hf_of_a_4bit_base_loads_with_from_pretrained(base, tmp_path
         assert torch.allclose(got, r["logits"], rtol=1e-5, atol=1e-6), f"rank {rank}: consolidated 4-bit model differs"
     with torch.no_grad():
         untrained = w.load_base(base)(input_ids=w.global_batches(1, 2)[0]).logits
-    assert not torch.allclose(got, untrained, rtol=1e-3), "the step changed nothing: the check would not see lost updates"
+    assert not torch.allclose(got, untrained, rtol=1e-3), (
+        "the step changed nothing: the check would not see lost updates"
+    )

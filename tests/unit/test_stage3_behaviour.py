@@ -8,6 +8,7 @@ communication (``stage3_accounting_workers.py``); each builds its own single-pro
 same seeded model.  Tests that could hang pass a short ``timeout=`` to ``run_ranks`` so that a hang fails the
 test (the harness kills the pool) instead of the suite.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,9 +18,9 @@ from tests.unit import stage3_accounting_workers as aw
 from tests.unit import stage3_behaviour_workers as w
 from tests.unit import stage3_generate_workers as gw
 
-F64 = 1e-10          # float64 parity: only summation order differs
-FP32_UPDATE = 1e-3   # fp32 update-norm error ||θ - θ_ref|| / ||θ_ref - θ0||
-FP32_REL = 1e-4      # fp32 loss / clip-norm relative error
+F64 = 1e-10  # float64 parity: only summation order differs
+FP32_UPDATE = 1e-3  # fp32 update-norm error ||θ - θ_ref|| / ||θ_ref - θ0||
+FP32_REL = 1e-4  # fp32 loss / clip-norm relative error
 
 
 def check_parity_f64(r: dict, what: str) -> None:
@@ -30,6 +31,7 @@ def check_parity_f64(r: dict, what: str) -> None:
 
 
 # -- generate ---------------------------------------------------------------------------------------------------
+
 
 def test_generate_matches_unsharded_model():
     results = run_ranks(2, gw.generate_worker, [5, 5], [8, 8], None, timeout=120)
@@ -59,6 +61,7 @@ def test_generate_ranks_of_different_lengths_default_synced_gpus():
 
 # -- eval without autograd -----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_eval_without_autograd_then_train(mode):
     for rank, r in enumerate(run_ranks(2, gw.eval_worker, mode, timeout=120)):
@@ -71,6 +74,7 @@ def test_eval_without_autograd_then_train(mode):
 
 
 # -- unusual structures --------------------------------------------------------------------------------------------
+
 
 def test_unit_called_twice_per_forward():
     for rank, r in enumerate(run_ranks(2, w.twice_worker, timeout=120)):
@@ -89,11 +93,12 @@ def test_tied_weight_between_modules_of_different_units():
 
 # -- gathered_parameters -----------------------------------------------------------------------------------------
 
+
 def test_gathered_parameters_read_and_modify():
     for rank, r in enumerate(run_ranks(2, w.gathered_worker, timeout=120)):
         assert r["shapes_inside"] == r["ref_shapes"], f"rank {rank}: shapes inside {r['shapes_inside']}"
         assert r["diff_inside"] <= F64, f"rank {rank}: gathered values differ from the reference by {r['diff_inside']}"
-        assert len(r["unsharded_inside"]) == 4, r["unsharded_inside"]   # root + three blocks
+        assert len(r["unsharded_inside"]) == 4, r["unsharded_inside"]  # root + three blocks
         assert r["sharded_after_plain"] and r["sharded_after_modify"], r
         assert r["subset_unsharded"] == ["blocks.1"], f"subset gathered {r['subset_unsharded']}"
         assert r["subset_shape"] == (15, 15), r["subset_shape"]
@@ -105,6 +110,7 @@ def test_gathered_parameters_read_and_modify():
 
 
 # -- prefetch bound -----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("prefetch_depth", [1, 2])
 def test_at_most_prefetch_depth_plus_one_units_gathered(prefetch_depth):
@@ -120,6 +126,7 @@ def test_at_most_prefetch_depth_plus_one_units_gathered(prefetch_depth):
 
 
 # -- memory -------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind,world_size", [("llama", 2), ("llama", 4), ("mlp32", 4)])
 def test_memory_report_matches_theory_and_storage_count(kind, world_size):
@@ -145,6 +152,7 @@ def test_memory_report_matches_theory_and_storage_count(kind, world_size):
 
 # -- communication ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("buffered", [False, True], ids=["in_place", "buffered"])
 @pytest.mark.parametrize("kind,world_size", [("llama", 2), ("mlp", 4)])
 def test_comm_bytes_per_step(kind, world_size, buffered):
@@ -155,18 +163,23 @@ def test_comm_bytes_per_step(kind, world_size, buffered):
     checked against a small structural bound, and reported on failure."""
     for rank, r in enumerate(run_ranks(world_size, aw.comm_worker, kind, 2, buffered, timeout=120)):
         per_step, payload, meta = r["per_step"], r["payload"], r["metadata_bound"]
-        assert set(per_step) == {"all_gather", "reduce_scatter", "all_reduce", "control", "total"}, \
+        assert set(per_step) == {"all_gather", "reduce_scatter", "all_reduce", "control", "total"}, (
             f"unexpected {per_step}"
+        )
         for op in ("all_reduce", "control"):
             assert per_step[op] == payload[op], (op, per_step[op], payload[op])
-        per_step["total"] = {key: per_step["total"][key] - payload["all_reduce"][key] - payload["control"][key]
-                             for key in ("calls", "bytes")}
+        per_step["total"] = {
+            key: per_step["total"][key] - payload["all_reduce"][key] - payload["control"][key]
+            for key in ("calls", "bytes")
+        }
         for op in ("all_gather", "reduce_scatter"):
             got = per_step[op]
             assert got["calls"] == payload[op]["calls"], (rank, op, got, payload[op])
             excess = got["bytes"] - payload[op]["bytes"]
-            assert 0 <= excess <= meta[op], (f"rank {rank} {op}: {got['bytes']} bytes/step, payload "
-                                             f"{payload[op]['bytes']}, metadata bound {meta[op]}")
+            assert 0 <= excess <= meta[op], (
+                f"rank {rank} {op}: {got['bytes']} bytes/step, payload "
+                f"{payload[op]['bytes']}, metadata bound {meta[op]}"
+            )
         # Against the paper's 3Ψ: the root and the last unit are gathered once, not twice (they stay gathered
         # from forward into backward); collectives carry each parameter's padding (at most N - 1 elements, three times).
         elem, total = r["elem"], per_step["total"]["bytes"]
@@ -176,6 +189,7 @@ def test_comm_bytes_per_step(kind, world_size, buffered):
 
 
 # -- a branch taken on one rank only ------------------------------------------------------------------------------
+
 
 def _discard_pool(world_size: int) -> None:
     """After a collective-order divergence the ranks' process group may still hold unmatched collectives
@@ -216,10 +230,11 @@ def test_branch_on_one_rank_with_debug_collectives_names_the_unit_on_every_rank(
 
 # -- LoRA + activation checkpointing through transformers ---------------------------------------------------------
 
+
 def test_lora_with_gradient_checkpointing_trains_adapters():
     for rank, r in enumerate(run_ranks(2, w.lora_checkpointing_worker, timeout=120)):
         assert r["finite"], r["losses"]
-        assert r["n_lora"] == 8, r["n_lora"]   # A and B on q_proj and v_proj of two layers
+        assert r["n_lora"] == 8, r["n_lora"]  # A and B on q_proj and v_proj of two layers
         assert r["lora_moved"] > 0, f"rank {rank}: some adapter did not change"
         assert r["base_moved"] == 0, f"rank {rank}: frozen base changed by {r['base_moved']}"
         assert r["update_norm_error"] <= FP32_UPDATE, r

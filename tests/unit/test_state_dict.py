@@ -7,6 +7,7 @@ unsharded model's own ``state_dict()`` keys and single-process torch training on
 ``ZeroConfig.timeout_s`` and a short harness timeout, and discard the pool after (unmatched collectives).
 ``save_pretrained`` through Accelerate is in tests/integrations/test_save_pretrained.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -43,7 +44,12 @@ def test_mlp_state_dict_is_full_and_matches_single_process_torch(world_size):
         assert r["devices"] == ["cpu"] and not r["still_sharded"], r["still_sharded"]
         err = models.max_abs_diff(r["state"], ref)
         assert err <= F64, f"rank {rank}: max |state_dict - torch| = {err:.3g}"
-        assert r["submodule"] and r["prefixed"] and r["keep_vars"], (rank, r["submodule"], r["prefixed"], r["keep_vars"])
+        assert r["submodule"] and r["prefixed"] and r["keep_vars"], (
+            rank,
+            r["submodule"],
+            r["prefixed"],
+            r["keep_vars"],
+        )
     after = _reference("mlp", 3, world_size)
     err = models.max_abs_diff(results[0]["after"], after)
     assert err <= F64, f"a step after the state_dict calls: max |θ - θ_torch| = {err:.3g}"
@@ -59,8 +65,13 @@ def test_transformers_and_peft_state_dicts_are_full(kind):
         assert r["saved_shapes"] == shapes, f"rank {rank}: saved shapes {r['saved_shapes']}"
         for key, value in r["state"].items():
             assert torch.equal(value, r["full"][key]), f"rank {rank}: {key} != zp.full_state_dict"
-        assert r["submodule"] and r["prefixed"] and r["keep_vars"], (rank, r["submodule"], r["prefixed"], r["keep_vars"])
-        if kind == "llama":   # tied keys share one tensor, as torch's entries share storage
+        assert r["submodule"] and r["prefixed"] and r["keep_vars"], (
+            rank,
+            r["submodule"],
+            r["prefixed"],
+            r["keep_vars"],
+        )
+        if kind == "llama":  # tied keys share one tensor, as torch's entries share storage
             assert r["tied_shared"], f"rank {rank}: lm_head.weight and embed_tokens.weight are separate tensors"
     moved = [k for k in unsharded if not torch.equal(results[0]["state"][k], unsharded[k])]
     assert moved, "training changed nothing: the comparison with zp.full_state_dict would be vacuous"
@@ -71,7 +82,10 @@ def test_rank0_only_switch_gives_rank0_the_full_state_and_others_nothing():
     full = results[0]["full"]
     assert list(results[0]["state"]) == list(full)
     assert all(torch.equal(results[0]["state"][k], full[k]) for k in full)
-    assert results[1]["state"] == {} and results[1]["sub_keys"] == [], (list(results[1]["state"]), results[1]["sub_keys"])
+    assert results[1]["state"] == {} and results[1]["sub_keys"] == [], (
+        list(results[1]["state"]),
+        results[1]["sub_keys"],
+    )
     assert results[0]["sub_keys"], "rank 0's submodule state_dict is empty"
 
 
@@ -92,8 +106,12 @@ def test_load_state_dict_strict_semantics_are_torchs():
     missing = {k: v for k, v in good.items() if k != "head.bias"}
     extra = {**missing, "head.extra": torch.zeros(2)}
     wrong = {**good, "blocks.1.fc.weight": torch.zeros(15, 14, dtype=torch.float64)}
-    cases = {"missing": (missing, {}), "lenient": (extra, {"strict": False}), "wrong_shape": (wrong, {}),
-             "assign": (good, {"assign": True})}
+    cases = {
+        "missing": (missing, {}),
+        "lenient": (extra, {"strict": False}),
+        "wrong_shape": (wrong, {}),
+        "assign": (good, {"assign": True}),
+    }
     got = run_ranks(2, w.strict_worker, cases, timeout=120)[0]
     plain = w.make("mlp")
     for name in ("missing", "wrong_shape"):
@@ -139,8 +157,10 @@ def test_state_dict_against_a_forward_on_the_other_rank_fails_on_both():
 def test_state_dict_peak_memory_is_one_unit_above_the_result():
     r = run_ranks(2, w.memory_worker, 4, timeout=120)[0]
     largest = max(r["units"])
-    print(f"state_dict at stage 3, 2 ranks: peak {r['peak']} B, result {r['result']} B, largest unit "
-          f"{largest} B, whole model {r['model']} B, live at the end {r['end']} B")
+    print(
+        f"state_dict at stage 3, 2 ranks: peak {r['peak']} B, result {r['result']} B, largest unit "
+        f"{largest} B, whole model {r['model']} B, live at the end {r['end']} B"
+    )
     assert largest * 3 < r["model"], "the model must have several units for the bound to mean anything"
     assert r["result"] == r["model"]
     assert r["end"] >= r["result"], f"the allocation events miss the result: {r}"
@@ -159,7 +179,7 @@ def test_a_call_abandoned_by_an_exception_does_not_spoil_the_next_one():
     """A user hook raising inside state_dict() leaves the hooks' call half done; the next call starts afresh."""
     import zero_plugin as zp
 
-    model, _ = w.build("mlp")   # one process: a one-rank world
+    model, _ = w.build("mlp")  # one process: a one-rank world
     failing = [True]
 
     def hook(module, destination, prefix, local_metadata):
@@ -170,11 +190,14 @@ def test_a_call_abandoned_by_an_exception_does_not_spoil_the_next_one():
     with pytest.raises(KeyError):
         model.state_dict()
     expected = {k: v + 1 for k, v in w.make("mlp").state_dict().items()}
-    model.load_state_dict(expected)   # values the abandoned call did not see
+    model.load_state_dict(expected)  # values the abandoned call did not see
     for call in (model.state_dict, model.blocks[2].state_dict):
         got = call()
-        want = expected if call == model.state_dict else {k[len("blocks.2."):]: v for k, v in expected.items()
-                                                          if k.startswith("blocks.2.")}
+        want = (
+            expected
+            if call == model.state_dict
+            else {k[len("blocks.2.") :]: v for k, v in expected.items() if k.startswith("blocks.2.")}
+        )
         assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
     handle.remove()
     zp.engine.engine_of(model, "test").remove()

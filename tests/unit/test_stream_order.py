@@ -15,6 +15,7 @@ The same steps without the stand-in give bit-identical parameters, and on a real
 stream set is the no-op one (so the parity tests, which run that path, cover the results).  What needs a
 GPU (real streams, overlap in time, peak memory) is in tests/gpu/overlap.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,11 +29,12 @@ SIDES = ("gather", "reduce")
 def _contexts(log: list) -> list[tuple[int, int, str]]:
     """(enter index, exit index, side) of every side-stream context; checks how each one is entered."""
     out, open_at = [], None
-    for i, (kind, stream, detail) in enumerate(log):
+    for i, (kind, stream, _detail) in enumerate(log):
         if kind == "enter":
             assert open_at is None, f"entry {i}: nested side-stream contexts"
-            assert i >= 2 and log[i - 2][0] == "record" and log[i - 2][1] == "compute", \
+            assert i >= 2 and log[i - 2][0] == "record" and log[i - 2][1] == "compute", (
                 f"entry {i}: the {stream} stream did not start from an event recorded on the compute stream"
+            )
             event = log[i - 2][2][0]
             assert log[i - 1] == ("wait", stream, event), f"entry {i}: the {stream} stream did not wait for {event}"
             open_at = i
@@ -60,16 +62,18 @@ def _completions(log: list, contexts) -> dict[str, list[tuple[int, int]]]:
         if not waits:
             continue
         last = log[end - 1]
-        assert last[0] == "record" and last[1] == side and end - 1 > max(waits), \
+        assert last[0] == "record" and last[1] == side and end - 1 > max(waits), (
             f"entries {start}-{end}: the {side} stream did not record an event after its last completion step"
+        )
         event, unsharded = last[2]
-        assert log[end + 1] == ("wait", "compute", event), \
+        assert log[end + 1] == ("wait", "compute", event), (
             f"entry {end + 1}: the compute stream did not wait for the {side} stream's event {event}: {log[end + 1]}"
+        )
         for i in waits:
             what = log[i][2]
             expected = "gather" if what.startswith("all-gather") else "reduce"
             assert side == expected, f"entry {i}: {what!r} waited on the {side} stream"
-            if side == "gather":   # the copy-out had unsharded the unit when the event was recorded
+            if side == "gather":  # the copy-out had unsharded the unit when the event was recorded
                 unit = what.split("'")[1]
                 assert unit in unsharded, f"entry {end - 1}: event recorded before the copy-out of {unit!r}"
             done.setdefault(what, []).append((i, end + 1))
@@ -83,7 +87,7 @@ def check_protocol(r: dict) -> None:
     names = set(r["units"])
     for i, (kind, stream, detail) in enumerate(log):
         side = _side_of(contexts, i)
-        if kind not in ("enter", "exit", "wait"):   # a wait names the waiting stream, not the current one
+        if kind not in ("enter", "exit", "wait"):  # a wait names the waiting stream, not the current one
             assert stream == side, f"entry {i}: {kind} logged on {stream} inside a {side} context"
         if kind == "take":
             assert side in SIDES, f"entry {i}: a pool buffer taken on the compute stream"
@@ -111,9 +115,10 @@ def check_protocol(r: dict) -> None:
         assert launches, f"entry {i}: {unit!r} used before any {kind}"
         label = ("all-gather" if kind == "all_gather" else "reduce-scatter") + f" of unit {unit!r}"
         after = [cw for j, cw in done.get(label, []) if j > launches[-1]]
-        assert after and after[0] < i, \
-            f"entry {i}: {unit!r} used before the compute stream waited for its latest {kind} " \
+        assert after and after[0] < i, (
+            f"entry {i}: {unit!r} used before the compute stream waited for its latest {kind} "
             f"(launched at {launches[-1]})"
+        )
         return after[0]
 
     forwards = [(i, d) for i, (k, _, d) in enumerate(log) if k == "forward"]
@@ -130,8 +135,9 @@ def _check_results(results: list) -> None:
     for r in results:
         assert not r["in_place"], "the buffered layout must be in use"
         assert r["same_params"], f"rank {r['rank']}: the stand-in changed the training results"
-        assert r["own_is_no_streams"] and r["own_streams"] == "StreamSet" and not r["own_overlaps"], \
+        assert r["own_is_no_streams"] and r["own_streams"] == "StreamSet" and not r["own_overlaps"], (
             f"rank {r['rank']}: a CPU run must use the no-op stream set, got {r['own_streams']}"
+        )
         check_protocol(r)
 
 

@@ -1,4 +1,5 @@
 """``zero_plugin.tensor_file`` reads what safetensors wrote, bit for bit, into existing tensors."""
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -37,11 +38,11 @@ def test_same_dtype_reads_bit_for_bit(written):
 
 def test_converting_reads_match_a_cast(written, monkeypatch):
     path, tensors = written
-    monkeypatch.setattr(tensor_file, "_STAGING_BYTES", 16)   # many chunks, a last partial one
+    monkeypatch.setattr(tensor_file, "_STAGING_BYTES", 16)  # many chunks, a last partial one
     out = torch.empty(33, 5, dtype=torch.float32)
     tensor_file.read_into(tensor_file.header(path)["bf16"], out)
     assert torch.equal(out, tensors["bf16"].float())
-    wide = torch.empty(15, 7).t()   # not contiguous: staged through a contiguous copy
+    wide = torch.empty(15, 7).t()  # not contiguous: staged through a contiguous copy
     tensor_file.read_into(tensor_file.header(path)["f32"], torch.empty(7, 15))
     entry = tensor_file.header(path)["f32"]
     assert not wide.is_contiguous()

@@ -4,6 +4,7 @@ The multi-process parity and behaviour suites check what these decisions add up 
 is checked alone on a one-rank engine: when a unit releases its parameters after a forward, after its
 backward and after its reduction's launch, and which TrainingState changes are transitions.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -52,15 +53,17 @@ def test_units_are_the_root_and_the_blocks(units):
     assert [u.is_root for u in units] == [True, False, False]
 
 
-@pytest.mark.parametrize("grad, reshard_after_forward, needed_first, released", [
-    (False, True, False, True),    # no backward follows: always released
-    (False, False, True, True),
-    (True, True, False, True),     # reshard_after_forward
-    (True, True, True, False),     # backward needs it first (the last unit, the root)
-    (True, False, False, False),   # reshard_after_forward=False keeps it for backward
-])
-def test_post_forward_releases_unless_backward_needs_it(units, grad, reshard_after_forward, needed_first,
-                                                        released):
+@pytest.mark.parametrize(
+    "grad, reshard_after_forward, needed_first, released",
+    [
+        (False, True, False, True),  # no backward follows: always released
+        (False, False, True, True),
+        (True, True, False, True),  # reshard_after_forward
+        (True, True, True, False),  # backward needs it first (the last unit, the root)
+        (True, False, False, False),  # reshard_after_forward=False keeps it for backward
+    ],
+)
+def test_post_forward_releases_unless_backward_needs_it(units, grad, reshard_after_forward, needed_first, released):
     unit = units[1]
     unit.pre_forward()
     assert unit.state is ShardedState.UNSHARDED
@@ -72,19 +75,19 @@ def test_backward_states_move_forward_and_end_idle(units):
     unit = units[1]
     assert unit.training_state is TrainingState.IDLE
     unit.pre_backward()
-    unit.pre_backward()   # a second output's gradient: no transition
+    unit.pre_backward()  # a second output's gradient: no transition
     assert unit.training_state is TrainingState.PRE_BACKWARD
     unit.pre_forward()
-    assert unit.post_backward() is True   # ready for its reduction, still gathered
+    assert unit.post_backward() is True  # ready for its reduction, still gathered
     assert unit.training_state is TrainingState.POST_BACKWARD
     assert unit.state is ShardedState.UNSHARDED
-    unit.pre_backward()   # the unit entered twice: a later state stays
+    unit.pre_backward()  # the unit entered twice: a later state stays
     assert unit.training_state is TrainingState.POST_BACKWARD
     unit.end_backward()
     assert unit.training_state is TrainingState.IDLE and unit.state is ShardedState.SHARDED
-    unit.post_backward()   # a backward that reached the inputs without the outputs' hook
+    unit.post_backward()  # a backward that reached the inputs without the outputs' hook
     with pytest.raises(AssertionError, match="not a transition"):
-        unit._to(TrainingState.PRE_BACKWARD)   # backward states never move back within a backward
+        unit._to(TrainingState.PRE_BACKWARD)  # backward states never move back within a backward
 
 
 def test_a_launched_reduction_releases_a_block_whose_backward_ran(units):
@@ -92,9 +95,9 @@ def test_a_launched_reduction_releases_a_block_whose_backward_ran(units):
     block.pre_forward()
     block.hooked_inputs()
     block.pre_backward()
-    block.launch_reduce()   # its gradients were final before its backward ended: still needed
+    block.launch_reduce()  # its gradients were final before its backward ended: still needed
     assert block.reduce_launched and block.state is ShardedState.UNSHARDED
-    assert block.post_backward() is False   # reduced already: released at once
+    assert block.post_backward() is False  # reduced already: released at once
     assert block.state is ShardedState.SHARDED
 
 
@@ -102,8 +105,8 @@ def test_a_launched_reduction_releases_a_block_without_input_hook_but_never_the_
     root, block = units[0], units[1]
     for unit in (root, block):
         unit.pre_forward()
-        unit.launch_reduce()   # no post-backward hook on its inputs: nothing would report its backward
+        unit.launch_reduce()  # no post-backward hook on its inputs: nothing would report its backward
     assert block.state is ShardedState.SHARDED
-    assert root.state is ShardedState.UNSHARDED   # [Note: root unit]: only the final callback releases it
+    assert root.state is ShardedState.UNSHARDED  # [Note: root unit]: only the final callback releases it
     root.end_backward()
     assert root.state is ShardedState.SHARDED and not root.reduce_launched

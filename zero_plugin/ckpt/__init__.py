@@ -7,6 +7,7 @@
 ``export_info.py`` and ``consolidate.py`` (offline export to safetensors / ``save_pretrained``).
 The public entry points live in ``zero_plugin/checkpoint.py``.
 """
+
 from .format import CheckpointError
 
 __all__ = ["CheckpointError"]

@@ -23,6 +23,7 @@ headers are computed from ``index.json`` up front.  Nothing is written until the
 sha256 hashes (unless ``verify=False``) and the index have been checked, and the result appears under
 ``OUT`` only when complete (written as ``OUT.tmp-<id>`` and renamed).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,8 @@ from .verify import read_checked_index
 __all__ = ["FORMATS", "consolidate"]
 
 FORMATS = ("safetensors", "hf", "lightning")
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9   # transformers' default max_shard_size ("5GB")
-_ST_METADATA = {"format": "pt"}       # transformers refuses safetensors weights without it
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
+_ST_METADATA = {"format": "pt"}  # transformers refuses safetensors weights without it
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +54,8 @@ class _Tensor:
     """One output tensor: its key in the output, and where it comes from in the checkpoint."""
 
     key: str
-    source: str          # "p/<name>" (a parameter, in pieces) or "b/<name>" (a buffer, in rank 0's file)
-    dtype: torch.dtype   # as written (after ``--dtype``)
+    source: str  # "p/<name>" (a parameter, in pieces) or "b/<name>" (a buffer, in rank 0's file)
+    dtype: torch.dtype  # as written (after ``--dtype``)
     shape: tuple
 
     @property
@@ -62,9 +63,16 @@ class _Tensor:
         return self.dtype.itemsize * math.prod(self.shape)
 
 
-def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, format: str = "safetensors",
-                dtype: torch.dtype | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                verify: bool = True, weights_only: bool = True) -> list[str]:
+def consolidate(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    format: str = "safetensors",
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    verify: bool = True,
+    weights_only: bool = True,
+) -> list[str]:
     """Write ``checkpoint`` as standard files into the new folder ``out`` (``lightning``: the new file ``out``);
     returns the files written.  ``weights_only``: how ``lightning`` unpickles ``meta.pt`` ([Note: Lightning
     file memory] in ``lightning_file.py``)."""
@@ -76,8 +84,10 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, format
         from .lightning_file import consolidate_lightning
 
         if dtype is not None:
-            raise ValueError("consolidate --format lightning: --dtype is not supported (the optimizer state "
-                             "must keep the dtype of the weights it belongs to)")
+            raise ValueError(
+                "consolidate --format lightning: --dtype is not supported (the optimizer state "
+                "must keep the dtype of the weights it belongs to)"
+            )
         return consolidate_lightning(checkpoint, out, verify=verify, weights_only=weights_only)
     checkpoint, out = _zero_part(os.path.abspath(os.fspath(checkpoint))), os.path.abspath(os.fspath(out))
     index = read_checked_index(checkpoint, verify=verify)
@@ -91,7 +101,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, *, format
             reader = Reader(checkpoint, index["files"], stack)
             written = _write(reader, index, export, tmp, format, dtype, max_shard_bytes)
         if os.path.isdir(out):
-            os.rmdir(out)   # the empty folder the user named
+            os.rmdir(out)  # the empty folder the user named
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -109,7 +119,7 @@ def _zero_part(checkpoint: str) -> str:
 def _checked_export(export: Any, checkpoint: str) -> dict:
     """``index.json``'s ``export`` record (``export_info.py``), type-checked: the index is untrusted input."""
     if export is None:
-        return {}   # saved by a zero_plugin that recorded nothing for export
+        return {}  # saved by a zero_plugin that recorded nothing for export
 
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"malformed checkpoint index {checkpoint}/{fmt.INDEX}: export record: {what}")
@@ -123,8 +133,12 @@ def _checked_export(export: Any, checkpoint: str) -> dict:
         raise bad("peft must be an object")
     for adapter, entry in peft.items():
         keys = entry.get("keys") if isinstance(entry, dict) else None
-        if not (isinstance(keys, dict) and keys and isinstance(entry.get("config", {}), dict)
-                and all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items())):
+        if not (
+            isinstance(keys, dict)
+            and keys
+            and isinstance(entry.get("config", {}), dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items())
+        ):
             raise bad(f"adapter {adapter!r} needs a config object and a non-empty map of saved to exported names")
     return export
 
@@ -135,10 +149,12 @@ def _write(reader: Reader, index: dict, export: dict, tmp: str, format: str, dty
     if "peft" in export:
         return _write_adapters(reader, index, export["peft"], tmp, dtype)
     if "hf_config" not in export:
-        raise CheckpointError("consolidate --format hf: the checkpoint records no transformers config (the model "
-                              "had none, or it was saved by an older zero_plugin); use --format safetensors")
+        raise CheckpointError(
+            "consolidate --format hf: the checkpoint records no transformers config (the model "
+            "had none, or it was saved by an older zero_plugin); use --format safetensors"
+        )
     prefix = export.get("prefix", "")
-    rename = lambda name: name[len(prefix):] if prefix and name.startswith(prefix) else name  # noqa: E731
+    rename = lambda name: name[len(prefix) :] if prefix and name.startswith(prefix) else name  # noqa: E731
     written = _write_weights(reader, index, _all_tensors(index, dtype, rename), tmp, "model", max_shard)
     config = dict(export["hf_config"])
     if dtype is not None:
@@ -153,10 +169,16 @@ def _all_tensors(index: dict, dtype, rename: Callable[[str], str]) -> list[_Tens
     for kind, entries in (("p", index["params"]), ("b", index["buffers"])):
         for name, entry in entries.items():
             stored = fmt.dtype_from_name(entry["dtype"])
-            keep = name in packed or name.rpartition(".")[0] in packed or any(
-                name.startswith(p + ".quant_state.") for p in packed)
-            out.append(_Tensor(rename(name), f"{kind}/{name}", stored if keep else _cast_to(stored, dtype),
-                               tuple(entry["shape"])))
+            keep = (
+                name in packed
+                or name.rpartition(".")[0] in packed
+                or any(name.startswith(p + ".quant_state.") for p in packed)
+            )
+            out.append(
+                _Tensor(
+                    rename(name), f"{kind}/{name}", stored if keep else _cast_to(stored, dtype), tuple(entry["shape"])
+                )
+            )
     return out
 
 
@@ -174,7 +196,7 @@ def _cast_to(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
 
 def _write_adapters(reader: Reader, index: dict, peft: dict, tmp: str, dtype) -> list[str]:
     written = []
-    names = sorted(peft, key=lambda a: (a != "default", a))   # the default adapter at the top, as PEFT saves
+    names = sorted(peft, key=lambda a: (a != "default", a))  # the default adapter at the top, as PEFT saves
     for adapter in names:
         entry = peft[adapter]
         keys = entry["keys"]
@@ -184,21 +206,29 @@ def _write_adapters(reader: Reader, index: dict, peft: dict, tmp: str, dtype) ->
             kind = "p" if name in index["params"] else "b"
             if info is None:
                 raise CheckpointError(f"consolidate: adapter {adapter!r} names {name!r}, which the checkpoint lacks")
-            tensors.append(_Tensor(key, f"{kind}/{name}", _cast_to(fmt.dtype_from_name(info["dtype"]), dtype),
-                                   tuple(info["shape"])))
+            tensors.append(
+                _Tensor(
+                    key, f"{kind}/{name}", _cast_to(fmt.dtype_from_name(info["dtype"]), dtype), tuple(info["shape"])
+                )
+            )
         sub = "" if adapter == names[0] else adapter
         os.makedirs(os.path.join(tmp, sub), exist_ok=True)
         path = os.path.join(sub, "adapter_model.safetensors")
-        fmt.write_safetensors_streaming(os.path.join(tmp, path), [(t.key, t.dtype, t.shape) for t in tensors],
-                                        _fetcher(reader, index, tensors), dict(_ST_METADATA))
+        fmt.write_safetensors_streaming(
+            os.path.join(tmp, path),
+            [(t.key, t.dtype, t.shape) for t in tensors],
+            _fetcher(reader, index, tensors),
+            dict(_ST_METADATA),
+        )
         config_path = os.path.join(sub, "adapter_config.json")
         _write_json(os.path.join(tmp, config_path), entry.get("config", {}))
         written += [path, config_path]
     return written
 
 
-def _write_weights(reader: Reader, index: dict, tensors: list[_Tensor], tmp: str, stem: str,
-                   max_shard: int) -> list[str]:
+def _write_weights(
+    reader: Reader, index: dict, tensors: list[_Tensor], tmp: str, stem: str, max_shard: int
+) -> list[str]:
     """Greedy shards of at most ``max_shard`` bytes (a larger tensor gets one of its own), in saved order."""
     shards: list[list[_Tensor]] = [[]]
     size = 0
@@ -212,13 +242,16 @@ def _write_weights(reader: Reader, index: dict, tensors: list[_Tensor], tmp: str
     names = [f"{stem}.safetensors"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     fetch = _fetcher(reader, index, tensors)
     for name, shard in zip(names, shards):
-        fmt.write_safetensors_streaming(os.path.join(tmp, name), [(t.key, t.dtype, t.shape) for t in shard], fetch,
-                                        dict(_ST_METADATA))
+        fmt.write_safetensors_streaming(
+            os.path.join(tmp, name), [(t.key, t.dtype, t.shape) for t in shard], fetch, dict(_ST_METADATA)
+        )
     if n == 1:
         return names
     weight_map = {t.key: name for name, shard in zip(names, shards) for t in shard}
-    _write_json(os.path.join(tmp, f"{stem}.safetensors.index.json"),
-                {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map})
+    _write_json(
+        os.path.join(tmp, f"{stem}.safetensors.index.json"),
+        {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map},
+    )
     return names + [f"{stem}.safetensors.index.json"]
 
 
@@ -239,8 +272,9 @@ def full_tensor(reader: Reader, index: dict, source: str) -> torch.Tensor:
         entry = index["buffers"][name]
         value = reader.tensor(0, source)
         if list(value.shape) != list(entry["shape"]):
-            raise CheckpointError(f"{reader.where(0, source)} has shape {list(value.shape)}, the index says "
-                                  f"{entry['shape']}")
+            raise CheckpointError(
+                f"{reader.where(0, source)} has shape {list(value.shape)}, the index says {entry['shape']}"
+            )
         return value
     entry = index["params"][name]
     return assemble(reader, source, entry["shards"], fmt.dtype_from_name(entry["dtype"]), entry["shape"])

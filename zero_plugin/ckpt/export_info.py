@@ -13,6 +13,7 @@
 Models without a transformers config or PEFT adapters get ``{}``: their checkpoints still consolidate
 to plain safetensors.
 """
+
 from __future__ import annotations
 
 import enum
@@ -32,12 +33,15 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
     """The ``export`` record; a model this cannot describe still saves (with a warning): only
     ``consolidate --format hf`` needs the record."""
     try:
-        with raw_state_dict(model):   # built on rank 0 alone: no collective state_dict() ([Note: stage-3 state dicts])
+        with raw_state_dict(model):  # built on rank 0 alone: no collective state_dict() ([Note: stage-3 state dicts])
             return _describe(model)
-    except Exception as exc:   # noqa: BLE001 - a checkpoint must not fail over export metadata
-        warnings.warn(f"zp.save_checkpoint: could not record the model's transformers/PEFT configuration "
-                      f"({type(exc).__name__}: {exc}); `zero-plugin consolidate --format hf` will not be able "
-                      "to export this checkpoint (--format safetensors still can)", stacklevel=3)
+    except Exception as exc:  # noqa: BLE001 - a checkpoint must not fail over export metadata
+        warnings.warn(
+            f"zp.save_checkpoint: could not record the model's transformers/PEFT configuration "
+            f"({type(exc).__name__}: {exc}); `zero-plugin consolidate --format hf` will not be able "
+            "to export this checkpoint (--format safetensors still can)",
+            stacklevel=3,
+        )
         return {}
 
 
@@ -76,7 +80,7 @@ def _peft_keys(model: nn.Module, adapters: dict) -> dict[str, Any]:
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     out = {}
     for adapter, cfg in adapters.items():
-        markers = {n: torch.empty(0) for n in names}   # distinct objects: PEFT's output maps back by identity
+        markers = {n: torch.empty(0) for n in names}  # distinct objects: PEFT's output maps back by identity
         by_id = {id(t): n for n, t in markers.items()}
         exported = get_peft_model_state_dict(model, state_dict=markers, adapter_name=adapter)
         keys = {by_id[id(t)]: key for key, t in exported.items() if id(t) in by_id}

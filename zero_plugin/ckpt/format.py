@@ -19,6 +19,7 @@ Saving happens in ``<path>.tmp-<uuid>``; ``COMPLETE`` is written after every
 rank's file is on disk and the directory is then renamed to ``<path>``.  A
 directory without ``COMPLETE`` is therefore an interrupted save.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,25 +35,54 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-__all__ = ["CheckpointError", "FileRecord", "FORMAT", "VERSION", "INDEX", "COMPLETE", "shard_file_name",
-           "write_safetensors", "write_safetensors_streaming", "write_json", "write_manifest", "read_manifest",
-           "check_sizes", "sha256_file", "read_json", "fsync_dir", "dtype_name", "dtype_from_name",
-           "safetensors_code", "check_sha256"]
+__all__ = [
+    "CheckpointError",
+    "FileRecord",
+    "FORMAT",
+    "VERSION",
+    "INDEX",
+    "COMPLETE",
+    "shard_file_name",
+    "write_safetensors",
+    "write_safetensors_streaming",
+    "write_json",
+    "write_manifest",
+    "read_manifest",
+    "check_sizes",
+    "sha256_file",
+    "read_json",
+    "fsync_dir",
+    "dtype_name",
+    "dtype_from_name",
+    "safetensors_code",
+    "check_sha256",
+]
 
 FORMAT = "zero_plugin.checkpoint"
 VERSION = 1
 INDEX = "index.json"
 COMPLETE = "COMPLETE"
 _CHUNK = 64 << 20
-_HASH_QUEUE = 4   # chunks written but not yet hashed (bounds host copies of device tensors)
+_HASH_QUEUE = 4  # chunks written but not yet hashed (bounds host copies of device tensors)
 # Only these names are ever opened; anything else a manifest lists is refused (no paths, no pickles).
 _FILE_NAME = re.compile(r"^(index\.json|rank-\d{5}-of-\d{5}\.safetensors)$")
 
 _ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _DTYPE_BY_NAME = {str(d).removeprefix("torch."): d for d in _ST_DTYPES}
 
@@ -109,7 +139,7 @@ def write_safetensors(path: str, entries: list[tuple[str, torch.Tensor]], metada
         in_flight: deque = deque()
         for chunk in _chunks([struct.pack("<Q", len(blob)), blob], entries):
             f.write(chunk)
-            in_flight.append(hasher.submit(digest.update, chunk))   # one worker: chunks hashed in order
+            in_flight.append(hasher.submit(digest.update, chunk))  # one worker: chunks hashed in order
             while len(in_flight) > _HASH_QUEUE:
                 in_flight.popleft().result()
         for future in in_flight:
@@ -124,17 +154,21 @@ def _header(specs: list[tuple[str, torch.dtype, tuple]], metadata: dict[str, str
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for key, dtype, shape in specs:
-        dtype_name(dtype)   # raises for dtypes safetensors cannot hold
+        dtype_name(dtype)  # raises for dtypes safetensors cannot hold
         nbytes = dtype.itemsize * math.prod(shape)
         header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)   # the format pads the header to 8-byte alignment
+    blob += b" " * (-len(blob) % 8)  # the format pads the header to 8-byte alignment
     return blob, offset
 
 
-def write_safetensors_streaming(path: str, specs: list[tuple[str, torch.dtype, tuple]],
-                                fetch: Callable[[str], torch.Tensor], metadata: dict[str, str]) -> int:
+def write_safetensors_streaming(
+    path: str,
+    specs: list[tuple[str, torch.dtype, tuple]],
+    fetch: Callable[[str], torch.Tensor],
+    metadata: dict[str, str],
+) -> int:
     """Write a safetensors file whose tensors are produced one at a time by ``fetch(key)`` (in ``specs``
     order), so at most one of them is in memory; returns the file size.  For exports (no hash kept)."""
     blob, size = _header(specs, metadata)
@@ -144,11 +178,12 @@ def write_safetensors_streaming(path: str, specs: list[tuple[str, torch.dtype, t
         for key, dtype, shape in specs:
             t = fetch(key)
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                raise CheckpointError(f"export: {key!r} came out as {t.dtype} {tuple(t.shape)}, expected {dtype} "
-                                      f"{tuple(shape)}")
+                raise CheckpointError(
+                    f"export: {key!r} came out as {t.dtype} {tuple(t.shape)}, expected {dtype} {tuple(shape)}"
+                )
             data = _as_bytes(t)
             for start in range(0, len(data), _CHUNK):
-                f.write(data[start:start + _CHUNK])
+                f.write(data[start : start + _CHUNK])
             del t, data
         f.flush()
         os.fsync(f.fileno())
@@ -160,7 +195,7 @@ def _chunks(head: list[bytes], entries: list[tuple[str, torch.Tensor]]) -> Itera
     for _, t in entries:
         data = _as_bytes(t)
         for start in range(0, len(data), _CHUNK):
-            yield data[start:start + _CHUNK]
+            yield data[start : start + _CHUNK]
 
 
 def write_json(path: str, obj: Any) -> FileRecord:
@@ -206,14 +241,18 @@ def read_manifest(directory: str) -> dict[str, dict]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(files, dict):
         raise CheckpointError(f"{marker} is not a zero_plugin checkpoint manifest")
     if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{marker}: checkpoint format version {manifest.get('version')!r}, "
-                              f"this zero_plugin reads version {VERSION}")
+        raise CheckpointError(
+            f"{marker}: checkpoint format version {manifest.get('version')!r}, this zero_plugin reads version {VERSION}"
+        )
     for name, entry in files.items():
         if not isinstance(name, str) or not _FILE_NAME.match(name):
-            raise CheckpointError(f"{marker} lists {name!r}, which is not a checkpoint file (only index.json and "
-                                  "rank-NNNNN-of-NNNNN.safetensors are read); refusing to load it")
-        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
-                and isinstance(entry.get("sha256"), str)):
+            raise CheckpointError(
+                f"{marker} lists {name!r}, which is not a checkpoint file (only index.json and "
+                "rank-NNNNN-of-NNNNN.safetensors are read); refusing to load it"
+            )
+        if not (
+            isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)
+        ):
             raise CheckpointError(f"{marker}: malformed entry for {name!r}")
     if INDEX not in files:
         raise CheckpointError(f"{marker} does not list {INDEX}")
@@ -223,7 +262,9 @@ def read_manifest(directory: str) -> dict[str, dict]:
 def _leftovers(path: str) -> str:
     parent, base = os.path.split(os.path.abspath(path))
     try:
-        near = sorted(n for n in os.listdir(parent or ".") if n.startswith(base + ".old-") or n.startswith(base + ".tmp-"))
+        near = sorted(
+            n for n in os.listdir(parent or ".") if n.startswith(base + ".old-") or n.startswith(base + ".tmp-")
+        )
     except OSError:
         return ""
     if not near:
@@ -238,8 +279,9 @@ def check_sizes(directory: str, files: dict[str, dict]) -> None:
             raise CheckpointError(f"checkpoint file {full} is missing (listed in the {COMPLETE} manifest)")
         size = os.path.getsize(full)
         if size != entry["size"]:
-            raise CheckpointError(f"checkpoint file {full} has {size} bytes, the manifest says {entry['size']} "
-                                  "(truncated or modified)")
+            raise CheckpointError(
+                f"checkpoint file {full} has {size} bytes, the manifest says {entry['size']} (truncated or modified)"
+            )
 
 
 def sha256_file(path: str) -> str:
@@ -253,5 +295,6 @@ def sha256_file(path: str) -> str:
 def check_sha256(directory: str, name: str, expected: str) -> None:
     full = os.path.join(directory, name)
     if sha256_file(full) != expected:
-        raise CheckpointError(f"checkpoint file {full} does not match its sha256 in the {COMPLETE} manifest "
-                              "(corrupted or modified)")
+        raise CheckpointError(
+            f"checkpoint file {full} does not match its sha256 in the {COMPLETE} manifest (corrupted or modified)"
+        )

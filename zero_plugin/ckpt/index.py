@@ -4,6 +4,7 @@ The index is untrusted input: every field is type-checked before it is used,
 so a tampered or truncated index is a :class:`CheckpointError`, never a crash
 half-way through a load.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,8 +66,14 @@ def _check_shards(path: str, name: str, shards: Any, numel: int, world: int) -> 
         raise _bad(path, f"{name!r} has no shard list")
     expect = 0
     for shard in shards:
-        ok = (isinstance(shard, list) and len(shard) == 3 and all(_is_int(x) for x in shard)
-              and 0 <= shard[0] < world and shard[1] == expect and shard[1] < shard[2] <= numel)
+        ok = (
+            isinstance(shard, list)
+            and len(shard) == 3
+            and all(_is_int(x) for x in shard)
+            and 0 <= shard[0] < world
+            and shard[1] == expect
+            and shard[1] < shard[2] <= numel
+        )
         if not ok:
             raise _bad(path, f"shards of {name!r} do not tile its {numel} elements: {shards!r}")
         expect = shard[2]
@@ -86,7 +93,9 @@ def _check_optimizer_index(path: str, opt: Any, params: dict) -> None:
         raise _bad(path, f"optimizer grad_guard (loss scaler): {problem}")
     for g in groups:
         names = g.get("param_names") if isinstance(g, dict) else None
-        if not (isinstance(names, list) and all(isinstance(n, str) for n in names) and isinstance(g.get("hyper"), dict)):
+        if not (
+            isinstance(names, list) and all(isinstance(n, str) for n in names) and isinstance(g.get("hyper"), dict)
+        ):
             raise _bad(path, "each optimizer param group needs hyper and param_names")
     for name, entry in state.items():
         if name not in params or not isinstance(entry, dict):
@@ -115,8 +124,9 @@ def _compare(kind: str, saved: dict, live: dict[str, tuple]) -> list[str]:
         problems.append(f"unexpected {kind} (in the checkpoint, not in the model): {_names(unexpected)}")
     for name in sorted(live.keys() & saved.keys()):
         if tuple(saved[name]["shape"]) != live[name]:
-            problems.append(f"shape mismatch for {name!r}: checkpoint has {tuple(saved[name]['shape'])}, "
-                            f"the model has {live[name]}")
+            problems.append(
+                f"shape mismatch for {name!r}: checkpoint has {tuple(saved[name]['shape'])}, the model has {live[name]}"
+            )
     return problems
 
 
@@ -124,33 +134,45 @@ def match_model(index: dict, views: list[ParamView], buffers: list[tuple[str, to
     problems = _compare("parameters", index["params"], {v.name: v.shape for v in views})
     problems += _compare("buffers", index["buffers"], {n: tuple(b.shape) for n, b in buffers})
     if problems:
-        raise CheckpointError(f"zp.load_checkpoint: checkpoint {path} does not match this model (saved from a "
-                              f"different model?): " + "; ".join(problems))
+        raise CheckpointError(
+            f"zp.load_checkpoint: checkpoint {path} does not match this model (saved from a "
+            f"different model?): " + "; ".join(problems)
+        )
 
 
 def match_optimizer(index: dict, engine, inner, path: str) -> None:
     saved = index["optimizer"]
     if saved is None:
-        raise CheckpointError(f"zp.load_checkpoint: checkpoint {path} holds no optimizer state (saved with "
-                              "optimizer=None); load it with optimizer=None")
-    error = class_mismatch(saved.get("class"), inner, "zp.load_checkpoint",
-                           f"or load the model alone (zp.load_checkpoint({path!r}, model)) and start this optimizer "
-                           "fresh")
+        raise CheckpointError(
+            f"zp.load_checkpoint: checkpoint {path} holds no optimizer state (saved with "
+            "optimizer=None); load it with optimizer=None"
+        )
+    error = class_mismatch(
+        saved.get("class"),
+        inner,
+        "zp.load_checkpoint",
+        f"or load the model alone (zp.load_checkpoint({path!r}, model)) and start this optimizer fresh",
+    )
     if error is not None:
         raise CheckpointError(error)
     groups = saved["param_groups"]
     if len(groups) != len(inner.param_groups):
-        raise CheckpointError(f"zp.load_checkpoint: checkpoint {path} has {len(groups)} optimizer param groups, "
-                              f"this optimizer has {len(inner.param_groups)}")
+        raise CheckpointError(
+            f"zp.load_checkpoint: checkpoint {path} has {len(groups)} optimizer param groups, "
+            f"this optimizer has {len(inner.param_groups)}"
+        )
     for gi, (saved_group, group) in enumerate(zip(groups, inner.param_groups)):
         live = {engine.name_of_master(p) for p in group["params"]}
         stored = set(saved_group["param_names"])
         if live != stored:
             raise CheckpointError(
                 f"zp.load_checkpoint: optimizer param group {gi} of checkpoint {path} does not match: missing "
-                f"{_names(live - stored)} (trained here, not in the checkpoint), unexpected {_names(stored - live)}")
+                f"{_names(live - stored)} (trained here, not in the checkpoint), unexpected {_names(stored - live)}"
+            )
     trained = {s.name for s in engine.slots}
     unknown = set(saved["state"]) - trained
     if unknown:
-        raise CheckpointError(f"zp.load_checkpoint: checkpoint {path} has optimizer state for parameters this "
-                              f"optimizer does not train: {_names(unknown)}")
+        raise CheckpointError(
+            f"zp.load_checkpoint: checkpoint {path} has optimizer state for parameters this "
+            f"optimizer does not train: {_names(unknown)}"
+        )

@@ -25,6 +25,7 @@ with Adam).  ``meta.pt`` is unpickled: by default with ``torch.load(weights_only
 loads a checkpoint by default; ``weights_only=False`` (CLI ``--no-weights-only``) is for trusted
 checkpoints whose hyper-parameters or callback states hold other objects.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,19 +63,21 @@ def tied_aliases(module: nn.Module) -> dict[str, str]:
     parameter once (under its first name) while ``module.state_dict()`` -- and so a strict
     ``load_state_dict`` -- has every name."""
     saved = {id(p): name for name, p in module.named_parameters()}
-    return {name: saved[id(p)] for name, p in module.named_parameters(remove_duplicate=False)
-            if saved[id(p)] != name}
+    return {name: saved[id(p)] for name, p in module.named_parameters(remove_duplicate=False) if saved[id(p)] != name}
 
 
-def consolidate_lightning(checkpoint: str | os.PathLike, out: str | os.PathLike, *, verify: bool = True,
-                          weights_only: bool = True) -> list[str]:
+def consolidate_lightning(
+    checkpoint: str | os.PathLike, out: str | os.PathLike, *, verify: bool = True, weights_only: bool = True
+) -> list[str]:
     """Write the sharded Lightning checkpoint directory ``checkpoint`` as the single file ``out``."""
     checkpoint, out = os.path.abspath(os.fspath(checkpoint)), os.path.abspath(os.fspath(out))
     if not is_lightning_checkpoint(checkpoint):
-        raise CheckpointError(f"consolidate --format lightning: {checkpoint} is not a sharded Lightning checkpoint "
-                              f"(a directory with {META_FILE} and {SHARDS_DIR}/, as ZeroStrategy and "
-                              "ZeroFabricStrategy save); for a zp.save_checkpoint folder use --format "
-                              "safetensors or hf")
+        raise CheckpointError(
+            f"consolidate --format lightning: {checkpoint} is not a sharded Lightning checkpoint "
+            f"(a directory with {META_FILE} and {SHARDS_DIR}/, as ZeroStrategy and "
+            "ZeroFabricStrategy save); for a zp.save_checkpoint folder use --format "
+            "safetensors or hf"
+        )
     if os.path.exists(out):
         raise CheckpointError(f"consolidate: {out} already exists; choose a new file name")
     shards = os.path.join(checkpoint, SHARDS_DIR)
@@ -106,7 +109,8 @@ def _read_meta(path: str, weights_only: bool) -> dict:
         raise CheckpointError(
             f"consolidate: {path} holds objects that torch.load(weights_only=True) refuses ({exc}). If you trust "
             "this checkpoint, rerun with --no-weights-only (what load_from_checkpoint(weights_only=False) does), "
-            "from a folder where the classes it names can be imported") from exc
+            "from a folder where the classes it names can be imported"
+        ) from exc
     if not isinstance(meta, dict):
         raise CheckpointError(f"consolidate: {path} holds a {type(meta).__name__}, not a Lightning checkpoint dict")
     return meta
@@ -118,7 +122,7 @@ def _full_model_state(reader: Reader, index: dict, aliases: dict[str, str]) -> d
     for alias, saved in aliases.items():
         if saved not in state:
             raise CheckpointError(f"consolidate: {META_FILE} ties {alias!r} to {saved!r}, which the checkpoint lacks")
-        state[alias] = state[saved]   # one tensor under both names, as state_dict() gives it
+        state[alias] = state[saved]  # one tensor under both names, as state_dict() gives it
     return state
 
 
@@ -126,17 +130,20 @@ def _full_optimizer_state(reader: Reader, index: dict) -> dict[str, Any]:
     """The optimizer state dict an unsharded optimizer would have: ``ZeroOptimizer.consolidate_state_dict``'s
     format (positions in param-group order, ``param_names``, the ``zero_plugin`` record)."""
     saved = index["optimizer"]
-    rank0 = lambda key: reader.tensor(0, key)   # noqa: E731 - tensors the index refers to live in rank 0's file
+    rank0 = lambda key: reader.tensor(0, key)  # noqa: E731 - tensors the index refers to live in rank 0's file
     state: dict[int, dict] = {}
     groups = []
     for group in saved["param_groups"]:
         names = list(group["param_names"])
         start = sum(len(g["params"]) for g in groups)
-        groups.append({**decode(group["hyper"], rank0), "params": list(range(start, start + len(names))),
-                       "param_names": names})
+        groups.append(
+            {**decode(group["hyper"], rank0), "params": list(range(start, start + len(names))), "param_names": names}
+        )
         for pos, name in enumerate(names, start):
-            entry = {key: _state_value(reader, index, name, key, spec, rank0)
-                     for key, spec in saved["state"].get(name, {}).items()}
+            entry = {
+                key: _state_value(reader, index, name, key, spec, rank0)
+                for key, spec in saved["state"].get(name, {}).items()
+            }
             if entry:
                 state[pos] = entry
     record = {"sharded": False, "optimizer_class": saved["class"]}
@@ -154,7 +161,7 @@ def _state_value(reader: Reader, index: dict, name: str, key: str, spec: dict, r
 
 def _place(meta: dict, record: dict, state: dict, optimizer: dict | None) -> dict:
     """Put the model and optimizer state where the Trainer (or Fabric) keeps them in a full checkpoint."""
-    if "module" not in record:   # the Trainer's layout
+    if "module" not in record:  # the Trainer's layout
         meta["state_dict"] = state
         if optimizer is not None:
             meta["optimizer_states"] = [optimizer]

@@ -19,6 +19,7 @@ an I/O error part-way through that last phase (a disk failing under the read):
 it raises, and the model may then be partly loaded; load again.  With
 ``verify=False`` changed data bytes are not detected at all (headers still are).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,9 @@ from .verify import check_hashes, read_index, read_sized_manifest
 __all__ = ["Reader", "load"]
 
 
-def load(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, verify: bool = True,
-         guard: Any = None) -> Any:
+def load(
+    path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, verify: bool = True, guard: Any = None
+) -> Any:
     """``guard``: the ZeroOptimizer's loss scaler; it takes the index's record if there is one (checkpoints
     written before it was saved have none: the scaler is left as it is) ([Note: scaler state])."""
     comm = engine.comm
@@ -96,7 +98,7 @@ class Reader:
             full = os.path.join(self.directory, self.files[i])
             try:
                 self.handles[i] = self.stack.enter_context(safe_open(full, framework="pt", device="cpu"))
-            except Exception as exc:   # noqa: BLE001 - safetensors raises its own error types
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
                 raise CheckpointError(f"checkpoint file {full} is not a valid safetensors file: {exc}") from exc
             self.keys[i] = set(self.handles[i].keys())
         if key is not None and key not in self.keys[i]:
@@ -110,8 +112,10 @@ class Reader:
         piece = self.handle(i, key).get_slice(key)
         shape, stored = list(piece.get_shape()), piece.get_dtype()
         if shape != [length] or stored != fmt.safetensors_code(dtype):
-            raise CheckpointError(f"{self.where(i, key)} has shape {shape} and dtype {stored}, the index says "
-                                  f"[{length}] and {fmt.safetensors_code(dtype)}")
+            raise CheckpointError(
+                f"{self.where(i, key)} has shape {shape} and dtype {stored}, the index says "
+                f"[{length}] and {fmt.safetensors_code(dtype)}"
+            )
         return piece
 
     def tensor(self, i: int, key: str) -> torch.Tensor:
@@ -150,15 +154,18 @@ def _plan(reader: Reader, index: dict, engine, views: list[ParamView], inner) ->
     for view in views:
         entry = index["params"][view.name]
         lo, hi = load_range(view)
-        plan.params.append((view, _region(reader, f"p/{view.name}", entry["shards"], lo, hi,
-                                          fmt.dtype_from_name(entry["dtype"]))))
+        plan.params.append(
+            (view, _region(reader, f"p/{view.name}", entry["shards"], lo, hi, fmt.dtype_from_name(entry["dtype"])))
+        )
     for name, buf in persistent_buffers(engine.model):
         value = reader.tensor(0, f"b/{name}")
         if value.numel() != buf.numel():
-            raise CheckpointError(f"{reader.where(0, f'b/{name}')} has {value.numel()} elements, the model's buffer "
-                                  f"{name!r} has {buf.numel()}")
+            raise CheckpointError(
+                f"{reader.where(0, f'b/{name}')} has {value.numel()} elements, the model's buffer "
+                f"{name!r} has {buf.numel()}"
+            )
         plan.buffers.append((buf, value.reshape(buf.shape)))
-    rank0 = lambda key: reader.tensor(0, key)   # noqa: E731 - tensors referenced by the index live in rank 0's file
+    rank0 = lambda key: reader.tensor(0, key)  # noqa: E731 - tensors referenced by the index live in rank 0's file
     if inner is not None:
         plan.optimizer = _plan_optimizer(reader, index, engine, views, inner, rank0)
         plan.grad_guard = index["optimizer"].get("grad_guard")
@@ -182,8 +189,9 @@ def _region(reader: Reader, key: str, shards: list, lo: int, hi: int, dtype: tor
             pieces.append((i, key, s_lo, a, b))
             covered += b - a
     if covered != hi - lo:
-        raise CheckpointError(f"checkpoint index: the shards of {key!r} cover {covered} of the elements "
-                              f"[{lo}, {hi}) this rank needs")
+        raise CheckpointError(
+            f"checkpoint index: the shards of {key!r} cover {covered} of the elements [{lo}, {hi}) this rank needs"
+        )
     return _Region(lo, hi, pieces)
 
 
@@ -212,8 +220,9 @@ def _plan_state(reader: Reader, index: dict, view: ParamView, saved: dict, rank0
     for key, spec in saved.items():
         if "region" in spec:
             dtype = fmt.dtype_from_name(spec["region"])
-            entry[key] = _StateRegion(_region(reader, f"o/{view.name}/{key}", shards, lo, hi, dtype), dtype,
-                                      tuple(view.slot.master.shape))
+            entry[key] = _StateRegion(
+                _region(reader, f"o/{view.name}/{key}", shards, lo, hi, dtype), dtype, tuple(view.slot.master.shape)
+            )
         else:
             entry[key] = _decode(spec["value"], rank0, f"optimizer state {key!r} of {view.name!r}")
     return entry
@@ -241,7 +250,7 @@ def _read_in(plan: _Plan, reader: Reader, inner, guard) -> None:
     """Read every planned region straight into the model and optimizer, one stored piece at a time
     ([Note: loading in place])."""
     for view, region in plan.params:
-        for piece, a, b in _pieces(reader, region):
+        for piece, a, _b in _pieces(reader, region):
             copy_param_in(view, piece, a - region.lo, a)
     for buf, value in plan.buffers:
         buf.copy_(value)
@@ -253,14 +262,14 @@ def _read_in(plan: _Plan, reader: Reader, inner, guard) -> None:
                     entry[key] = _fill(reader, value, live.get((pos, key)))
         inner.load_state_dict(plan.optimizer)
         if plan.grad_guard is not None and guard is not None:
-            guard.load_state_dict(plan.grad_guard)   # checked with the index (check_index)
+            guard.load_state_dict(plan.grad_guard)  # checked with the index (check_index)
     if plan.rng is not None:
         restore_rng(plan.rng)
 
 
 def _pieces(reader: Reader, region: _Region):
     for i, key, s_lo, a, b in region.pieces:
-        yield reader.handle(i).get_slice(key)[a - s_lo:b - s_lo], a, b
+        yield reader.handle(i).get_slice(key)[a - s_lo : b - s_lo], a, b
 
 
 def _live_state(inner) -> dict:
@@ -277,12 +286,16 @@ def _live_state(inner) -> dict:
 
 def _fill(reader: Reader, spec: _StateRegion, current: torch.Tensor | None) -> torch.Tensor:
     """The state tensor ``spec`` describes: read into ``current`` when it can hold it, else into a new tensor."""
-    fits = (current is not None and current.dtype == spec.dtype and tuple(current.shape) == spec.shape
-            and current.is_contiguous())
+    fits = (
+        current is not None
+        and current.dtype == spec.dtype
+        and tuple(current.shape) == spec.shape
+        and current.is_contiguous()
+    )
     out = current if fits else torch.empty(spec.shape, dtype=spec.dtype, device=_state_device(current))
     flat = out.view(-1)
     for piece, a, b in _pieces(reader, spec.region):
-        flat[a - spec.region.lo:b - spec.region.lo].copy_(piece)
+        flat[a - spec.region.lo : b - spec.region.lo].copy_(piece)
     return out
 
 

@@ -16,6 +16,7 @@ the parameter (stages 0-2) or its shard (stage 3).
 This module only reads engine attributes (``engine.model``, ``engine.slots``,
 stage 3's ``engine.sharded``); it changes nothing in the engine.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,15 @@ from ..optim.master import MasterParam
 from ..state_dict import raw_state_dict
 from .format import CheckpointError
 
-__all__ = ["ParamView", "param_views", "persistent_buffers", "region_to_save", "state_region_to_save",
-           "load_range", "copy_param_in"]
+__all__ = [
+    "ParamView",
+    "param_views",
+    "persistent_buffers",
+    "region_to_save",
+    "state_region_to_save",
+    "load_range",
+    "copy_param_in",
+]
 
 
 @dataclass(slots=True)
@@ -40,8 +48,8 @@ class ParamView:
     name: str
     param: nn.Parameter
     shape: tuple
-    slot: MasterParam | None      # None for frozen parameters
-    sharded: object | None        # stage 3: the ShardedParam holding the local shard
+    slot: MasterParam | None  # None for frozen parameters
+    sharded: object | None  # stage 3: the ShardedParam holding the local shard
 
     @property
     def numel(self) -> int:
@@ -96,7 +104,7 @@ def _region_of_master(view: ParamView, tensor: torch.Tensor, layout: ShardLayout
     """A master-shaped tensor (the master or its optimizer state) cut to the save layout's region."""
     lo, hi = layout.bounds()
     flat = tensor.detach().reshape(-1)
-    if view.slot.layout.world_size == 1:   # stage 0: the master (and its state) is the whole parameter
+    if view.slot.layout.world_size == 1:  # stage 0: the master (and its state) is the whole parameter
         return flat[lo:hi]
     assert view.slot.layout.bounds() == (lo, hi) and flat.numel() == hi - lo, f"{view.name}: unexpected master size"
     return flat
@@ -120,17 +128,19 @@ def copy_param_in(view: ParamView, values: torch.Tensor, at: int, flat_start: in
     model at offset ``at`` of this rank's :func:`load_range`, and into the overlapping part of the master."""
     n = values.numel()
     target = view.sharded.local if view.sharded is not None else view.param.data
-    target.view(-1)[at:at + n].copy_(values)
+    target.view(-1)[at : at + n].copy_(values)
     master = view.separate_master
-    if master is not None:   # from the stored values, not the (possibly lower precision) parameter
+    if master is not None:  # from the stored values, not the (possibly lower precision) parameter
         m_lo, m_hi = view.slot.layout.bounds()
         a, b = max(flat_start, m_lo), min(flat_start + n, m_hi)
         if a < b:
-            master.view(-1)[a - m_lo:b - m_lo].copy_(values[a - flat_start:b - flat_start])
+            master.view(-1)[a - m_lo : b - m_lo].copy_(values[a - flat_start : b - flat_start])
 
 
 def check_loadable(engine) -> None:
     units = getattr(engine, "unsharded_units", None)
     if units is not None and units():
-        raise CheckpointError("zp.load_checkpoint: some stage-3 units are gathered; load outside forward/backward "
-                              "and outside zp.gathered_parameters")
+        raise CheckpointError(
+            "zp.load_checkpoint: some stage-3 units are gathered; load outside forward/backward "
+            "and outside zp.gathered_parameters"
+        )

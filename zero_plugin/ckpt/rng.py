@@ -1,4 +1,5 @@
 """This rank's random number generators: torch (CPU and CUDA), Python ``random`` and numpy."""
+
 from __future__ import annotations
 
 import random

@@ -6,6 +6,7 @@ manifest -> rename to ``<path>`` (an existing checkpoint is moved aside first
 and deleted only once the new one is in place).  See [Note: checkpoint layout]
 in ``format.py`` and [Note: checkpoint regions] in ``regions.py``.
 """
+
 from __future__ import annotations
 
 import glob
@@ -30,8 +31,9 @@ from .tree import encode
 __all__ = ["save"]
 
 
-def save(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, extra: Any,
-         guard: Any = None) -> None:
+def save(
+    path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, extra: Any, guard: Any = None
+) -> None:
     """``guard``: the ZeroOptimizer's loss scaler, whose state goes into the index ([Note: scaler state])."""
     comm = engine.comm
     path = os.path.abspath(os.fspath(path))
@@ -41,7 +43,8 @@ def save(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | No
     try:
         schema = _agree_state_schema(comm, views, inner)
         index, json_tensors = on_every_rank(
-            comm, lambda: _build_index(engine, views, inner, schema, extra, guard) if comm.rank == 0 else (None, {}))
+            comm, lambda: _build_index(engine, views, inner, schema, extra, guard) if comm.rank == 0 else (None, {})
+        )
         record = on_every_rank(comm, lambda: _write_rank_file(tmp, engine, views, inner, schema, json_tensors))
         records = comm.all_gather_object(record)
         on_every_rank(comm, lambda: _publish(tmp, path, token, index, records) if comm.rank == 0 else None)
@@ -63,8 +66,9 @@ def _local_state_schema(views: list[ParamView], inner) -> dict[str, dict[str, st
         for key, value in state.items():
             if not isinstance(key, str):
                 raise CheckpointError(f"zp.save_checkpoint: optimizer state key {key!r} of {view.name!r} is not a str")
-            is_region = (isinstance(value, torch.Tensor) and value.dim() > 0
-                         and value.numel() == view.slot.master.numel())
+            is_region = (
+                isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == view.slot.master.numel()
+            )
             entry[key] = fmt.dtype_name(value.dtype) if is_region else None
         out[view.name] = entry
     return out
@@ -81,10 +85,11 @@ def _agree_state_schema(comm, views: list[ParamView], inner) -> dict[str, dict[s
         voters = [schema[name] for schema, empty_here in everyone if name not in empty_here] or [local[name]]
         key_sets = [set(v) for v in voters]
         if any(k != key_sets[0] for k in key_sets):
-            raise CheckpointError(f"zp.save_checkpoint: optimizer state keys of {name!r} differ across ranks "
-                                  f"({[sorted(k) for k in key_sets]}); was optimizer.step() called on every rank?")
-        merged[name] = {k: (dtype if all(v[k] == dtype for v in voters) else None)
-                        for k, dtype in voters[0].items()}
+            raise CheckpointError(
+                f"zp.save_checkpoint: optimizer state keys of {name!r} differ across ranks "
+                f"({[sorted(k) for k in key_sets]}); was optimizer.step() called on every rank?"
+            )
+        merged[name] = {k: (dtype if all(v[k] == dtype for v in voters) else None) for k, dtype in voters[0].items()}
     return merged
 
 
@@ -99,21 +104,30 @@ def _build_index(engine, views: list[ParamView], inner, schema, extra, guard) ->
     params = {}
     for view in views:
         layouts = [ShardLayout(view.numel, world, r) for r in range(world)]
-        params[view.name] = {"shape": list(view.shape), "dtype": fmt.dtype_name(view.stored_dtype),
-                             "trainable": view.slot is not None,
-                             "shards": [[r, *lay.bounds()] for r, lay in enumerate(layouts) if lay.local_numel]}
-    buffers = {name: {"shape": list(b.shape), "dtype": fmt.dtype_name(b.dtype)}
-               for name, b in persistent_buffers(engine.model)}
+        params[view.name] = {
+            "shape": list(view.shape),
+            "dtype": fmt.dtype_name(view.stored_dtype),
+            "trainable": view.slot is not None,
+            "shards": [[r, *lay.bounds()] for r, lay in enumerate(layouts) if lay.local_numel],
+        }
+    buffers = {
+        name: {"shape": list(b.shape), "dtype": fmt.dtype_name(b.dtype)} for name, b in persistent_buffers(engine.model)
+    }
     index = {
-        "format": fmt.FORMAT, "version": fmt.VERSION, "torch_version": torch.__version__,
-        "world_size": world, "stage": engine.config.stage, "config": engine.config.to_dict(),
+        "format": fmt.FORMAT,
+        "version": fmt.VERSION,
+        "torch_version": torch.__version__,
+        "world_size": world,
+        "stage": engine.config.stage,
+        "config": engine.config.to_dict(),
         "files": [fmt.shard_file_name(r, world) for r in range(world)],
-        "params": params, "buffers": buffers,
+        "params": params,
+        "buffers": buffers,
         "optimizer": None if inner is None else _optimizer_index(engine, views, inner, schema, tensors, guard),
         "extra": encode(extra, tensors, "x", "extra"),
         "export": describe_model(engine.model),
     }
-    json.dumps(index)   # an unstorable value fails now, before any file is written
+    json.dumps(index)  # an unstorable value fails now, before any file is written
     return index, tensors
 
 
@@ -122,17 +136,24 @@ def _optimizer_index(engine, views, inner, schema, tensors, guard) -> dict:
     groups = []
     for gi, group in enumerate(inner.param_groups):
         hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({"hyper": encode(hyper, tensors, "x", f"optimizer param_groups[{gi}]"),
-                       "param_names": [engine.name_of_master(p) for p in group["params"]]})
+        groups.append(
+            {
+                "hyper": encode(hyper, tensors, "x", f"optimizer param_groups[{gi}]"),
+                "param_names": [engine.name_of_master(p) for p in group["params"]],
+            }
+        )
     state = {}
     for name, keys in schema.items():
         values = inner.state.get(by_name[name].slot.master, {})
-        state[name] = {k: {"region": dtype} if dtype is not None
-                       else {"value": encode(values[k], tensors, "x", f"optimizer state[{name!r}][{k!r}]")}
-                       for k, dtype in keys.items()}
+        state[name] = {
+            k: {"region": dtype}
+            if dtype is not None
+            else {"value": encode(values[k], tensors, "x", f"optimizer state[{name!r}][{k!r}]")}
+            for k, dtype in keys.items()
+        }
     out = {"class": optimizer_class(inner), "param_groups": groups, "state": state}
     if guard is not None:
-        out["grad_guard"] = guard.state_dict()   # JSON scalars
+        out["grad_guard"] = guard.state_dict()  # JSON scalars
     return out
 
 
@@ -147,7 +168,7 @@ def _write_rank_file(tmp: str, engine, views, inner, schema, json_tensors) -> fm
         entries.append((f"p/{view.name}", region_to_save(view, layout)))
         state = inner.state.get(view.slot.master, {}) if view.slot is not None and inner is not None else {}
         for key, dtype in schema.get(view.name, {}).items():
-            if dtype is not None:   # (the layout's region is not empty here, so this rank holds the state)
+            if dtype is not None:  # (the layout's region is not empty here, so this rank holds the state)
                 entries.append((f"o/{view.name}/{key}", state_region_to_save(view, state[key], layout)))
     if comm.rank == 0:
         entries += [(f"b/{name}", b) for name, b in persistent_buffers(engine.model)]
@@ -172,13 +193,13 @@ def _publish(tmp: str, path: str, token: str, index: dict, records: list[fmt.Fil
         os.rename(tmp, path)
     except OSError:
         if old is not None:
-            os.rename(old, path)   # put the previous checkpoint back
+            os.rename(old, path)  # put the previous checkpoint back
         raise
     fmt.fsync_dir(os.path.dirname(path))
     if old is not None:
         _remove(old)
     for stale in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".old-*"):
-        _remove(stale)   # leftovers of interrupted saves to this path; superseded now
+        _remove(stale)  # leftovers of interrupted saves to this path; superseded now
 
 
 def _remove(path: str) -> None:

@@ -4,6 +4,7 @@ Without this a rank that found a corrupt file would leave its peers blocked in
 the next collective.  Each phase of a save or load runs through
 :func:`on_every_rank`, which exchanges one small status object per rank.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, TypeVar
@@ -19,7 +20,7 @@ def on_every_rank(comm: Any, fn: Callable[[], T]) -> T:
     """Run ``fn`` here; if it raised on any rank, raise on every rank (the local exception where it happened)."""
     try:
         result, error = fn(), None
-    except Exception as exc:   # noqa: BLE001 - reported to every rank, then re-raised
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then re-raised
         result, error = None, exc
     status = None if error is None else _describe(error)
     statuses = comm.all_gather_object(status)

@@ -6,6 +6,7 @@ JSON cannot say is tagged: ``{"__tuple__": [...]}``, ``{"__dict__": [[k, v], ...
 file under ``key``), ``{"__ndarray__": key}`` and ``{"__np__": dtype, "value": v}``.
 Anything else is refused at save time, so loading never needs pickle.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -43,10 +44,16 @@ def encode(value: Any, tensors: dict[str, torch.Tensor], prefix: str, where: str
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and not any(k in _TAGS for k in value):
             return {k: encode(v, tensors, prefix, f"{where}[{k!r}]") for k, v in value.items()}
-        return {"__dict__": [[encode(k, tensors, prefix, f"{where} key"), encode(v, tensors, prefix, f"{where}[{k!r}]")]
-                             for k, v in value.items()]}
-    raise CheckpointError(f"zp.save_checkpoint: {where} has type {type(value).__name__}; a checkpoint stores only JSON "
-                          "values (dict, list, str, int, float, bool, None), tuples, tensors and numpy arrays")
+        return {
+            "__dict__": [
+                [encode(k, tensors, prefix, f"{where} key"), encode(v, tensors, prefix, f"{where}[{k!r}]")]
+                for k, v in value.items()
+            ]
+        }
+    raise CheckpointError(
+        f"zp.save_checkpoint: {where} has type {type(value).__name__}; a checkpoint stores only JSON "
+        "values (dict, list, str, int, float, bool, None), tuples, tensors and numpy arrays"
+    )
 
 
 def decode(value: Any, tensor: Callable[[str], torch.Tensor]) -> Any:

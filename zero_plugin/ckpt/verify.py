@@ -4,6 +4,7 @@ The same checks, in the same order, serve both readers: ``load.py`` runs each
 step as one collective phase (and splits the hashing over the ranks), while
 ``consolidate.py`` runs them all in one process through :func:`read_checked_index`.
 """
+
 from __future__ import annotations
 
 import os

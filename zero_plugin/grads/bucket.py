@@ -12,6 +12,7 @@ A bucket's collective uses one of the layouts of [Note: collective layouts] in
 parameter whole); stages 1-2 in place (gloo) or as rank-major rows of ``width``
 padded columns (NCCL).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,9 +26,9 @@ __all__ = ["Bucket", "plan_buckets"]
 @dataclass(eq=False)
 class Bucket:
     slots: list[MasterParam]
-    width: int                         # padded columns (reduce-scatter) or total numel (all-reduce)
-    ready: set[int] = field(default_factory=set)   # indices of slots whose grad is final this backward
-    launched: bool = False             # issued in this backward (its record is the schedule's)
+    width: int  # padded columns (reduce-scatter) or total numel (all-reduce)
+    ready: set[int] = field(default_factory=set)  # indices of slots whose grad is final this backward
+    launched: bool = False  # issued in this backward (its record is the schedule's)
 
     def reset(self) -> None:
         self.ready.clear()

@@ -21,6 +21,7 @@ Stage composition (see ``zero_plugin/stages.py``):
   * stage 2 -> :class:`ReduceScatterReducer(keep_full_grad=False)`: the averaged owned region
     goes to a shard-sized gradient and ``param.grad`` is freed (ZeRO-2).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,41 +31,42 @@ import torch
 from torch import nn
 
 from .. import comm_layout
+from .._hooks import WeakHook
 from ..collectives import Comm
 from ..optim.master import MasterParam
-from .._hooks import WeakHook
 from .bucket import Bucket, plan_buckets
 from .schedule import LateFlags, ReductionSchedule
 
 __all__ = ["AllReduceReducer", "ReduceScatterReducer", "GradReducer"]
 
-_MAX_INFLIGHT = 2   # buckets whose collective may be pending at once during backward
+_MAX_INFLIGHT = 2  # buckets whose collective may be pending at once during backward
 
 
 class GradReducer:
     """Shared hook and bucket bookkeeping; subclasses define launch and completion."""
 
     sharded = False
-    supports_late = False   # a second gradient after the bucket was issued is reduced again (stage 2)
+    supports_late = False  # a second gradient after the bucket was issued is reduced again (stage 2)
 
-    def __init__(self, slots: list[MasterParam], comm: Comm, reduce_dtype: torch.dtype | None,
-                 bucket_bytes: int) -> None:
+    def __init__(
+        self, slots: list[MasterParam], comm: Comm, reduce_dtype: torch.dtype | None, bucket_bytes: int
+    ) -> None:
         self.slots = slots
         self.comm = comm
         self.reduce_dtype = reduce_dtype
         self.buckets = plan_buckets(slots, bucket_bytes, sharded=self.sharded)
         self._where = {id(s.param): (b, i) for b in self.buckets for i, s in enumerate(b.slots)}
-        self.owned: dict[int, torch.Tensor] = {}   # id(param) -> reduced grad of the owned region
+        self.owned: dict[int, torch.Tensor] = {}  # id(param) -> reduced grad of the owned region
         self.require_sync = True
         self._callback_queued = False
         self._handles: list = []
         self.schedule = ReductionSchedule(self._launch_bucket, self._complete, _MAX_INFLIGHT)
-        self.schedule.start(self.buckets)   # fixed at setup: [Note: rank-agreed reduction order]
+        self.schedule.start(self.buckets)  # fixed at setup: [Note: rank-agreed reduction order]
         if self.supports_late:
-            comm.open_control_channel()   # collective: every rank builds the same reducer at setup
+            comm.open_control_channel()  # collective: every rank builds the same reducer at setup
             self._late_agreement = LateFlags(comm)
         self._late: list[Bucket] = []
-        self.after_backward = lambda: None   # the engine's: [Note: per-step state] in zero_plugin/engine.py
+        self.after_backward = lambda: None  # the engine's: [Note: per-step state] in zero_plugin/engine.py
 
     # -- hooks --------------------------------------------------------------
     def register(self, root: nn.Module) -> None:
@@ -177,8 +179,9 @@ class AllReduceReducer(GradReducer):
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> comm_layout.FlatAllReduce:
-        return comm_layout.all_reduce_flat(self.comm, bucket.slots, self._buffer_dtype(bucket),
-                                           bucket.slots[0].param.device)
+        return comm_layout.all_reduce_flat(
+            self.comm, bucket.slots, self._buffer_dtype(bucket), bucket.slots[0].param.device
+        )
 
     @torch.no_grad()
     def _complete(self, bucket: Bucket, pending: comm_layout.FlatAllReduce) -> None:
@@ -224,7 +227,7 @@ class ReduceScatterReducer(GradReducer):
                 self._handles.append(slot.param.register_hook(WeakHook(self._before_accumulate, slot.param)))
 
     def _before_accumulate(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        if id(param) in self.owned and param.grad is not None:   # [Note: reduced regions and later backwards]
+        if id(param) in self.owned and param.grad is not None:  # [Note: reduced regions and later backwards]
             param.grad = None
         return grad
 
@@ -233,8 +236,13 @@ class ReduceScatterReducer(GradReducer):
         """The full gradients are let go at once (ZeRO-2: the reduction holds them until it completes), or
         kept (ZeRO-1); in place on gloo, each rank then keeps its own region ([Note: collective layouts])."""
         launch = comm_layout.reduce_in_place if self.comm.gathers_regions_in_place else comm_layout.reduce_buffered
-        return launch(self.comm, bucket.slots, self._buffer_dtype(bucket), bucket.slots[0].param.device,
-                      release_grads=not self.keep_full_grad)
+        return launch(
+            self.comm,
+            bucket.slots,
+            self._buffer_dtype(bucket),
+            bucket.slots[0].param.device,
+            release_grads=not self.keep_full_grad,
+        )
 
     def _late_gradient(self, bucket: Bucket, index: int) -> None:
         if self.keep_full_grad:
@@ -255,12 +263,12 @@ class ReduceScatterReducer(GradReducer):
         bucket's output (its storage is exactly the bucket's shards) or a copy of a full-size temporary's
         region."""
         p = slot.param
-        previous = self.owned.get(id(p))   # an earlier reduction in this step
+        previous = self.owned.get(id(p))  # an earlier reduction in this step
         if self.keep_full_grad and reduced.dtype == p.dtype:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             region = slot.layout.local_view(p.grad)
-            if region.data_ptr() != reduced.data_ptr():   # reduced in place into p.grad: already there
+            if region.data_ptr() != reduced.data_ptr():  # reduced in place into p.grad: already there
                 region.copy_(reduced)
             reduced = region
         elif region_of_temporary:

@@ -21,6 +21,7 @@ on the control channel, issued before the wait for the reductions in flight and 
 latency hides behind theirs.  Stages 0-2 exchange plain flags (:class:`LateFlags`); stage 3 lets its
 ``OrderGuard`` carry them, so the exchange also checks that every rank is at the same point.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -77,7 +78,7 @@ class ReductionSchedule(Generic[T]):
         self.max_inflight = max_inflight
         self.order: list[T] = []
         self._position: dict[int, int] = {}
-        self._next = 0                       # order[:_next] were issued in this backward
+        self._next = 0  # order[:_next] were issued in this backward
         self._ready: set[int] = set()
         self._inflight: deque = deque()
 
@@ -108,7 +109,7 @@ class ReductionSchedule(Generic[T]):
         makes anyway, and is read after it ([Note: rank-agreed reduction order])."""
         self.flush()
         handle = agreement.start(self.order, late)
-        self.drain()   # an item's first reduction completes before its second is issued
+        self.drain()  # an item's first reduction completes before its second is issued
         again = agreement.finish(handle)
         self.reissue([item for item in self.order if id(item) in again])
         self.finish()
@@ -130,6 +131,6 @@ class ReductionSchedule(Generic[T]):
 
     def _issue(self, item: T) -> None:
         self._inflight.extend((item, pending) for pending in self._launch(item))
-        while len(self._inflight) > self.max_inflight:   # free buffers as we go, not all at the end
+        while len(self._inflight) > self.max_inflight:  # free buffers as we go, not all at the end
             done, pending = self._inflight.popleft()
             self._complete(done, pending)

@@ -31,6 +31,7 @@ Used when :func:`~zero_plugin.optim.cpu_step.covered` allows a direct fused step
 nothing hooked into ``step``) and some master is a separate copy on the host; otherwise the step takes
 the whole-tensor path.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,12 +44,12 @@ from .offload import to_device
 
 __all__ = ["BlockedStep", "BLOCK", "ALIGN", "SINGLE_BLOCK", "block_elements"]
 
-BLOCK = 1 << 18   # elements per block: 1 MiB of fp32 gradient scratch, ~5 MiB touched per block
+BLOCK = 1 << 18  # elements per block: 1 MiB of fp32 gradient scratch, ~5 MiB touched per block
 # Separate masters of at most this many blocks in all are stepped as one block: all of it stays in cache
 # anyway, and each extra block costs a kernel launch over fewer elements (torch's fused kernel splits
 # 256K elements over two threads less evenly than 1M; measured in benchmarks/results/design_figures.md).
 SINGLE_BLOCK = 4
-ALIGN = 64        # pieces start at multiples of this many elements of their tensor (a multiple of any vector width)
+ALIGN = 64  # pieces start at multiples of this many elements of their tensor (a multiple of any vector width)
 
 
 def block_elements(separate_numels) -> int:
@@ -67,20 +68,22 @@ def _pad16(n: int) -> int:
 @dataclass(slots=True)
 class _Piece:
     """The ``k``-th piece of one entry (``size`` elements), and where its fp32 gradient sits in the scratch."""
+
     entry: int
     k: int
     size: int
-    at: int | None   # scratch offset, None when the gradient is already fp32 and used in place
+    at: int | None  # scratch offset, None when the gradient is already fp32 and used in place
 
 
 @dataclass(slots=True)
 class _Entry:
     """One parameter's tensors as flat views; ``views`` holds their pieces once the blocks are planned."""
-    tensors: list[torch.Tensor]   # master, grad, exp_avg, exp_avg_sq[, max_exp_avg_sq][, local]
+
+    tensors: list[torch.Tensor]  # master, grad, exp_avg, exp_avg_sq[, max_exp_avg_sq][, local]
     step: torch.Tensor
-    cast: bool                    # the gradient is bf16/fp16 and goes through the scratch
-    store: object                 # writes a master piece into its parameter piece (None: identity master)
-    ready: object                 # event of the gradient's host copy, waited for before the first piece
+    cast: bool  # the gradient is bf16/fp16 and goes through the scratch
+    store: object  # writes a master piece into its parameter piece (None: identity master)
+    ready: object  # event of the gradient's host copy, waited for before the first piece
     sizes: list[int]
     views: list[tuple] | None = None
 
@@ -91,7 +94,7 @@ class BlockedStep:
     def __init__(self, slots: list[MasterParam]) -> None:
         self.slot_of = {id(s.master): s for s in slots}
         self.scratch: torch.Tensor | None = None
-        self.block: int | None = None   # elements per block, fixed at the first step (see SINGLE_BLOCK)
+        self.block: int | None = None  # elements per block, fixed at the first step (see SINGLE_BLOCK)
 
     @staticmethod
     def wanted(slots: list[MasterParam]) -> bool:
@@ -103,7 +106,7 @@ class BlockedStep:
         """Checked every step (a hook registered later turns it off); True means :meth:`step` will run."""
         if not covered(optimizer):
             return False
-        for group in optimizer.param_groups:   # pieces are flat views: every tensor involved must be contiguous
+        for group in optimizer.param_groups:  # pieces are flat views: every tensor involved must be contiguous
             for p in group["params"]:
                 slot = self.slot_of.get(id(p))
                 if not p.is_contiguous() or (slot is not None and slot.separate and not slot.local.is_contiguous()):
@@ -117,11 +120,11 @@ class BlockedStep:
         """Step every group; separate masters' gradients come from ``slot.deferred_grad`` (left there by
         ``set_grad(blocked=True)``) or the host copy in ``master.grad`` (waited for by its ``grad_ready``
         event), and the updated masters are written back here, block by block."""
-        optimizer._opt_called = True   # type: ignore[attr-defined]  # as in fused_cpu_step: no LR-scheduler warning
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # as in fused_cpu_step: no LR-scheduler warning
         for group in optimizer.param_groups:
             entries, written = self._entries(optimizer, group)
             blocks = list(self._blocks(entries, self._block_size()))
-            for e in entries:   # every piece's views, made by one split per tensor
+            for e in entries:  # every piece's views, made by one split per tensor
                 e.views = list(zip(*(t.split(e.sizes) for t in e.tensors)))
             for block in blocks:
                 self._step_block(optimizer, group, entries, block)
@@ -158,7 +161,7 @@ class BlockedStep:
         """Lists of pieces of at most ``limit`` elements in all (recording each entry's piece sizes); every
         piece starts at a multiple of ``ALIGN`` elements of its tensor and of 16 elements of the scratch."""
         block: list[_Piece] = []
-        used = at = 0   # elements in this block; scratch elements taken by its pieces that cast
+        used = at = 0  # elements in this block; scratch elements taken by its pieces that cast
         for i, e in enumerate(entries):
             n = e.tensors[0].numel()
             lo = 0
@@ -188,11 +191,11 @@ class BlockedStep:
         for pc in block:
             e = entries[pc.entry]
             if pc.k == 0 and e.ready is not None:
-                e.ready.synchronize()   # this master's gradient copy, not the later ones still in flight
+                e.ready.synchronize()  # this master's gradient copy, not the later ones still in flight
             views = e.views[pc.k]
             grad = views[1]
             if pc.at is not None:
-                grad = self._scratch()[pc.at:pc.at + pc.size].copy_(grad)
+                grad = self._scratch()[pc.at : pc.at + pc.size].copy_(grad)
             params.append(views[0])
             grads.append(grad)
             avgs.append(views[2])
@@ -201,7 +204,7 @@ class BlockedStep:
                 maxes.append(views[4])
             steps.append(e.step)
         run_kernel(opt, group, params, grads, avgs, sqs, maxes, steps)
-        for pc in block:   # on CUDA non-blocking: this block's copy overlaps the next block's step
+        for pc in block:  # on CUDA non-blocking: this block's copy overlaps the next block's step
             e = entries[pc.entry]
             if e.store is not None:
                 views = e.views[pc.k]
@@ -213,7 +216,7 @@ class BlockedStep:
         return self.block
 
     def _scratch(self) -> torch.Tensor:
-        if self.scratch is None:   # once, at the first piece that casts
+        if self.scratch is None:  # once, at the first piece that casts
             dtype = next(s.master.dtype for s in self.slot_of.values() if s.separate)
             self.scratch = torch.empty(self._block_size(), dtype=dtype)
         return self.scratch

@@ -4,6 +4,7 @@ The norm is over the *reduced* gradients the optimizer will see: for sharded
 stages each rank holds a disjoint region, so the per-rank sums of |g|^p are
 all-reduced (a per-rank norm, pytorch/pytorch#170862, would be wrong).
 """
+
 from __future__ import annotations
 
 import math
@@ -18,7 +19,7 @@ def clip_owned_grads(engine, max_norm: float, norm_type: float = 2.0) -> torch.T
     grads = engine.owned_grads()
     device = grads[0].device if grads else torch.device("cpu")
     if engine.comm.backend == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())   # NCCL reduces CUDA tensors only
+        device = torch.device("cuda", torch.cuda.current_device())  # NCCL reduces CUDA tensors only
     norm_type = float(norm_type)
     if math.isinf(norm_type):
         local = max((g.detach().abs().max().float() for g in grads if g.numel()), default=torch.tensor(0.0))
@@ -34,7 +35,7 @@ def clip_owned_grads(engine, max_norm: float, norm_type: float = 2.0) -> torch.T
         if engine.grads_sharded:
             engine.comm.all_reduce(acc)
         total_norm = acc[0] ** (1.0 / norm_type)
-    engine.step_grad_norm = float(total_norm)   # global, same on every rank: the step's finite check reuses it
+    engine.step_grad_norm = float(total_norm)  # global, same on every rank: the step's finite check reuses it
     coef = float(max_norm) / (float(total_norm) + 1e-6)
     if coef < 1.0:
         for g in grads:

@@ -15,6 +15,7 @@ hyper-parameters, non-CPU or complex parameters, sparse gradients -- returns Fal
 runs ``optimizer.step()``.  ``blocked_step.py`` runs the same kernel block by block for fp32 masters
 of lower-precision parameters ([Note: cache-blocked offload step]).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,7 +31,7 @@ def fused_cpu_step(optimizer: torch.optim.Optimizer) -> bool:
     if not covered(optimizer):
         return False
     # What the LR scheduler's wrapper of ``step`` records, so it does not warn that the optimizer never stepped.
-    optimizer._opt_called = True   # type: ignore[attr-defined]
+    optimizer._opt_called = True  # type: ignore[attr-defined]
     with torch.no_grad():
         for group in optimizer.param_groups:
             _step_group(optimizer, group)
@@ -92,13 +93,35 @@ def state_lists(group: dict, states: list[dict]) -> tuple[list, list, list, list
     return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], maxes, [s["step"] for s in states]
 
 
-def run_kernel(opt: torch.optim.Optimizer, group: dict, params: list, grads: list, exp_avgs: list,
-               exp_avg_sqs: list, max_exp_avg_sqs: list, steps: list) -> None:
+def run_kernel(
+    opt: torch.optim.Optimizer,
+    group: dict,
+    params: list,
+    grads: list,
+    exp_avgs: list,
+    exp_avg_sqs: list,
+    max_exp_avg_sqs: list,
+    steps: list,
+) -> None:
     """One fused-kernel call with ``group``'s hyper-parameters; the state lists match ``params`` element for
     element (whole tensors, or the same slice of each as the parameter view)."""
     beta1, beta2 = group["betas"]
     decoupled = group.get("decoupled_weight_decay", type(opt) is torch.optim.AdamW)
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"], lr=group["lr"],
-           beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-           maximize=group["maximize"], grad_scale=None, found_inf=None)
+    kernel(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        steps,
+        amsgrad=group["amsgrad"],
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+        grad_scale=None,
+        found_inf=None,
+    )

@@ -10,6 +10,7 @@ scale, and training continues.  The scale doubles after
 Other precisions: no scaling, but a NaN/inf gradient is reported (warning + ``skipped_steps``) and the
 step is skipped, never silently applied.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,16 @@ __all__ = ["GradGuard", "scaler_state_problem"]
 
 
 class GradGuard:
-    def __init__(self, engine, dynamic_scale: bool, init_scale: float = 2.0**16, growth_interval: int = 2000,
-                 backoff: float = 0.5, growth: float = 2.0, fixed_scale: float | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        dynamic_scale: bool,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+        backoff: float = 0.5,
+        growth: float = 2.0,
+        fixed_scale: float | None = None,
+    ) -> None:
         self.engine = engine
         self.scaling = dynamic_scale or fixed_scale is not None
         self.dynamic = dynamic_scale and fixed_scale is None
@@ -62,7 +71,7 @@ class GradGuard:
         grads = self.engine.owned_grads()
         device = grads[0].device if grads else torch.device("cpu")
         if self.engine.comm.backend == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())   # NCCL reduces CUDA tensors only
+            device = torch.device("cuda", torch.cuda.current_device())  # NCCL reduces CUDA tensors only
         flag = torch.zeros(1, dtype=torch.float32, device=device)
         sums = [g.sum(dtype=torch.float32) for g in grads if g.numel()]
         if sums and not math.isfinite(float(torch.stack(sums).sum())):
@@ -82,15 +91,19 @@ class GradGuard:
         """Unscale, check every rank, update the scale; False means skip this step on every rank."""
         self.unscale()
         nonfinite = self.found_nonfinite()
-        self.engine.reset_step_state()   # the step consumes (or discards) these gradients
+        self.engine.reset_step_state()  # the step consumes (or discards) these gradients
         if nonfinite:
             self.skipped_steps += 1
             self.clean_steps = 0
             if self.dynamic:
                 self.scale *= self.backoff
             else:
-                warnings.warn(f"zero_plugin: non-finite gradient on some rank; step skipped on every rank "
-                              f"(skipped so far: {self.skipped_steps})", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"zero_plugin: non-finite gradient on some rank; step skipped on every rank "
+                    f"(skipped so far: {self.skipped_steps})",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             return False
         self.clean_steps += 1
         if self.dynamic and self.clean_steps % self.growth_interval == 0:
@@ -103,8 +116,12 @@ class GradGuard:
     # "zero_plugin") and in zp.save_checkpoint's index.json (optimizer.grad_guard).  A record from a run
     # without dynamic scaling (or loaded into one) carries only the skip count over.
     def state_dict(self) -> dict:
-        return {"dynamic": self.dynamic, "scale": self.scale, "clean_steps": self.clean_steps,
-                "skipped_steps": self.skipped_steps}
+        return {
+            "dynamic": self.dynamic,
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Take a :meth:`state_dict`; check it first with :func:`scaler_state_problem`."""
@@ -116,14 +133,24 @@ class GradGuard:
 
 def scaler_state_problem(state) -> str | None:
     """What is wrong with a loaded :meth:`GradGuard.state_dict` (untrusted input), or None."""
+
     def count(x) -> bool:
         return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
     if not isinstance(state, dict):
         return f"expected a dict, got {type(state).__name__}"
     scale = state.get("scale")
-    ok = (isinstance(state.get("dynamic"), bool) and isinstance(scale, (int, float)) and not isinstance(scale, bool)
-          and math.isfinite(scale) and scale > 0 and count(state.get("clean_steps"))
-          and count(state.get("skipped_steps")))
-    return None if ok else ("expected dynamic (bool), scale (finite > 0), clean_steps and skipped_steps "
-                            f"(ints >= 0); got {state!r}")
+    ok = (
+        isinstance(state.get("dynamic"), bool)
+        and isinstance(scale, (int, float))
+        and not isinstance(scale, bool)
+        and math.isfinite(scale)
+        and scale > 0
+        and count(state.get("clean_steps"))
+        and count(state.get("skipped_steps"))
+    )
+    return (
+        None
+        if ok
+        else (f"expected dynamic (bool), scale (finite > 0), clean_steps and skipped_steps (ints >= 0); got {state!r}")
+    )

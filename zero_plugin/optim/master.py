@@ -12,6 +12,7 @@ The user's optimizer is rebound from the model's parameters to *masters*:
 The grad the optimizer sees is set by :meth:`MasterParam.set_grad` from the
 reduced gradient of the owned region.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,20 +46,37 @@ def copy_changed(dst: torch.Tensor, now: torch.Tensor, before: torch.Tensor) -> 
 class MasterParam:
     """One trainable parameter as the optimizer sees it on this rank."""
 
-    __slots__ = ("name", "param", "layout", "local", "master", "separate", "host_grad", "deferred_grad",
-                 "grad_ready", "written_back")
+    __slots__ = (
+        "name",
+        "param",
+        "layout",
+        "local",
+        "master",
+        "separate",
+        "host_grad",
+        "deferred_grad",
+        "grad_ready",
+        "written_back",
+    )
 
-    def __init__(self, name: str, param: nn.Parameter, layout: ShardLayout, local: torch.Tensor,
-                 master_dtype: torch.dtype | None, source: torch.Tensor | None = None,
-                 master_device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        param: nn.Parameter,
+        layout: ShardLayout,
+        local: torch.Tensor,
+        master_dtype: torch.dtype | None,
+        source: torch.Tensor | None = None,
+        master_device: torch.device | None = None,
+    ) -> None:
         self.name = name
         self.param = param
-        self.layout = layout            # where the owned region sits in the flattened parameter
-        self.local = local              # view of param data holding the owned region
+        self.layout = layout  # where the owned region sits in the flattened parameter
+        self.local = local  # view of param data holding the owned region
         dtype = master_dtype or local.dtype
         device = master_device or local.device
         self.separate = dtype != local.dtype or device != local.device
-        self.host_grad: torch.Tensor | None = None   # pinned, allocated at the first offloaded gradient
+        self.host_grad: torch.Tensor | None = None  # pinned, allocated at the first offloaded gradient
         # [Note: cache-blocked offload step] in blocked_step.py: the gradient it casts block by block, the
         # event it waits for before reading a host gradient copy, whether it already wrote the master back.
         self.deferred_grad: torch.Tensor | None = None
@@ -85,12 +103,12 @@ class MasterParam:
         piece), and a host copy is marked with an event for the step to wait for, instead of being waited for."""
         self.deferred_grad = None
         self.grad_ready = None
-        self.written_back = False   # a step that raised part-way must not make the next write_back skip
+        self.written_back = False  # a step that raised part-way must not make the next write_back skip
         if self.is_identity:
             return  # autograd/reducer already left the reduced grad in param.grad
         if grad is None:
             self.master.grad = None
-        elif grad.device != self.master.device:   # offload: [Note: asynchronous host copies] in offload.py
+        elif grad.device != self.master.device:  # offload: [Note: asynchronous host copies] in offload.py
             if self.host_grad is None:
                 self.host_grad = pin(torch.empty(self.master.shape, dtype=self.master.dtype, device=self.master.device))
             self.master.grad = to_host(self.host_grad, grad)
@@ -100,15 +118,14 @@ class MasterParam:
             self.master.grad = None
             self.deferred_grad = grad
         elif self.separate or grad.dtype != self.master.dtype:
-            self.master.grad = grad.to(device=self.master.device, dtype=self.master.dtype,
-                                       non_blocking=True)
+            self.master.grad = grad.to(device=self.master.device, dtype=self.master.dtype, non_blocking=True)
         else:
             self.master.grad = grad
 
     @torch.no_grad()
     def write_back(self) -> None:
         """After a step: copy an fp32 master into the (lower precision) parameter region."""
-        if self.written_back:   # the blocked step already did, block by block
+        if self.written_back:  # the blocked step already did, block by block
             self.written_back = False
             return
         if self.separate:

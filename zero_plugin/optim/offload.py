@@ -19,12 +19,12 @@ is ordered after them, and the host writes those masters again only after the ne
 ``synchronize_copies``.  Dtype casts happen on the device (a host-side cast of a pinned tensor would
 produce pageable memory, which the copy engine cannot read asynchronously).
 """
+
 from __future__ import annotations
 
 import torch
 
-__all__ = ["HOST", "host_for", "pin", "to_host", "to_device", "use_fast_cpu_kernels", "synchronize_copies",
-           "copy_done"]
+__all__ = ["HOST", "host_for", "pin", "to_host", "to_device", "use_fast_cpu_kernels", "synchronize_copies", "copy_done"]
 
 HOST = torch.device("cpu")
 

@@ -5,6 +5,7 @@ At most two buckets are in flight, so copies overlap communication while buffers
 On gloo every rank's region is instead broadcast straight into the parameters (no buffer, no copy):
 [Note: collective layouts] in ``comm_layout.py``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,7 +31,7 @@ class ParamAllGather:
     @torch.no_grad()
     def run(self) -> None:
         if self.comm.world_size == 1:
-            return   # the masters are the parameters' own (only) region
+            return  # the masters are the parameters' own (only) region
         if self.comm.gathers_regions_in_place:
             flats = [slot.param.data.view(-1) for slot in self.slots]
             comm_layout.gather_in_place(self.comm, self.slots, flats, tag="parameters after the step").wait(_WHAT)
@@ -38,7 +39,7 @@ class ParamAllGather:
         inflight: list[comm_layout.BufferedGather] = []
         for bucket in self.buckets:
             inflight.append(self._launch(bucket))
-            if len(inflight) > _MAX_INFLIGHT:   # bounded: at most this many output buffers alive
+            if len(inflight) > _MAX_INFLIGHT:  # bounded: at most this many output buffers alive
                 self._complete(inflight.pop(0))
         for pending in inflight:
             self._complete(pending)
@@ -50,8 +51,9 @@ class ParamAllGather:
     def _complete(self, pending: comm_layout.BufferedGather) -> None:
         rows = pending.wait(_WHAT)
         for slot, columns in pending.columns(rows):
-            copy_from_rows(slot.param.data.view(-1), columns, slot.layout,
-                           skip_rank=self.comm.rank)   # our own region is already up to date
+            copy_from_rows(
+                slot.param.data.view(-1), columns, slot.layout, skip_rank=self.comm.rank
+            )  # our own region is already up to date
 
 
 def _fill_own_chunk(slot: MasterParam, chunk: torch.Tensor) -> None:

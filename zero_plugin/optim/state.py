@@ -5,6 +5,7 @@ exp_avg_sq, momentum_buffer...); it is then this rank's region of a tensor
 shaped like the parameter.  Anything else (``step``, scalars) is the same on
 every rank and passes through unchanged.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -13,8 +14,14 @@ import torch
 
 from ..optim.master import MasterParam
 
-__all__ = ["consolidate_optimizer_state", "shard_optimizer_state", "gather_full", "region_of", "optimizer_class",
-           "class_mismatch"]
+__all__ = [
+    "consolidate_optimizer_state",
+    "shard_optimizer_state",
+    "gather_full",
+    "region_of",
+    "optimizer_class",
+    "class_mismatch",
+]
 
 
 def _ordered_slots(opt: Any) -> list[MasterParam]:
@@ -92,7 +99,7 @@ def shard_optimizer_state(opt: Any, full_sd: dict) -> dict:
             continue
         state[pos] = {k: _slice_value(k, v, slot) for k, v in entry.items()}
     groups = []
-    for pos_group, (g_full, g_local) in enumerate(zip(full_sd["param_groups"], opt.inner.param_groups)):
+    for pos_group, (g_full, _g_local) in enumerate(zip(full_sd["param_groups"], opt.inner.param_groups)):
         g = {k: v for k, v in g_full.items() if k not in ("params", "param_names")}
         start = sum(len(x["params"]) for x in full_sd["param_groups"][:pos_group])
         g["params"] = list(range(start, start + len(g_full["params"])))
@@ -131,5 +138,7 @@ def class_mismatch(saved: Any, optimizer: Any, verb: str, fix: str) -> str | Non
     live = optimizer_class(optimizer)
     if saved is None or saved == live:
         return None
-    return (f"{verb}: the optimizer state was saved from a {saved}, this optimizer is a {live}; its state and "
-            f"hyper-parameters do not fit. Load it into the same optimizer class ({saved}), {fix}")
+    return (
+        f"{verb}: the optimizer state was saved from a {saved}, this optimizer is a {live}; its state and "
+        f"hyper-parameters do not fit. Load it into the same optimizer class ({saved}), {fix}"
+    )

@@ -5,6 +5,7 @@ check that) whose ``param_groups`` and ``state`` are the wrapped optimizer's own
 objects: changing ``lr`` on either changes both.  See [Note: masters] in
 ``master.py`` for what the groups hold.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -39,8 +40,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         cfg = engine.config
         scaling = cfg.scales_loss
         fixed = cfg.loss_scale if scaling and not isinstance(cfg.loss_scale, str) else None
-        self.guard = GradGuard(engine, dynamic_scale=scaling and cfg.loss_scale == "dynamic", fixed_scale=fixed,
-                               init_scale=cfg.loss_scale_init, growth_interval=cfg.loss_scale_growth_interval)
+        self.guard = GradGuard(
+            engine,
+            dynamic_scale=scaling and cfg.loss_scale == "dynamic",
+            fixed_scale=fixed,
+            init_scale=cfg.loss_scale_init,
+            growth_interval=cfg.loss_scale_growth_interval,
+        )
         # [Note: cache-blocked offload step]: with offload, separate host masters are stepped block by block,
         # gradients cast in (CPU-only) or waited for (CUDA) and masters written back on the way.
         self.blocked = BlockedStep(engine.slots) if cfg.offload and BlockedStep.wanted(engine.slots) else None
@@ -76,13 +82,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._clip_configured()
         if not self.guard.should_step():
-            self.engine.zero_grad(set_to_none=True)   # the skipped step's gradients are discarded
+            self.engine.zero_grad(set_to_none=True)  # the skipped step's gradients are discarded
             return loss
         blocked = self.blocked is not None and self.blocked.applies(self.inner)
         self.engine.before_step(blocked=blocked)
         if blocked:
             self.blocked.step(self.inner)
-        elif not (self.engine.config.offload and fused_cpu_step(self.inner)):   # [Note: direct fused step]
+        elif not (self.engine.config.offload and fused_cpu_step(self.inner)):  # [Note: direct fused step]
             self.inner.step()
         self.engine.after_step()
         return loss
@@ -159,13 +165,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             inner_sd = shard_optimizer_state(self, state_dict)
         self.inner.load_state_dict(inner_sd)
-        if "grad_guard" in meta:   # absent from plain torch dicts and from dicts saved before it was recorded
+        if "grad_guard" in meta:  # absent from plain torch dicts and from dicts saved before it was recorded
             self.guard.load_state_dict(meta["grad_guard"])
 
     def _check_record(self, meta: dict) -> None:
         verb = "ZeroOptimizer.load_state_dict"
-        error = class_mismatch(meta.get("optimizer_class"), self.inner, verb,
-                               "or leave the optimizer state out and start this optimizer fresh")
+        error = class_mismatch(
+            meta.get("optimizer_class"),
+            self.inner,
+            verb,
+            "or leave the optimizer state out and start this optimizer fresh",
+        )
         if error is None and "grad_guard" in meta and (problem := scaler_state_problem(meta["grad_guard"])):
             error = f"{verb}: malformed loss-scaler record zero_plugin.grad_guard: {problem}"
         if error is not None:

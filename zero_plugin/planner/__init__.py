@@ -9,8 +9,17 @@
 ``trace.py``: the model and one forward + backward on fake tensors as a timeline; ``replay.py``: that
 timeline replayed as the engine allocates, with the engine's own schedule constants.
 """
+
 from .plan import COST_MODEL, SETTINGS, Planner, cost, estimate
 from .trace import BUILTIN_MODELS, SYNTHETIC_BLOCKS, resolve_model
 
-__all__ = ["BUILTIN_MODELS", "COST_MODEL", "SETTINGS", "SYNTHETIC_BLOCKS", "Planner", "cost", "estimate",
-           "resolve_model"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "COST_MODEL",
+    "SETTINGS",
+    "SYNTHETIC_BLOCKS",
+    "Planner",
+    "cost",
+    "estimate",
+    "resolve_model",
+]

@@ -35,6 +35,7 @@ the largest block freed), so a CPU run's peak RSS is higher than its live tensor
 ``benchmarks/results/planner.md`` support (the heap keeps the freed blocks of one step's activations;
 see the numbers there for how well it holds).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -44,9 +45,8 @@ import torch
 from ..collectives import regions_in_place
 from ..config import ZeroConfig
 from ..memory import theory_bytes
-from .replay import Memory, ReplicatedReplay, Replay, Setting, Stage3Replay
-from .trace import (ParamInfo, Trace, checkpointing, default_loss, hf_inputs, resolve_model, synthetic_trace,
-                    trace_model)
+from .replay import Memory, Replay, ReplicatedReplay, Setting, Stage3Replay
+from .trace import ParamInfo, Trace, checkpointing, default_loss, hf_inputs, resolve_model, synthetic_trace, trace_model
 
 __all__ = ["COST_MODEL", "SETTINGS", "Planner", "cost", "estimate"]
 
@@ -59,8 +59,16 @@ COST_MODEL = {"comm": {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}, "offload_optimizer": 1.5
 
 
 # -- planner ------------------------------------------------------------------------------------------
-SETTINGS = ((0, False, False), (1, False, False), (2, False, False), (3, False, False),
-            (1, True, False), (2, True, False), (3, True, False), (3, True, True))
+SETTINGS = (
+    (0, False, False),
+    (1, False, False),
+    (2, False, False),
+    (3, False, False),
+    (1, True, False),
+    (2, True, False),
+    (3, True, False),
+    (3, True, True),
+)
 """(stage, offload_optimizer, offload_params) rows of a plan."""
 
 
@@ -76,16 +84,28 @@ class Planner:
     nothing and the optimizer steps one tensor at a time).
     """
 
-    def __init__(self, model: Any, *, param_dtype: torch.dtype | str | None = None, batch: int | None = None,
-                 seq: int | None = None, checkpointing: bool = False, config: ZeroConfig | None = None,
-                 device: str = "cuda", state_per_param: int = 2, inputs: Callable | None = None,
-                 loss_fn: Callable | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        param_dtype: torch.dtype | str | None = None,
+        batch: int | None = None,
+        seq: int | None = None,
+        checkpointing: bool = False,
+        config: ZeroConfig | None = None,
+        device: str = "cuda",
+        state_per_param: int = 2,
+        inputs: Callable | None = None,
+        loss_fn: Callable | None = None,
+    ) -> None:
         if device not in ("cuda", "cpu"):
             raise ValueError(f"planner: device must be 'cuda' or 'cpu'; got {device!r}")
-        if (batch is None) != (seq is None) or any(v is not None and (isinstance(v, bool) or not isinstance(v, int)
-                                                                      or v < 1) for v in (batch, seq)):
-            raise ValueError(f"planner: batch and seq must be given together, as ints >= 1; got batch={batch!r}, "
-                             f"seq={seq!r}")
+        if (batch is None) != (seq is None) or any(
+            v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1) for v in (batch, seq)
+        ):
+            raise ValueError(
+                f"planner: batch and seq must be given together, as ints >= 1; got batch={batch!r}, seq={seq!r}"
+            )
         config = config or ZeroConfig()
         self.config = config.replace(param_dtype=param_dtype) if param_dtype is not None else config
         self.device, self.state_per_param = device, state_per_param
@@ -99,7 +119,7 @@ class Planner:
             self.model_dtype = next((p.dtype for p in resolved.parameters() if p.is_floating_point()), torch.float32)
             self.trace = self._trace(inputs, loss_fn)
         self.params: list[ParamInfo] = self.trace.params
-        cfg = self.config   # precision as memory.py decides it
+        cfg = self.config  # precision as memory.py decides it
         self.mixed = cfg.param_dtype is not None and cfg.param_dtype != cfg.master_dtype
         self.param_bytes = (cfg.param_dtype or self.model_dtype).itemsize
         self.master_bytes = cfg.master_dtype.itemsize if self.mixed else self.param_bytes
@@ -114,11 +134,18 @@ class Planner:
         model.train()
         try:
             with checkpointing(model, self.checkpointing):
-                trace = trace_model(model, [m for _, m in modules], owner, [n for n, _ in modules], make,
-                                    param_dtype=self.config.param_dtype, loss_fn=loss_fn or default_loss)
+                trace = trace_model(
+                    model,
+                    [m for _, m in modules],
+                    owner,
+                    [n for n, _ in modules],
+                    make,
+                    param_dtype=self.config.param_dtype,
+                    loss_fn=loss_fn or default_loss,
+                )
         finally:
             model.train(was_training)
-        if self.batch is None and inputs is None:   # structure only: no activations were asked for
+        if self.batch is None and inputs is None:  # structure only: no activations were asked for
             trace.events = [("seg", 0, 0) if ev[0] == "seg" else ev for ev in trace.events]
             trace.saved_bytes = trace.forward_bytes = trace.peak_bytes = 0
         return trace
@@ -140,22 +167,38 @@ class Planner:
 
     def theory(self, s: Setting) -> dict[str, float]:
         c = self.counts
-        return theory_bytes(stage=s.stage, world_size=s.world_size, trainable=c["trainable"], frozen=c["frozen"],
-                            param_bytes=self.param_bytes, master_bytes=self.master_bytes,
-                            state_per_param=self.state_per_param, mixed=self.mixed,
-                            shard_is_master=self.shard_is_master(s))
+        return theory_bytes(
+            stage=s.stage,
+            world_size=s.world_size,
+            trainable=c["trainable"],
+            frozen=c["frozen"],
+            param_bytes=self.param_bytes,
+            master_bytes=self.master_bytes,
+            state_per_param=self.state_per_param,
+            mixed=self.mixed,
+            shard_is_master=self.shard_is_master(s),
+        )
 
     # -- estimates ----------------------------------------------------------------------------------
-    def setting(self, world_size: int, stage: int, offload: bool | str = False,
-                offload_params: bool = False) -> Setting:
+    def setting(
+        self, world_size: int, stage: int, offload: bool | str = False, offload_params: bool = False
+    ) -> Setting:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"planner: world_size must be an int >= 1; got {world_size!r}")
         config = self.config.replace(stage=stage, offload_optimizer=offload, offload_params=offload_params)
-        return Setting(config.stage, world_size, config.offload, config.offload_params, self.device, config,
-                        in_place=self.device == "cpu" and regions_in_place("gloo"))
+        return Setting(
+            config.stage,
+            world_size,
+            config.offload,
+            config.offload_params,
+            self.device,
+            config,
+            in_place=self.device == "cpu" and regions_in_place("gloo"),
+        )
 
-    def estimate(self, world_size: int, stage: int, *, offload: bool | str = False,
-                 offload_params: bool = False) -> dict[str, Any]:
+    def estimate(
+        self, world_size: int, stage: int, *, offload: bool | str = False, offload_params: bool = False
+    ) -> dict[str, Any]:
         """Per-rank bytes for one setting; see the module docstring for what each part counts."""
         s = self.setting(world_size, stage, offload, offload_params)
         theory = self.theory(s)
@@ -166,8 +209,16 @@ class Planner:
     def rows(self, world_size: int, settings=SETTINGS) -> list[dict[str, Any]]:
         return [self.estimate(world_size, st, offload=off, offload_params=op) for st, off, op in settings]
 
-    def fit(self, world_size: int, gpu_mem: float | None, host_mem: float, *, margin: float = 0.1,
-            ranks_per_host: int | None = None, settings=SETTINGS) -> dict[str, Any]:
+    def fit(
+        self,
+        world_size: int,
+        gpu_mem: float | None,
+        host_mem: float,
+        *,
+        margin: float = 0.1,
+        ranks_per_host: int | None = None,
+        settings=SETTINGS,
+    ) -> dict[str, Any]:
         """Which settings fit ``gpu_mem`` per device and ``host_mem`` per machine, ranked by ``COST_MODEL``.
 
         ``margin``: fraction of each memory kept free (CUDA context, allocator fragmentation, the
@@ -189,18 +240,35 @@ class Planner:
             else:
                 device_ok = r["peak"]["device"] <= gpu_mem * (1 - margin)
                 host_ok = r["peak"]["host"] * per_host <= host_mem * (1 - margin)
-            rows.append({**r, "fits": device_ok and host_ok, "device_ok": device_ok, "host_ok": host_ok,
-                         "cost": cost(r["stage"], r["offload"], r["offload_params"])})
+            rows.append(
+                {
+                    **r,
+                    "fits": device_ok and host_ok,
+                    "device_ok": device_ok,
+                    "host_ok": host_ok,
+                    "cost": cost(r["stage"], r["offload"], r["offload_params"]),
+                }
+            )
         ranked = sorted(rows, key=lambda r: (not r["fits"], r["cost"], r["stage"]))
         best = ranked[0] if ranked and ranked[0]["fits"] else None
-        return {"world_size": world_size, "gpu_mem": gpu_mem, "host_mem": host_mem, "margin": margin,
-                "ranks_per_host": per_host, "rows": ranked, "best": best}
+        return {
+            "world_size": world_size,
+            "gpu_mem": gpu_mem,
+            "host_mem": host_mem,
+            "margin": margin,
+            "ranks_per_host": per_host,
+            "rows": ranked,
+            "best": best,
+        }
 
 
 def cost(stage: int, offload: bool, offload_params: bool) -> float:
     """Relative step cost of a setting (``COST_MODEL``)."""
-    return (COST_MODEL["comm"][stage] + COST_MODEL["offload_optimizer"] * offload
-            + COST_MODEL["offload_params"] * offload_params)
+    return (
+        COST_MODEL["comm"][stage]
+        + COST_MODEL["offload_optimizer"] * offload
+        + COST_MODEL["offload_params"] * offload_params
+    )
 
 
 def _result(plan: Planner, s: Setting, theory: dict[str, float], replay: Replay, mem: Memory) -> dict:
@@ -209,32 +277,71 @@ def _result(plan: Planner, s: Setting, theory: dict[str, float], replay: Replay,
     snapshot = mem.peaks["total" if s.device == "cpu" else "device"][1]
     at = mem.by_category(snapshot, ("device", "host") if s.device == "cpu" else ("device",))
     grads = at.get("grads", 0.0) + at.get("grad_shards", 0.0)
-    transient = {k: at.get(k, 0.0) for k in ("gathered", "gather_buffers", "reduce_buffers", "allgather_buffers",
-                                            "collective_temp", "step")}
+    transient = {
+        k: at.get(k, 0.0)
+        for k in ("gathered", "gather_buffers", "reduce_buffers", "allgather_buffers", "collective_temp", "step")
+    }
     transient["total"] = sum(transient.values())
     placed = {"device": 0.0, "host": 0.0}
     for cat in ("params", "grads", "optimizer"):
         placed[replay.place("grad_shards" if cat == "grads" and s.stage >= 2 else cat)] += theory[cat]
     return {
-        "stage": s.stage, "world_size": s.world_size, "offload": s.offload, "offload_params": s.offload_params,
-        "device": s.device, "param_dtype": str(plan.config.param_dtype or plan.model_dtype).replace("torch.", ""),
-        "params": plan.counts, "model_states": theory, "placement": placed,
-        "activations": {"saved": plan.trace.saved_bytes, "end_of_forward": plan.trace.forward_bytes,
-                        "peak": plan.trace.peak_bytes, "at_peak": snapshot["activations"]},
-        "at_peak": {"phase": snapshot["phase"], "params": at.get("params", 0.0), "optimizer": at.get("optimizer", 0.0),
-                    "grads": grads, "transient": transient, "activations": snapshot["activations"]},
-        "peak": {"device": device_peak, "host": mem.peaks["host"][0], "total": mem.peaks["total"][0],
-                 "phase": snapshot["phase"]},
+        "stage": s.stage,
+        "world_size": s.world_size,
+        "offload": s.offload,
+        "offload_params": s.offload_params,
+        "device": s.device,
+        "param_dtype": str(plan.config.param_dtype or plan.model_dtype).replace("torch.", ""),
+        "params": plan.counts,
+        "model_states": theory,
+        "placement": placed,
+        "activations": {
+            "saved": plan.trace.saved_bytes,
+            "end_of_forward": plan.trace.forward_bytes,
+            "peak": plan.trace.peak_bytes,
+            "at_peak": snapshot["activations"],
+        },
+        "at_peak": {
+            "phase": snapshot["phase"],
+            "params": at.get("params", 0.0),
+            "optimizer": at.get("optimizer", 0.0),
+            "grads": grads,
+            "transient": transient,
+            "activations": snapshot["activations"],
+        },
+        "peak": {
+            "device": device_peak,
+            "host": mem.peaks["host"][0],
+            "total": mem.peaks["total"][0],
+            "phase": snapshot["phase"],
+        },
         # rss_glibc: live bytes plus the slack of [Note: glibc slack]
         **({"rss_glibc": mem.peaks["total"][0] + plan.trace.peak_bytes} if s.device == "cpu" else {}),
     }
 
 
-def estimate(model_or_config: Any, world_size: int, stage: int, *, param_dtype: torch.dtype | str | None = None,
-             offload: bool | str = False, batch: int | None = None, seq: int | None = None,
-             checkpointing: bool = False, offload_params: bool = False, device: str = "cuda",
-             config: ZeroConfig | None = None) -> dict[str, Any]:
+def estimate(
+    model_or_config: Any,
+    world_size: int,
+    stage: int,
+    *,
+    param_dtype: torch.dtype | str | None = None,
+    offload: bool | str = False,
+    batch: int | None = None,
+    seq: int | None = None,
+    checkpointing: bool = False,
+    offload_params: bool = False,
+    device: str = "cuda",
+    config: ZeroConfig | None = None,
+) -> dict[str, Any]:
     """Per-rank memory of one training step; see :class:`Planner` (which reuses one trace for many rows)."""
-    plan = Planner(model_or_config, param_dtype=param_dtype, batch=batch, seq=seq, checkpointing=checkpointing,
-                   config=config, device=device)
+    plan = Planner(
+        model_or_config,
+        param_dtype=param_dtype,
+        batch=batch,
+        seq=seq,
+        checkpointing=checkpointing,
+        config=config,
+        device=device,
+    )
     return plan.estimate(world_size, stage, offload=offload, offload_params=offload_params)

@@ -19,6 +19,7 @@ When the bytes of a collective count (measured with the RSS of 2 and 4 gloo rank
     this rank's row out in the wait);
   * all-reduce: in place.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -29,11 +30,11 @@ from typing import Any
 from .._flat import ShardLayout
 from ..config import ZeroConfig
 from ..grads.bucket import plan_buckets
-from ..grads.reducer import _MAX_INFLIGHT as _MAX_PENDING_BUCKETS   # gradient buckets during backward
+from ..grads.reducer import _MAX_INFLIGHT as _MAX_PENDING_BUCKETS  # gradient buckets during backward
 from ..optim import blocked_step
-from ..optim.param_sync import _MAX_INFLIGHT as _MAX_PENDING_GATHERS   # parameter buckets after the step
+from ..optim.param_sync import _MAX_INFLIGHT as _MAX_PENDING_GATHERS  # parameter buckets after the step
 from ..stage3.hooks import _MAX_INFLIGHT_REDUCES, prefetch_span
-from ..stage3.unit import _TAG as _GATHER_TAG   # elements appended to each rank's stage-3 gather input
+from ..stage3.unit import _TAG as _GATHER_TAG  # elements appended to each rank's stage-3 gather input
 
 __all__ = ["Memory", "ReplicatedReplay", "Replay", "Setting", "Stage3Replay"]
 
@@ -77,7 +78,7 @@ class Setting:
     offload_params: bool
     device: str
     config: ZeroConfig
-    in_place: bool    # regions gathered and reduced in place (gloo, [Note: in-place region gather])
+    in_place: bool  # regions gathered and reduced in place (gloo, [Note: in-place region gather])
 
 
 class Replay:
@@ -91,7 +92,7 @@ class Replay:
         self.trainable = [i for i, p in enumerate(plan.params) if p.requires_grad and p.numel]
         self.mem.add(self.place("params"), "params", theory["params"])
         self.mem.add(self.place("optimizer"), "optimizer", theory["optimizer"])
-        if self.blocked_step():   # its one-block fp32 gradient scratch, kept from the first step on
+        if self.blocked_step():  # its one-block fp32 gradient scratch, kept from the first step on
             scratch = blocked_step.block_elements(self.local(i) for i in self.trainable)
             self.mem.add(self.place("master_grads"), "master_grads", scratch * self.mb)
 
@@ -196,7 +197,7 @@ class ReplicatedReplay(Replay):
     def __init__(self, plan: Any, s: Setting, theory: dict[str, float]) -> None:
         super().__init__(plan, s, theory)
         self.sharded = s.stage > 0
-        self.in_place = s.in_place and self.sharded   # stage 0 all-reduces a flat bucket on every backend
+        self.in_place = s.in_place and self.sharded  # stage 0 all-reduces a flat bucket on every backend
         self.buckets = self._buckets()
         self.bucket_of = {i: b for b, (idx, _, _) in enumerate(self.buckets) for i in idx}
         self.ready = [0] * len(self.buckets)
@@ -205,12 +206,18 @@ class ReplicatedReplay(Replay):
 
     def _buckets(self) -> list[tuple[list[int], int, int]]:
         """(param indices, width, flags) per bucket, cut as ``grads/bucket.py`` cuts them."""
-        slots = [SimpleNamespace(index=i, param=SimpleNamespace(numel=lambda i=i: self.plan.params[i].numel,
-                                                                element_size=lambda: self.pb),
-                                 layout=ShardLayout(self.plan.params[i].numel, self.n if self.sharded else 1, 0))
-                 for i in self.trainable]
-        return [([slot.index for slot in b.slots], b.width, len(b.slots))
-                for b in plan_buckets(slots, int(self.s.config.bucket_size_mb * 2**20), sharded=self.sharded)]
+        slots = [
+            SimpleNamespace(
+                index=i,
+                param=SimpleNamespace(numel=lambda i=i: self.plan.params[i].numel, element_size=lambda: self.pb),
+                layout=ShardLayout(self.plan.params[i].numel, self.n if self.sharded else 1, 0),
+            )
+            for i in self.trainable
+        ]
+        return [
+            ([slot.index for slot in b.slots], b.width, len(b.slots))
+            for b in plan_buckets(slots, int(self.s.config.bucket_size_mb * 2**20), sharded=self.sharded)
+        ]
 
     def buffer_bytes(self, b: int) -> tuple[float, float]:
         """(input, output) bytes of bucket ``b``'s collective: all-reduce in place, reduce-scatter N:1."""
@@ -232,23 +239,24 @@ class ReplicatedReplay(Replay):
 
     def launch(self, b: int) -> None:
         self.launched.add(b)
-        if self.in_place:   # grads/reducer.py ``_launch_in_place``: the gradients themselves are summed
-            if self.rb != self.pb:   # ... or a copy in the reduce dtype, the gradient itself freed (stage 2)
+        if self.in_place:  # grads/reducer.py ``_launch_in_place``: the gradients themselves are summed
+            if self.rb != self.pb:  # ... or a copy in the reduce dtype, the gradient itself freed (stage 2)
                 self.mem.add("device", "reduce_buffers", self.bucket_numel(b) * self.rb)
                 if self.s.stage == 2:
                     self.mem.add("device", "grads", -self.bucket_numel(b) * self.pb)
             return
         inp, out = self.buffer_bytes(b)
         self.mem.add("device", "reduce_buffers", inp)
-        if self.s.stage == 2:   # ZeRO-2: the full gradients go as soon as they are in the buffer
+        if self.s.stage == 2:  # ZeRO-2: the full gradients go as soon as they are in the buffer
             self.mem.add("device", "grads", -sum(self.plan.params[i].numel for i in self.buckets[b][0]) * self.pb)
         self.reduce_output("reduce_buffers", out, at_launch=True)
 
     def complete(self, b: int) -> None:
-        if self.in_place:   # stage 2 keeps a copy of its region; the full gradients go with the bucket
+        if self.in_place:  # stage 2 keeps a copy of its region; the full gradients go with the bucket
             if self.s.stage == 2:
-                self.mem.add(self.place("grad_shards"), "grad_shards",
-                             sum(self.local(i) for i in self.buckets[b][0]) * self.pb)
+                self.mem.add(
+                    self.place("grad_shards"), "grad_shards", sum(self.local(i) for i in self.buckets[b][0]) * self.pb
+                )
                 if self.rb == self.pb:
                     self.mem.add("device", "grads", -self.bucket_numel(b) * self.pb)
             if self.rb != self.pb:
@@ -256,7 +264,7 @@ class ReplicatedReplay(Replay):
             return
         inp, out = self.buffer_bytes(b)
         self.reduce_output("reduce_buffers", out, at_launch=False)
-        if self.s.stage == 2:   # the owned shards are views of the bucket's output (or a cast copy of it)
+        if self.s.stage == 2:  # the owned shards are views of the bucket's output (or a cast copy of it)
             same = self.rb == self.pb
             shards = out if same else sum(self.local(i) for i in self.buckets[b][0]) * self.pb
             self.mem.add(self.place("grad_shards"), "grad_shards", shards)
@@ -274,7 +282,7 @@ class ReplicatedReplay(Replay):
     def after_step(self) -> None:
         if self.s.stage == 2:
             self.mem.bytes.pop((self.place("grad_shards"), "grad_shards"), None)
-        if self.s.stage in (1, 2) and self.n > 1 and not self.in_place:   # at most _MAX_PENDING_GATHERS at once
+        if self.s.stage in (1, 2) and self.n > 1 and not self.in_place:  # at most _MAX_PENDING_GATHERS at once
             self.mem.phase = "all-gather"
             pending: list[tuple[float, float]] = []
             for _, width, _ in self.buckets:
@@ -296,15 +304,15 @@ class Stage3Replay(Replay):
         members = {u: [i for i, p in enumerate(plan.params) if p.unit == u and p.numel] for u in units}
         train = {u: [i for i in members[u] if plan.params[i].requires_grad] for u in units}
         self.n_train = {u: len(train[u]) for u in units}
-        self.grad_numel = {u: sum(plan.params[i].numel for i in train[u]) for u in units}   # full gradients
+        self.grad_numel = {u: sum(plan.params[i].numel for i in train[u]) for u in units}  # full gradients
         self.full = {u: sum(plan.params[i].numel for i in members[u]) * self.pb for u in units}
-        self.gather_buf = {u: self._width(members[u], _GATHER_TAG) * self.pb for u in units}      # per rank
-        self.reduce_buf = {u: self._width(train[u], len(train[u])) * self.rb for u in units}    # per rank
+        self.gather_buf = {u: self._width(members[u], _GATHER_TAG) * self.pb for u in units}  # per rank
+        self.reduce_buf = {u: self._width(train[u], len(train[u])) * self.rb for u in units}  # per rank
         grad_bytes = self.mb if self.shard_is_master else self.pb
         self.shard_grads = {u: sum(self.local(i) for i in train[u]) * grad_bytes for u in units}
         self.wrapped = {ev[1] for ev in plan.trace.events if ev[0] == "bwd_post"}
         self.gathered: set[int] = set()
-        self.inflight: dict[int, float] = {}     # unit -> its gather's temporary
+        self.inflight: dict[int, float] = {}  # unit -> its gather's temporary
         self.reduces: deque[int] = deque()
         self.reduced: set[int] = set()
         self.post: set[int] = set()
@@ -316,7 +324,7 @@ class Stage3Replay(Replay):
 
     # -- gather / release (stage3/unit.py) -------------------------------------------------------
     def gather(self, u: int) -> None:
-        if self.s.in_place:   # the full tensors are allocated at the launch and broadcast into
+        if self.s.in_place:  # the full tensors are allocated at the launch and broadcast into
             self.inflight[u] = 0.0
             self.mem.add("device", "gathered", self.full[u])
             return
@@ -332,7 +340,7 @@ class Stage3Replay(Replay):
             self.gathered.add(u)
             return
         self.gather_complete(temp)
-        self.mem.add("device", "gathered", self.full[u])          # to_unsharded while the buffers are alive
+        self.mem.add("device", "gathered", self.full[u])  # to_unsharded while the buffers are alive
         self.mem.add("device", "gather_buffers", -(self.n + 1) * self.gather_buf[u])
         self.gathered.add(u)
 
@@ -363,8 +371,9 @@ class Stage3Replay(Replay):
         if in_backward or not self.s.config.reshard_after_forward:
             return
         kept = {0, self.order[-1]} if self.order else {0}
-        for v in ([w for w in self.gathered | set(self.inflight) if w not in kept] if u == 0 else
-                  [] if u in kept else [u]):
+        for v in (
+            [w for w in self.gathered | set(self.inflight) if w not in kept] if u == 0 else [] if u in kept else [u]
+        ):
             self.reshard(v)
 
     def on_bwd_pre(self, u: int, in_backward: bool) -> None:
@@ -387,7 +396,7 @@ class Stage3Replay(Replay):
 
     def launch(self, u: int) -> None:
         self.reduced.add(u)
-        if self.s.in_place:   # stage3/unit.py ``_reduce_in_place``: the gradients (or a reduce-dtype copy)
+        if self.s.in_place:  # stage3/unit.py ``_reduce_in_place``: the gradients (or a reduce-dtype copy)
             if self.rb != self.pb:
                 self.mem.add("device", "reduce_buffers", self.grad_numel[u] * self.rb)
                 self.mem.add("device", "grads", -self.grad_numel[u] * self.pb)
@@ -400,7 +409,7 @@ class Stage3Replay(Replay):
             self.complete(self.reduces.popleft())
 
     def complete(self, u: int) -> None:
-        if self.s.in_place:   # this rank's region is copied out, then the full gradients go
+        if self.s.in_place:  # this rank's region is copied out, then the full gradients go
             self.mem.add(self.place("grad_shards"), "grad_shards", self.shard_grads[u])
             if self.rb != self.pb:
                 self.mem.add("device", "reduce_buffers", -self.grad_numel[u] * self.rb)

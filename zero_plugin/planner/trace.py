@@ -26,6 +26,7 @@ eager training step does.  During the trace fake tensors count as eager, and the
 (``mask.all()``) answer True: no padding, no packed sequences, as in the random-token batch being
 planned (``_eager_masks`` and ``_LiveBytes.__torch_dispatch__``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,24 +39,62 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["BUILTIN_MODELS", "SYNTHETIC_BLOCKS", "ParamInfo", "Trace", "checkpointing", "default_loss", "hf_inputs",
-           "resolve_model", "synthetic_trace", "trace_model"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "SYNTHETIC_BLOCKS",
+    "ParamInfo",
+    "Trace",
+    "checkpointing",
+    "default_loss",
+    "hf_inputs",
+    "resolve_model",
+    "synthetic_trace",
+    "trace_model",
+]
 
 BUILTIN_MODELS: dict[str, dict[str, Any]] = {
-    "tiny-llama": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=688, vocab_size=8000,
-                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
-    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, vocab_size=128256,
-                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
-    "llama-7b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, vocab_size=32000,
-                     num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False),
-    "llama-13b": dict(hidden_size=5120, num_hidden_layers=40, intermediate_size=13824, vocab_size=32000,
-                      num_attention_heads=40, num_key_value_heads=40, tie_word_embeddings=False),
+    "tiny-llama": dict(
+        hidden_size=256,
+        num_hidden_layers=2,
+        intermediate_size=688,
+        vocab_size=8000,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+    "llama-1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        intermediate_size=8192,
+        vocab_size=128256,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "llama-7b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        intermediate_size=11008,
+        vocab_size=32000,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        tie_word_embeddings=False,
+    ),
+    "llama-13b": dict(
+        hidden_size=5120,
+        num_hidden_layers=40,
+        intermediate_size=13824,
+        vocab_size=32000,
+        num_attention_heads=40,
+        num_key_value_heads=40,
+        tie_word_embeddings=False,
+    ),
 }
-SYNTHETIC_BLOCKS = 32   # a bare parameter count: stage 3 assumes this many equal blocks, no root
+SYNTHETIC_BLOCKS = 32  # a bare parameter count: stage 3 assumes this many equal blocks, no root
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +102,7 @@ class ParamInfo:
     name: str
     numel: int
     requires_grad: bool
-    unit: int            # stage-3 unit index (0 = root)
+    unit: int  # stage-3 unit index (0 = root)
 
 
 @dataclass(slots=True)
@@ -71,9 +110,9 @@ class Trace:
     params: list[ParamInfo]
     unit_names: list[str]
     events: list[tuple] = field(default_factory=list)
-    saved_bytes: int = 0        # distinct storages saved for backward (saved_tensors_hooks), end of forward
-    forward_bytes: int = 0      # activation bytes alive at the end of forward (what backward starts from)
-    peak_bytes: int = 0         # peak activation bytes over forward + backward
+    saved_bytes: int = 0  # distinct storages saved for backward (saved_tensors_hooks), end of forward
+    forward_bytes: int = 0  # activation bytes alive at the end of forward (what backward starts from)
+    peak_bytes: int = 0  # peak activation bytes over forward + backward
 
     @property
     def forward_order(self) -> list[int]:
@@ -108,7 +147,7 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].dtype == torch.bool:
-            return True   # see [Note: eager masks]
+            return True  # see [Note: eager masks]
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -162,8 +201,9 @@ class _Hooks:
         self.live = live
         self.handles: list = []
         for index, module in enumerate(units):
-            self.handles.append(module.register_forward_pre_hook(functools.partial(self.pre_forward, index),
-                                                                 with_kwargs=True))
+            self.handles.append(
+                module.register_forward_pre_hook(functools.partial(self.pre_forward, index), with_kwargs=True)
+            )
             self.handles.append(module.register_forward_hook(functools.partial(self.post_forward, index)))
         for i, p in enumerate(fake_params):
             if p.requires_grad:
@@ -214,13 +254,16 @@ class _SavedBytes:
 
 def _fake_parameters(model: nn.Module, mode, param_dtype: torch.dtype | None) -> tuple[dict, dict]:
     """Fake stand-ins for the model's parameters (cast to ``param_dtype``) and buffers."""
+
     def fake_like(t: torch.Tensor, dtype: torch.dtype, requires_grad: bool) -> torch.Tensor:
         with mode:
             out = torch.empty(t.shape, dtype=dtype, device="cpu")
         return out.requires_grad_(requires_grad)
 
-    params = {n: fake_like(p, param_dtype if (param_dtype and p.is_floating_point()) else p.dtype, p.requires_grad)
-              for n, p in model.named_parameters()}
+    params = {
+        n: fake_like(p, param_dtype if (param_dtype and p.is_floating_point()) else p.dtype, p.requires_grad)
+        for n, p in model.named_parameters()
+    }
     buffers = {n: fake_like(b, b.dtype, False) for n, b in model.named_buffers()}
     return params, buffers
 
@@ -240,9 +283,16 @@ def _eager_masks():
         masking.is_tracing = original
 
 
-def trace_model(model: nn.Module, units: list[nn.Module], owner: dict[int, int], unit_names: list[str],
-                make_inputs: Callable[[], tuple[tuple, dict]], *, param_dtype: torch.dtype | None,
-                loss_fn: Callable[[Any], torch.Tensor]) -> Trace:
+def trace_model(
+    model: nn.Module,
+    units: list[nn.Module],
+    owner: dict[int, int],
+    unit_names: list[str],
+    make_inputs: Callable[[], tuple[tuple, dict]],
+    *,
+    param_dtype: torch.dtype | None,
+    loss_fn: Callable[[Any], torch.Tensor],
+) -> Trace:
     """Run one forward + backward of ``model`` on fake tensors and return its timeline.
 
     ``units[0]`` is the model (the root unit); ``owner`` maps id(param) -> unit index.
@@ -273,8 +323,14 @@ def trace_model(model: nn.Module, units: list[nn.Module], owner: dict[int, int],
             live.mark("end")
     finally:
         hooks.remove()
-    return Trace(params=infos, unit_names=unit_names, events=live.events, saved_bytes=saved.total,
-                 forward_bytes=forward_bytes, peak_bytes=live.peak)
+    return Trace(
+        params=infos,
+        unit_names=unit_names,
+        events=live.events,
+        saved_bytes=saved.total,
+        forward_bytes=forward_bytes,
+        peak_bytes=live.peak,
+    )
 
 
 # -- model ------------------------------------------------------------------------------------------
@@ -306,9 +362,11 @@ def _load_config(name: str | os.PathLike):
             return AutoConfig.from_pretrained(text)
         except (OSError, ValueError) as exc:
             local_error = exc
-    raise ValueError(f"planner: unknown model {text!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}), not a "
-                     f"local config file or folder, and not a Hugging Face model ('org/name') that could be "
-                     f"loaded ({type(local_error).__name__}: {str(local_error).splitlines()[0]})")
+    raise ValueError(
+        f"planner: unknown model {text!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}), not a "
+        f"local config file or folder, and not a Hugging Face model ('org/name') that could be "
+        f"loaded ({type(local_error).__name__}: {str(local_error).splitlines()[0]})"
+    )
 
 
 def _meta_model(config) -> nn.Module:
@@ -319,11 +377,13 @@ def _meta_model(config) -> nn.Module:
     from ..materialize import empty_model
 
     if not isinstance(config, PretrainedConfig):
-        raise ValueError(f"planner: expected an nn.Module, a transformers config, a model name or path, or a "
-                         f"parameter count; got {type(config).__name__}")
+        raise ValueError(
+            f"planner: expected an nn.Module, a transformers config, a model name or path, or a "
+            f"parameter count; got {type(config).__name__}"
+        )
     try:
         model = empty_model(lambda: AutoModelForCausalLM.from_config(config))
-    except ValueError:   # not a causal LM architecture
+    except ValueError:  # not a causal LM architecture
         model = empty_model(lambda: AutoModel.from_config(config))
     return model.float()
 
@@ -331,12 +391,15 @@ def _meta_model(config) -> nn.Module:
 def hf_inputs(model: nn.Module, batch: int, seq: int) -> Callable[[], tuple[tuple, dict]]:
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab is None:
-        raise ValueError("planner: batch/seq activations need a transformers model (config.vocab_size) or "
-                         "inputs=: a callable returning (args, kwargs) for one forward")
+        raise ValueError(
+            "planner: batch/seq activations need a transformers model (config.vocab_size) or "
+            "inputs=: a callable returning (args, kwargs) for one forward"
+        )
 
     def make() -> tuple[tuple, dict]:
         ids = torch.randint(0, vocab, (batch, seq))
         return (), {"input_ids": ids, "labels": ids, "use_cache": False}
+
     return make
 
 
@@ -361,8 +424,10 @@ class checkpointing:
         if not self.enabled:
             return
         if self.enable is None:
-            raise ValueError("planner: checkpointing=True needs a transformers model "
-                             "(activation_checkpointing_enable); checkpoint other models' blocks yourself")
+            raise ValueError(
+                "planner: checkpointing=True needs a transformers model "
+                "(activation_checkpointing_enable); checkpoint other models' blocks yourself"
+            )
         self.enable({"use_reentrant": False})
 
     def __exit__(self, *exc) -> None:

@@ -5,6 +5,7 @@ in ``param.py``), groups them into units (``policy.py``) and registers the
 runtime hooks (``hooks.py``).  The optimizer steps the model's own parameter
 objects, whose data is the local shard.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,11 +15,11 @@ import torch
 from torch import nn
 
 from .._flat import ShardLayout
-from ..materialize import ParamSource, owners_of, to_real
 from ..collectives import Comm
 from ..config import ZeroConfig
 from ..engine import Engine
 from ..hostmem import trim_host_heap
+from ..materialize import ParamSource, owners_of, to_real
 from ..optim.master import MasterParam, copy_changed
 from ..optim.offload import host_for
 from ..quantized import is_packed_4bit
@@ -33,9 +34,14 @@ from .unit import Unit
 __all__ = ["Stage3Engine", "build_stage3_engine"]
 
 
-def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig,
-                        comm: Comm, param_source: ParamSource | None = None,
-                        engine_type: type["Stage3Engine"] | None = None) -> "Stage3Engine":
+def build_stage3_engine(
+    model: nn.Module,
+    trainable: list[tuple[str, nn.Parameter]],
+    config: ZeroConfig,
+    comm: Comm,
+    param_source: ParamSource | None = None,
+    engine_type: type[Stage3Engine] | None = None,
+) -> Stage3Engine:
     """``engine_type``: :class:`Stage3Engine` (training) or ``stage3.inference.InferenceEngine``."""
     modules, owner = assign_units(model, config)
     trains = {id(p) for _, p in trainable}
@@ -44,20 +50,22 @@ def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Paramete
     per_unit: list[list[ShardedParam]] = [[] for _ in modules]
     all_params = list(model.parameters())
     trim = compute_device(comm).type == "cpu" and config.trim_host_heap
-    for index in range(len(modules)):   # one unit at a time: never the whole model unsharded
+    for index in range(len(modules)):  # one unit at a time: never the whole model unsharded
         params = [p for p in all_params if owner[id(p)] == index]
         for p, full in zip(params, _full_tensors(model, params, param_source, comm)):
             sp = _shard_one(p, names[id(p)], full, comm, config, trains=id(p) in trains)
             sharded[id(p)] = sp
             per_unit[index].append(sp)
-        if trim:   # the unit's full tensors are freed: hand their pages back ([Note: heap trimming])
+        if trim:  # the unit's full tensors are freed: hand their pages back ([Note: heap trimming])
             trim_host_heap()
     _broadcast_buffers(model, comm)
-    pool = BufferPool()   # one for all units: [Note: buffer reuse]
-    streams = streams_for(compute_device(comm))   # [Note: side streams]; no-op on CPU
-    units = [Unit(i, name, module, per_unit[i], comm, config.effective_reduce_dtype, pool, streams)
-             for i, (name, module) in enumerate(modules)]
-    reduce_comm = comm.sibling("stage-3 reductions")   # [Note: reductions on their own group] in hooks.py
+    pool = BufferPool()  # one for all units: [Note: buffer reuse]
+    streams = streams_for(compute_device(comm))  # [Note: side streams]; no-op on CPU
+    units = [
+        Unit(i, name, module, per_unit[i], comm, config.effective_reduce_dtype, pool, streams)
+        for i, (name, module) in enumerate(modules)
+    ]
+    reduce_comm = comm.sibling("stage-3 reductions")  # [Note: reductions on their own group] in hooks.py
     for unit in units:
         unit.reduce_comm = reduce_comm
     slots = [_master_for(sharded[id(p)], names[id(p)], config) for _, p in trainable]
@@ -65,16 +73,19 @@ def build_stage3_engine(model: nn.Module, trainable: list[tuple[str, nn.Paramete
 
 
 @torch.no_grad()
-def _full_tensors(model: nn.Module, params: list[nn.Parameter], source: ParamSource | None,
-                  comm: Comm) -> list[torch.Tensor]:
+def _full_tensors(
+    model: nn.Module, params: list[nn.Parameter], source: ParamSource | None, comm: Comm
+) -> list[torch.Tensor]:
     """Full values of one unit's parameters: the live data, or fresh tensors filled from ``source``."""
     meta = [p for p in params if p.is_meta]
     if meta and source is None:
         name = owners_of(model, meta[:1])[0][2]
-        raise ValueError(f"zp.setup: parameter {name!r} is on the meta device; pass param_source= (a safetensors "
-                         "path, zp.materialize.from_init_fn(...), or a fill function) so it can be materialised")
+        raise ValueError(
+            f"zp.setup: parameter {name!r} is on the meta device; pass param_source= (a safetensors "
+            "path, zp.materialize.from_init_fn(...), or a fill function) so it can be materialised"
+        )
     fulls = {id(p): torch.empty(p.shape, dtype=p.dtype) for p in meta}
-    if meta and comm.rank == 0:   # other ranks receive rank 0's values in the broadcast
+    if meta and comm.rank == 0:  # other ranks receive rank 0's values in the broadcast
         owners = owners_of(model, meta)
         source.fill([(m, a, n, fulls[id(p)]) for (m, a, n), p in zip(owners, meta)])
     for p in meta:
@@ -99,12 +110,13 @@ def compute_device(comm: Comm) -> torch.device:
 
 
 @torch.no_grad()
-def _shard_one(p: nn.Parameter, name: str, full: torch.Tensor, comm: Comm, config: ZeroConfig,
-               trains: bool) -> ShardedParam:
+def _shard_one(
+    p: nn.Parameter, name: str, full: torch.Tensor, comm: Comm, config: ZeroConfig, trains: bool
+) -> ShardedParam:
     device = compute_device(comm)
     full = full.to(device).contiguous()
-    comm.broadcast(full, src=0)   # every rank starts from rank 0's values (DDP semantics)
-    floating = p.dtype.is_floating_point and not is_packed_4bit(p)   # [Note: packed 4-bit weights]: never cast
+    comm.broadcast(full, src=0)  # every rank starts from rank 0's values (DDP semantics)
+    floating = p.dtype.is_floating_point and not is_packed_4bit(p)  # [Note: packed 4-bit weights]: never cast
     compute = (config.param_dtype or p.dtype) if floating else p.dtype
     # The shard doubles as the fp32 master unless offload moves the master to another device.
     offload_master = config.offload and host_for(device) is not None
@@ -112,8 +124,9 @@ def _shard_one(p: nn.Parameter, name: str, full: torch.Tensor, comm: Comm, confi
     storage = config.master_dtype if keeps_master else compute
     storage_device = host_for(device) if config.offload_params else None
     layout = ShardLayout(full.numel(), comm.world_size, comm.rank)
-    return ShardedParam(p, name, full, layout, storage_dtype=storage, compute_dtype=compute,
-                        storage_device=storage_device)
+    return ShardedParam(
+        p, name, full, layout, storage_dtype=storage, compute_dtype=compute, storage_device=storage_device
+    )
 
 
 @torch.no_grad()
@@ -124,20 +137,31 @@ def _broadcast_buffers(model: nn.Module, comm: Comm) -> None:
 
 class Stage3Engine(Engine):
     grads_sharded = True
-    runtime_type = Stage3Runtime   # the inference engine's forward-only runtime: stage3/inference.py
+    runtime_type = Stage3Runtime  # the inference engine's forward-only runtime: stage3/inference.py
 
-    def __init__(self, model: nn.Module, config: ZeroConfig, comm: Comm, slots: list[MasterParam],
-                 units: list[Unit], sharded: dict[int, ShardedParam]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZeroConfig,
+        comm: Comm,
+        slots: list[MasterParam],
+        units: list[Unit],
+        sharded: dict[int, ShardedParam],
+    ) -> None:
         super().__init__(model, config, comm, slots)
         self.units = units
         self.sharded = sharded
         self.unit_of = {id(sp.param): u for u in units for sp in u.params}
         self._slot_of = {id(s.param): s for s in slots}
-        self.runtime = self.runtime_type(units, config.prefetch_depth, config.reshard_after_forward,
-                                     trim_heap=compute_device(comm).type == "cpu" and config.trim_host_heap)
+        self.runtime = self.runtime_type(
+            units,
+            config.prefetch_depth,
+            config.reshard_after_forward,
+            trim_heap=compute_device(comm).type == "cpu" and config.trim_host_heap,
+        )
         self.runtime.register()
         self.runtime.after_backward = self.after_backward
-        self.state_dict_hooks = StateDictHooks(self)   # [Note: stage-3 state dicts]
+        self.state_dict_hooks = StateDictHooks(self)  # [Note: stage-3 state dicts]
         self.state_dict_hooks.register()
         _mark_for_synced_generate(model, comm)
 
@@ -162,7 +186,7 @@ class Stage3Engine(Engine):
                 slot.param.grad = grad
             else:
                 slot.set_grad(grad, blocked)
-        if not blocked:   # the blocked step waits for each host copy itself
+        if not blocked:  # the blocked step waits for each host copy itself
             self.wait_for_host_copies()
 
     def after_step(self) -> None:
@@ -191,14 +215,19 @@ class Stage3Engine(Engine):
     # -- gathering ----------------------------------------------------------------
     @contextlib.contextmanager
     def gathered(self, params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
-        units = sorted({self.unit_of[id(p)].index: self.unit_of[id(p)] for p in params
-                        if id(p) in self.unit_of}.values(), key=lambda u: u.index)
+        units = sorted(
+            {self.unit_of[id(p)].index: self.unit_of[id(p)] for p in params if id(p) in self.unit_of}.values(),
+            key=lambda u: u.index,
+        )
         opened = [u for u in units if u.state is ShardedState.SHARDED]
         for u in opened:
             u.unshard()
         # [Note: gathered edits] in optim/master.py: each rank's region as gathered, to find edited elements.
-        before = {id(sp): sp.layout.local_view(sp.param.data.reshape(-1)).clone()
-                  for u in units for sp in u.params} if modifier_rank is not None else {}
+        before = (
+            {id(sp): sp.layout.local_view(sp.param.data.reshape(-1)).clone() for u in units for sp in u.params}
+            if modifier_rank is not None
+            else {}
+        )
         saved = _keep_saved_values([sp.param for u in opened for sp in u.params])
         try:
             with saved:
@@ -242,9 +271,9 @@ class Stage3Engine(Engine):
             return {}
         ordered = {}
         param_ids = {id(p) for p in self.model.parameters()}
-        with self.state_dict_hooks.raw():   # torch's keys and order, the model's own objects
+        with self.state_dict_hooks.raw():  # torch's keys and order, the model's own objects
             entries = self.model.state_dict(keep_vars=True)
-        for k, v in entries.items():   # model.state_dict() key order
+        for k, v in entries.items():  # model.state_dict() key order
             if k in out:
                 ordered[k] = out[k]
             elif keep is None and id(v) not in param_ids:
@@ -262,8 +291,9 @@ class Stage3Engine(Engine):
                 continue
             value = state_dict[key]
             if tuple(value.shape) != sp.shape:
-                raise ValueError(f"zp.load_full_state_dict: {key!r} has shape {tuple(value.shape)}, the model "
-                                 f"expects {sp.shape}")
+                raise ValueError(
+                    f"zp.load_full_state_dict: {key!r} has shape {tuple(value.shape)}, the model expects {sp.shape}"
+                )
         if strict and missing:
             raise ValueError(f"zp.load_full_state_dict: missing keys {missing[:5]}; pass strict=False to skip them")
         masters = {id(s.param): s for s in self.slots if not s.is_identity}

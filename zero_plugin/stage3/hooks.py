@@ -56,6 +56,7 @@ carries zeros); prefetches follow the same list.  Gathers in that list need no o
 gathered again in the same backward (entered twice) is checked.  In the usual case backward arrives in
 list order and nothing extra happens.
 """
+
 from __future__ import annotations
 
 import functools
@@ -81,7 +82,7 @@ def prefetch_span(order: list, unit, depth: int) -> list:
     if not depth or unit not in order:
         return []
     i = order.index(unit)
-    return order[i + 1: i + 1 + depth]
+    return order[i + 1 : i + 1 + depth]
 
 
 def _in_backward() -> bool:
@@ -103,25 +104,26 @@ class _PostBackward(torch.autograd.Function):
 
 
 class Stage3Runtime:
-    def __init__(self, units: list[Unit], prefetch_depth: int, reshard_after_forward: bool,
-                 trim_heap: bool = False) -> None:
+    def __init__(
+        self, units: list[Unit], prefetch_depth: int, reshard_after_forward: bool, trim_heap: bool = False
+    ) -> None:
         self.units = units
-        self.trim_heap = trim_heap   # [Note: heap trimming] in hostmem.py (CPU only)
+        self.trim_heap = trim_heap  # [Note: heap trimming] in hostmem.py (CPU only)
         self.root = units[0]
         self.prefetch_depth = prefetch_depth
         self.reshard_after_forward = reshard_after_forward
         self.forward_order: list[Unit] = []
         self._recording: list[Unit] = []
-        self.guard = OrderGuard(self.root.comm, units)   # [Note: collective order]
+        self.guard = OrderGuard(self.root.comm, units)  # [Note: collective order]
         for unit in units:
             unit.guard = self.guard
         self.schedule = ReductionSchedule(self._launch_reduce, self._complete_reduce, _MAX_INFLIGHT_REDUCES)
         self.schedule.start(self._reduce_order())
-        self._backward_order: list[Unit] = []   # [Note: backward gather order]
+        self._backward_order: list[Unit] = []  # [Note: backward gather order]
         self._backward_cursor = 0
         self._outputs_need_grad: set[Unit] = set()
         self._late: list[Unit] = []
-        self.after_backward = lambda: None   # the engine's: [Note: per-step state] in engine.py
+        self.after_backward = lambda: None  # the engine's: [Note: per-step state] in engine.py
         self._callback_queued = False
         self.require_sync = True
         self._root_depth = 0
@@ -135,13 +137,15 @@ class Stage3Runtime:
         for unit in self.units:
             m = unit.module
             if unit is not self.root:
-                self._handles.append(m.register_forward_pre_hook(functools.partial(self.pre_forward, unit),
-                                                                 with_kwargs=True))
+                self._handles.append(
+                    m.register_forward_pre_hook(functools.partial(self.pre_forward, unit), with_kwargs=True)
+                )
                 self._handles.append(m.register_forward_hook(functools.partial(self.post_forward, unit)))
             for sp in unit.trainable:
                 self._handles.append(sp.param.register_hook(WeakHook(self.pre_accumulate, unit, sp)))
-                self._handles.append(sp.param.register_post_accumulate_grad_hook(
-                    WeakHook(self.post_accumulate, unit, sp)))
+                self._handles.append(
+                    sp.param.register_post_accumulate_grad_hook(WeakHook(self.post_accumulate, unit, sp))
+                )
 
     def remove(self) -> None:
         for h in self._handles:
@@ -158,7 +162,7 @@ class Stage3Runtime:
         self._root_depth += 1
         if self._root_depth == 1:
             return self.pre_forward(self.root, module, args, kwargs)
-        self.root.ensure_unsharded()   # a nested entry: the root is gathered already
+        self.root.ensure_unsharded()  # a nested entry: the root is gathered already
         return args, kwargs
 
     def _root_post(self, module, args, output):
@@ -179,7 +183,7 @@ class Stage3Runtime:
             elif unit not in self._recording:
                 self._recording.append(unit)
             if unit.holds_gathered:
-                self.guard.entered(unit)   # [Note: collective order]: checked at the next entry
+                self.guard.entered(unit)  # [Note: collective order]: checked at the next entry
             else:
                 self.guard.settle()
         unit.pre_forward()
@@ -194,25 +198,25 @@ class Stage3Runtime:
         if grad:
             self._hook_outputs(unit, output)
         if _in_backward():
-            return None   # recomputation (activation checkpointing): backward needs the unit
+            return None  # recomputation (activation checkpointing): backward needs the unit
         if unit is self.root:
             self.forward_order = list(self._recording)
-            if grad:   # the reverse of this order is the order of the reductions: every rank must agree
+            if grad:  # the reverse of this order is the order of the reductions: every rank must agree
                 needed = self.guard.end_of_forward(self.forward_order, self._outputs_need_grad)
                 self.schedule.start(self._reduce_order())
                 self._backward_order = [u for u in reversed(self.forward_order) if u in needed]
                 self._backward_cursor = 0
             else:
-                self.guard.settle()   # [Note: collective order]: every entry of this forward compared
+                self.guard.settle()  # [Note: collective order]: every entry of this forward compared
             for other in self.units[1:]:
                 if other.holds_gathered:
                     other.post_forward(grad, self.reshard_after_forward, self._needed_first(other))
-            self.root.post_forward(grad, self.reshard_after_forward, needed_first=True)   # [Note: root unit]
+            self.root.post_forward(grad, self.reshard_after_forward, needed_first=True)  # [Note: root unit]
             if self.trim_heap:
                 trim_host_heap()
         elif unit.post_forward(grad, self.reshard_after_forward, self._needed_first(unit)):
             if self.trim_heap and grad:
-                trim_host_heap()   # the activations kept for backward grow around freed units
+                trim_host_heap()  # the activations kept for backward grow around freed units
         return None
 
     def _needed_first(self, unit: Unit) -> bool:
@@ -252,11 +256,11 @@ class Stage3Runtime:
         backward, every unit left): [Note: backward gather order]."""
         order = self._backward_order
         position = len(order) if unit is None else order.index(unit) if unit in order else -1
-        if position < self._backward_cursor:   # outside the list, or a second gather in this backward
+        if position < self._backward_cursor:  # outside the list, or a second gather in this backward
             if unit is not None:
                 unit.ensure_unsharded()
             return
-        for listed in order[self._backward_cursor:position + 1]:
+        for listed in order[self._backward_cursor : position + 1]:
             listed.ensure_unsharded(checked=False)
         self._backward_cursor = position + 1
 
@@ -267,15 +271,16 @@ class Stage3Runtime:
                 f"zero_plugin: stage-3 parameter {sp.name!r} (shape {list(sp.shape)}) was used outside the forward "
                 f"of its unit {unit.name!r}, where it holds only this rank's 1-D shard (its gradient has shape "
                 f"{list(grad.shape)}); wrap that use in `with zp.gathered_parameters([param], model=model):` to "
-                f"compute on the full parameter")
-        if sp.state is ShardedState.SHARDED:   # from a gathered_parameters block, after its unit resharded
+                f"compute on the full parameter"
+            )
+        if sp.state is ShardedState.SHARDED:  # from a gathered_parameters block, after its unit resharded
             sp.lend_full_shape()
 
     def post_accumulate(self, unit: Unit, sp: ShardedParam, param: torch.Tensor) -> None:
         sp.end_lend()
         self._queue_final_callback()
         if unit.reduce_launched:
-            if unit not in self._late:   # a second gradient for a param in one backward
+            if unit not in self._late:  # a second gradient for a param in one backward
                 self._late.append(unit)
         elif unit.mark_ready(param):
             self.schedule.mark_ready(unit)
@@ -307,7 +312,7 @@ class Stage3Runtime:
     @torch.no_grad()
     def finalize_backward(self) -> None:
         self._callback_queued = False
-        self._backward_gather(None)   # gathers this rank's backward did not reach, as its peers' did
+        self._backward_gather(None)  # gathers this rank's backward did not reach, as its peers' did
         late, self._late = self._late, []
         self.schedule.end_backward(late, self.guard)
         self.after_backward()

@@ -18,6 +18,7 @@ model can later be set up for training: ``zp.setup(model, optimizer, config)`` o
 model first gathers its parameters back into full tensors (``InferenceEngine.release_full``; every
 rank then holds the full model once, as before the first setup) and shards it again for training.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,7 +36,7 @@ __all__ = ["InferenceEngine", "InferenceRuntime"]
 class InferenceRuntime(Stage3Runtime):
     """Forward hooks only: gather a unit before its forward, release it after ([Note: evaluation-only models])."""
 
-    _outer_grad: bool | None = None   # grad mode of the caller of the outermost entry, restored on exit
+    _outer_grad: bool | None = None  # grad mode of the caller of the outermost entry, restored on exit
 
     def register(self) -> None:
         for m in self._root_entries():
@@ -43,8 +44,9 @@ class InferenceRuntime(Stage3Runtime):
             self._handles.append(m.register_forward_hook(self._root_post, always_call=True))
         for unit in self.units[1:]:
             m = unit.module
-            self._handles.append(m.register_forward_pre_hook(functools.partial(self.pre_forward, unit),
-                                                             with_kwargs=True))
+            self._handles.append(
+                m.register_forward_pre_hook(functools.partial(self.pre_forward, unit), with_kwargs=True)
+            )
             self._handles.append(m.register_forward_hook(functools.partial(self.post_forward, unit)))
 
     def _root_pre(self, module, args, kwargs):
@@ -57,7 +59,7 @@ class InferenceRuntime(Stage3Runtime):
         return super()._root_pre(module, args, kwargs)
 
     def _root_post(self, module, args, output):
-        if self._outer_grad is None:   # the entry was refused before anything was gathered
+        if self._outer_grad is None:  # the entry was refused before anything was gathered
             return None
         try:
             return super()._root_post(module, args, output)
@@ -75,7 +77,8 @@ def _refuse_inputs_needing_grad(module: nn.Module, args, kwargs) -> None:
                 f"optimizer), so its forward runs without autograd (each block's weights are released after its "
                 f"forward), but an input of shape {tuple(t.shape)} requires grad; a gradient could not flow back "
                 f"through the model. Detach the inputs (or call it under torch.no_grad()), or set the model up for "
-                f"training with zp.setup(model, optimizer, config)")
+                f"training with zp.setup(model, optimizer, config)"
+            )
 
 
 class InferenceEngine(Stage3Engine):

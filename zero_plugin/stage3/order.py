@@ -24,6 +24,7 @@ exchange the names of the units they ran and raise one error naming the units no
 Cost: host-only exchanges of (3 + units) float64, one per unit entered, one per forward and one per
 backward (``benchmarks/results/ab-blocks34m.md`` for the measured effect on step time).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
@@ -36,9 +37,9 @@ if TYPE_CHECKING:
 __all__ = ["OrderGuard"]
 
 _GATHER, _FORWARD_END, _LATE = 1.0, 2.0, 3.0
-STATE_DICT, LOAD_STATE_DICT = 11.0, 12.0   # sent by stage3/state_dict_hooks.py in the guard's message format
-_HEAD = 3   # kind, value, fingerprint; then one element per unit
-_MODULUS, _BASE = 2_147_483_647, 1_000_003   # fingerprint mod a prime < 2**31: exact in float64
+STATE_DICT, LOAD_STATE_DICT = 11.0, 12.0  # sent by stage3/state_dict_hooks.py in the guard's message format
+_HEAD = 3  # kind, value, fingerprint; then one element per unit
+_MODULUS, _BASE = 2_147_483_647, 1_000_003  # fingerprint mod a prime < 2**31: exact in float64
 
 
 class OrderGuard:
@@ -47,44 +48,46 @@ class OrderGuard:
     Every message has the same length (3 + one element per unit), so a rank at another point of the
     protocol is reported, not paired with a collective of another size."""
 
-    def __init__(self, comm: Comm, units: Sequence["Unit"]) -> None:
+    def __init__(self, comm: Comm, units: Sequence[Unit]) -> None:
         self.comm = comm
         self.units = list(units)
         self.active = comm.world_size > 1 and comm.backend != "fake"
-        self.recording: list["Unit"] = []   # the units this rank ran in the current forward (runtime's list)
-        self._pending: list = []            # asynchronous comparisons not checked yet
+        self.recording: list[Unit] = []  # the units this rank ran in the current forward (runtime's list)
+        self._pending: list = []  # asynchronous comparisons not checked yet
         comm.open_control_channel()
 
-    def before_gather(self, unit: "Unit") -> None:
+    def before_gather(self, unit: Unit) -> None:
         """Blocking: ``unit`` is about to be gathered on demand."""
         if self.active:
             self.settle()
             self._agree(self._message(_GATHER, unit.index), f"order check before gathering unit {unit.name!r}")
 
-    def entered(self, unit: "Unit") -> None:
+    def entered(self, unit: Unit) -> None:
         """``unit`` was entered already gathered: compare asynchronously, checked by :meth:`settle`."""
         if self.active:
-            self.settle()   # at most one comparison in flight: an error path finds no other one pending
-            self._pending.append(self.comm.control_start(self._message(_GATHER, unit.index),
-                                                         f"order check of unit {unit.name!r}"))
+            self.settle()  # at most one comparison in flight: an error path finds no other one pending
+            self._pending.append(
+                self.comm.control_start(self._message(_GATHER, unit.index), f"order check of unit {unit.name!r}")
+            )
 
     def settle(self) -> None:
         """Check every asynchronous comparison issued so far (each rank calls it at the same points)."""
         while self._pending:
             self._check(self.comm.control_finish(self._pending.pop(0)))
 
-    def end_of_forward(self, order: Sequence["Unit"], backward: set["Unit"]) -> set["Unit"]:
+    def end_of_forward(self, order: Sequence[Unit], backward: set[Unit]) -> set[Unit]:
         """Check the forward's order; returns the units whose outputs need a gradient on *any* rank
         ([Note: backward gather order] in hooks.py)."""
         if not self.active:
             return set(backward)
         self.settle()
-        seen = self._agree(self._message(_FORWARD_END, len(order), _fingerprint(order), backward),
-                           "order check after the forward")
+        seen = self._agree(
+            self._message(_FORWARD_END, len(order), _fingerprint(order), backward), "order check after the forward"
+        )
         return {u for u in self.units if any(m[_HEAD + u.index] for m in seen)}
 
     # -- late gradients: a LateAgreement ([Note: rank-agreed reduction order] in grads/schedule.py) ----------
-    def start(self, order: Sequence["Unit"], late: Sequence["Unit"]):
+    def start(self, order: Sequence[Unit], late: Sequence[Unit]):
         """Issue the agreement on the units any rank got late gradients for; read by :meth:`finish`."""
         if not self.active:
             return set(late)
@@ -114,8 +117,10 @@ class OrderGuard:
         return seen
 
     def _raise(self, seen: list[tuple[float, ...]]) -> None:
-        ran = [[self.units[i].name for i in indices]   # every rank is here: the same list told them all
-               for indices in self.comm.control_objects([u.index for u in self.recording])]
+        ran = [
+            [self.units[i].name for i in indices]  # every rank is here: the same list told them all
+            for indices in self.comm.control_objects([u.index for u in self.recording])
+        ]
         everywhere = set.intersection(*(set(r) for r in ran))
         uneven = sorted({name for r in ran for name in r} - everywhere)
         doing = "; ".join(f"rank {r} {self._describe(m)}" for r, m in enumerate(seen))
@@ -141,7 +146,7 @@ class OrderGuard:
         return "ends its backward"
 
 
-def _fingerprint(order: Sequence["Unit"]) -> float:
+def _fingerprint(order: Sequence[Unit]) -> float:
     value = 0
     for unit in order:
         value = (value * _BASE + unit.index + 1) % _MODULUS

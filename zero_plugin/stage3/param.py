@@ -29,6 +29,7 @@ gradient is reduced as a late one.  Not caught: a 1-element parameter at world s
 shard has the full shape).  Autograd drops an accumulator only when the dtype or device of
 ``.data`` changes, hence the swap through a 0-element tensor of another dtype.
 """
+
 from __future__ import annotations
 
 import enum
@@ -43,18 +44,36 @@ __all__ = ["ShardedParam", "ShardedState"]
 
 
 class ShardedState(enum.Enum):
-    SHARDED = "sharded"          # param.data is the local shard; unsharded storage is 0 bytes
-    UNSHARDED = "unsharded"      # param.data is the full tensor
+    SHARDED = "sharded"  # param.data is the local shard; unsharded storage is 0 bytes
+    UNSHARDED = "unsharded"  # param.data is the full tensor
 
 
 class ShardedParam:
     """Owns one parameter's local shard, its reusable unsharded storage and its shard gradient."""
 
-    __slots__ = ("param", "name", "layout", "shape", "local", "unsharded", "sharded_grad", "state", "lent", "__weakref__")
+    __slots__ = (
+        "param",
+        "name",
+        "layout",
+        "shape",
+        "local",
+        "unsharded",
+        "sharded_grad",
+        "state",
+        "lent",
+        "__weakref__",
+    )
 
-    def __init__(self, param: nn.Parameter, name: str, full: torch.Tensor, layout: ShardLayout,
-                 storage_dtype: torch.dtype, compute_dtype: torch.dtype,
-                 storage_device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        param: nn.Parameter,
+        name: str,
+        full: torch.Tensor,
+        layout: ShardLayout,
+        storage_dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+        storage_device: torch.device | None = None,
+    ) -> None:
         self.param = param
         self.name = name
         self.layout = layout
@@ -66,7 +85,7 @@ class ShardedParam:
         self._free_unsharded()
         self.sharded_grad: torch.Tensor | None = None
         self.state = ShardedState.SHARDED
-        self.lent = False   # param.data lent the full shape for one accumulation: lend_full_shape
+        self.lent = False  # param.data lent the full shape for one accumulation: lend_full_shape
         self._set_data(self.local)
 
     # -- transitions ----------------------------------------------------------
@@ -126,7 +145,7 @@ class ShardedParam:
         host (offload_params) without blocking ([Note: asynchronous host copies] in optim/offload.py)."""
         to_device(dst[: self.local.numel()], self.local)
         if self.local.numel() < dst.numel():
-            dst[self.local.numel():].zero_()
+            dst[self.local.numel() :].zero_()
 
     @torch.no_grad()
     def write_full_into_local(self, full: torch.Tensor) -> None:
@@ -137,7 +156,8 @@ class ShardedParam:
         if self.sharded_grad is None:
             # To the host (offload_params): non-blocking into pinned memory, complete after the engine's
             # synchronize_copies ([Note: asynchronous host copies] in optim/offload.py).
-            self.sharded_grad = reduced.to(device=self.local.device, dtype=self.local.dtype, copy=True,
-                                           non_blocking=True)
-        else:   # accumulation on the host reads the copy at once: a blocking copy
+            self.sharded_grad = reduced.to(
+                device=self.local.device, dtype=self.local.dtype, copy=True, non_blocking=True
+            )
+        else:  # accumulation on the host reads the copy at once: a blocking copy
             self.sharded_grad.add_(reduced.to(device=self.local.device, dtype=self.local.dtype))

@@ -20,6 +20,7 @@ and optimizer state stay partitioned, but they are gathered once per step in one
 collectives for a memory cost of at most ``threshold`` elements per such parameter held unsharded
 during the step (e.g. 2 norm weights x hidden per decoder layer).
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -28,7 +29,7 @@ from ..config import ZeroConfig
 
 __all__ = ["assign_units", "LEAF_UNIT_MIN_NUMEL"]
 
-LEAF_UNIT_MIN_NUMEL = 1 << 20   # see [Note: leaf units]
+LEAF_UNIT_MIN_NUMEL = 1 << 20  # see [Note: leaf units]
 
 
 def _no_split_names(model: nn.Module) -> set[str]:
@@ -62,7 +63,7 @@ def assign_units(model: nn.Module, config: ZeroConfig) -> tuple[list[tuple[str, 
     owner: dict[int, int] = {}
 
     def visit(module: nn.Module, prefix: str, current: int) -> None:
-        for pname, p in module.named_parameters(recurse=False):
+        for _pname, p in module.named_parameters(recurse=False):
             if p is None:
                 continue
             previous = owner.get(id(p))
@@ -80,10 +81,10 @@ def assign_units(model: nn.Module, config: ZeroConfig) -> tuple[list[tuple[str, 
     visit(model, "", 0)
     if config.unit_classes and len(units) == 1:
         _no_unit_matched(model, config.unit_classes)
-    if config.unit_policy is None:   # the default blocks or unit_classes; a custom policy decides alone
+    if config.unit_policy is None:  # the default blocks or unit_classes; a custom policy decides alone
         _split_leaf_units(model, units, owner)
     if config.persistence_threshold:
-        for p in model.parameters():   # [Note: persistent parameters]
+        for p in model.parameters():  # [Note: persistent parameters]
             if p.numel() <= config.persistence_threshold:
                 owner[id(p)] = 0
     return units, owner
@@ -98,7 +99,8 @@ def _no_unit_matched(model: nn.Module, wanted: tuple) -> None:
         f"zp.setup: ZeroConfig.unit_classes={asked} matches no module of {type(model).__name__}, so the whole "
         f"model would be one stage-3 unit, gathered at once; its module classes are {present}. Pass the "
         "repeated block's class (e.g. the decoder layer), or leave unit_classes empty to use the model's "
-        "_no_split_modules")
+        "_no_split_modules"
+    )
 
 
 def _split_leaf_units(model: nn.Module, units: list[tuple[str, nn.Module]], owner: dict[int, int]) -> None:

@@ -15,6 +15,7 @@ user, on any stream, is then ordered after every earlier use ([Note: side stream
 ``zero_plugin/streams.py``).  Free blocks are kept per (dtype, device), at most ``max_free`` of them:
 the smallest is dropped beyond that.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,7 +35,7 @@ class BufferPool:
             block = blocks.pop(min(fitting, key=lambda i: blocks[i].numel()))
         else:
             if blocks and len(blocks) >= self.max_free:
-                blocks.pop(0)   # sorted ascending: drop the smallest rather than grow the pool
+                blocks.pop(0)  # sorted ascending: drop the smallest rather than grow the pool
             block = torch.empty(numel, dtype=dtype, device=device)
         return block[:numel]
 

@@ -37,6 +37,7 @@ key order) run inside :meth:`StateDictHooks.raw`.  A call abandoned by an except
 leaves a stale stack: the next call's first module is not below its top (in the live module tree), which
 starts a fresh call.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,13 @@ __all__ = ["StateDictHooks", "gather_to_host"]
 
 # Kinds of control messages, beside the order guard's 1-3 ([Note: collective order] in order.py).
 _SAVE, _LOAD = STATE_DICT, LOAD_STATE_DICT
-_KINDS = {1.0: "is in a forward (gathering a unit)", 2.0: "is ending a forward", 3.0: "is ending a backward",
-          _SAVE: "is in state_dict()", _LOAD: "is in load_state_dict()"}
+_KINDS = {
+    1.0: "is in a forward (gathering a unit)",
+    2.0: "is ending a forward",
+    3.0: "is ending a backward",
+    _SAVE: "is in state_dict()",
+    _LOAD: "is in load_state_dict()",
+}
 
 
 @torch.no_grad()
@@ -71,7 +77,7 @@ def gather_to_host(comm, source: torch.Tensor, sp: ShardedParam, device: torch.d
     padded = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=device)
     padded[: flat.numel()].copy_(flat)
     out = torch.empty(layout.padded_numel, dtype=flat.dtype, device=device)
-    comm.all_gather(out, padded, tag=f"state_dict {sp.name}")   # rank-major: the full tensor, then padding
+    comm.all_gather(out, padded, tag=f"state_dict {sp.name}")  # rank-major: the full tensor, then padding
     del padded
     if out.device.type == "cpu" and layout.padded_numel == layout.numel:
         return out.view(sp.shape)
@@ -85,18 +91,18 @@ class _Call:
         self.kind, self.verb = kind, verb
         self.stack: list[nn.Module] = []
         self.keep_vars = False
-        self.values: dict[int, torch.Tensor | None] = {}   # id(param) -> its full value (tied keys share it)
+        self.values: dict[int, torch.Tensor | None] = {}  # id(param) -> its full value (tied keys share it)
 
 
 class StateDictHooks:
     """The four module hooks of [Note: stage-3 state dicts], on every module of one stage-3 model."""
 
-    def __init__(self, engine: "Stage3Engine") -> None:
+    def __init__(self, engine: Stage3Engine) -> None:
         self.engine = engine
         self.raw_depth = 0
         self._save = _Call(_SAVE, "state_dict")
         self._load = _Call(_LOAD, "load_state_dict")
-        self._masters: dict[int, torch.Tensor] = {}   # separate fp32 masters, taken at the start of each call
+        self._masters: dict[int, torch.Tensor] = {}  # separate fp32 masters, taken at the start of each call
         # id(module) of the modules with a sharded parameter at or below them
         self._covers = {id(m) for m in engine.model.modules() if any(id(p) in engine.sharded for p in m.parameters())}
         self._keys_only = _peft_modules_to_save(engine.model)
@@ -107,10 +113,19 @@ class StateDictHooks:
         for module in self.engine.model.modules():
             self._handles += [
                 module.register_state_dict_pre_hook(functools.partial(StateDictHooks._pre_save, self)),
-                _register(module, "register_state_dict_post_hook", "_register_state_dict_hook",
-                          functools.partial(StateDictHooks._post_save, self)),
-                _register(module, "register_load_state_dict_pre_hook", "_register_load_state_dict_pre_hook",
-                          functools.partial(StateDictHooks._pre_load, self), with_module=True),
+                _register(
+                    module,
+                    "register_state_dict_post_hook",
+                    "_register_state_dict_hook",
+                    functools.partial(StateDictHooks._post_save, self),
+                ),
+                _register(
+                    module,
+                    "register_load_state_dict_pre_hook",
+                    "_register_load_state_dict_pre_hook",
+                    functools.partial(StateDictHooks._pre_load, self),
+                    with_module=True,
+                ),
                 module.register_load_state_dict_post_hook(functools.partial(StateDictHooks._post_load, self)),
             ]
 
@@ -173,19 +188,29 @@ class StateDictHooks:
         return value
 
     # -- load_state_dict ----------------------------------------------------------------------------------------
-    def _pre_load(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
-                  missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    def _pre_load(
+        self,
+        module: nn.Module,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list,
+        unexpected_keys: list,
+        error_msgs: list,
+    ) -> None:
         if not self._enter(self._load, module):
             return
         for name, p in module._parameters.items():
             sp = self.engine.sharded.get(id(p)) if p is not None else None
             key = prefix + name
             if sp is None or not isinstance(state_dict.get(key), torch.Tensor):
-                continue   # missing and unexpected keys: torch's own handling
+                continue  # missing and unexpected keys: torch's own handling
             if local_metadata.get("assign_to_params_buffers", False):
                 raise ValueError(
                     f"load_state_dict(assign=True) is not supported at stage 3 ({key!r}): it would replace the "
-                    "parameter objects zero_plugin shards; call load_state_dict(state_dict) without assign")
+                    "parameter objects zero_plugin shards; call load_state_dict(state_dict) without assign"
+                )
             state_dict[key] = self._region_to_load(sp, state_dict[key], key, error_msgs)
 
     @torch.no_grad()
@@ -193,16 +218,18 @@ class StateDictHooks:
         """What torch should copy into ``param`` (whose data is this rank's shard, or the full tensor while
         its unit is gathered); the master, if separate, takes its region here."""
         if tuple(value.shape) != sp.shape:
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {value.shape} from "
-                              f"checkpoint, the shape in current model is {torch.Size(sp.shape)}.")
-            return sp.param.detach()   # nothing to copy: torch's copy of the parameter onto itself
+            error_msgs.append(
+                f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                f"checkpoint, the shape in current model is {torch.Size(sp.shape)}."
+            )
+            return sp.param.detach()  # nothing to copy: torch's copy of the parameter onto itself
         region = sp.layout.local_view(value.detach().reshape(-1))
         master = self._masters.get(id(sp.param))
         if master is not None:
             master.copy_(region.reshape(master.shape))
         if sp.state is ShardedState.UNSHARDED and not sp.lent:
             sp.write_full_into_local(value)
-            return value   # torch copies it into the gathered full tensor
+            return value  # torch copies it into the gathered full tensor
         return region
 
     def _post_load(self, module: nn.Module, incompatible_keys) -> None:
@@ -217,13 +244,13 @@ class StateDictHooks:
         if self.raw_depth:
             return False
         if call.stack and not _strictly_inside(module, call.stack[-1]):
-            call.stack.clear()   # a call abandoned by an exception: this is a new one
+            call.stack.clear()  # a call abandoned by an exception: this is a new one
             call.values.clear()
         if not call.stack:
             if id(module) not in self._covers:
                 return False
             if call is self._save and id(module) in self._keys_only:
-                return False   # PEFT reads only the keys here, on the main process alone: _peft_modules_to_save
+                return False  # PEFT reads only the keys here, on the main process alone: _peft_modules_to_save
             self._agree(call)
             self._masters = {id(s.param): s.master for s in self.engine.slots if not s.is_identity}
         call.stack.append(module)
@@ -236,24 +263,27 @@ class StateDictHooks:
             return
         guard.settle()
         comm = self.engine.comm
-        message = (call.kind, 0.0, 0.0) + (0.0,) * len(guard.units)   # the guard's message length
+        message = (call.kind, 0.0, 0.0) + (0.0,) * len(guard.units)  # the guard's message length
         try:
             seen = comm.control_exchange(message, f"agreement on {call.verb}()")
         except RuntimeError as exc:
             raise RuntimeError(self._alone_message(call, exc)) from exc
         if any(m[:3] != message[:3] for m in seen):
-            comm.control_objects([])   # a peer in the order guard lists the units it ran: answer it, none here
+            comm.control_objects([])  # a peer in the order guard lists the units it ran: answer it, none here
             doing = "; ".join(f"rank {r} {_KINDS.get(m[0], 'is elsewhere')}" for r, m in enumerate(seen))
             raise RuntimeError(
                 f"zero_plugin stage 3: {call.verb}() was called on some ranks only ({doing}). {call.verb}() of "
-                f"a stage-3 model is collective: {_FIX}")
+                f"a stage-3 model is collective: {_FIX}"
+            )
 
     def _alone_message(self, call: _Call, exc: Exception) -> str:
         comm = self.engine.comm
-        return (f"zero_plugin stage 3: rank {comm.rank} called {call.verb}() but not every rank did within "
-                f"ZeroConfig.timeout_s={self.engine.config.timeout_s:g} s ({exc.__cause__ or exc}). "
-                f"{call.verb}() of a stage-3 model is collective (it gathers or updates the sharded "
-                f"parameters): {_FIX}")
+        return (
+            f"zero_plugin stage 3: rank {comm.rank} called {call.verb}() but not every rank did within "
+            f"ZeroConfig.timeout_s={self.engine.config.timeout_s:g} s ({exc.__cause__ or exc}). "
+            f"{call.verb}() of a stage-3 model is collective (it gathers or updates the sharded "
+            f"parameters): {_FIX}"
+        )
 
 
 def _register(module: nn.Module, public: str, private: str, hook, **private_kwargs):
@@ -268,10 +298,12 @@ def _strictly_inside(module: nn.Module, ancestor: nn.Module) -> bool:
     return module is not ancestor and any(m is module for m in ancestor.modules())
 
 
-_FIX = ("call it on every rank at the same point, e.g. outside `if is_main_process:` -- save_pretrained("
-        "..., is_main_process=...) is called on every rank and writes on the main one; set ZeroConfig("
-        "state_dict_rank0_only=True) to keep the gathered result on rank 0 only, or use zp.full_state_dict("
-        "model) (also on every rank).")
+_FIX = (
+    "call it on every rank at the same point, e.g. outside `if is_main_process:` -- save_pretrained("
+    "..., is_main_process=...) is called on every rank and writes on the main one; set ZeroConfig("
+    "state_dict_rank0_only=True) to keep the gathered result on rank 0 only, or use zp.full_state_dict("
+    "model) (also on every rank)."
+)
 
 
 def _peft_modules_to_save(model: nn.Module) -> set[int]:

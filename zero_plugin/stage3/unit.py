@@ -29,6 +29,7 @@ In the buffered layout every all-gather also carries its unit's index (``_TAG`` 
 rank), a second line of defence behind [Note: collective order] (``order.py``) that costs nothing extra on
 the wire: a rank that receives another unit's index raises instead of computing on mixed weights.
 """
+
 from __future__ import annotations
 
 import enum
@@ -45,14 +46,14 @@ from .pool import BufferPool
 
 __all__ = ["Unit", "TrainingState"]
 
-_TAG = 2   # elements appended to each rank's all-gather input: the unit's index ([Note: gather tag])
+_TAG = 2  # elements appended to each rank's all-gather input: the unit's index ([Note: gather tag])
 
 
 class TrainingState(enum.Enum):
     """Where this backward is for one unit ([Note: unit transitions])."""
 
-    IDLE = "idle"                    # no backward of this unit in flight
-    PRE_BACKWARD = "pre_backward"    # gathered for backward, gradients pending
+    IDLE = "idle"  # no backward of this unit in flight
+    PRE_BACKWARD = "pre_backward"  # gathered for backward, gradients pending
     POST_BACKWARD = "post_backward"  # the unit's backward ops finished (inputs' grads computed)
 
 
@@ -66,9 +67,17 @@ _LEGAL = {
 
 
 class Unit:
-    def __init__(self, index: int, name: str, module: nn.Module, params: list[ShardedParam],
-                 comm: Comm, reduce_dtype: torch.dtype | None, pool: BufferPool | None = None,
-                 streams: StreamSet = NO_STREAMS) -> None:
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        module: nn.Module,
+        params: list[ShardedParam],
+        comm: Comm,
+        reduce_dtype: torch.dtype | None,
+        pool: BufferPool | None = None,
+        streams: StreamSet = NO_STREAMS,
+    ) -> None:
         self.index = index
         self.name = name
         self.module = module
@@ -78,22 +87,22 @@ class Unit:
         # [Note: reductions on their own group]: set by the engine; the gathers' group until then
         self.reduce_comm = comm
         self.reduce_dtype = reduce_dtype
-        self.pool = pool if pool is not None else BufferPool()   # [Note: buffer reuse]
-        self.streams = streams   # [Note: side streams]
+        self.pool = pool if pool is not None else BufferPool()  # [Note: buffer reuse]
+        self.streams = streams  # [Note: side streams]
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.ready: set[int] = set()          # id(param) of trainable params whose grad is final
-        self._reduced = False                 # this backward's reduce-scatter was launched
-        self._inputs_hooked = False           # a post-backward hook sits on this forward's inputs
+        self.ready: set[int] = set()  # id(param) of trainable params whose grad is final
+        self._reduced = False  # this backward's reduce-scatter was launched
+        self._inputs_hooked = False  # a post-backward hook sits on this forward's inputs
         self._gather: list[comm_layout.InPlaceGather | comm_layout.BufferedGather] = []
-        self.guard: OrderGuard | None = None   # set by the runtime: [Note: collective order]
+        self.guard: OrderGuard | None = None  # set by the runtime: [Note: collective order]
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, {self.state.value})"
 
     @property
     def is_root(self) -> bool:
-        return self.index == 0   # policy.assign_units: [Note: root unit] in hooks.py
+        return self.index == 0  # policy.assign_units: [Note: root unit] in hooks.py
 
     # -- transitions ([Note: unit transitions]) --------------------------------------
     def pre_forward(self) -> None:
@@ -149,8 +158,9 @@ class Unit:
         self.training_state = TrainingState.IDLE
 
     def _to(self, state: TrainingState) -> None:
-        assert state in _LEGAL[self.training_state], \
+        assert state in _LEGAL[self.training_state], (
             f"unit {self.name!r}: {self.training_state.value} -> {state.value} is not a transition"
+        )
         self.training_state = state
 
     # -- gather ---------------------------------------------------------------
@@ -183,7 +193,7 @@ class Unit:
             if not async_op:
                 self.wait_unshard()
             return
-        if checked and self.guard is not None:   # [Note: collective order]: nothing sent before ranks agree
+        if checked and self.guard is not None:  # [Note: collective order]: nothing sent before ranks agree
             self.guard.before_gather(self)
         if self.comm.gathers_regions_in_place:
             self._gather_in_place()
@@ -199,11 +209,20 @@ class Unit:
         self._gather.append(comm_layout.gather_in_place(self.comm, opened, flats, tag=self.name))
 
     def _gather_buffered(self) -> None:
-        with self.streams.gather():   # after the compute stream's writes to the shards (the last step)
+        with self.streams.gather():  # after the compute stream's writes to the shards (the last step)
             for dtype, group in _by_dtype(self.params, lambda sp: sp.unsharded.dtype).items():
-                self._gather.append(comm_layout.gather_buffered(
-                    self.comm, group, dtype, group[0].unsharded.device, ShardedParam.copy_local_into,
-                    self.pool, trailer=self._tag(), tag=self.name))
+                self._gather.append(
+                    comm_layout.gather_buffered(
+                        self.comm,
+                        group,
+                        dtype,
+                        group[0].unsharded.device,
+                        ShardedParam.copy_local_into,
+                        self.pool,
+                        trailer=self._tag(),
+                        tag=self.name,
+                    )
+                )
 
     @torch.no_grad()
     def wait_unshard(self) -> None:
@@ -212,7 +231,7 @@ class Unit:
             self._expose_in_place(pending[0])
         elif pending:
             self._copy_out(pending)
-        for sp in self.params:   # zero-size parameters take part in no collective
+        for sp in self.params:  # zero-size parameters take part in no collective
             if sp.layout.numel == 0 and sp.state is ShardedState.SHARDED:
                 sp.to_unsharded(torch.empty(self.comm.world_size, 0, dtype=sp.unsharded.dtype))
         self.state = ShardedState.UNSHARDED
@@ -243,7 +262,7 @@ class Unit:
     def _check_tags(self, tags: torch.Tensor) -> None:
         """[Note: gather tag]: every rank's trailing elements must be this unit's index."""
         if self.comm.backend == "fake":
-            return   # torch's fake process group (memory planning) moves no data
+            return  # torch's fake process group (memory planning) moves no data
         expected = torch.tensor(self._tag(), dtype=tags.dtype, device=tags.device)
         bad = [r for r in range(tags.shape[0]) if not torch.equal(tags[r], expected)]
         if bad:
@@ -252,7 +271,8 @@ class Unit:
                 f"zero_plugin stage 3: collective order diverged. This rank gathered unit {self.index} "
                 f"({self.name!r}) while rank(s) {bad} gathered unit(s) {got} at the same point. Every rank must "
                 "run the same blocks in the same order (a conditional branch that skips a block on some ranks?). "
-                "Run the block on every rank (e.g. multiply its output by 0) or exclude it from sharding.")
+                "Run the block on every rank (e.g. multiply its output by 0) or exclude it from sharding."
+            )
 
     def reshard(self) -> None:
         if self._gather:
@@ -276,14 +296,26 @@ class Unit:
         self._reduced = True
         groups = _by_dtype(self.trainable, lambda sp: self.reduce_dtype or sp.unsharded.dtype)
         if self.reduce_comm.gathers_regions_in_place:
-            return [comm_layout.reduce_in_place(self.reduce_comm, group, dtype, group[0].unsharded.device,
-                                                release_grads=True, tag=self.name)
-                    for dtype, group in groups.items()]
-        with self.streams.reduce():   # after the compute stream's backward wrote the gradients
-            return [comm_layout.reduce_buffered(self.reduce_comm, group, dtype, group[0].unsharded.device,
-                                                release_grads=True, buffers=self.pool, streams=self.streams,
-                                                tag=self.name)
-                    for dtype, group in groups.items()]
+            return [
+                comm_layout.reduce_in_place(
+                    self.reduce_comm, group, dtype, group[0].unsharded.device, release_grads=True, tag=self.name
+                )
+                for dtype, group in groups.items()
+            ]
+        with self.streams.reduce():  # after the compute stream's backward wrote the gradients
+            return [
+                comm_layout.reduce_buffered(
+                    self.reduce_comm,
+                    group,
+                    dtype,
+                    group[0].unsharded.device,
+                    release_grads=True,
+                    buffers=self.pool,
+                    streams=self.streams,
+                    tag=self.name,
+                )
+                for dtype, group in groups.items()
+            ]
 
     @torch.no_grad()
     def complete_reduce(self, pending: comm_layout.InPlaceReduce | comm_layout.BufferedReduce) -> None:
@@ -296,4 +328,3 @@ def _by_dtype(params: list[ShardedParam], key) -> dict[torch.dtype, list[Sharded
         if sp.layout.numel:
             groups.setdefault(key(sp), []).append(sp)
     return groups
-

@@ -5,6 +5,7 @@ epoch 1, epoch 2, then ``load_state`` and epoch 2 again (the replay must repeat 
 Rank 0 writes losses and state dicts to --out.  ``--memory_report`` (zero_plugin runs only) adds
 each rank's ``zp.memory_report`` taken after the last backward, before the step.
 """
+
 import argparse
 import json
 import os
@@ -50,8 +51,16 @@ def main():
 
     accelerator = Accelerator(gradient_accumulation_steps=2)
     set_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     loader = DataLoader(make_dataset(), batch_size=4, shuffle=False)
@@ -82,11 +91,14 @@ def main():
     # Only to report which configuration reached the processes (absent under plain Accelerate).
     zero_config = getattr(accelerator, "zero_config", None)
     if accelerator.is_main_process:
-        info = {"epochs": epochs, "num_processes": accelerator.num_processes,
-                "distributed_type": str(accelerator.distributed_type),
-                "accelerator_class": f"{type(accelerator).__module__}.{type(accelerator).__qualname__}",
-                "model_class": type(model).__name__,
-                "zero_config": zero_config.to_dict() if zero_config is not None else None}
+        info = {
+            "epochs": epochs,
+            "num_processes": accelerator.num_processes,
+            "distributed_type": str(accelerator.distributed_type),
+            "accelerator_class": f"{type(accelerator).__module__}.{type(accelerator).__qualname__}",
+            "model_class": type(model).__name__,
+            "zero_config": zero_config.to_dict() if zero_config is not None else None,
+        }
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(info, f)
     accelerator.end_training()

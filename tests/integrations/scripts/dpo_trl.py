@@ -6,6 +6,7 @@ each rank records the bytes its reference model's parameters hold (unique storag
 OUT/result.json with the trainer's log history.  TRL prepares the reference model with
 ``accelerator.prepare_model(ref_model, evaluation_mode=True)`` (no DeepSpeed / FSDP here).
 """
+
 import argparse
 import json
 import os
@@ -42,9 +43,19 @@ def preferences(rows: int, seed: int) -> Dataset:
 
 def llama(vocab: int, seed: int) -> LlamaForCausalLM:
     set_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         use_cache=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -70,22 +81,51 @@ def main():
     set_seed(0)
     full_bytes = storage_bytes(reference)
     config = DPOConfig(
-        output_dir=args.out, per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=args.max_steps,
-        learning_rate=5e-3, beta=0.1, logging_steps=1, report_to=[], use_cpu=True, seed=0, save_strategy="no",
-        dataloader_num_workers=0, disable_tqdm=True, max_length=32,
+        output_dir=args.out,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        max_steps=args.max_steps,
+        learning_rate=5e-3,
+        beta=0.1,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        max_length=32,
     )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=config, train_dataset=preferences(32, seed=1),
-                         processing_class=tok, peft_config=lora)
+    trainer = DPOTrainer(
+        model=policy,
+        ref_model=reference,
+        args=config,
+        train_dataset=preferences(32, seed=1),
+        processing_class=tok,
+        peft_config=lora,
+    )
     trainer.train()
     rank = trainer.accelerator.process_index
     with open(os.path.join(args.out, f"memory-rank{rank}.json"), "w") as f:
-        json.dump({"ref_param_bytes": storage_bytes(trainer.ref_model), "ref_full_bytes": full_bytes,
-                   "ref_requires_grad": [p.requires_grad for p in trainer.ref_model.parameters()][:1]}, f)
+        json.dump(
+            {
+                "ref_param_bytes": storage_bytes(trainer.ref_model),
+                "ref_full_bytes": full_bytes,
+                "ref_requires_grad": [p.requires_grad for p in trainer.ref_model.parameters()][:1],
+            },
+            f,
+        )
     if trainer.is_world_process_zero():
         with open(os.path.join(args.out, "result.json"), "w") as f:
-            json.dump({"log_history": trainer.state.log_history, "world_size": config.world_size,
-                       "accelerator_class": type(trainer.accelerator).__module__}, f)
+            json.dump(
+                {
+                    "log_history": trainer.state.log_history,
+                    "world_size": config.world_size,
+                    "accelerator_class": type(trainer.accelerator).__module__,
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

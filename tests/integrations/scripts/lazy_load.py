@@ -5,6 +5,7 @@ Run under ``zero-plugin launch --stage 3`` by tests/integrations/test_lazy_load.
 before loading), the sizes it is judged against, losses, whether embeddings stay tied, and (rank 0)
 how far the saved-and-reloaded model's loss is from the trained one's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,7 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def batch(vocab: int, seed: int) -> torch.Tensor:
@@ -49,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     accelerator = Accelerator()
     set_seed(0)
-    import_model_code(args.lora)   # code, not weights: the growth measured below is tensors
+    import_model_code(args.lora)  # code, not weights: the growth measured below is tensors
     before = rss_bytes()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     if args.lora:
@@ -69,8 +70,13 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    result = {"growth": growth, **sizes, "meta_after_load": meta, "losses": losses,
-              "tied": inner.lm_head.weight is inner.model.embed_tokens.weight}
+    result = {
+        "growth": growth,
+        **sizes,
+        "meta_after_load": meta,
+        "losses": losses,
+        "tied": inner.lm_head.weight is inner.model.embed_tokens.weight,
+    }
     result["reload_loss_error"] = save_and_reload(args, accelerator, model, batch(vocab, 999))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{accelerator.process_index}.json"), "w") as f:
@@ -81,6 +87,7 @@ def main() -> None:
 def import_model_code(lora: bool) -> None:
     import transformers.modeling_utils  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
+
     if lora:
         import peft  # noqa: F401
 
@@ -91,16 +98,18 @@ def unit_sizes(model) -> dict:
 
     engine = engine_of(model, "lazy_load")
     units = [sum(sp.layout.numel * sp.param.element_size() for sp in u.params) for u in engine.units]
-    return {"model_bytes": sum(units), "shard_bytes": sum(sp.local.numel() * sp.local.element_size()
-                                                          for u in engine.units for sp in u.params),
-            "largest_unit_bytes": max(units)}
+    return {
+        "model_bytes": sum(units),
+        "shard_bytes": sum(sp.local.numel() * sp.local.element_size() for u in engine.units for sp in u.params),
+        "largest_unit_bytes": max(units),
+    }
 
 
 @torch.no_grad()
 def save_and_reload(args, accelerator, model, ids) -> float | None:
     """Collective: save the trained weights (adapter with LoRA), reload on rank 0, compare losses."""
     model.eval()
-    trained = model(input_ids=ids, labels=ids).loss.item()   # collective at stage 3
+    trained = model(input_ids=ids, labels=ids).loss.item()  # collective at stage 3
     state = accelerator.get_state_dict(model)
     saved = os.path.join(args.out, "saved")
     if accelerator.is_main_process:

@@ -10,6 +10,7 @@ with dropout; a validation loop runs too (stage-3 forwards without gradients).  
 the process's thread count before the Trainer starts and at exit, after the strategy's exit handler
 ([Note: gloo at interpreter exit] in ``integrations/_lightning_exit.py``): gloo's threads must be gone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,13 +22,13 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
+import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import zero_plugin.integrations.lightning  # noqa: E402,F401  (registers zero1 ... zero3_offload)
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-import lightning.pytorch as pl  # noqa: E402
-import zero_plugin.integrations.lightning  # noqa: E402,F401  (registers zero1 ... zero3_offload)
 from tests.models import MLP_IN, MLP_OUT, OddMLP  # noqa: E402
 
 
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--count-threads", action="store_true")
     args = parser.parse_args()
-    if args.count_threads:   # registered first, so it runs after every handler registered later
+    if args.count_threads:  # registered first, so it runs after every handler registered later
         before = _threads()
         atexit.register(lambda: print(f"THREADS before={before} at_exit={_threads()}", flush=True))
     warnings.simplefilter("ignore")
@@ -74,9 +75,18 @@ def main() -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     saver = pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=-1)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=args.strategy, max_epochs=2 if args.resume else 1,
-                         callbacks=[saver], logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, default_root_dir=args.ckpt_dir)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=args.strategy,
+        max_epochs=2 if args.resume else 1,
+        callbacks=[saver],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=args.ckpt_dir,
+    )
     ckpt = os.path.join(args.ckpt_dir, "epoch=0.ckpt") if args.resume else None
     trainer.fit(ShortRun(), ckpt_path=ckpt)
 

@@ -7,6 +7,7 @@ then the adapter saved the way transformers' examples save (every rank calls ``s
 
 Rank 0 writes the losses (the mean over processes) to OUT/losses.json; the adapter goes to OUT/adapter.
 """
+
 import argparse
 import json
 import os
@@ -27,8 +28,13 @@ def main():
     args = ap.parse_args()
 
     accelerator = Accelerator()
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_quant_storage=torch.bfloat16, bnb_4bit_compute_dtype=torch.float32)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_quant_storage=torch.bfloat16,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
     model = AutoModelForCausalLM.from_pretrained(args.base, quantization_config=quant, dtype=torch.float32)
     torch.manual_seed(0)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
@@ -45,9 +51,9 @@ def main():
         optimizer.step()
         optimizer.zero_grad()
         losses.append(accelerator.gather(loss.detach()).mean().item())
-    accelerator.unwrap_model(model).save_pretrained(os.path.join(args.out, "adapter"),
-                                                    is_main_process=accelerator.is_main_process,
-                                                    save_function=accelerator.save)
+    accelerator.unwrap_model(model).save_pretrained(
+        os.path.join(args.out, "adapter"), is_main_process=accelerator.is_main_process, save_function=accelerator.save
+    )
     if accelerator.is_main_process:
         with open(os.path.join(args.out, "losses.json"), "w") as f:
             json.dump(losses, f)

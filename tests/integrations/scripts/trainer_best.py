@@ -5,22 +5,30 @@ fixed per step (SCORES) so that checkpoint-2 is the best whatever the losses do.
 --resume.  At the end the Trainer loads the best checkpoint; the script then ``save_model``s to OUT/final.
 Rank 0 writes OUT/result.json (log history, best checkpoint, world size, accelerator module).
 """
+
 import argparse
 import json
 import os
 
+from trainer_lora import Sequences  # this folder is the script's sys.path[0]
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, set_seed
 
-from trainer_lora import Sequences   # this folder is the script's sys.path[0]
-
-SCORES = {1: 0.3, 2: 0.9, 3: 0.5, 4: 0.7}   # step -> eval_score; greater is better, so step 2 wins
+SCORES = {1: 0.3, 2: 0.9, 3: 0.5, 4: 0.7}  # step -> eval_score; greater is better, so step 2 wins
 
 
 def build_model():
     set_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -33,27 +41,49 @@ def main():
     args = ap.parse_args()
 
     training_args = TrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=4, per_device_eval_batch_size=4,
-        max_steps=args.max_steps, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1,
-        logging_steps=1, save_steps=1, eval_strategy="steps", eval_steps=1,
-        load_best_model_at_end=not args.no_load_best, metric_for_best_model="score", greater_is_better=True,
-        report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=args.out,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        max_steps=args.max_steps,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        warmup_steps=1,
+        logging_steps=1,
+        save_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        load_best_model_at_end=not args.no_load_best,
+        metric_for_best_model="score",
+        greater_is_better=True,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     trainer = None
 
     def compute_metrics(_prediction):
         return {"score": SCORES[trainer.state.global_step]}
 
-    trainer = Trainer(model=build_model(), args=training_args, train_dataset=Sequences(64, seed=1),
-                      eval_dataset=Sequences(8, seed=2), compute_metrics=compute_metrics,
-                      preprocess_logits_for_metrics=lambda logits, labels: logits[:, :1, :1])
+    trainer = Trainer(
+        model=build_model(),
+        args=training_args,
+        train_dataset=Sequences(64, seed=1),
+        eval_dataset=Sequences(8, seed=2),
+        compute_metrics=compute_metrics,
+        preprocess_logits_for_metrics=lambda logits, labels: logits[:, :1, :1],
+    )
     trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(os.path.join(args.out, "final"))
     if trainer.is_world_process_zero():
-        result = {"log_history": trainer.state.log_history, "global_step": trainer.state.global_step,
-                  "best_model_checkpoint": trainer.state.best_model_checkpoint,
-                  "world_size": training_args.world_size,
-                  "accelerator_class": type(trainer.accelerator).__module__}
+        result = {
+            "log_history": trainer.state.log_history,
+            "global_step": trainer.state.global_step,
+            "best_model_checkpoint": trainer.state.best_model_checkpoint,
+            "world_size": training_args.world_size,
+            "accelerator_class": type(trainer.accelerator).__module__,
+        }
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
 

@@ -5,6 +5,7 @@ resuming from --resume.  Then ``save_model`` to OUT/final, ``predict`` logits, a
 the saved adapter with ``PeftModel.from_pretrained`` into a freshly built base model.  Rank 0 writes
 OUT/result.json and OUT/logits.pt.
 """
+
 import argparse
 import json
 import os
@@ -31,8 +32,16 @@ class Sequences(Dataset):
 
 def base_model():
     set_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -47,14 +56,28 @@ def main():
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
     model = get_peft_model(base_model(), lora)
     training_args = TrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=4, per_device_eval_batch_size=4,
-        gradient_accumulation_steps=2, max_steps=args.max_steps, learning_rate=1e-2, max_grad_norm=0.15,
-        lr_scheduler_type="linear", warmup_steps=2, logging_steps=1, save_steps=args.save_steps,
-        eval_strategy="steps", eval_steps=args.save_steps, report_to=[], use_cpu=True, seed=0,
-        dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=args.out,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=args.max_steps,
+        learning_rate=1e-2,
+        max_grad_norm=0.15,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        logging_steps=1,
+        save_steps=args.save_steps,
+        eval_strategy="steps",
+        eval_steps=args.save_steps,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=Sequences(96, seed=1),
-                      eval_dataset=Sequences(16, seed=2))
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=Sequences(96, seed=1), eval_dataset=Sequences(16, seed=2)
+    )
     trainer.train(resume_from_checkpoint=args.resume)
     final = os.path.join(args.out, "final")
     trainer.save_model(final)
@@ -65,11 +88,15 @@ def main():
         with torch.no_grad():
             reloaded_logits = reloaded(input_ids=test.ids).logits
             base_logits = base_model()(input_ids=test.ids).logits
-        torch.save({"trained": logits, "reloaded": reloaded_logits, "base": base_logits},
-                   os.path.join(args.out, "logits.pt"))
-        result = {"log_history": trainer.state.log_history, "global_step": trainer.state.global_step,
-                  "world_size": training_args.world_size,
-                  "accelerator_class": type(trainer.accelerator).__module__}
+        torch.save(
+            {"trained": logits, "reloaded": reloaded_logits, "base": base_logits}, os.path.join(args.out, "logits.pt")
+        )
+        result = {
+            "log_history": trainer.state.log_history,
+            "global_step": trainer.state.global_step,
+            "world_size": training_args.world_size,
+            "accelerator_class": type(trainer.accelerator).__module__,
+        }
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
 
