@@ -36,6 +36,8 @@ opens it at the same point (setup).  One channel per group, shared by engines; l
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import threading
 from collections import defaultdict, deque
@@ -81,6 +83,30 @@ def physical_calls() -> dict[str, int]:
     gather as one broadcast per region."""
     with _LOCK:
         return dict(_PHYSICAL)
+
+
+# [Note: cached groups at exit]  The control channel and the stage-3 reduction group are made once per
+# (ranks, purpose) and cached here; the cache (and any engine still alive) keeps their gloo worker threads
+# running after a script's own ``dist.destroy_process_group()``.  A thread still alive when the interpreter
+# finalises now and then aborts a run that succeeded ("terminate called without an active exception", exit
+# -6: seen with ``examples/full_finetune.py`` under torchrun); engines the script no longer references but
+# that sit in reference cycles (a model and its engine) also keep the default group's threads alive through
+# the collectives' work handles they hold, until finalisation.  So the first Comm over more than one rank
+# registers an exit handler that drops the cache and collects those engines while the interpreter is still
+# whole, so that torch joins the threads.  ``release_groups()`` is the same, on demand
+# (the Lightning exit handler, ``run.py``'s teardown).
+_EXIT_HANDLER = [False]
+
+
+def _release_at_exit() -> None:
+    release_groups()
+    gc.collect()
+
+
+def _release_groups_at_exit() -> None:
+    if not _EXIT_HANDLER[0]:
+        _EXIT_HANDLER[0] = True
+        atexit.register(_release_at_exit)
 
 
 def release_groups() -> None:
@@ -169,6 +195,8 @@ class Comm:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
             self.backend = dist.get_backend(group)
+            if self.world_size > 1:
+                _release_groups_at_exit()   # [Note: cached groups at exit]
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
         self._in_place = regions_in_place(self.backend)  # [Note: in-place region gather]

@@ -42,7 +42,11 @@ class GradGuard:
         self.skipped_steps = 0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale if self.scaling else loss
+        # By an fp32 tensor, as torch's GradScaler does: a 0-dim fp16/bf16 loss is promoted to fp32 rather
+        # than overflowing (3.0 * 2**20 is no fp16 number); a loss with dimensions keeps its dtype, as there.
+        if not self.scaling:
+            return loss
+        return loss * torch.tensor(self.scale, dtype=torch.float32, device=loss.device)
 
     @torch.no_grad()
     def unscale(self) -> None:
