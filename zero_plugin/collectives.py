@@ -196,7 +196,7 @@ class Comm:
             self.world_size = dist.get_world_size(group)
             self.backend = dist.get_backend(group)
             if self.world_size > 1:
-                _release_groups_at_exit()   # [Note: cached groups at exit]
+                _release_groups_at_exit()  # [Note: cached groups at exit]
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
         self._in_place = regions_in_place(self.backend)  # [Note: in-place region gather]

@@ -3,6 +3,7 @@ zero_plugin's cached groups alive at interpreter exit ([Note: cached groups at e
 ``zero_plugin/collectives.py``): a worker thread still alive then aborts a successful run now and then
 ("terminate called without an active exception", exit -6: seen in ``examples/full_finetune.py`` under
 torchrun).  The abort is a race; the thread count at exit is what fails every time without the fix."""
+
 from __future__ import annotations
 
 import os
@@ -27,10 +28,25 @@ def _threads_at_exit(stage: int) -> list[int]:
     port = str(_free_port())
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, str(stage)], env=env, cwd=REPO_ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=REPO_ROOT,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, SCRIPT, str(stage)],
+                env=env,
+                cwd=REPO_ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     counts = []
     for rank, p in enumerate(procs):
         code, out = p.wait(timeout=300), p.stdout.read()

@@ -1,5 +1,6 @@
 """``GradGuard.scale_loss`` scales a loss as torch's GradScaler does: by an fp32 tensor, so a 0-dim fp16 loss
 is promoted to fp32 instead of overflowing (a loss of 3.0 times 2^20 is not an fp16 number)."""
+
 import pytest
 import torch
 

@@ -2,6 +2,7 @@
 ``dist.destroy_process_group()`` as ``examples/full_finetune.py`` ends, and return.  ``--count-threads``
 prints the process's thread count before the process group and at exit, after every other exit handler
 ([Note: cached groups at exit] in ``zero_plugin/collectives.py``)."""
+
 from __future__ import annotations
 
 import atexit
