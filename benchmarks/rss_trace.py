@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from .large_model import SCRIPT, _descendants, _rank_of
+from .large_model import _descendants, _rank_of, script_args
 
 _KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
 
@@ -36,35 +36,10 @@ def _sample(pid: int) -> dict[str, int]:
 
 
 def _command(args: argparse.Namespace) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "zero_plugin.cli",
-        "launch",
-        "--stage",
-        "3",
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        "0",
-        str(SCRIPT),
-        "--model",
-        str(args.model),
-        "--max_steps",
-        str(args.steps),
-        "--batch_size",
-        "1",
-        "--max_length",
-        "64",
-        "--log_every",
-        "1",
-        "--warmup_steps",
-        "0",
-        "--max_new_tokens",
-        "1",
-        "--output_dir",
-        f"{args.out}_run",
-    ]
+    """``benchmarks/large_model.py``'s zero3 command: the same script options, 1 x 64 tokens per rank."""
+    launch = [sys.executable, "-m", "zero_plugin.cli", "launch", "--stage", "3", "--num_processes", "2"]
+    options = argparse.Namespace(model=args.model, steps=args.steps, batch_size=1, max_length=64)
+    return [*launch, "--main_process_port", "0", *script_args(options, Path(f"{args.out}_run"))]
 
 
 def trace(args: argparse.Namespace) -> list[tuple[float, int, dict[str, int]]]:
