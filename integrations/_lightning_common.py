@@ -388,17 +388,8 @@ def full_optimizer_state(optimizer: Any) -> dict:
 
 
 def uses_sharded_files(mode: str) -> bool:
-    """Sharded directories need ``zp.save_checkpoint``; without it we fall back to one full file."""
-    if mode != "sharded":
-        return False
-    if hasattr(zp, "save_checkpoint") and hasattr(zp, "load_checkpoint"):
-        return True
-    warnings.warn(
-        "zero_plugin: zp.save_checkpoint is not available in this version; saving full single-file "
-        "checkpoints (rank 0 writes) instead of sharded directories",
-        stacklevel=3,
-    )
-    return False
+    """``checkpoint="sharded"``: sharded directories (``zp.save_checkpoint``); ``"full"``: one file."""
+    return mode == "sharded"
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:

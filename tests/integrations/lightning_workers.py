@@ -287,30 +287,12 @@ def resume_run(strategy: str, ckpt_path: str, epochs: int = 2, steps_per_epoch: 
         return _result(trainer, module, global_step=trainer.global_step)
 
 
-@contextlib.contextmanager
-def sharded_checkpoints() -> Iterator[None]:
-    """Expose ``zero_plugin.checkpoint``'s verbs as ``zp.save_checkpoint`` / ``zp.load_checkpoint`` while the
-    package does not export them yet, so the sharded-directory path runs against the real implementation."""
-    import zero_plugin as zp
-    from zero_plugin import checkpoint
-
-    added = [name for name in ("save_checkpoint", "load_checkpoint") if not hasattr(zp, name)]
-    for name in added:
-        setattr(zp, name, getattr(checkpoint, name))
-    try:
-        yield
-    finally:
-        for name in added:
-            delattr(zp, name)
-
-
 def cross_stage_resume_worker(save_strategy: str, load_strategy: str, ckpt_dir: str) -> dict:
     """Save sharded at one stage (ModelCheckpoint), resume at another in the same processes; and Fabric."""
-    with sharded_checkpoints():
-        full = checkpoint_worker(save_strategy, ckpt_dir)
-        with lightning_ranks():
-            resumed = resume_run(load_strategy, os.path.join(ckpt_dir, "epoch=0.ckpt"))
-        fabric = fabric_worker("llama", save_strategy, save=os.path.join(ckpt_dir, "fabric"))
+    full = checkpoint_worker(save_strategy, ckpt_dir)
+    with lightning_ranks():
+        resumed = resume_run(load_strategy, os.path.join(ckpt_dir, "epoch=0.ckpt"))
+    fabric = fabric_worker("llama", save_strategy, save=os.path.join(ckpt_dir, "fabric"))
     return {
         "full": full,
         "resumed": resumed,
