@@ -14,7 +14,6 @@ process's memory.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import struct
@@ -50,7 +49,6 @@ class TensorEntry:
         self.path, self.dtype, self.shape, self.start, self.nbytes = path, dtype, shape, start, nbytes
 
 
-@functools.lru_cache(maxsize=256)
 def header(path: Path) -> dict[str, TensorEntry]:
     """The tensors of a safetensors file (``__metadata__`` left out)."""
     with open(path, "rb") as f:
@@ -88,7 +86,7 @@ def read_into(entry: TensorEntry, out: torch.Tensor) -> None:
 
 
 def _read_converted(f, entry: TensorEntry, out: torch.Tensor) -> None:
-    item = torch.empty((), dtype=entry.dtype).element_size()
+    item = entry.dtype.itemsize
     per_chunk = max(1, _STAGING_BYTES // item)
     flat_out = out.view(-1) if out.is_contiguous() else None
     staging = torch.empty(min(per_chunk, out.numel()) * item, dtype=torch.uint8)

@@ -8,20 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
-from tests.harness import REPO_ROOT
+from tests.harness import REPO_ROOT, _free_port
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "scripts", "plain_exit_run.py")
 _THREADS = re.compile(r"THREADS before=(\d+) at_exit=(\d+)")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _threads_at_exit(stage: int) -> list[int]:

@@ -21,7 +21,6 @@ def written(tmp_path):
     }
     path = tmp_path / "m.safetensors"
     save_file(tensors, str(path), metadata={"format": "pt"})
-    tensor_file.header.cache_clear()
     return path, tensors
 
 
