@@ -67,11 +67,11 @@ def setup(
     if source is None and materialize.has_meta_params(model):
         source = materialize.recorded_source(model)  # [Note: recorded sources] in materialize.py
     if optimizer is None:
-        return _setup_for_evaluation(model, config, comm, source), None
+        return _setup_for_evaluation(model, config, comm, source, group), None
     if config.stage < 3:
         materialize.materialize_all(model, source, comm)
         _validate.broadcast_module_state(model, comm)
-    engine = build_engine(model, trainable, config, comm, source)
+    engine = build_engine(model, trainable, config, _engine_comm(comm, config, group), source)
     materialize.note_set_up(model)
     _rebind_optimizer(optimizer, engine)
     if config.offload:
@@ -85,18 +85,32 @@ def setup(
     return model, zero_optimizer
 
 
-def _setup_for_evaluation(model: nn.Module, config: ZeroConfig, comm: Comm, source: Any) -> nn.Module:
+def _setup_for_evaluation(model: nn.Module, config: ZeroConfig, comm: Comm, source: Any, group: Any) -> nn.Module:
     """``zp.setup(model, None, config)``: [Note: evaluation-only models] in stage3/inference.py."""
     if config.stage < 3:  # replicated, as DDP leaves a model it does not train
         materialize.materialize_all(model, source, comm)
         _validate.broadcast_module_state(model, comm)
         materialize.note_set_up(model)
         return model
-    engine = build_inference_engine(model, config, comm, source)
+    engine = build_inference_engine(model, config, _engine_comm(comm, config, group), source)
     materialize.note_set_up(model)
     register_engine(model, engine)
     _cast_inputs_of(model, engine, config)
     return model
+
+
+def _engine_comm(comm: Comm, config: ZeroConfig, group: Any) -> Comm:
+    """The group the engine shards over: the whole ``comm``, or with ``shard_group_size`` this rank's shard
+    group, which also knows its replica group ([Note: hierarchical groups] in collectives.py)."""
+    k = config.resolved_shard_group_size(comm.world_size)
+    if k is None:
+        return comm
+    if group is not None:
+        raise ValueError(
+            f"ZeroConfig.shard_group_size={config.shard_group_size!r} splits the default process group; "
+            "zp.setup got group=...; pass group=None or shard_group_size=None"
+        )
+    return comm.split(k)
 
 
 def _compute_device(comm: Comm) -> torch.device:

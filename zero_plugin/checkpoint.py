@@ -71,7 +71,7 @@ def save_peft_adapter(model: nn.Module, directory: str | os.PathLike, **save_pre
     engine = engine_of(model, "save_peft_adapter")
     state = engine.full_state_dict(rank0_only=True, trainable_only=True)
     error = None
-    if engine.comm.rank == 0:
+    if engine.comm.world.rank == 0:
         if not hasattr(model, "save_pretrained") or not hasattr(model, "peft_config"):
             error = f"zp.checkpoint.save_peft_adapter: expected a peft PeftModel, got {type(model).__name__}"
         elif not state:
@@ -81,7 +81,7 @@ def save_peft_adapter(model: nn.Module, directory: str | os.PathLike, **save_pre
                 model.save_pretrained(os.fspath(directory), state_dict=state, **save_pretrained_kwargs)
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = f"zp.checkpoint.save_peft_adapter: save_pretrained failed: {type(exc).__name__}: {exc}"
-    error = engine.comm.broadcast_object(error, src=0)
+    error = engine.comm.world.broadcast_object(error, src=0)
     if error is not None:
         raise ValueError(error)
 

@@ -31,7 +31,21 @@ collectives in order), e.g. stage 3's check that every rank gathers the same uni
 sent.  Host-only, so on NCCL it costs no device synchronisation.  Collective: every rank of the group
 opens it at the same point (setup).  One channel per group, shared by engines; like the sibling groups
 (``Comm.sibling``) it is cached per (ranks, purpose) while the default group lives, and
-:func:`release_groups` drops the cache when the default group is destroyed.
+:func:`release_groups` drops the cache when the default group is destroyed.  A shard group's channel
+([Note: hierarchical groups]) spans the whole world: what ranks agree on there (stage 3's unit order, late
+gradients, state-dict calls) must hold across replicas too, whose reductions pair up with each other.
+
+[Note: hierarchical groups]
+``ZeroConfig.shard_group_size=k`` (HSDP, MiCS): ``Comm.split(k)`` makes the shard groups (k consecutive
+ranks) and the replica groups (the ranks with the same index in every shard group) and returns this
+rank's shard group as a Comm that the engine uses exactly as it uses the whole world otherwise (its rank
+and world_size are the shard group's).  The shard Comm carries ``replica`` (the replica group's Comm, used
+only to sum reduced shards across replicas: ``comm_layout``'s completions) and ``world`` (the whole
+group, for what every rank must share: setup broadcasts, edits from a ``modifier_rank``, rank-0-only
+results).  Without a split ``replica`` is None and ``world`` is the Comm itself.  Each Comm made by a
+split has a ``label`` ("shard" / "replica"): besides the per-kind counts (every group together, as
+before), ``comm_stats`` then has ``shard_group`` and ``replica_group`` entries, the calls and logical
+bytes of each (intra- and inter-group traffic; control traffic in neither); ``total`` sums the kinds only.
 """
 
 from __future__ import annotations
@@ -65,6 +79,7 @@ _REDUCE_SCATTER = getattr(dist, _REDUCE_SCATTER_NAME)
 
 _LOCK = threading.Lock()
 _STATS: dict[str, _Counter] = defaultdict(_Counter)
+_GROUP_STATS: dict[str, _Counter] = defaultdict(_Counter)  # by Comm.label: [Note: hierarchical groups]
 
 
 _PHYSICAL: dict[str, int] = defaultdict(int)
@@ -116,27 +131,31 @@ def release_groups() -> None:
     _SAME_RANKS.clear()
 
 
-def _record(kind: str, nbytes: int) -> None:
+def _record(kind: str, nbytes: int, label: str | None = None) -> None:
     with _LOCK:
-        counter = _STATS[kind]
-        counter.calls += 1
-        counter.bytes += int(nbytes)
+        for counter in (_STATS[kind], _GROUP_STATS[label]) if label is not None else (_STATS[kind],):
+            counter.calls += 1
+            counter.bytes += int(nbytes)
 
 
 def comm_stats() -> dict[str, dict[str, int]]:
-    """Calls and logical bytes per collective kind since the last reset, plus a ``total``."""
+    """Calls and logical bytes per collective kind since the last reset, plus a ``total``; with hierarchical
+    sharding also ``shard_group`` and ``replica_group`` ([Note: hierarchical groups]), not in the total."""
     with _LOCK:
         out = {k: {"calls": c.calls, "bytes": c.bytes} for k, c in _STATS.items()}
+        groups = {f"{k}_group": {"calls": c.calls, "bytes": c.bytes} for k, c in _GROUP_STATS.items()}
     out["total"] = {
         "calls": sum(v["calls"] for v in out.values()),
         "bytes": sum(v["bytes"] for v in out.values()),
     }
+    out.update(groups)
     return out
 
 
 def reset_comm_stats() -> None:
     with _LOCK:
         _STATS.clear()
+        _GROUP_STATS.clear()
         _PHYSICAL.clear()
 
 
@@ -185,8 +204,13 @@ class Comm:
     single-process script can run ``zp.setup`` unchanged.
     """
 
-    def __init__(self, group: Any = None, timeout_s: float | None = None, debug: bool = False) -> None:
+    def __init__(
+        self, group: Any = None, timeout_s: float | None = None, debug: bool = False, label: str | None = None
+    ) -> None:
         self.group = group
+        self.label = label  # "shard" / "replica" after a split: [Note: hierarchical groups]
+        self.world: Comm = self  # the whole group: itself unless made by split()
+        self.replica: Comm | None = None  # the replica group of a shard group
         self.timeout_s = timeout_s
         # debug_collectives: the last collectives this rank issued, quoted when one fails.
         self.history: deque | None = deque(maxlen=32) if debug else None
@@ -202,9 +226,44 @@ class Comm:
         self._in_place = regions_in_place(self.backend)  # [Note: in-place region gather]
         self._control: Any = None  # [Note: control channel]
 
+    # -- hierarchical groups --------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        """Ranks whose gradients a reduction averages: this group's, times the replicas' (HSDP)."""
+        return self.world_size * (self.replica.world_size if self.replica is not None else 1)
+
+    @property
+    def control_size(self) -> int:
+        """Ranks the control channel spans ([Note: control channel]): the whole world, also for a shard group."""
+        return self.world.world_size
+
+    def split(self, shard_size: int) -> Comm:
+        """This rank's shard group of ``shard_size`` consecutive ranks, with its replica group
+        ([Note: hierarchical groups]).  Collective over the default group at setup: every rank makes every
+        group, in the same order; cached like the control channel."""
+        assert self.group is None and self.world_size % shard_size == 0, "split: default group, k | N"
+        n, k = self.world_size, shard_size
+        shards = [tuple(range(g * k, (g + 1) * k)) for g in range(n // k)]
+        replicas = [tuple(range(i, n, k)) for i in range(k)]
+        mine = {}
+        for ranks in shards + replicas:
+            group = self._cached_group(ranks, "split", self.backend, local=False)
+            if self.rank in ranks:
+                mine[len(mine)] = group
+        shard = Comm(mine[0], timeout_s=self.timeout_s, label="shard")
+        shard.replica = Comm(mine[1], timeout_s=self.timeout_s, label="replica")
+        shard.world = self
+        shard.history = shard.replica.history = self.history
+        shard._in_place = shard.replica._in_place = self._in_place
+        return shard
+
     # -- control channel ------------------------------------------------------
     def open_control_channel(self) -> None:
         """Open this group's control channel ([Note: control channel]); collective, at setup."""
+        if self.world is not self:  # a shard group agrees with the whole world
+            self.world.open_control_channel()
+            self._control = self.world._control
+            return
         if self.world_size == 1 or self.backend == "fake" or self._control is not None:
             return
         self._control = self._group_of_same_ranks("control", "gloo")
@@ -215,18 +274,23 @@ class Comm:
         stage3/hooks.py).  Collective at setup, like :meth:`open_control_channel`; one per group and purpose."""
         if self.world_size == 1 or self.backend == "fake":
             return self
-        comm = Comm(self._group_of_same_ranks(purpose, self.backend), timeout_s=self.timeout_s)
+        comm = Comm(self._group_of_same_ranks(purpose, self.backend), timeout_s=self.timeout_s, label=self.label)
         comm.history, comm._in_place = self.history, self._in_place
+        comm.world, comm.replica, comm._control = self.world, self.replica, self._control
         return comm
 
     def _group_of_same_ranks(self, purpose: str, backend: str) -> Any:
         """A new group over this group's ranks, made once per (ranks, purpose) while the default group lives
         (the test harness reuses processes across many setups); collective the first time."""
         ranks = tuple(self.global_rank(r) for r in range(self.world_size))
+        return self._cached_group(ranks, purpose, backend, local=self.group is not None)
+
+    @staticmethod
+    def _cached_group(ranks: tuple, purpose: str, backend: str, local: bool) -> Any:
         world = dist.GroupMember.WORLD
         cached = _SAME_RANKS.get((ranks, purpose))
         if cached is None or cached[0] is not world:
-            group = dist.new_group(ranks=list(ranks), backend=backend, use_local_synchronization=self.group is not None)
+            group = dist.new_group(ranks=list(ranks), backend=backend, use_local_synchronization=local)
             cached = _SAME_RANKS[(ranks, purpose)] = (world, group)
         return cached[1]
 
@@ -238,9 +302,9 @@ class Comm:
     def control_start(self, message: tuple[float, ...], what: str) -> tuple:
         """Issue :meth:`control_exchange` without waiting; :meth:`control_finish` gives its result."""
         if self._control is None:
-            return None, [tuple(message)] * self.world_size, what
+            return None, [tuple(message)] * self.control_size, what
         mine = torch.tensor(message, dtype=torch.float64)
-        out = torch.empty(self.world_size * mine.numel(), dtype=torch.float64)
+        out = torch.empty(self.control_size * mine.numel(), dtype=torch.float64)
         _record("control", out.numel() * out.element_size())
         _issued(_ALL_GATHER_NAME)
         return _ALL_GATHER(out, mine, group=self._control, async_op=True), out, what
@@ -250,13 +314,13 @@ class Comm:
         if work is None:
             return out
         self._wait(work, what)  # host-only: no stream
-        return [tuple(row) for row in out.view(self.world_size, -1).tolist()]
+        return [tuple(row) for row in out.view(self.control_size, -1).tolist()]
 
     def control_objects(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj`` over the control channel (error paths only)."""
         if self._control is None:
-            return [obj] * self.world_size
-        out: list[Any] = [None] * self.world_size
+            return [obj] * self.control_size
+        out: list[Any] = [None] * self.control_size
         _issued("all_gather_object")
         dist.all_gather_object(out, obj, group=self._control)
         return out
@@ -284,13 +348,16 @@ class Comm:
                 )
             ) from exc
 
+    def _record(self, kind: str, nbytes: int) -> None:
+        _record(kind, nbytes, self.label)
+
     def _note(self, kind: str, tag: str, numel: int) -> None:
         if self.history is not None:
             self.history.append((kind, tag, numel))
 
     # -- tensor collectives -------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, tag: str = ""):
-        _record("all_reduce", 2 * tensor.numel() * tensor.element_size())
+        self._record("all_reduce", 2 * tensor.numel() * tensor.element_size())
         self._note("all_reduce", tag, tensor.numel())
         if self.world_size == 1:
             return _DoneWork() if async_op else None
@@ -302,7 +369,7 @@ class Comm:
     ):
         """``input`` holds ``world_size`` equal chunks, rank-major; this rank's reduced chunk lands in ``output``."""
         assert input.numel() == output.numel() * self.world_size, "reduce_scatter: size mismatch"
-        _record("reduce_scatter", input.numel() * input.element_size())
+        self._record("reduce_scatter", input.numel() * input.element_size())
         self._note("reduce_scatter", tag, input.numel())
         if self.world_size == 1:
             output.copy_(input)
@@ -324,7 +391,7 @@ class Comm:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""):
         """Concatenate every rank's ``input`` (equal sizes) into ``output``, rank-major."""
         assert output.numel() == input.numel() * self.world_size, "all_gather: size mismatch"
-        _record("all_gather", output.numel() * output.element_size())
+        self._record("all_gather", output.numel() * output.element_size())
         self._note("all_gather", tag, output.numel())
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
@@ -345,7 +412,7 @@ class Comm:
         assert len(regions) == self.world_size, "gather_regions: one list of regions per rank"
         numel = sum(t.numel() for views in regions for t in views)
         nbytes = sum(t.numel() * t.element_size() for views in regions for t in views)
-        _record("all_gather", nbytes)
+        self._record("all_gather", nbytes)
         self._note("all_gather", tag, numel)
         works = []
         if self.world_size > 1:
@@ -369,10 +436,10 @@ class Comm:
         the inputs).  On gloo, which sends a reduce-scatter as a full all-reduce anyway, the wire
         traffic is the same.  ``flags`` (small, e.g. "has a gradient" per tensor) is all-reduced along
         and counted as an all-reduce.  Only where :attr:`gathers_regions_in_place`."""
-        _record("reduce_scatter", sum(t.numel() * t.element_size() for t in tensors))
+        self._record("reduce_scatter", sum(t.numel() * t.element_size() for t in tensors))
         self._note("reduce_scatter", tag, sum(t.numel() for t in tensors))
         if flags is not None:
-            _record("all_reduce", 2 * flags.numel() * flags.element_size())
+            self._record("all_reduce", 2 * flags.numel() * flags.element_size())
         works = []
         if self.world_size > 1:
             for t in tensors:
@@ -389,7 +456,7 @@ class Comm:
         return None
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        _record("broadcast", tensor.numel() * tensor.element_size())
+        self._record("broadcast", tensor.numel() * tensor.element_size())
         if self.world_size > 1:
             _issued("broadcast")
             dist.broadcast(tensor, src=self.global_rank(src), group=self.group)
@@ -411,7 +478,7 @@ class Comm:
 
     # -- object collectives (setup-time checks, not per step) -------------
     def all_gather_object(self, obj: Any) -> list[Any]:
-        _record("all_gather_object", 0)
+        self._record("all_gather_object", 0)
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
@@ -420,7 +487,7 @@ class Comm:
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        _record("broadcast_object", 0)
+        self._record("broadcast_object", 0)
         if self.world_size == 1:
             return obj
         box = [obj]

@@ -28,6 +28,16 @@ caller keeps (``param.grad``, a shard gradient) is the caller's.  Buffers come f
 source (stage 3's ``BufferPool``, [Note: buffer reuse]; fresh tensors at stages 0-2) and go back to it
 only after the completion, and on CUDA after the compute stream waited for the side stream that used
 them ([Note: side streams] in ``streams.py``).
+
+[Note: sum across replicas]
+With hierarchical sharding ([Note: hierarchical groups] in ``collectives.py``) a reduction's collective
+sums over the shard group only.  Its completion then all-reduces what this rank keeps (its regions, or
+its row) and the summed flags over the replica group, one flat all-reduce per record, before averaging
+over every rank (``Comm.dp_size``): replicas of one shard then hold the same, bit for bit, so anything
+computed from the owned gradients over the shard group alone (the clipping norm, the inf/NaN check)
+counts each element once and agrees on every rank.  The replica collectives are issued in completion
+order, which is the rank-agreed reduction order ([Note: rank-agreed reduction order]), the same on every
+rank of the world.  Without a replica group nothing is issued and the divisor is the group's size.
 """
 
 from __future__ import annotations
@@ -167,10 +177,12 @@ class InPlaceReduce:
 
     def complete(self, what: str, store: Store) -> None:
         self.comm.wait(self.work, what)
-        n = self.comm.world_size
-        for member, grad, has_grad in zip(self.members, self.grads, self.flags.tolist()):
+        n = self.comm.dp_size
+        regions = [member.layout.local_view(grad) for member, grad in zip(self.members, self.grads)]
+        flags = _sum_across_replicas(self.comm, regions, self.flags)  # [Note: sum across replicas]
+        for member, region, has_grad in zip(self.members, regions, flags.tolist()):
             if has_grad:
-                store(member, member.layout.local_view(grad).div_(n))
+                store(member, region.div_(n))
 
 
 @dataclass(eq=False)
@@ -224,11 +236,32 @@ def _average_flagged(
 ) -> None:
     """A completed reduction's ``flat`` result, the summed flags after ``record.width``: average, and store
     ``numel(layout)`` elements at its offset for each member that some rank had a gradient for."""
+    if record.comm.replica is not None:  # [Note: sum across replicas]
+        _replica_all_reduce(record.comm, flat)
     present = flat[record.width :].tolist()
-    flat.div_(record.comm.world_size)
+    flat.div_(record.comm.dp_size)
     for member, off, has_grad in zip(record.members, record.offsets, present):
         if has_grad:
             store(member, flat[off : off + numel(member.layout)])
+
+
+def _sum_across_replicas(comm: Comm, regions: list[torch.Tensor], flags: torch.Tensor) -> torch.Tensor:
+    """In-place layout: sum this rank's regions and the flags over the replica group, as one flat tensor
+    in the regions' dtype (flags are small counts, exact in any float dtype); the summed flags."""
+    if comm.replica is None or not regions:
+        return flags
+    flat = torch.cat([r.reshape(-1) for r in regions] + [flags.to(regions[0].dtype)])
+    _replica_all_reduce(comm, flat)
+    offset = 0
+    for region in regions:
+        region.copy_(flat[offset : offset + region.numel()].view_as(region))
+        offset += region.numel()
+    return flat[offset:].to(flags.dtype)
+
+
+def _replica_all_reduce(comm: Comm, flat: torch.Tensor) -> None:
+    replica = comm.replica
+    replica.wait(replica.all_reduce(flat, async_op=True, tag="sum across replicas"), "gradient sum across replicas")
 
 
 # -- launches -----------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """``ZeroConfig``: the one frozen, validated configuration; ``ZeroConfig.from_env`` reads its ``ZERO_PLUGIN_*``
 variables.  The engine reads no other environment variable except one test switch,
-``ZERO_PLUGIN_BUFFERED_COLLECTIVES`` (``collectives.regions_in_place``: the NCCL layout on gloo).
+``ZERO_PLUGIN_BUFFERED_COLLECTIVES`` (``collectives.regions_in_place``: the NCCL layout on gloo), and
+``LOCAL_WORLD_SIZE`` for ``shard_group_size="node"``, read here only, by
+:meth:`ZeroConfig.resolved_shard_group_size` at setup.
 
 Values are normalised on construction (dtype names -> ``torch.dtype``, lists -> tuples) so that equal
 settings compare, hash and fingerprint equally on every rank, however they were written.
@@ -120,6 +122,12 @@ def _as_unit_policy(value: Any) -> Callable[[torch.nn.Module, str], bool] | None
     return value
 
 
+def _as_shard_group_size(value: Any) -> int | str | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() == "node"):
+        return None if value is None else "node"
+    return _as_int("shard_group_size", value, 1, allowed='None, "node" or an int >= 1 dividing the world size')
+
+
 def _as_loss_scale(value: Any) -> str | float:
     if isinstance(value, str) and value.strip().lower() == "dynamic":
         return "dynamic"
@@ -201,6 +209,14 @@ class ZeroConfig:
     keeps the full CPU tensors; the other ranks get ``{}`` (host memory: one copy of the model instead of one
     per rank). Stages 0-2 keep torch's own state_dict. Default False."""
 
+    shard_group_size: int | str | None = None
+    """Stages 1-3: hierarchical sharding (FSDP2's HSDP, DeepSpeed's MiCS): model states sharded within groups
+    of this many consecutive ranks and replicated across the world_size / k groups; gradients reduce-scattered
+    in the group, then the shard all-reduced across the groups ([Note: hierarchical groups] in
+    collectives.py). An int (ranks) that divides the world size; "node" = ``LOCAL_WORLD_SIZE`` of the
+    environment, resolved at setup; None = the whole world (no replicas). Ignored at stage 0, which shards
+    nothing. Default None."""
+
     def __post_init__(self) -> None:
         self._normalise_fields()
         self._validate()
@@ -237,6 +253,7 @@ class ZeroConfig:
         put("timeout_s", _as_positive_float("timeout_s", self.timeout_s))
         put("check_ranks", _as_bool("check_ranks", self.check_ranks))
         put("state_dict_rank0_only", _as_bool("state_dict_rank0_only", self.state_dict_rank0_only))
+        put("shard_group_size", _as_shard_group_size(self.shard_group_size))
 
     def _validate(self) -> None:
         """All cross-field rules; fields are already normalised."""
@@ -284,6 +301,29 @@ class ZeroConfig:
     def offload(self) -> bool:
         """True when optimizer state lives on CPU."""
         return self.offload_optimizer == "cpu"
+
+    def resolved_shard_group_size(self, world_size: int, environ: Mapping[str, str] | None = None) -> int | None:
+        """Ranks per shard group for a world of ``world_size`` ranks, or None when the whole world is one group
+        (``shard_group_size`` None or equal to the world size, or stage 0).  The one place "node" is resolved:
+        ``LOCAL_WORLD_SIZE`` (torchrun's processes per node) from ``environ`` (default ``os.environ``)."""
+        k = self.shard_group_size
+        if k is None or self.stage == 0:
+            return None
+        if k == "node":
+            env = os.environ if environ is None else environ
+            text = env.get("LOCAL_WORLD_SIZE", "")
+            if not text.strip().isdigit() or int(text) < 1:
+                raise ValueError(
+                    'ZeroConfig.shard_group_size="node" reads LOCAL_WORLD_SIZE (the processes per node, set by '
+                    f"torchrun), which must be an int >= 1; got {text!r}"
+                )
+            k = int(text)
+        if world_size % k:
+            raise ValueError(
+                f"ZeroConfig.shard_group_size must divide the world size {world_size}; got {self.shard_group_size!r}"
+                + (f" (LOCAL_WORLD_SIZE={k})" if self.shard_group_size == "node" else "")
+            )
+        return None if k == world_size else k
 
     def replace(self, **changes: Any) -> ZeroConfig:
         """A copy with ``changes`` applied, validated again."""
@@ -407,6 +447,7 @@ _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "clip_grad_norm": (_or_none(float), "a number or none"),
     "loss_scaling": (_or_none(_text_bool), '"true", "false" or none'),
     "loss_scale": (lambda t: "dynamic" if t.lower() == "dynamic" else float(t), '"dynamic" or a number'),
+    "shard_group_size": (_or_none(lambda t: "node" if t.lower() == "node" else int(t)), '"node", an integer or none'),
 }
 
 

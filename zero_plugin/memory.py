@@ -8,6 +8,9 @@ N ranks, K bytes of optimizer state per parameter (Adam: two fp32 moments):
   stage 3: (params + grads + K)/N      (16Ψ/N)
 With ``param_dtype`` lower than ``master_dtype`` the fp32 master copy is part of K
 (mixed-precision Adam: 2Ψ + 2Ψ + 12Ψ).  Frozen parameters count as params only.
+With hierarchical sharding (``ZeroConfig.shard_group_size=k``) N is the shard group's k: states are
+sharded over k ranks and replicated across the groups, so stage 3 holds 16Ψ/k; the report's
+``world_size`` is then k and ``replicas`` the number of groups.
 """
 
 from __future__ import annotations
@@ -121,8 +124,9 @@ def memory_report(model, optimizer=None) -> dict:
     theory = _theory_for(engine, optimizer)
     return {
         "stage": engine.config.stage,
-        "world_size": engine.comm.world_size,
+        "world_size": engine.comm.world_size,  # the shard group's with hierarchical sharding, as the theory's N
         "rank": engine.comm.rank,
+        **({"replicas": engine.comm.dp_size // engine.comm.world_size} if engine.comm.replica is not None else {}),
         "measured": measured,
         "theory": theory,
         "placement": _placement(engine, counter, theory),

@@ -115,7 +115,7 @@ class ReplicatedEngine(Engine):
         if modifier_rank is not None:
             with torch.no_grad():
                 for p in params:
-                    self.comm.broadcast(p.data, src=modifier_rank)
+                    self.comm.world.broadcast(p.data, src=modifier_rank)
             for slot, snapshot in before:
                 slot.take_edits(snapshot)
 
@@ -127,7 +127,7 @@ class ReplicatedEngine(Engine):
             for s in self.slots
             if s.separate
         }  # collective: every rank takes part
-        if rank0_only and self.comm.rank != 0:
+        if rank0_only and self.comm.world.rank != 0:
             return {}
         keep = {id(s.param) for s in self.slots} if trainable_only else None
         out = {}

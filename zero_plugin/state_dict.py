@@ -28,7 +28,8 @@ def load_full_state_dict(model: nn.Module, state_dict: dict | None, *, src_rank:
     """
     engine = engine_of(model, "load_full_state_dict")
     if src_rank is not None:
-        state_dict = engine.comm.broadcast_object(state_dict if engine.comm.rank == src_rank else None, src=src_rank)
+        world = engine.comm.world  # the whole group, also with shard groups ([Note: hierarchical groups])
+        state_dict = world.broadcast_object(state_dict if world.rank == src_rank else None, src=src_rank)
     if not isinstance(state_dict, dict):
         raise ValueError(f"zp.load_full_state_dict: expected a dict of tensors, got {type(state_dict).__name__}")
     bad = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]

@@ -48,18 +48,18 @@ def load(
 ) -> Any:
     """``guard``: the ZeroOptimizer's loss scaler; it takes the index's record if there is one (checkpoints
     written before it was saved have none: the scaler is left as it is) ([Note: scaler state])."""
-    comm = engine.comm
+    world = engine.comm.world  # every rank loads (replicas too) and fails together: [Note: one saved copy]
     path = os.path.abspath(os.fspath(path))
-    files = on_every_rank(comm, lambda: _manifest(engine, path))
+    files = on_every_rank(world, lambda: _manifest(engine, path))
     if verify:
-        mine = _files_to_verify(sorted(files), comm.rank, comm.world_size)
-        on_every_rank(comm, lambda: check_hashes(path, files, mine))
+        mine = _files_to_verify(sorted(files), world.rank, world.world_size)
+        on_every_rank(world, lambda: check_hashes(path, files, mine))
     views = param_views(engine)
-    index = on_every_rank(comm, lambda: _index(path, files, views, engine, inner))
+    index = on_every_rank(world, lambda: _index(path, files, views, engine, inner))
     with contextlib.ExitStack() as stack:
         reader = Reader(path, index["files"], stack)
-        plan = on_every_rank(comm, lambda: _plan(reader, index, engine, views, inner))
-        on_every_rank(comm, lambda: _read_in(plan, reader, inner, guard))
+        plan = on_every_rank(world, lambda: _plan(reader, index, engine, views, inner))
+        on_every_rank(world, lambda: _read_in(plan, reader, inner, guard))
     return plan.extra
 
 
@@ -172,7 +172,8 @@ def _plan(reader: Reader, index: dict, engine, views: list[ParamView], inner) ->
     plan.extra = _decode(index.get("extra"), rank0, "extra")
     plan.extra = {} if plan.extra is None else plan.extra
     rank, world = engine.comm.rank, engine.comm.world_size
-    if index["world_size"] == world:
+    replicas = engine.comm.dp_size // world  # only one replica's RNG was saved: [Note: one saved copy]
+    if index["world_size"] == world and index.get("replicas", 1) == replicas == 1:
         rng = reader.metadata(rank).get("rng")
         if rng is not None:
             plan.rng = _decode(json.loads(rng), lambda key: reader.tensor(rank, key), "rng state")

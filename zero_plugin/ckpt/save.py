@@ -31,10 +31,35 @@ from .tree import encode
 __all__ = ["save"]
 
 
+# [Note: one saved copy]
+# With hierarchical sharding ([Note: hierarchical groups] in collectives.py) every replica group holds the same
+# shards, so only the first shard group (global ranks 0..k-1) writes: the checkpoint is the one a run of world
+# size k writes (``world_size`` k in the index, plus ``replicas``), and loads anywhere as one, resharded by
+# the usual plan.  The others wait for its outcome over their replica group, so every rank returns once the
+# checkpoint is published, or raises.  Only the writers' RNG states are saved, so a load restores RNG states
+# only when neither run had replicas (and the world sizes match, as before).  Loading runs on every rank.
 def save(
     path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, extra: Any, guard: Any = None
 ) -> None:
     """``guard``: the ZeroOptimizer's loss scaler, whose state goes into the index ([Note: scaler state])."""
+    replica = engine.comm.replica
+    if replica is None:
+        _save(path, engine, inner, extra, guard)
+        return
+    error = None
+    if replica.rank == 0:  # the first shard group: [Note: one saved copy]
+        try:
+            _save(path, engine, inner, extra, guard)
+        except Exception as exc:  # noqa: BLE001 - reported to the replicas, then re-raised
+            error = exc
+    outcome = replica.broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if outcome is not None:
+        raise CheckpointError(f"zp.save_checkpoint: the writing shard group failed: {outcome}")
+
+
+def _save(path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, extra: Any, guard: Any) -> None:
     comm = engine.comm
     path = os.path.abspath(os.fspath(path))
     token = comm.broadcast_object(uuid.uuid4().hex if comm.rank == 0 else None)
@@ -118,6 +143,7 @@ def _build_index(engine, views: list[ParamView], inner, schema, extra, guard) ->
         "version": fmt.VERSION,
         "torch_version": torch.__version__,
         "world_size": world,
+        **({"replicas": engine.comm.dp_size // world} if engine.comm.replica is not None else {}),  # one saved copy
         "stage": engine.config.stage,
         "config": engine.config.to_dict(),
         "files": [fmt.shard_file_name(r, world) for r in range(world)],

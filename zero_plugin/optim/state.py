@@ -69,7 +69,7 @@ def consolidate_optimizer_state(opt: Any, to_rank: int | None) -> dict:
                 entry[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
         if entry:
             full_state[idx] = entry
-    if to_rank is not None and comm.rank != to_rank:
+    if to_rank is not None and comm.world.rank != to_rank:
         return {}
     groups = []
     for group, g_sd in zip(opt.inner.param_groups, local_sd["param_groups"]):

@@ -85,7 +85,7 @@ def _full_tensors(
             "path, zp.materialize.from_init_fn(...), or a fill function) so it can be materialised"
         )
     fulls = {id(p): torch.empty(p.shape, dtype=p.dtype) for p in meta}
-    if meta and comm.rank == 0:  # other ranks receive rank 0's values in the broadcast
+    if meta and comm.world.rank == 0:  # other ranks receive rank 0's values in the broadcast
         owners = owners_of(model, meta)
         source.fill([(m, a, n, fulls[id(p)]) for (m, a, n), p in zip(owners, meta)])
     for p in meta:
@@ -115,7 +115,7 @@ def _shard_one(
 ) -> ShardedParam:
     device = compute_device(comm)
     full = full.to(device).contiguous()
-    comm.broadcast(full, src=0)  # every rank starts from rank 0's values (DDP semantics)
+    comm.world.broadcast(full, src=0)  # every rank starts from rank 0's values (DDP semantics), replicas too
     floating = p.dtype.is_floating_point and not is_packed_4bit(p)  # [Note: packed 4-bit weights]: never cast
     compute = (config.param_dtype or p.dtype) if floating else p.dtype
     # The shard doubles as the fp32 master unless offload moves the master to another device.
@@ -131,8 +131,9 @@ def _shard_one(
 
 @torch.no_grad()
 def _broadcast_buffers(model: nn.Module, comm: Comm) -> None:
-    if comm.world_size > 1:
-        comm.coalesced(list(model.buffers()), lambda flat: comm.broadcast(flat, src=0))
+    world = comm.world  # replicas too: [Note: hierarchical groups]
+    if world.world_size > 1:
+        world.coalesced(list(model.buffers()), lambda flat: world.broadcast(flat, src=0))
 
 
 class Stage3Engine(Engine):
@@ -237,7 +238,7 @@ class Stage3Engine(Engine):
                 if modifier_rank is not None:
                     for u in units:
                         for sp in u.params:
-                            self.comm.broadcast(sp.param.data, src=modifier_rank)
+                            self.comm.world.broadcast(sp.param.data, src=modifier_rank)
                             self._take_edits(sp, before[id(sp)])
             for u in opened:
                 u.reshard()
@@ -259,7 +260,7 @@ class Stage3Engine(Engine):
         keep = {id(s.param) for s in self.slots} if trainable_only else None
         names = _all_names(self.model)
         out: dict[str, torch.Tensor] = {}
-        want = not rank0_only or self.comm.rank == 0
+        want = not rank0_only or self.comm.world.rank == 0
         for sp in self.sharded.values():
             if keep is not None and id(sp.param) not in keep:
                 continue
@@ -361,7 +362,7 @@ def _mark_for_synced_generate(model: nn.Module, comm: Comm) -> None:
     """Every stage-3 forward is collective, so a rank that finished generating
     must keep running forwards until all have.  transformers' ``generate`` does that (``synced_gpus``)
     for modules carrying ``_is_fsdp_managed_module``; we set it on the model's transformers modules."""
-    if comm.world_size == 1:
+    if comm.world.world_size == 1:
         return
     for module in model.modules():
         if hasattr(module, "generate"):

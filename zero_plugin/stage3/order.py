@@ -51,7 +51,7 @@ class OrderGuard:
     def __init__(self, comm: Comm, units: Sequence[Unit]) -> None:
         self.comm = comm
         self.units = list(units)
-        self.active = comm.world_size > 1 and comm.backend != "fake"
+        self.active = comm.control_size > 1 and comm.backend != "fake"  # replicas too: [Note: control channel]
         self.recording: list[Unit] = []  # the units this rank ran in the current forward (runtime's list)
         self._pending: list = []  # asynchronous comparisons not checked yet
         comm.open_control_channel()

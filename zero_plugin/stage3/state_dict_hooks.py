@@ -171,7 +171,7 @@ class StateDictHooks:
                     del destination[key]
 
     def _keeps_result(self) -> bool:
-        return not self.engine.config.state_dict_rank0_only or self.engine.comm.rank == 0
+        return not self.engine.config.state_dict_rank0_only or self.engine.comm.world.rank == 0
 
     def _full_value(self, call: _Call, sp: ShardedParam, keep: bool) -> torch.Tensor | None:
         """Gathered once per call (a tied parameter's second key reuses it, on every rank alike: the gathers
