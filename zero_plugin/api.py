@@ -102,7 +102,7 @@ def _setup_for_evaluation(model: nn.Module, config: ZeroConfig, comm: Comm, sour
 def _engine_comm(comm: Comm, config: ZeroConfig, group: Any) -> Comm:
     """The group the engine shards over: the whole ``comm``, or with ``shard_group_size`` this rank's shard
     group, which also knows its replica group ([Note: hierarchical groups] in collectives.py)."""
-    k = config.resolved_shard_group_size(comm.world_size)
+    k = _agreed_shard_group_size(comm, config)
     if k is None:
         return comm
     if group is not None:
@@ -111,6 +111,22 @@ def _engine_comm(comm: Comm, config: ZeroConfig, group: Any) -> Comm:
             "zp.setup got group=...; pass group=None or shard_group_size=None"
         )
     return comm.split(k)
+
+
+def _agreed_shard_group_size(comm: Comm, config: ZeroConfig) -> int | None:
+    """``shard_group_size`` resolved here; "node" reads each rank's own LOCAL_WORLD_SIZE, so the ranks
+    compare what they read (setup only) and all raise together rather than split differently."""
+    if config.shard_group_size != "node" or config.stage == 0 or comm.world_size == 1:
+        return config.resolved_shard_group_size(comm.world_size)
+    try:
+        mine: int | None | str = config.resolved_shard_group_size(comm.world_size)
+    except ValueError as exc:
+        mine = str(exc)
+    seen = comm.all_gather_object(mine)
+    if any(isinstance(s, str) for s in seen) or len(set(seen)) > 1:
+        detail = next((s for s in seen if isinstance(s, str)), f"the ranks resolved {seen}")
+        raise ValueError(f'ZeroConfig.shard_group_size="node" must give one group size on every rank: {detail}')
+    return seen[0]
 
 
 def _compute_device(comm: Comm) -> torch.device:

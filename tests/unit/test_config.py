@@ -505,3 +505,45 @@ def test_from_env_missing_config_file_names_variable(tmp_path):
 def test_from_env_reads_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("ZERO_PLUGIN_STAGE", "1")
     assert ZeroConfig.from_env().stage == 1
+
+
+# --------------------------------------------------------------------- shard_group_size (hierarchical sharding)
+
+
+@pytest.mark.parametrize("value, expected", [(None, None), (2, 2), (1, 1), ("node", "node"), (" NODE ", "node")])
+def test_shard_group_size_normalises(value, expected):
+    assert ZeroConfig(shard_group_size=value).shard_group_size == expected
+
+
+@pytest.mark.parametrize("value", [0, -2, 2.0, True, "nodes", "2"])
+def test_shard_group_size_invalid(value):
+    with pytest.raises(ValueError, match=r"ZeroConfig\.shard_group_size must be None, \"node\" or an int >= 1"):
+        ZeroConfig(shard_group_size=value)
+
+
+def test_shard_group_size_from_text_and_env():
+    assert ZeroConfig.from_dict({"shard_group_size": "4"}).shard_group_size == 4
+    assert ZeroConfig.from_dict({"shard_group_size": "none"}).shard_group_size is None
+    assert ZeroConfig.from_env({"ZERO_PLUGIN_SHARD_GROUP_SIZE": "node"}).shard_group_size == "node"
+    with pytest.raises(ValueError, match="shard_group_size"):
+        ZeroConfig.from_dict({"shard_group_size": "two"})
+
+
+def test_resolved_shard_group_size():
+    assert ZeroConfig().resolved_shard_group_size(4) is None
+    assert ZeroConfig(shard_group_size=2).resolved_shard_group_size(4) == 2
+    assert ZeroConfig(shard_group_size=4).resolved_shard_group_size(4) is None  # the whole world: default path
+    assert ZeroConfig(stage=0, shard_group_size=2).resolved_shard_group_size(4) is None  # stage 0 ignores it
+    node = ZeroConfig(stage=3, shard_group_size="node")
+    assert node.resolved_shard_group_size(8, {"LOCAL_WORLD_SIZE": "4"}) == 4
+    with pytest.raises(ValueError, match="must divide the world size 4; got 3"):
+        ZeroConfig(shard_group_size=3).resolved_shard_group_size(4)
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE=3"):
+        node.resolved_shard_group_size(8, {"LOCAL_WORLD_SIZE": "3"})
+    with pytest.raises(ValueError, match="reads LOCAL_WORLD_SIZE"):
+        node.resolved_shard_group_size(8, {})
+
+
+def test_constructor_does_not_resolve_node(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert ZeroConfig(shard_group_size="node").shard_group_size == "node"  # resolved at setup only
