@@ -215,7 +215,7 @@ class ZeroConfig:
     in the group, then the shard all-reduced across the groups ([Note: hierarchical groups] in
     collectives.py). An int (ranks) that divides the world size; "node" = ``LOCAL_WORLD_SIZE`` of the
     environment, resolved at setup; None = the whole world (no replicas). Ignored at stage 0, which shards
-    nothing. Default None."""
+    nothing, and in a one-rank world. Default None."""
 
     def __post_init__(self) -> None:
         self._normalise_fields()
@@ -304,10 +304,11 @@ class ZeroConfig:
 
     def resolved_shard_group_size(self, world_size: int, environ: Mapping[str, str] | None = None) -> int | None:
         """Ranks per shard group for a world of ``world_size`` ranks, or None when the whole world is one group
-        (``shard_group_size`` None or equal to the world size, or stage 0).  The one place "node" is resolved:
-        ``LOCAL_WORLD_SIZE`` (torchrun's processes per node) from ``environ`` (default ``os.environ``)."""
+        (``shard_group_size`` None or equal to the world size, stage 0, or a one-rank world: a script run
+        without a launcher).  The one place "node" is resolved: ``LOCAL_WORLD_SIZE`` (torchrun's processes per
+        node) from ``environ`` (default ``os.environ``)."""
         k = self.shard_group_size
-        if k is None or self.stage == 0:
+        if k is None or self.stage == 0 or world_size == 1:
             return None
         if k == "node":
             env = os.environ if environ is None else environ

@@ -534,6 +534,7 @@ def test_resolved_shard_group_size():
     assert ZeroConfig(shard_group_size=2).resolved_shard_group_size(4) == 2
     assert ZeroConfig(shard_group_size=4).resolved_shard_group_size(4) is None  # the whole world: default path
     assert ZeroConfig(stage=0, shard_group_size=2).resolved_shard_group_size(4) is None  # stage 0 ignores it
+    assert ZeroConfig(shard_group_size="node").resolved_shard_group_size(1, {}) is None  # no launcher, one rank
     node = ZeroConfig(stage=3, shard_group_size="node")
     assert node.resolved_shard_group_size(8, {"LOCAL_WORLD_SIZE": "4"}) == 4
     with pytest.raises(ValueError, match="must divide the world size 4; got 3"):
