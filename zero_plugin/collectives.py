@@ -245,11 +245,11 @@ class Comm:
         n, k = self.world_size, shard_size
         shards = [tuple(range(g * k, (g + 1) * k)) for g in range(n // k)]
         replicas = [tuple(range(i, n, k)) for i in range(k)]
-        mine = {}
+        mine = []  # this rank's shard group, then its replica group
         for ranks in shards + replicas:
             group = self._cached_group(ranks, "split", self.backend, local=False)
             if self.rank in ranks:
-                mine[len(mine)] = group
+                mine.append(group)
         shard = Comm(mine[0], timeout_s=self.timeout_s, label="shard")
         shard.replica = Comm(mine[1], timeout_s=self.timeout_s, label="replica")
         shard.world = self

@@ -247,7 +247,8 @@ def _average_flagged(
 
 def _sum_across_replicas(comm: Comm, regions: list[torch.Tensor], flags: torch.Tensor) -> torch.Tensor:
     """In-place layout: sum this rank's regions and the flags over the replica group, as one flat tensor
-    in the regions' dtype (flags are small counts, exact in any float dtype); the summed flags."""
+    in the regions' dtype (only whether a summed flag is non-zero is read, which any float dtype keeps);
+    the summed flags."""
     if comm.replica is None or not regions:
         return flags
     flat = torch.cat([r.reshape(-1) for r in regions] + [flags.to(regions[0].dtype)])

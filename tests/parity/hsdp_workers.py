@@ -167,3 +167,13 @@ def checkpoint_worker(kind: str, stage: int, k, batches: list, max_norm: float, 
     loaded = zp.full_state_dict(model, rank0_only=False)
     _step(model, opt, batches[1:2], max_norm)
     return {"extra": extra, "full": loaded, "after": zp.full_state_dict(model, rank0_only=False)}
+
+
+def node_disagreement_worker() -> str:
+    """LOCAL_WORLD_SIZE 2 on ranks 0-1 and 4 on ranks 2-3: setup must raise on every rank, before any split."""
+    local = 2 if dist.get_rank() < 2 else 4
+    try:
+        with_local_world_size(local, _setup, "mlp", 2, "node")
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

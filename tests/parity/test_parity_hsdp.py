@@ -181,6 +181,7 @@ def test_checkpoint_one_copy_and_reshard_both_ways(tmp_path, save_stage, load_st
         _assert_same_state(r["after"], loaded[0]["after"], 1e-12, "a step after loading")
 
 
+@pytest.mark.slow  # 48-80 s on the shared 2-core machine: six processes import torch
 def test_torchrun_two_nodes_node_groups(tmp_path):
     """Two torchrun launchers on loopback (--nnodes 2 --nproc_per_node 2, node ranks 0 and 1), stage 3 with
     shard_group_size="node": each node is a shard group; parity with the reference as above."""
@@ -215,3 +216,9 @@ def test_torchrun_two_nodes_node_groups(tmp_path):
         assert _rel(r["clip_norms"], ref["clip_norms"]) <= 1e-10, f"rank {rank}: clip norms"
         diff = models.max_abs_diff({n: r["full"][n] for n in ref["params"]}, ref["params"])
         assert diff <= 1e-10, f"rank {rank}: max |θ - θ_ref| = {diff:.3g}"
+
+
+def test_node_group_size_must_agree_on_every_rank():
+    for message in run_ranks(WORLD, hsdp_workers.node_disagreement_worker):
+        assert 'shard_group_size="node" must give one group size on every rank' in message, message
+        assert "[2, 2, None, None]" in message, message
