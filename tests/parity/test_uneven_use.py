@@ -109,10 +109,13 @@ STAGE_LAYOUTS = [(0, "in_place")] + [(stage, layout) for stage in STAGES[1:] for
 BUCKETED = [(s, lay) for s, lay in STAGE_LAYOUTS if s < 3]
 
 
-def check_parity(world_size: int, stage: int, layout: str, runs: list[tuple[str, str, str]]) -> None:
+def check_parity(
+    world_size: int, stage: int, layout: str, runs: list[tuple[str, str, str]], shard_group_size: int | None = None
+) -> None:
+    refs = references(world_size)
     try:
         errors = run_ranks(
-            world_size, W.parity_worker, stage, LAYOUTS[layout], runs, references(world_size), timeout=CALL_TIMEOUT_S
+            world_size, W.parity_worker, stage, LAYOUTS[layout], runs, refs, shard_group_size, timeout=CALL_TIMEOUT_S
         )
     except RankError:
         _discard_pool(world_size)  # ranks that timed out in a mismatched collective may still hold it
@@ -120,6 +123,18 @@ def check_parity(world_size: int, stage: int, layout: str, runs: list[tuple[str,
     for rank, per_run in enumerate(errors):
         bad = {k: f"{v:.3g}" for k, v in per_run.items() if not v <= TOL}
         assert not bad, f"rank {rank}: max |θ - θ_ref| > {TOL:g} (case/optimizer/bucket): {bad}"
+
+
+@pytest.mark.parametrize("stage,layout", STAGE_LAYOUTS[1:], ids=[f"stage{s}-{lay}" for s, lay in STAGE_LAYOUTS[1:]])
+def test_uneven_use_with_hierarchical_sharding(stage, layout):
+    """4 ranks as 2 shard groups of 2 (ZeroConfig.shard_group_size=2): the expert used on rank 0 only has no
+    gradient anywhere in the second shard group, which must still get it through the replica sum and its
+    summed flags; the ignored block (last rank) and the branch (rank parity) likewise."""
+    if stage == 3:
+        runs = [(case, opt, "default") for case in W.CASES for opt in W.OPTIMIZERS]
+    else:
+        runs = [(case, opt, "block") for case in W.CASES for opt in W.OPTIMIZERS]
+    check_parity(4, stage, layout, runs, shard_group_size=2)
 
 
 @pytest.mark.parametrize("stage,layout", STAGE_LAYOUTS, ids=[f"stage{s}-{lay}" for s, lay in STAGE_LAYOUTS])

@@ -174,10 +174,14 @@ def gradient_order(case: str, world: int, step: int) -> list[list[str]]:
     return orders
 
 
-def _train(case: str, opt_name: str, stage: int, buffered: bool, bucket: str) -> dict[str, torch.Tensor]:
+def _train(
+    case: str, opt_name: str, stage: int, buffered: bool, bucket: str, shard_group_size: int | None = None
+) -> dict[str, torch.Tensor]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model()
-    config = zp.ZeroConfig(stage=stage, bucket_size_mb=BUCKETS[bucket], timeout_s=COLLECTIVE_TIMEOUT_S)
+    config = zp.ZeroConfig(
+        stage=stage, bucket_size_mb=BUCKETS[bucket], timeout_s=COLLECTIVE_TIMEOUT_S, shard_group_size=shard_group_size
+    )
     with collectives_layout(buffered):
         model, opt = zp.setup(model, build_optimizer(model, opt_name), config)
     for step, (x, y) in enumerate(make_data(world)):
@@ -189,13 +193,17 @@ def _train(case: str, opt_name: str, stage: int, buffered: bool, bucket: str) ->
     return {n: full[n] for n, _ in model.named_parameters()}
 
 
-def parity_worker(stage: int, buffered: bool, runs: list[tuple[str, str, str]], refs: dict) -> dict[str, float]:
+def parity_worker(
+    stage: int, buffered: bool, runs: list[tuple[str, str, str]], refs: dict, shard_group_size: int | None = None
+) -> dict[str, float]:
     """Train each ``(case, optimizer, bucket)`` of ``runs``; ``{"case/optimizer/bucket": max |θ - θ_ref|}``.
 
-    ``refs[(case, optimizer)]`` are the reference parameters for this world size."""
+    ``refs[(case, optimizer)]`` are the reference parameters for this world size; ``shard_group_size``:
+    hierarchical sharding (a parameter used in one shard group only reaches the other through the replica
+    sum and its flags)."""
     errors = {}
     for case, opt_name, bucket in runs:
-        got = _train(case, opt_name, stage, buffered, bucket)
+        got = _train(case, opt_name, stage, buffered, bucket, shard_group_size)
         want = refs[case, opt_name]
         errors[f"{case}/{opt_name}/{bucket}"] = max((got[n] - want[n]).abs().max().item() for n in want)
     return errors
