@@ -177,3 +177,14 @@ def node_disagreement_worker() -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def evaluation_worker(batch) -> dict:
+    """Stage 3 for evaluation only (``zp.setup(model, None, config)``) with shard groups of 2: the output
+    and the parameter bytes held (the shard of a group of 2, not of 4)."""
+    x = models.shard_batch(batch, dist.get_rank(), dist.get_world_size())[0]
+    want = workers.build_model("mlp")(x)
+    model, _ = zp.setup(workers.build_model("mlp"), None, _config(3, 2))
+    got = model(x)
+    held = sum(sp.local.numel() for sp in engine_of(model, "test").sharded.values())
+    return {"diff": (got - want).abs().max().item(), "held": held, "shard_world": engine_of(model, "t").comm.world_size}

@@ -222,3 +222,12 @@ def test_node_group_size_must_agree_on_every_rank():
     for message in run_ranks(WORLD, hsdp_workers.node_disagreement_worker):
         assert 'shard_group_size="node" must give one group size on every rank' in message, message
         assert "[2, 2, None, None]" in message, message
+
+
+def test_evaluation_only_stage3_shards_within_the_group():
+    psi = sum(p.numel() for p in workers.build_model("mlp").parameters())
+    results = run_ranks(WORLD, hsdp_workers.evaluation_worker, batches()[0])
+    for rank, r in enumerate(results):
+        assert r["diff"] == 0.0 and r["shard_world"] == K, (rank, r)
+    assert sum(r["held"] for r in results[:K]) == psi  # one copy per shard group
+    assert [r["held"] for r in results[:K]] == [r["held"] for r in results[K:]]
