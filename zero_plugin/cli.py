@@ -261,6 +261,12 @@ def _comm_lines(plan, args: argparse.Namespace) -> list[str]:
             f"{r['time'] * 1e3:>9.2f} | {r['model_states'] / _GIB:>10.2f}  "
             f"{'available' if r['implemented'] else 'planned'}"
         )
+    if args.accum > 1:
+        kept = plan.counts["trainable"] * plan.reduce_bytes(plan.config)
+        lines.append(
+            f"accum rows keep the full gradients of every unit between micro-batches: +{kept / _GIB:.2f} GiB per rank "
+            f"(trainable parameters x {plan.reduce_bytes(plan.config)} bytes of the reduce dtype)"
+        )
     lines += [
         "bytes: logical bytes per rank per step (zp.comm_stats' count); intra: collectives inside a node, inter: "
         "collectives across nodes; comm ms: alpha-beta ring model, nothing overlapped (zero_plugin/planner/"

@@ -36,9 +36,10 @@ def odd_mlp_plan(config: ZeroConfig, param_dtype: str | None = None, model_dtype
     return zpp.Planner(model, inputs=inputs, config=config, param_dtype=param_dtype, device="cpu")
 
 
-def planned(plan: zpp.Planner, stage: int, world_size: int, accum: int, in_place: bool) -> dict:
+def planned(plan: zpp.Planner, stage: int, world_size: int, accum: int, in_place: bool, keep: bool = False) -> dict:
     out: dict[str, int] = {}
-    for ph in step_phases(plan, stage, Option(), Topology(1, world_size), accum, in_place=in_place):
+    option = Option(accumulate=keep)
+    for ph in step_phases(plan, stage, option, Topology(1, world_size), accum, in_place=in_place):
         assert ph.network == "intra", ph
         out[ph.stats_kind] = out.get(ph.stats_kind, 0) + ph.nbytes
     return out
@@ -64,6 +65,17 @@ def test_planned_bytes_equal_comm_stats(stage, world_size, layout, accum):
     want = planned(plan, stage, world_size, accum, in_place=layout == "in_place")
     for rank, stats in enumerate(run_ranks(world_size, workers.step_stats, config, accum, layout == "buffered")):
         assert measured(stats) == want, f"rank {rank}: comm_stats {measured(stats)} vs planner {want}"
+
+
+@pytest.mark.parametrize("world_size,layout", [(2, "in_place"), (3, "buffered")])
+def test_planned_bytes_equal_comm_stats_with_kept_gradients(world_size, layout):
+    """ZeroConfig.accumulate_full_grads: gathers every micro-batch, one reduction per step."""
+    config = dict(stage=3, bucket_size_mb=BUCKET_MB, accumulate_full_grads=True)
+    plan = odd_mlp_plan(ZeroConfig(bucket_size_mb=BUCKET_MB))
+    want = planned(plan, 3, world_size, 3, in_place=layout == "in_place", keep=True)
+    assert want != planned(plan, 3, world_size, 3, in_place=layout == "in_place")
+    for stats in run_ranks(world_size, workers.step_stats, config, 3, layout == "buffered"):
+        assert measured(stats) == want
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -161,6 +173,7 @@ def test_cli_multi_node_table(capsys):
     lines = {tuple(line.split("|")[0].split()): line for line in out.splitlines() if "|" in line}
     assert "planned" in lines[("3", "hier+qwZ")] and "available" in lines[("3", "accum")]
     assert "available" in lines[("2", "plain")]
+    assert "+14.90 GiB per rank (trainable parameters x 2 bytes" in out  # 8e9 bf16 full gradients
 
 
 def test_cli_link_flags(capsys):

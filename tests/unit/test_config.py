@@ -505,3 +505,15 @@ def test_from_env_missing_config_file_names_variable(tmp_path):
 def test_from_env_reads_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("ZERO_PLUGIN_STAGE", "1")
     assert ZeroConfig.from_env().stage == 1
+
+
+def test_accumulate_full_grads_field():
+    """Stage-3 accumulation mode ([Note: deferred reduction]): a bool, default off, parsed from text."""
+    assert ZeroConfig().accumulate_full_grads is False
+    assert ZeroConfig.from_dict({"stage": "3", "accumulate_full_grads": "on"}).accumulate_full_grads is True
+    assert ZeroConfig.from_env({"ZERO_PLUGIN_ACCUMULATE_FULL_GRADS": "1"}).accumulate_full_grads is True
+    assert ZeroConfig(stage=1, accumulate_full_grads=True).accumulate_full_grads  # accepted, ignored below 3
+    with pytest.raises(ValueError, match=r"ZeroConfig.accumulate_full_grads must be a bool.*got 'maybe'"):
+        ZeroConfig(accumulate_full_grads="maybe")
+    with pytest.raises(ValueError, match="accumulate_full_grads"):
+        ZeroConfig.from_dict({"accumulate_full_grads": "maybe"})
