@@ -379,7 +379,7 @@ def _add_estimate(sub) -> None:
         "per GPU (use --inter-bw 100Gb/s for a 100G network)",
     )
     net.add_argument("--nodes", type=int, help="machines (default 1)")
-    net.add_argument("--gpus-per-node", type=int, help="ranks per machine (default 8; world size with --nodes 1)")
+    net.add_argument("--gpus-per-node", type=int, help="ranks per machine (default 8)")
     net.add_argument("--intra-bw", type=_parse_rate, help="NVLink bandwidth per GPU and direction (default 450GB/s)")
     net.add_argument(
         "--inter-bw",

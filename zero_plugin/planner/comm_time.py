@@ -12,7 +12,7 @@ and compares.  The control channel's small exchanges ([Note: control channel]) a
 
 [Note: alpha-beta model]
 A collective over ``p`` ranks is a ring (Patarasuk & Yuan; the accounting of ZeRO, arXiv 1910.02054
-section 7, and ZeRO++, arXiv 2306.10209 section 3).  With ``n`` the bytes of the full buffer, ``α`` the
+section 7, and ZeRO++, arXiv 2306.10209).  With ``n`` the bytes of the full buffer, ``α`` the
 latency of one ring step and ``β`` the per-rank bandwidth of the link the ring runs over:
     all-gather (n outputs), reduce-scatter (n inputs):  T = (p-1)·α + (p-1)/p · n/β
     all-reduce of n:                                    T = 2(p-1)·α + 2(p-1)/p · n/β
@@ -28,13 +28,13 @@ Hierarchical collectives are an intra phase plus an inter phase:
   * hierarchical sharding (shard group = node: FSDP2 HSDP, MiCS, ``ZeroConfig.shard_group_size=G``):
     parameters gathered inside the node, AG(n, G) on intra; gradients reduce-scattered inside the node,
     RS(n, G) on intra, then the 1/G shard all-reduced across nodes, AR(n/G, M) on inter;
-  * hpZ (ZeRO++ 3.2): a secondary copy of the parameters sharded inside the node (+n/G memory) serves
+  * hpZ (ZeRO++): a secondary copy of the parameters sharded inside the node (+n/G memory) serves
     backward's gathers, AG(n, G) on intra; forward gathers stay flat, AG(n, N);
-  * qwZ (ZeRO++ 3.1): weights all-gathered as int8 in blocks of ``QUANT_BLOCK`` elements with one fp32
+  * qwZ (ZeRO++): weights all-gathered as int8 in blocks of ``QUANT_BLOCK`` elements with one fp32
     scale each: n·(1 + 4/QUANT_BLOCK)/param_bytes bytes instead of n;
-  * qgZ (ZeRO++ 3.3, int8 here): gradients quantized the same way and reduce-scattered in two all-to-all
-    hops, inside the node then across nodes: A2A(q, G) on intra + A2A(q/G, M) on inter, each with the
-    ring's cost (p-1)·α + (p-1)/p · q/β;
+  * qgZ (ZeRO++; int8 here, the paper's int4 would halve it): gradients quantized the same way and
+    reduce-scattered in two all-to-all hops, inside the node then across nodes: A2A(q, G) on intra +
+    A2A(q/G, M) on inter, each with the ring's cost (p-1)·α + (p-1)/p · q/β;
   * stage-3 accumulation (``ZeroConfig.accumulate_full_grads``, under ``zp.no_sync``): gathers every
     micro-batch, one reduction per step (+ the full gradients of every unit in memory, Ψ·reduce bytes).
 A step of A micro-batches: stages 0-2 reduce once (``no_sync`` before the last), stage 3 gathers A times
@@ -44,7 +44,7 @@ when nothing overlaps it; overlapped with compute, a step takes at least max(com
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -375,8 +375,3 @@ def comm_rows(plan: Any, topo: Topology, accum: int = 1, stages=(0, 1, 2, 3), in
                 }
             )
     return rows
-
-
-def single_group(topo: Topology) -> Topology:
-    """The same ranks on one node (every collective intra): what a one-machine run counts."""
-    return replace(topo, nodes=1, gpus_per_node=topo.world_size)
