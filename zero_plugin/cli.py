@@ -48,6 +48,29 @@ def _parse_bytes(text: str) -> float:
     return float(m.group(1)) * _SIZE_UNITS[unit]
 
 
+_BANDWIDTH_UNITS = {"gb/s": 1e9, "gbit/s": 1e9 / 8, "gbps": 1e9 / 8, "mb/s": 1e6, "tb/s": 1e12, "gib/s": 2**30, "": 1e9}
+_LATENCY_UNITS = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "ns": 1e-9, "s": 1.0, "": 1e-6}
+
+
+def _parse_rate(text: str) -> float:
+    """``450GB/s`` (bytes), ``400Gb/s`` or ``400Gbps`` (bits), ``50`` (GB/s): bytes per second."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-zA-Zµ/]*)\s*", text)
+    unit = m.group(2) if m else None
+    key = None if unit is None else ("gbit/s" if unit in ("Gb/s", "Gbit/s") else unit.lower())
+    if m is None or key not in _BANDWIDTH_UNITS or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a bandwidth like 450GB/s, 400Gb/s or 100Gbps; got {text!r}")
+    return float(m.group(1)) * _BANDWIDTH_UNITS[key]
+
+
+def _parse_latency(text: str) -> float:
+    """``3us``, ``0.01ms``, ``5e-6s``; a bare number is microseconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-zA-Zµ]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _LATENCY_UNITS:
+        raise argparse.ArgumentTypeError(f"expected a latency like 3us, 10us or 0.02ms; got {text!r}")
+    return float(m.group(1)) * _LATENCY_UNITS[unit]
+
+
 def _settings(args: argparse.Namespace, fit: bool) -> list[tuple[int, bool, bool]]:
     """Rows: stages 0-3 without and 1-3 with optimizer offload (``--offload`` narrows), plus
     parameter offload at stage 3 with ``--offload-params`` (always considered by ``--fit``)."""
@@ -68,6 +91,13 @@ def _planner(args: argparse.Namespace):
     if args.params is not None and (args.batch is not None or args.checkpointing):
         raise ValueError("--batch/--seq/--checkpointing need --model: activations come from tracing the model")
     config = ZeroConfig(bucket_size_mb=args.bucket_size_mb, prefetch_depth=args.prefetch_depth)
+    if args.nodes is not None or args.gpus_per_node is not None:
+        nodes, per_node = args.nodes or 1, args.gpus_per_node or 8
+        if args.world_size_given and args.world_size != nodes * per_node:
+            raise ValueError(
+                f"--world-size {args.world_size} is not --nodes x --gpus-per-node = {nodes} x {per_node}; give one"
+            )
+        args.world_size, args.gpus_per_node = nodes * per_node, per_node
     return Planner(
         args.params if args.params is not None else args.model,
         param_dtype=_DTYPES[args.dtype],
@@ -195,6 +225,59 @@ def _fit_lines(result: dict) -> list[str]:
     return lines
 
 
+def _topology(args: argparse.Namespace):
+    from .planner import DEFAULT_INTER, DEFAULT_INTRA, Link, Topology
+
+    def link(default: Link, bandwidth: float | None, latency: float | None) -> Link:
+        return Link(
+            default.bandwidth if bandwidth is None else bandwidth, default.latency if latency is None else latency
+        )
+
+    return Topology(
+        nodes=args.nodes or 1,
+        gpus_per_node=args.world_size // (args.nodes or 1),
+        intra=link(DEFAULT_INTRA, args.intra_bw, args.intra_latency),
+        inter=link(DEFAULT_INTER, args.inter_bw, args.inter_latency),
+    )
+
+
+def _comm_lines(plan, args: argparse.Namespace) -> list[str]:
+    from .planner import comm_rows
+
+    topo = _topology(args)
+    rows = comm_rows(plan, topo, accum=args.accum)
+    gb = 1e9
+    lines = [
+        f"communication per step: {topo.nodes} node(s) x {topo.gpus_per_node} GPUs = {topo.world_size} ranks, "
+        f"{args.accum} micro-batch(es) per optimizer step; NVLink {topo.intra.bandwidth / gb:g} GB/s, "
+        f"{topo.intra.latency * 1e6:g} us; network {topo.inter.bandwidth / gb:g} GB/s "
+        f"({topo.inter.bandwidth * 8 / gb:g} Gb/s) per GPU, {topo.inter.latency * 1e6:g} us",
+        f"{'stage':>5} {'option':<16} | {'intra GB':>9} {'inter GB':>9} | {'comm ms':>9} | {'states GiB':>10}  status",
+    ]
+    lines.append("-" * len(lines[-1]))
+    for r in rows:
+        lines.append(
+            f"{r['stage']:>5} {r['name']:<16} | {r['bytes']['intra'] / gb:>9.2f} {r['bytes']['inter'] / gb:>9.2f} | "
+            f"{r['time'] * 1e3:>9.2f} | {r['model_states'] / _GIB:>10.2f}  "
+            f"{'available' if r['implemented'] else 'planned'}"
+        )
+    if args.accum > 1:
+        kept = plan.counts["trainable"] * plan.reduce_bytes(plan.config)
+        lines.append(
+            f"accum rows keep the full gradients of every unit between micro-batches: +{kept / _GIB:.2f} GiB per rank "
+            f"(trainable parameters x {plan.reduce_bytes(plan.config)} bytes of the reduce dtype)"
+        )
+    lines += [
+        "bytes: logical bytes per rank per step (zp.comm_stats' count); intra: collectives inside a node, inter: "
+        "collectives across nodes; comm ms: alpha-beta ring model, nothing overlapped (zero_plugin/planner/"
+        "comm_time.py, [Note: alpha-beta model]); states: parameters + gradients + optimizer state per rank",
+        "options: hier = shard group of one node (HSDP/MiCS); hpZ = secondary parameter shard inside the node for "
+        "backward; qwZ = int8 weight all-gather; qgZ = int8 gradient reduce-scatter (ZeRO++); accum = "
+        "ZeroConfig(accumulate_full_grads=True) under zp.no_sync (+ full gradients of every unit)",
+    ]
+    return lines
+
+
 def _plot(plan, args: argparse.Namespace, settings) -> None:
     try:
         import matplotlib
@@ -236,6 +319,8 @@ def _plot(plan, args: argparse.Namespace, settings) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
+    args.world_size_given = args.world_size is not None
+    args.world_size = 8 if args.world_size is None else args.world_size
     if args.fit and args.gpu_mem is None and args.device == "cuda":
         print(
             "zero-plugin estimate: error: --fit needs --gpu-mem (e.g. --gpu-mem 24GiB), or --device cpu",
@@ -247,6 +332,8 @@ def _estimate(args: argparse.Namespace) -> int:
         settings = _settings(args, fit=args.fit)
         rows = plan.rows(args.world_size, settings)
         print("\n".join(_header(plan, args) + [""] + _table(rows)))
+        if args.nodes is not None or args.gpus_per_node is not None or args.accum != 1:
+            print("\n" + "\n".join(_comm_lines(plan, args)))
         status = 0
         if args.fit:
             gpu_mem = args.gpu_mem if args.device == "cuda" else None
@@ -255,7 +342,7 @@ def _estimate(args: argparse.Namespace) -> int:
                 gpu_mem,
                 args.host_mem,
                 margin=args.margin,
-                ranks_per_host=args.ranks_per_host,
+                ranks_per_host=args.ranks_per_host or args.gpus_per_node,
                 settings=settings,
             )
             print("\n" + "\n".join(_fit_lines(result)))
@@ -283,7 +370,25 @@ def _add_estimate(sub) -> None:
         help="built-in name (tiny-llama, llama-1b, llama-7b, llama-13b), a transformers "
         "config file or folder, or a Hub id (org/name)",
     )
-    est.add_argument("--world-size", type=int, default=8, help="ranks (default 8)")
+    est.add_argument("--world-size", type=int, default=None, help="ranks (default 8, or --nodes x --gpus-per-node)")
+    net = est.add_argument_group(
+        "communication",
+        "with --nodes, --gpus-per-node or --accum: bytes per step on each link and an alpha-beta estimate of the "
+        "communication time, per stage and option (plain, hierarchical sharding, hpZ, qwZ, qgZ, stage-3 "
+        "accumulation); defaults model HGX H100/H200 nodes: NVLink 450GB/s per direction, one 400Gb/s NIC "
+        "per GPU (use --inter-bw 100Gb/s for a 100G network)",
+    )
+    net.add_argument("--nodes", type=int, help="machines (default 1)")
+    net.add_argument("--gpus-per-node", type=int, help="ranks per machine (default 8)")
+    net.add_argument("--intra-bw", type=_parse_rate, help="NVLink bandwidth per GPU and direction (default 450GB/s)")
+    net.add_argument(
+        "--inter-bw",
+        type=_parse_rate,
+        help="network bandwidth per GPU and direction (default 400Gb/s = 50GB/s: one NDR NIC per GPU)",
+    )
+    net.add_argument("--intra-latency", type=_parse_latency, help="per ring step (default 3us)")
+    net.add_argument("--inter-latency", type=_parse_latency, help="per ring step (default 10us)")
+    net.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     est.add_argument(
         "--dtype",
         choices=sorted(_DTYPES),

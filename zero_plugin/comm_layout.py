@@ -296,14 +296,25 @@ def gather_buffered(
     return BufferedGather(comm, members, offsets, width, extra, inp, out, work, buffers)
 
 
+def _param_grad(member) -> torch.Tensor | None:
+    return member.param.grad
+
+
 def reduce_in_place(
-    comm: Comm, members: list, dtype: torch.dtype, device: torch.device, release_grads: bool, tag: str = ""
+    comm: Comm,
+    members: list,
+    dtype: torch.dtype,
+    device: torch.device,
+    release_grads: bool,
+    tag: str = "",
+    grad_of: Callable[[Any], torch.Tensor | None] = _param_grad,
 ) -> InPlaceReduce:
-    """Sum every member's full ``param.grad`` (zeros where it has none) in ``dtype``, in place.
-    ``release_grads``: drop ``param.grad`` (the reduction holds the gradient until it completes)."""
+    """Sum every member's full gradient (``grad_of(member)``, by default ``param.grad``; zeros where it has
+    none) in ``dtype``, in place.  ``release_grads``: drop ``param.grad`` (the reduction holds the gradient
+    until it completes)."""
     grads, present = [], []
     for member in members:
-        grad = member.param.grad
+        grad = grad_of(member)
         present.append(float(grad is not None))
         if grad is None:
             grad = torch.zeros(member.layout.numel, dtype=dtype, device=device)
@@ -324,9 +335,10 @@ def reduce_buffered(
     buffers: Buffers = FRESH,
     streams: StreamSet = NO_STREAMS,
     tag: str = "",
+    grad_of: Callable[[Any], torch.Tensor | None] = _param_grad,
 ) -> BufferedReduce:
-    """Copy every member's ``param.grad`` (zeros where it has none) into rank-major rows with the flags and
-    reduce-scatter them.  Call it on the stream the copies should run on (stage 3: inside
+    """Copy every member's gradient (``grad_of``, as in :func:`reduce_in_place`; zeros where it has none)
+    into rank-major rows with the flags and reduce-scatter them.  Call it on the stream the copies should run on (stage 3: inside
     ``streams.reduce()``); ``streams`` is where the completion runs."""
     n = comm.world_size
     offsets, width = packed_offsets(m.layout.shard_numel for m in members)
@@ -334,7 +346,7 @@ def reduce_buffered(
     buf = buffers.take(n * (width + k), dtype, device).view(n, width + k)
     sources = [] if streams.overlaps else None
     for i, (member, off) in enumerate(zip(members, offsets)):
-        grad = member.param.grad
+        grad = grad_of(member)
         copy_padded_rows(
             buf[:, off : off + member.layout.shard_numel], None if grad is None else grad.reshape(-1), member.layout
         )

@@ -166,6 +166,13 @@ class ZeroConfig:
     reshard_after_forward: bool = True
     """Stage 3: free a unit's gathered params after forward; False keeps them until backward,
     trading memory for one less all-gather. Default True."""
+    accumulate_full_grads: bool = False
+    """Stage 3, gradient accumulation: False reduce-scatters every backward, also under ``zp.no_sync``, into the
+    shard gradients (no extra memory, one reduce-scatter of Ψ per micro-batch); True keeps each unit's full
+    gradients across the ``no_sync`` backwards and reduce-scatters once, in the synced backward (FSDP2's
+    ``set_requires_gradient_sync(False)``): 1/A of the reduction traffic for A micro-batches, for the full
+    gradients of every unit on every rank, Ψ × reduce-dtype bytes (4Ψ in fp32), until that backward
+    ([Note: deferred reduction] in stage3/accumulate.py). Default False."""
     unit_classes: tuple = ()
     """Stage 3: module classes, or names matched against ``type(m).__name__`` or the qualified name, whose
     instances become units; empty = the model's ``_no_split_modules``, else one unit. Default ()."""
@@ -238,6 +245,7 @@ class ZeroConfig:
         put("prefetch_depth", _as_int("prefetch_depth", self.prefetch_depth, 0, 8))
         put("persistence_threshold", _as_int("persistence_threshold", self.persistence_threshold, 0))
         put("reshard_after_forward", _as_bool("reshard_after_forward", self.reshard_after_forward))
+        put("accumulate_full_grads", _as_bool("accumulate_full_grads", self.accumulate_full_grads))
         put("unit_classes", _as_unit_classes(self.unit_classes))
         put("unit_policy", _as_unit_policy(self.unit_policy))
         if self.clip_grad_norm is not None:
@@ -432,6 +440,7 @@ _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "loss_scale_growth_interval": _INT,
     "offload_params": _BOOL,
     "reshard_after_forward": _BOOL,
+    "accumulate_full_grads": _BOOL,
     "trim_host_heap": _BOOL,
     "debug_collectives": _BOOL,
     "cpu_ram_efficient_loading": _BOOL,

@@ -548,3 +548,15 @@ def test_resolved_shard_group_size():
 def test_constructor_does_not_resolve_node(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert ZeroConfig(shard_group_size="node").shard_group_size == "node"  # resolved at setup only
+
+
+def test_accumulate_full_grads_field():
+    """Stage-3 accumulation mode ([Note: deferred reduction]): a bool, default off, parsed from text."""
+    assert ZeroConfig().accumulate_full_grads is False
+    assert ZeroConfig.from_dict({"stage": "3", "accumulate_full_grads": "on"}).accumulate_full_grads is True
+    assert ZeroConfig.from_env({"ZERO_PLUGIN_ACCUMULATE_FULL_GRADS": "1"}).accumulate_full_grads is True
+    assert ZeroConfig(stage=1, accumulate_full_grads=True).accumulate_full_grads  # accepted, ignored below 3
+    with pytest.raises(ValueError, match=r"ZeroConfig.accumulate_full_grads must be a bool.*got 'maybe'"):
+        ZeroConfig(accumulate_full_grads="maybe")
+    with pytest.raises(ValueError, match="accumulate_full_grads"):
+        ZeroConfig.from_dict({"accumulate_full_grads": "maybe"})

@@ -159,6 +159,7 @@ class Stage3Engine(Engine):
             config.prefetch_depth,
             config.reshard_after_forward,
             trim_heap=compute_device(comm).type == "cpu" and config.trim_host_heap,
+            accumulate_full_grads=config.accumulate_full_grads,
         )
         self.runtime.register()
         self.runtime.after_backward = self.after_backward
@@ -180,7 +181,16 @@ class Stage3Engine(Engine):
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
         return self.sharded[id(slot.param)].sharded_grad
 
+    def owned_grads(self) -> list[torch.Tensor]:
+        self._check_reduced("the gradient norm (clip_grad_norm_) or the inf/NaN check")
+        return super().owned_grads()
+
+    def _check_reduced(self, verb: str) -> None:
+        if self.runtime.kept is not None:  # [Note: deferred reduction] in accumulate.py
+            self.runtime.kept.check_reduced(verb)
+
     def before_step(self, blocked: bool = False) -> None:
+        self._check_reduced("optimizer.step()")
         for slot in self.slots:
             grad = self.sharded[id(slot.param)].sharded_grad
             if slot.is_identity:
@@ -199,6 +209,8 @@ class Stage3Engine(Engine):
                 slot.master.grad = None
 
     def discard_grads(self, set_to_none: bool) -> None:
+        if self.runtime.kept is not None:
+            self.runtime.kept.discard()
         for slot in self.slots:
             sp = self.sharded[id(slot.param)]
             slot.param.grad = None
@@ -209,9 +221,10 @@ class Stage3Engine(Engine):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        # Stage 3 reduce-scatters every micro-batch and accumulates into the shard
-        # gradient (the sum is the same); keeping full gradients would defeat ZeRO-3.
-        yield
+        # Reduce-scatter every micro-batch into the shard gradients (the sum is the same), or with
+        # ZeroConfig.accumulate_full_grads keep the full gradients until the synced backward.
+        with self.runtime.no_sync():
+            yield
 
     # -- gathering ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -326,6 +339,7 @@ class Stage3Engine(Engine):
         params = [sp.local for sp in self.sharded.values()] + [sp.unsharded for sp in self.sharded.values()]
         grads = [sp.sharded_grad for sp in self.sharded.values() if sp.sharded_grad is not None]
         grads += [sp.param.grad for sp in self.sharded.values() if sp.param.grad is not None]
+        grads += self.runtime.kept.tensors() if self.runtime.kept is not None else []
         return {"params": params, "grads": grads, "masters": []}
 
     def unsharded_units(self) -> list[Unit]:

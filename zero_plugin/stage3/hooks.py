@@ -59,7 +59,9 @@ list order and nothing extra happens.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Iterator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -67,6 +69,7 @@ from torch.utils import _pytree as pytree
 from .._hooks import WeakHook
 from ..grads.schedule import ReductionSchedule
 from ..hostmem import trim_host_heap
+from .accumulate import FullGradStore
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .unit import Unit
@@ -105,7 +108,12 @@ class _PostBackward(torch.autograd.Function):
 
 class Stage3Runtime:
     def __init__(
-        self, units: list[Unit], prefetch_depth: int, reshard_after_forward: bool, trim_heap: bool = False
+        self,
+        units: list[Unit],
+        prefetch_depth: int,
+        reshard_after_forward: bool,
+        trim_heap: bool = False,
+        accumulate_full_grads: bool = False,
     ) -> None:
         self.units = units
         self.trim_heap = trim_heap  # [Note: heap trimming] in hostmem.py (CPU only)
@@ -125,7 +133,12 @@ class Stage3Runtime:
         self._late: list[Unit] = []
         self.after_backward = lambda: None  # the engine's: [Note: per-step state] in engine.py
         self._callback_queued = False
-        self.require_sync = True
+        self.require_sync = True  # False inside zp.no_sync
+        # [Note: deferred reduction] in accumulate.py: under no_sync, full gradients kept instead of reduced
+        self.kept = FullGradStore() if accumulate_full_grads else None
+        if self.kept is not None:
+            for unit in units:
+                unit.grad_of = self.kept.grad_of
         self._root_depth = 0
         self._handles: list = []
 
@@ -296,9 +309,20 @@ class Stage3Runtime:
         rest = [u for u in self.units if u.trainable and u is not self.root and u not in ran]
         return ran + rest + ([self.root] if self.root.trainable else [])
 
-    @staticmethod
-    def _launch_reduce(unit: Unit) -> list:
+    def _launch_reduce(self, unit: Unit) -> list:
+        if self.kept is not None and not self.require_sync:
+            return self.kept.defer(unit)
         return unit.launch_reduce()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """``zp.no_sync``: with kept gradients, reductions are deferred to the next synced backward; without,
+        every backward still reduce-scatters into the shard gradients (the sum is the same)."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
 
     @staticmethod
     def _complete_reduce(unit: Unit, pending) -> None:

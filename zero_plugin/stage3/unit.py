@@ -96,6 +96,9 @@ class Unit:
         self._inputs_hooked = False  # a post-backward hook sits on this forward's inputs
         self._gather: list[comm_layout.InPlaceGather | comm_layout.BufferedGather] = []
         self.guard: OrderGuard | None = None  # set by the runtime: [Note: collective order]
+        # What a reduction sends for a parameter: its param.grad, or with kept gradients the runtime's
+        # FullGradStore.grad_of ([Note: deferred reduction] in accumulate.py)
+        self.grad_of = _param_grad
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, {self.state.value})"
@@ -145,9 +148,19 @@ class Unit:
         parameters unless the unit's backward may still need them."""
         assert self.trainable, f"unit {self.name!r}: a reduction of a unit that trains nothing"
         launched = self.reduce_grads()
+        self._release_after_reduce()
+        return launched
+
+    def defer_reduce(self) -> list:
+        """The reduction's turn under ``no_sync`` with its gradients kept instead ([Note: deferred reduction]
+        in accumulate.py): as :meth:`launch_reduce`, with nothing sent."""
+        self._reduced = True
+        self._release_after_reduce()
+        return []
+
+    def _release_after_reduce(self) -> None:
         if not self.is_root and (self.training_state is TrainingState.POST_BACKWARD or not self._inputs_hooked):
             self.reshard()
-        return launched
 
     def end_backward(self) -> None:
         """The final callback: every reduction completed; release, forget this backward."""
@@ -298,7 +311,13 @@ class Unit:
         if self.reduce_comm.gathers_regions_in_place:
             return [
                 comm_layout.reduce_in_place(
-                    self.reduce_comm, group, dtype, group[0].unsharded.device, release_grads=True, tag=self.name
+                    self.reduce_comm,
+                    group,
+                    dtype,
+                    group[0].unsharded.device,
+                    release_grads=True,
+                    tag=self.name,
+                    grad_of=self.grad_of,
                 )
                 for dtype, group in groups.items()
             ]
@@ -313,6 +332,7 @@ class Unit:
                     buffers=self.pool,
                     streams=self.streams,
                     tag=self.name,
+                    grad_of=self.grad_of,
                 )
                 for dtype, group in groups.items()
             ]
@@ -320,6 +340,10 @@ class Unit:
     @torch.no_grad()
     def complete_reduce(self, pending: comm_layout.InPlaceReduce | comm_layout.BufferedReduce) -> None:
         pending.complete(f"reduce-scatter of unit {self.name!r}", ShardedParam.accumulate_grad)
+
+
+def _param_grad(sp: ShardedParam) -> torch.Tensor | None:
+    return sp.param.grad
 
 
 def _by_dtype(params: list[ShardedParam], key) -> dict[torch.dtype, list[ShardedParam]]:
