@@ -14,6 +14,13 @@ overridden here, everything else (data loaders, schedulers, ``gather``, ``unwrap
 step, so ``prepare`` must see both: the optimizer is set up before Accelerate's own per-object
 preparation runs, whatever the argument order.  No DDP wrapper is added; the model is sharded
 in place and stays the same object.
+
+[Note: no full model on the device] Stages 0-2 keep full parameters on the device, so their real
+parameters move there before ``zp.setup`` (the shards are created where the parameters live; meta
+ones, from a lazy load, are created there by ``materialize.materialize_all``).  Stage 3 must not: a
+model larger than one device could never be prepared.  Only the buffers move (small, never sharded);
+``stage3/engine.py`` ``_shard_one`` moves each parameter to the compute device as it shards it, one
+unit at a time, so the device holds the shards plus one parameter's full tensor at most.
 """
 
 from __future__ import annotations
@@ -394,15 +401,8 @@ class _ZeroAcceleratedOptimizer(AcceleratedOptimizer):
 
 @torch.no_grad()
 def place_before_setup(model: nn.Module, device: torch.device, stage: int) -> None:
-    """Move what ``zp.setup`` expects on ``device`` there, without a full model on it at stage 3.
-
-    [Note: no full model on the device] Stages 0-2 keep full parameters on the device, so their real
-    parameters move there before ``zp.setup`` (the shards are created where the parameters live; meta
-    ones, from a lazy load, are created there by ``materialize.materialize_all``).  Stage 3 must not: a
-    model larger than one device could never be prepared.  Only the buffers move (small, never sharded);
-    ``stage3/engine.py`` ``_shard_one`` moves each parameter to the compute device as it shards it, one
-    unit at a time, so the device holds the shards plus one parameter's full tensor at most.
-    """
+    """Move what ``zp.setup`` expects on ``device`` there, without a full model on it at stage 3 ([Note: no full
+    model on the device])."""
     if stage < 3 and not any(p.is_meta for p in model.parameters()):
         model.to(device)
         return

@@ -139,7 +139,7 @@ def _record(kind: str, nbytes: int, label: str | None = None) -> None:
 
 
 def comm_stats() -> dict[str, dict[str, int]]:
-    """Calls and logical bytes per collective kind since the last reset, plus a ``total``; with hierarchical
+    """Calls and logical bytes ([Note: logical bytes]) per collective kind since the last reset, plus a ``total``; with hierarchical
     sharding also ``shard_group`` and ``replica_group`` ([Note: hierarchical groups]), not in the total."""
     with _LOCK:
         out = {k: {"calls": c.calls, "bytes": c.bytes} for k, c in _STATS.items()}

@@ -25,7 +25,7 @@ needs until it completes: one record type per kind (``InPlaceGather``, ``Buffere
 ``InPlaceReduce``, ``BufferedReduce``, ``FlatAllReduce``).  Completing a reduction waits, reads the
 summed flags, averages and hands each member that has a gradient on some rank its result; what the
 caller keeps (``param.grad``, a shard gradient) is the caller's.  Buffers come from a ``Buffers``
-source (stage 3's ``BufferPool``, [Note: buffer reuse]; fresh tensors at stages 0-2) and go back to it
+source (stage 3's ``BufferPool``, [Note: buffer reuse] in ``pool.py``; fresh tensors at stages 0-2) and go back to it
 only after the completion, and on CUDA after the compute stream waited for the side stream that used
 them ([Note: side streams] in ``streams.py``).
 

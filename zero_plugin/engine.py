@@ -4,6 +4,11 @@ An engine is the composition of a parameter placement (replicated for stages
 0-2, sharded for stage 3), a gradient reducer and an optimizer binding; the
 table that picks them is in ``zero_plugin/stages.py``.  Public verbs in
 ``api.py`` find the engine of a model through :func:`engine_of`.
+
+[Note: per-step state] What a step has learnt about its gradients (``Engine.step_grad_norm``,
+``grads_unscaled``, ``step_nonfinite``) is valid only for the
+gradients it was computed from, so zero_grad (optimizer's or model's), the step and each later synced
+backward (after_backward) reset it.
 """
 
 from __future__ import annotations
@@ -81,9 +86,7 @@ class Engine:
         self.comm = comm
         self.slots = slots
         self._master_names = {id(s.master): s.name for s in slots}
-        # [Note: per-step state] What this step has learnt about its gradients; valid only for the
-        # gradients it was computed from, so zero_grad (optimizer's or model's), the step and each later synced
-        # backward (after_backward) reset it.
+        # [Note: per-step state]: reset by reset_step_state.
         self.step_grad_norm: float | None = None  # global norm from clip_grad_norm_, reused by the inf/NaN check
         self.grads_unscaled = False  # fp16: the owned gradients were divided by the loss scale
         self.step_nonfinite: bool | None = None  # fp16: the inf/NaN answer taken before clamping could hide it
@@ -137,7 +140,7 @@ class Engine:
             )
 
     def reset_step_state(self) -> None:
-        """[Note: per-step state]"""
+        """Forget what this step learnt about its gradients ([Note: per-step state])."""
         self.step_grad_norm = None
         self.grads_unscaled = False
         self.step_nonfinite = None

@@ -20,6 +20,25 @@ CPU processes the launcher passes ``--multi_gpu`` (dropping ``--cpu``, which exc
 ``ACCELERATE_USE_CPU=true``.  The child refuses to run when Accelerate's simple launcher was asked for
 several processes but started one, and the Accelerator refuses when torchrun started several
 processes that each set up a single-process run.
+
+[Note: exit without finalisation] After a successful script and the process-group teardown, run the
+``atexit`` handlers, flush every open file, and leave with ``os._exit(0)``.  Interpreter finalisation
+destroys leftover C++ objects of torch / gloo in arbitrary order, and a gloo thread still joinable
+then aborts the process ("terminate called without an active exception", exit -6) after the work
+succeeded: seen on rank 1 of the LoRA Trainer tests in 2 of 4 full test runs even with the barrier
+and the group destroyed.  Skipping finalisation loses nothing the handlers and flushes keep.
+
+[Note: what zero_plugin.run patches]  In this process only, and nothing in torch:
+* ``accelerate.Accelerator`` and ``accelerate.accelerator.Accelerator`` -> zero_plugin's subclass;
+* once ``transformers.trainer`` is imported: its ``Accelerator`` name and six ``Trainer``
+  checkpoint methods (``zero_plugin/integrations/hf_trainer.py``, ``install``);
+* once Lightning is imported: the zero strategy names are registered (nothing is patched);
+* at stage 3 (every rank), or at stages 0-2 with ``cpu_ram_efficient_loading`` (ranks other than 0):
+  once ``transformers.modeling_utils`` is imported, ``PreTrainedModel._load_pretrained_model``, so
+  that a safetensors ``from_pretrained`` builds on meta and records its files (anything else loads
+  as usual, with one warning); once ``peft.tuners.tuners_utils`` is imported,
+  ``BaseTunerLayer._move_adapter_to_device_of_base_layer``, so that adapters created on a meta base
+  keep their initial values (``zero_plugin/lazy_pretrained.py``, both Notes there).
 """
 
 from __future__ import annotations
@@ -48,18 +67,7 @@ _REPLACED_TYPES = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP", "MEGATRON_LM": "Meg
 
 # -- child ------------------------------------------------------------------------------------------
 def install() -> None:
-    """[Note: what zero_plugin.run patches]  In this process only, and nothing in torch:
-    * ``accelerate.Accelerator`` and ``accelerate.accelerator.Accelerator`` -> zero_plugin's subclass;
-    * once ``transformers.trainer`` is imported: its ``Accelerator`` name and six ``Trainer``
-      checkpoint methods (``zero_plugin/integrations/hf_trainer.py``, ``install``);
-    * once Lightning is imported: the zero strategy names are registered (nothing is patched);
-    * at stage 3 (every rank), or at stages 0-2 with ``cpu_ram_efficient_loading`` (ranks other than 0):
-      once ``transformers.modeling_utils`` is imported, ``PreTrainedModel._load_pretrained_model``, so
-      that a safetensors ``from_pretrained`` builds on meta and records its files (anything else loads
-      as usual, with one warning); once ``peft.tuners.tuners_utils`` is imported,
-      ``BaseTunerLayer._move_adapter_to_device_of_base_layer``, so that adapters created on a meta base
-      keep their initial values (``zero_plugin/lazy_pretrained.py``, both Notes there).
-    """
+    """Patch this process for zero_plugin ([Note: what zero_plugin.run patches])."""
     import accelerate
     import accelerate.accelerator
 
@@ -178,12 +186,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _exit_after_success() -> None:
-    """[Note: exit without finalisation] After a successful script and the process-group teardown, run the
-    ``atexit`` handlers, flush every open file, and leave with ``os._exit(0)``.  Interpreter finalisation
-    destroys leftover C++ objects of torch / gloo in arbitrary order, and a gloo thread still joinable
-    then aborts the process ("terminate called without an active exception", exit -6) after the work
-    succeeded: seen on rank 1 of the LoRA Trainer tests in 2 of 4 full test runs even with the barrier
-    and the group destroyed.  Skipping finalisation loses nothing the handlers and flushes keep."""
+    """Run the ``atexit`` handlers, flush open files, ``os._exit(0)`` ([Note: exit without finalisation])."""
     import atexit
     import gc
     import io

@@ -33,7 +33,8 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
     """The ``export`` record; a model this cannot describe still saves (with a warning): only
     ``consolidate --format hf`` needs the record."""
     try:
-        with raw_state_dict(model):  # built on rank 0 alone: no collective state_dict() ([Note: stage-3 state dicts])
+        # built on rank 0 alone: no collective state_dict() ([Note: stage-3 state dicts] in ``state_dict_hooks.py``)
+        with raw_state_dict(model):
             return _describe(model)
     except Exception as exc:  # noqa: BLE001 - a checkpoint must not fail over export metadata
         warnings.warn(

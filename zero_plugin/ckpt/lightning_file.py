@@ -88,7 +88,7 @@ def consolidate_lightning(
         reader = Reader(shards, index["files"], stack)
         state = _full_model_state(reader, index, record.get("aliases") or {})
         optimizer = None if index["optimizer"] is None else _full_optimizer_state(reader, index)
-    result = _place(meta, record, state, optimizer)
+    result = _place(meta, record, state, optimizer)  # all of it in memory at once: [Note: Lightning file memory]
     tmp = f"{out}.tmp-{uuid.uuid4().hex}"
     try:
         torch.save(result, tmp)

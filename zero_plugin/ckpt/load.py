@@ -47,7 +47,7 @@ def load(
     path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, verify: bool = True, guard: Any = None
 ) -> Any:
     """``guard``: the ZeroOptimizer's loss scaler; it takes the index's record if there is one (checkpoints
-    written before it was saved have none: the scaler is left as it is) ([Note: scaler state])."""
+    written before it was saved have none: the scaler is left as it is) ([Note: scaler state] in ``loss_scale.py``)."""
     world = engine.comm.world  # every rank loads (replicas too) and fails together: [Note: one saved copy]
     path = os.path.abspath(os.fspath(path))
     files = on_every_rank(world, lambda: _manifest(engine, path))

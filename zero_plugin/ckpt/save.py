@@ -41,7 +41,7 @@ __all__ = ["save"]
 def save(
     path: str | os.PathLike, engine: Any, inner: torch.optim.Optimizer | None, extra: Any, guard: Any = None
 ) -> None:
-    """``guard``: the ZeroOptimizer's loss scaler, whose state goes into the index ([Note: scaler state])."""
+    """``guard``: the ZeroOptimizer's loss scaler, whose state goes into the index ([Note: scaler state] in ``loss_scale.py``)."""
     replica = engine.comm.replica
     if replica is None:
         _save(path, engine, inner, extra, guard)

@@ -20,6 +20,14 @@ Stage composition (see ``zero_plugin/stages.py``):
     is written into ``param.grad`` in place (full gradients stay allocated, ZeRO-1);
   * stage 2 -> :class:`ReduceScatterReducer(keep_full_grad=False)`: the averaged owned region
     goes to a shard-sized gradient and ``param.grad`` is freed (ZeRO-2).
+
+[Note: reduced regions and later backwards] Reduced gradients are kept in ``reduce_dtype`` (fp32
+reductions of bf16 parameters stay fp32, as at stage 3).  Stage 1 keeps full gradients: after a reduction ``param.grad`` holds the average only in
+this rank's region, and the sum (in place) or this rank's own gradient (buffered) elsewhere, which
+differs between ranks.  A second synced backward before the step (accumulation without ``no_sync``,
+``backward(retain_graph=True)`` twice) must not add to that and reduce it again: a pre-accumulation
+hook detaches the reduced ``param.grad`` first (the owned average stays in ``owned``), the new
+gradients are reduced alone, and the two averages are added.
 """
 
 from __future__ import annotations
@@ -203,14 +211,7 @@ class AllReduceReducer(GradReducer):
 class ReduceScatterReducer(GradReducer):
     """Stages 1-2: each rank receives the average of its owned region only.
 
-    [Note: reduced regions and later backwards]
-    Reduced gradients are kept in ``reduce_dtype`` (fp32 reductions of bf16 parameters stay fp32, as at
-    stage 3).  Stage 1 keeps full gradients: after a reduction ``param.grad`` holds the average only in
-    this rank's region, and the sum (in place) or this rank's own gradient (buffered) elsewhere, which
-    differs between ranks.  A second synced backward before the step (accumulation without ``no_sync``,
-    ``backward(retain_graph=True)`` twice) must not add to that and reduce it again: a pre-accumulation
-    hook detaches the reduced ``param.grad`` first (the owned average stays in ``owned``), the new
-    gradients are reduced alone, and the two averages are added.
+    Gradients kept in ``reduce_dtype``; [Note: reduced regions and later backwards] for stage 1.
     """
 
     sharded = True
@@ -234,7 +235,7 @@ class ReduceScatterReducer(GradReducer):
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> comm_layout.InPlaceReduce | comm_layout.BufferedReduce:
         """The full gradients are let go at once (ZeRO-2: the reduction holds them until it completes), or
-        kept (ZeRO-1); in place on gloo, each rank then keeps its own region ([Note: collective layouts])."""
+        kept (ZeRO-1); in place on gloo, each rank then keeps its own region ([Note: collective layouts] in ``comm_layout.py``)."""
         launch = comm_layout.reduce_in_place if self.comm.gathers_regions_in_place else comm_layout.reduce_buffered
         return launch(
             self.comm,

@@ -9,6 +9,12 @@ scale, and training continues.  The scale doubles after
 
 Other precisions: no scaling, but a NaN/inf gradient is reported (warning + ``skipped_steps``) and the
 step is skipped, never silently applied.
+
+[Note: scaler state] The scale, the clean-step count and the skip count are training state: a resumed
+run that started again from the initial scale would re-skip the steps that backed it off and depart
+from the uninterrupted run.  They travel in ZeroOptimizer.state_dict / consolidate_state_dict (under
+"zero_plugin") and in zp.save_checkpoint's index.json (optimizer.grad_guard).  A record from a run
+without dynamic scaling (or loaded into one) carries only the skip count over.
 """
 
 from __future__ import annotations
@@ -114,11 +120,7 @@ class GradGuard:
             self.scale *= self.growth
         return True
 
-    # [Note: scaler state] The scale, the clean-step count and the skip count are training state: a resumed
-    # run that started again from the initial scale would re-skip the steps that backed it off and depart
-    # from the uninterrupted run.  They travel in ZeroOptimizer.state_dict / consolidate_state_dict (under
-    # "zero_plugin") and in zp.save_checkpoint's index.json (optimizer.grad_guard).  A record from a run
-    # without dynamic scaling (or loaded into one) carries only the skip count over.
+    # Saved and loaded with the optimizer: [Note: scaler state].
     def state_dict(self) -> dict:
         return {
             "dynamic": self.dynamic,

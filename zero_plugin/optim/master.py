@@ -11,6 +11,16 @@ The user's optimizer is rebound from the model's parameters to *masters*:
     in ``master_dtype`` (fp32 master weights), written back (cast) after each step.
 The grad the optimizer sees is set by :meth:`MasterParam.set_grad` from the
 reduced gradient of the owned region.
+
+[Note: gathered edits] ``zp.gathered_parameters(..., modifier_rank=r)`` hands the user the parameters
+in ``param_dtype``; the masters behind them (fp32 masters, stage-3 fp32 shards, host masters) hold more
+precision.  Copying the edited low-precision values back wholesale would round every master to
+``param_dtype``.  So each rank keeps the gathered values of its own region from the block's entry
+(``before``), and on exit only the elements whose broadcast value (``now``) differs from it are
+written into ``dst`` (:func:`copy_changed`): unedited elements stay bit for bit, an edit of part of a tensor reaches exactly
+those elements.  Per element rather than per tensor, so a partial edit does not round the rest of the
+tensor.  An edit that writes back the value already there (in ``param_dtype``) is invisible, and
+leaves the more precise master as it was.  NaN to NaN counts as unchanged.
 """
 
 from __future__ import annotations
@@ -26,15 +36,7 @@ __all__ = ["MasterParam", "copy_changed"]
 
 @torch.no_grad()
 def copy_changed(dst: torch.Tensor, now: torch.Tensor, before: torch.Tensor) -> None:
-    """[Note: gathered edits] ``zp.gathered_parameters(..., modifier_rank=r)`` hands the user the parameters
-    in ``param_dtype``; the masters behind them (fp32 masters, stage-3 fp32 shards, host masters) hold more
-    precision.  Copying the edited low-precision values back wholesale would round every master to
-    ``param_dtype``.  So each rank keeps the gathered values of its own region from the block's entry
-    (``before``), and on exit only the elements whose broadcast value (``now``) differs from it are
-    written into ``dst``: unedited elements stay bit for bit, an edit of part of a tensor reaches exactly
-    those elements.  Per element rather than per tensor, so a partial edit does not round the rest of the
-    tensor.  An edit that writes back the value already there (in ``param_dtype``) is invisible, and
-    leaves the more precise master as it was.  NaN to NaN counts as unchanged."""
+    """Write into ``dst`` the elements of ``now`` that differ from ``before`` ([Note: gathered edits])."""
     now, before = now.reshape(dst.shape), before.reshape(dst.shape)
     changed = now != before
     if now.is_floating_point():

@@ -4,6 +4,12 @@ It *is* a ``torch.optim.Optimizer`` (LR schedulers, Accelerate and Lightning
 check that) whose ``param_groups`` and ``state`` are the wrapped optimizer's own
 objects: changing ``lr`` on either changes both.  See [Note: masters] in
 ``master.py`` for what the groups hold.
+
+[Note: configured clipping] ``ZeroConfig.clip_grad_norm`` is exactly ``torch.nn.utils.clip_grad_norm_``
+(global norm over every rank's shard, true fp16 gradients) called right before ``step()``.  An explicit
+``zp.clip_grad_norm_`` earlier in the step does not replace it: both apply, in that order, as two
+torch calls would (so the smaller bound wins, and the user's call still returns the unclipped norm).
+The inf/NaN check then reuses the configured clip's norm instead of reading the gradients again.
 """
 
 from __future__ import annotations
@@ -94,11 +100,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def _clip_configured(self) -> None:
-        """[Note: configured clipping] ``ZeroConfig.clip_grad_norm`` is exactly ``torch.nn.utils.clip_grad_norm_``
-        (global norm over every rank's shard, true fp16 gradients) called right before ``step()``.  An explicit
-        ``zp.clip_grad_norm_`` earlier in the step does not replace it: both apply, in that order, as two
-        torch calls would (so the smaller bound wins, and the user's call still returns the unclipped norm).
-        The inf/NaN check then reuses the configured clip's norm instead of reading the gradients again."""
+        """``ZeroConfig.clip_grad_norm``, if set, applied before the check ([Note: configured clipping])."""
         max_norm = self.engine.config.clip_grad_norm
         if max_norm is not None:
             self.guard.unscale()

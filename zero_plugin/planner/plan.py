@@ -15,7 +15,7 @@ whatever is gone when the other peaks):
     buffer (the gradients themselves are summed, or a copy in the reduce dtype), stage 2's region copied
     out at completion, and no buffer for the parameter gather;
     stage 3: the root unit gathered for the whole step and the last unit of the forward order from its
-    forward through its backward ([Note: last unit kept]), each other unit gathered around its forward
+    forward through its backward ([Note: last unit kept] in ``hooks.py``), each other unit gathered around its forward
     and backward with ``prefetch_depth`` more in flight (``stage3/hooks.py``'s ``prefetch_span``);
     buffered (NCCL): input ``width+t`` and output ``N*(width+t)`` in ``param_dtype`` (``t``: the unit
     tag's elements, ``stage3/unit.py``), reduce-scatter buffers ``N*(width+k)``; in place (gloo): the

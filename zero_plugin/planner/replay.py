@@ -78,7 +78,7 @@ class Setting:
     offload_params: bool
     device: str
     config: ZeroConfig
-    in_place: bool  # regions gathered and reduced in place (gloo, [Note: in-place region gather])
+    in_place: bool  # regions gathered and reduced in place (gloo, [Note: in-place region gather] in ``collectives.py``)
 
 
 class Replay:

@@ -4,6 +4,17 @@ Setup shards every parameter in place (see [Note: stage-3 parameter storage]
 in ``param.py``), groups them into units (``policy.py``) and registers the
 runtime hooks (``hooks.py``).  The optimizer steps the model's own parameter
 objects, whose data is the local shard.
+
+[Note: autograd through gathered parameters] Inside ``zp.gathered_parameters`` with grad enabled a
+parameter of a unit the block gathered may be used in a graph (a regulariser on a weight, computed
+outside its unit's forward).  Autograd saves a leaf parameter itself, not its value; the block reshards
+it on exit, so backward would read the local shard (a size mismatch, or a wrong gradient).  While the
+block runs, a saved parameter is packed as a copy of its full value instead; the gradient still flows
+to the parameter (edges are not saved tensors), full-shaped as the unit's own, and is reduced with
+them (a gradient arriving after its unit was reduced is reduced again in the final callback).  Costs a
+copy of each saved parameter until backward, only inside such blocks.  Outside such a block, a
+parameter used while its unit is sharded is an error in backward that names it ([Note: uses outside
+the unit] in param.py).
 """
 
 from __future__ import annotations
@@ -56,11 +67,11 @@ def build_stage3_engine(
             sp = _shard_one(p, names[id(p)], full, comm, config, trains=id(p) in trains)
             sharded[id(p)] = sp
             per_unit[index].append(sp)
-        if trim:  # the unit's full tensors are freed: hand their pages back ([Note: heap trimming])
+        if trim:  # the unit's full tensors are freed: hand their pages back ([Note: heap trimming] in ``hostmem.py``)
             trim_host_heap()
     _broadcast_buffers(model, comm)
     pool = BufferPool()  # one for all units: [Note: buffer reuse]
-    streams = streams_for(compute_device(comm))  # [Note: side streams]; no-op on CPU
+    streams = streams_for(compute_device(comm))  # [Note: side streams] in ``streams.py``; no-op on CPU
     units = [
         Unit(i, name, module, per_unit[i], comm, config.effective_reduce_dtype, pool, streams)
         for i, (name, module) in enumerate(modules)
@@ -116,7 +127,9 @@ def _shard_one(
     device = compute_device(comm)
     full = full.to(device).contiguous()
     comm.world.broadcast(full, src=0)  # every rank starts from rank 0's values (DDP semantics), replicas too
-    floating = p.dtype.is_floating_point and not is_packed_4bit(p)  # [Note: packed 4-bit weights]: never cast
+    floating = p.dtype.is_floating_point and not is_packed_4bit(
+        p
+    )  # [Note: packed 4-bit weights] in ``quantized.py``: never cast
     compute = (config.param_dtype or p.dtype) if floating else p.dtype
     # The shard doubles as the fp32 master unless offload moves the master to another device.
     offload_master = config.offload and host_for(device) is not None
@@ -352,16 +365,8 @@ class Stage3Engine(Engine):
 
 
 def _keep_saved_values(params: list[nn.Parameter]):
-    """[Note: autograd through gathered parameters] Inside ``zp.gathered_parameters`` with grad enabled a
-    parameter of a unit the block gathered may be used in a graph (a regulariser on a weight, computed
-    outside its unit's forward).  Autograd saves a leaf parameter itself, not its value; the block reshards
-    it on exit, so backward would read the local shard (a size mismatch, or a wrong gradient).  While the
-    block runs, a saved parameter is packed as a copy of its full value instead; the gradient still flows
-    to the parameter (edges are not saved tensors), full-shaped as the unit's own, and is reduced with
-    them (a gradient arriving after its unit was reduced is reduced again in the final callback).  Costs a
-    copy of each saved parameter until backward, only inside such blocks.  Outside such a block, a
-    parameter used while its unit is sharded is an error in backward that names it ([Note: uses outside
-    the unit] in param.py)."""
+    """Pack saved ``params`` as copies of their full values while the block runs ([Note: autograd through
+    gathered parameters])."""
     if not params or not torch.is_grad_enabled():
         return contextlib.nullcontext()
     ids = {id(p) for p in params}

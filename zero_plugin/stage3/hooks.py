@@ -13,7 +13,7 @@ Backward: output grad hook (pre_backward) -> Unit.pre_backward, unshard again in
                                              order, prefetch the previous units
           param post-accumulate hook -> when every trainable param of the unit is ready, the unit is
                                         ready; its reduce-scatter is issued when its turn in the
-                                        rank-agreed order comes ([Note: rank-agreed reduction order])
+                                        rank-agreed order comes ([Note: rank-agreed reduction order] in ``schedule.py``)
           input grad hook (post_backward) -> Unit.post_backward: the unit is ready (params without a
                                              gradient stay without); reshard once its grads were reduced
           final callback (finalize_backward) -> reduce units whose turn did not come, in order,
@@ -303,7 +303,7 @@ class Stage3Runtime:
             self.schedule.mark_ready(unit)
 
     def _reduce_order(self) -> list[Unit]:
-        """[Note: rank-agreed reduction order]: the reverse of the (agreed) forward order, then units not
+        """[Note: rank-agreed reduction order] in ``schedule.py``: the reverse of the (agreed) forward order, then units not
         run in it, the root last (its embeddings are the last gradients of a backward)."""
         ran = [u for u in reversed(self.forward_order) if u.trainable and u is not self.root]
         rest = [u for u in self.units if u.trainable and u is not self.root and u not in ran]

@@ -104,7 +104,7 @@ def _no_unit_matched(model: nn.Module, wanted: tuple) -> None:
 
 
 def _split_leaf_units(model: nn.Module, units: list[tuple[str, nn.Module]], owner: dict[int, int]) -> None:
-    """[Note: leaf units] Large root-owned modules become units of their own."""
+    """Large root-owned modules become units of their own ([Note: leaf units])."""
     users: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):

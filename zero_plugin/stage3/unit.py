@@ -88,7 +88,7 @@ class Unit:
         self.reduce_comm = comm
         self.reduce_dtype = reduce_dtype
         self.pool = pool if pool is not None else BufferPool()  # [Note: buffer reuse]
-        self.streams = streams  # [Note: side streams]
+        self.streams = streams  # [Note: side streams] in ``streams.py``
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.ready: set[int] = set()  # id(param) of trainable params whose grad is final
@@ -256,7 +256,7 @@ class Unit:
 
     def _copy_out(self, pending: list[comm_layout.BufferedGather]) -> None:
         """Buffered layout: copy-out on the gather stream, then the compute stream waits for it before the
-        parameters are used; buffers return to the pool only after that wait ([Note: side streams])."""
+        parameters are used; buffers return to the pool only after that wait ([Note: side streams] in ``streams.py``)."""
         with self.streams.gather():
             for p in pending:
                 rows = p.wait(f"all-gather of unit {self.name!r}")
