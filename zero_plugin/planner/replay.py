@@ -6,9 +6,12 @@
 planned backend; :class:`Memory` keeps the running totals and their peaks.  What each part counts
 is described in ``plan.py``'s module docstring.
 
-The schedule is the engine's own: how many collectives may be pending at once, the extra elements of a
-stage-3 gather and which units a prefetch gathers are imported from the modules that run them, so the
-replay follows a change there instead of keeping a copy of it.
+The schedule is the engine's own: reductions are issued by the engine's ``ReductionSchedule`` in the
+rank-agreed order (buckets in their setup order; at stage 3 ``hooks.reduction_order``), how many
+collectives may be pending at once, the extra elements of a stage-3 gather, which units a prefetch
+gathers, which stay gathered after forward (``hooks.needed_first``, ``unit.released_after_forward``) and
+when a launched reduction releases its unit (``unit.released_at_reduce``) are imported from the modules
+that run them, so the replay follows a change there instead of keeping a copy of it.
 
 [Note: collective buffers]
 When the bytes of a collective count (measured with the RSS of 2 and 4 gloo ranks, torch 2.13):
@@ -22,7 +25,6 @@ When the bytes of a collective count (measured with the RSS of 2 and 4 gloo rank
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -31,10 +33,12 @@ from .._flat import ShardLayout
 from ..config import ZeroConfig
 from ..grads.bucket import plan_buckets
 from ..grads.reducer import _MAX_INFLIGHT as _MAX_PENDING_BUCKETS  # gradient buckets during backward
+from ..grads.schedule import ReductionSchedule
 from ..optim import blocked_step
 from ..optim.param_sync import _MAX_INFLIGHT as _MAX_PENDING_GATHERS  # parameter buckets after the step
-from ..stage3.hooks import _MAX_INFLIGHT_REDUCES, prefetch_span
+from ..stage3.hooks import _MAX_INFLIGHT_REDUCES, needed_first, prefetch_span, reduction_order
 from ..stage3.unit import _TAG as _GATHER_TAG  # elements appended to each rank's stage-3 gather input
+from ..stage3.unit import released_after_forward, released_at_reduce
 
 __all__ = ["Memory", "ReplicatedReplay", "Replay", "Setting", "Stage3Replay"]
 
@@ -201,8 +205,10 @@ class ReplicatedReplay(Replay):
         self.buckets = self._buckets()
         self.bucket_of = {i: b for b, (idx, _, _) in enumerate(self.buckets) for i in idx}
         self.ready = [0] * len(self.buckets)
-        self.launched: set[int] = set()
-        self.inflight: list[int] = []
+        # Bucket b is self.ids[b]: the schedule keys items by identity, so each index is one object.
+        self.ids = list(range(len(self.buckets)))
+        self.schedule = ReductionSchedule(self._launch_one, self.complete, _MAX_PENDING_BUCKETS)
+        self.schedule.start(self.ids)
 
     def _buckets(self) -> list[tuple[list[int], int, int]]:
         """(param indices, width, flags) per bucket, cut as ``grads/bucket.py`` cuts them."""
@@ -229,16 +235,16 @@ class ReplicatedReplay(Replay):
         b = self.bucket_of[i]
         self.ready[b] += 1
         if self.ready[b] == len(self.buckets[b][0]):
-            self.launch(b)
-            self.inflight.append(b)
-            while len(self.inflight) > _MAX_PENDING_BUCKETS:
-                self.complete(self.inflight.pop(0))
+            self.schedule.mark_ready(self.ids[b])
 
     def bucket_numel(self, b: int) -> int:
         return sum(self.plan.params[i].numel for i in self.buckets[b][0])
 
+    def _launch_one(self, b: int) -> list:
+        self.launch(b)
+        return [None]  # one collective per bucket
+
     def launch(self, b: int) -> None:
-        self.launched.add(b)
         if self.in_place:  # grads/reducer.py ``_launch_in_place``: the gradients themselves are summed
             if self.rb != self.pb:  # ... or a copy in the reduce dtype, the gradient itself freed (stage 2)
                 self.mem.add("device", "reduce_buffers", self.bucket_numel(b) * self.rb)
@@ -251,7 +257,7 @@ class ReplicatedReplay(Replay):
             self.mem.add("device", "grads", -sum(self.plan.params[i].numel for i in self.buckets[b][0]) * self.pb)
         self.reduce_output("reduce_buffers", out, at_launch=True)
 
-    def complete(self, b: int) -> None:
+    def complete(self, b: int, pending: Any = None) -> None:
         if self.in_place:  # stage 2 keeps a copy of its region; the full gradients go with the bucket
             if self.s.stage == 2:
                 self.mem.add(
@@ -271,13 +277,8 @@ class ReplicatedReplay(Replay):
         self.mem.add("device", "reduce_buffers", -(inp + out))
 
     def finish_backward(self) -> None:
-        for b in range(len(self.buckets)):
-            if b not in self.launched:
-                self.launch(b)
-                self.inflight.append(b)
-        for b in sorted(self.inflight):
-            self.complete(b)
-        self.inflight.clear()
+        self.schedule.flush()  # buckets not issued yet, in order (the reducer's final callback)
+        self.schedule.finish()
 
     def after_step(self) -> None:
         if self.s.stage == 2:
@@ -299,8 +300,10 @@ class Stage3Replay(Replay):
 
     def __init__(self, plan: Any, s: Setting, theory: dict[str, float]) -> None:
         super().__init__(plan, s, theory)
-        self.order = plan.trace.forward_order
-        units = range(len(plan.trace.unit_names))
+        # Unit u is self.ids[u]: the schedule keys items by identity, so each index is one object.
+        self.ids = list(range(len(plan.trace.unit_names)))
+        self.order = [self.ids[u] for u in plan.trace.forward_order]
+        units = self.ids
         members = {u: [i for i, p in enumerate(plan.params) if p.unit == u and p.numel] for u in units}
         train = {u: [i for i in members[u] if plan.params[i].requires_grad] for u in units}
         self.n_train = {u: len(train[u]) for u in units}
@@ -313,10 +316,11 @@ class Stage3Replay(Replay):
         self.wrapped = {ev[1] for ev in plan.trace.events if ev[0] == "bwd_post"}
         self.gathered: set[int] = set()
         self.inflight: dict[int, float] = {}  # unit -> its gather's temporary
-        self.reduces: deque[int] = deque()
         self.reduced: set[int] = set()
         self.post: set[int] = set()
         self.ready = {u: 0 for u in units}
+        self.schedule = ReductionSchedule(self._launch_one, self.complete, _MAX_INFLIGHT_REDUCES)
+        self.schedule.start(reduction_order(self.order, self.ids, self.ids[0], lambda u: self.n_train[u] > 0))
 
     def _width(self, idx: list[int], extra: int) -> int:
         """Elements per rank in a unit's collective (``stage3/unit.py``): padded shards plus the extras."""
@@ -366,33 +370,41 @@ class Stage3Replay(Replay):
             self.prefetch(u, +1)
 
     def on_fwd_post(self, u: int, in_backward: bool) -> None:
-        """Reshard after forward, except the root and the last unit of the forward order, which backward
-        needs first ([Note: last unit kept] in stage3/hooks.py)."""
-        if in_backward or not self.s.config.reshard_after_forward:
+        """Reshard after forward as the runtime's ``post_forward`` does: the root's releases every other
+        unit still gathered; the root and the last unit of the forward order stay ([Note: last unit kept]
+        in ``hooks.py``)."""
+        if in_backward:
             return
-        kept = {0, self.order[-1]} if self.order else {0}
-        for v in (
-            [w for w in self.gathered | set(self.inflight) if w not in kept] if u == 0 else [] if u in kept else [u]
-        ):
-            self.reshard(v)
+        for v in [w for w in self.gathered | set(self.inflight) if w != 0] + [0] if u == 0 else [u]:
+            reshard = self.s.config.reshard_after_forward
+            if released_after_forward(True, reshard, needed_first(self.order, v, 0)):
+                self.reshard(v)
 
     def on_bwd_pre(self, u: int, in_backward: bool) -> None:
         self.ensure(u)
         self.prefetch(u, -1)
 
     def on_bwd_post(self, u: int, in_backward: bool) -> None:
+        """``Unit.post_backward``: released if reduced already or training nothing, else ready."""
         self.post.add(u)
         if u in self.reduced or not self.n_train[u]:
             self.reshard(u)
+        else:
+            self.schedule.mark_ready(self.ids[u])
 
     def on_grad(self, i: int) -> None:
         super().on_grad(i)
         u = self.plan.params[i].unit
         self.ready[u] += 1
         if self.ready[u] == self.n_train[u] and u not in self.reduced:
-            self.launch(u)
-            if u != 0 and (u in self.post or u not in self.wrapped):
-                self.reshard(u)
+            self.schedule.mark_ready(self.ids[u])
+
+    def _launch_one(self, u: int) -> list:
+        """``Unit.launch_reduce``: the reduction's turn came; released unless its backward may need it."""
+        self.launch(u)
+        if released_at_reduce(u == 0, u in self.post, u in self.wrapped):
+            self.reshard(u)
+        return [None]  # one collective per unit (one dtype)
 
     def launch(self, u: int) -> None:
         self.reduced.add(u)
@@ -404,11 +416,8 @@ class Stage3Replay(Replay):
             self.mem.add("device", "reduce_buffers", self.n * self.reduce_buf[u])
             self.mem.add("device", "grads", -self.grad_numel[u] * self.pb)
             self.reduce_output("reduce_buffers", self.reduce_buf[u], at_launch=True)
-        self.reduces.append(u)
-        while len(self.reduces) > _MAX_INFLIGHT_REDUCES:
-            self.complete(self.reduces.popleft())
 
-    def complete(self, u: int) -> None:
+    def complete(self, u: int, pending: Any = None) -> None:
         if self.s.in_place:  # this rank's region is copied out, then the full gradients go
             self.mem.add(self.place("grad_shards"), "grad_shards", self.shard_grads[u])
             if self.rb != self.pb:
@@ -421,11 +430,8 @@ class Stage3Replay(Replay):
         self.mem.add("device", "reduce_buffers", -(self.n + 1) * self.reduce_buf[u])
 
     def finish_backward(self) -> None:
-        for u in sorted(self.n_train):
-            if self.n_train[u] and u not in self.reduced:
-                self.launch(u)
-        while self.reduces:
-            self.complete(self.reduces.popleft())
+        self.schedule.flush()  # units whose turn did not come, in order (the runtime's final callback)
+        self.schedule.finish()
         for u in list(self.gathered | set(self.inflight)):
             self.reshard(u)
 

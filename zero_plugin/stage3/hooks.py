@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -74,7 +74,7 @@ from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .unit import Unit
 
-__all__ = ["Stage3Runtime", "prefetch_span"]
+__all__ = ["Stage3Runtime", "needed_first", "prefetch_span", "reduction_order"]
 
 _MAX_INFLIGHT_REDUCES = 2
 
@@ -86,6 +86,22 @@ def prefetch_span(order: list, unit, depth: int) -> list:
         return []
     i = order.index(unit)
     return order[i + 1 : i + 1 + depth]
+
+
+def needed_first(forward_order: list, unit, root) -> bool:
+    """Whether backward needs ``unit`` first, so that it stays gathered after a forward with grad: the root
+    ([Note: root unit]) and the last unit of the recorded forward order ([Note: last unit kept]).  The memory
+    planner replays the same rule."""
+    return unit == root or (bool(forward_order) and unit == forward_order[-1])
+
+
+def reduction_order(forward_order: list, units: list, root, trainable: Callable[[Any], bool]) -> list:
+    """[Note: rank-agreed reduction order] in ``schedule.py`` at stage 3: the reverse of the (agreed) forward
+    order, then units not run in it, the root last (its embeddings are the last gradients of a backward);
+    units that train nothing have no reduction.  The memory planner replays the same order."""
+    ran = [u for u in reversed(forward_order) if trainable(u) and u != root]
+    rest = [u for u in units if trainable(u) and u != root and u not in ran]
+    return ran + rest + ([root] if trainable(root) else [])
 
 
 def _in_backward() -> bool:
@@ -224,7 +240,7 @@ class Stage3Runtime:
             for other in self.units[1:]:
                 if other.holds_gathered:
                     other.post_forward(grad, self.reshard_after_forward, self._needed_first(other))
-            self.root.post_forward(grad, self.reshard_after_forward, needed_first=True)  # [Note: root unit]
+            self.root.post_forward(grad, self.reshard_after_forward, self._needed_first(self.root))
             if self.trim_heap:
                 trim_host_heap()
         elif unit.post_forward(grad, self.reshard_after_forward, self._needed_first(unit)):
@@ -233,9 +249,7 @@ class Stage3Runtime:
         return None
 
     def _needed_first(self, unit: Unit) -> bool:
-        """Whether backward needs ``unit`` first: the last of the recorded forward order ([Note: last unit
-        kept])."""
-        return bool(self.forward_order) and unit is self.forward_order[-1]
+        return needed_first(self.forward_order, unit, self.root)
 
     def _hook_inputs(self, unit: Unit, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -303,11 +317,7 @@ class Stage3Runtime:
             self.schedule.mark_ready(unit)
 
     def _reduce_order(self) -> list[Unit]:
-        """[Note: rank-agreed reduction order] in ``schedule.py``: the reverse of the (agreed) forward order, then units not
-        run in it, the root last (its embeddings are the last gradients of a backward)."""
-        ran = [u for u in reversed(self.forward_order) if u.trainable and u is not self.root]
-        rest = [u for u in self.units if u.trainable and u is not self.root and u not in ran]
-        return ran + rest + ([self.root] if self.root.trainable else [])
+        return reduction_order(self.forward_order, self.units, self.root, lambda u: u.trainable)
 
     def _launch_reduce(self, unit: Unit) -> list:
         if self.kept is not None and not self.require_sync:

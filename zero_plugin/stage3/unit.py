@@ -44,9 +44,21 @@ from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .pool import BufferPool
 
-__all__ = ["Unit", "TrainingState"]
+__all__ = ["Unit", "TrainingState", "released_after_forward", "released_at_reduce"]
 
 _TAG = 2  # elements appended to each rank's all-gather input: the unit's index ([Note: gather tag])
+
+
+def released_after_forward(grad: bool, reshard_after_forward: bool, needed_first: bool) -> bool:
+    """Whether a unit is released at the end of its forward ([Note: unit transitions]); ``needed_first``:
+    backward needs it first (``hooks.needed_first``).  The memory planner replays the same rule."""
+    return not (grad and (not reshard_after_forward or needed_first))
+
+
+def released_at_reduce(is_root: bool, backward_ran: bool, inputs_hooked: bool) -> bool:
+    """Whether launching a unit's reduction releases it: not the root (the final callback does), and only
+    once its backward ran or where nothing reports that it ran ([Note: unit transitions])."""
+    return not is_root and (backward_ran or not inputs_hooked)
 
 
 class TrainingState(enum.Enum):
@@ -114,7 +126,7 @@ class Unit:
     def post_forward(self, grad: bool, reshard_after_forward: bool, needed_first: bool) -> bool:
         """After a forward outside backward; ``grad``: a backward may follow, ``needed_first``: it needs
         this unit first.  True when released."""
-        if grad and (not reshard_after_forward or needed_first):
+        if not released_after_forward(grad, reshard_after_forward, needed_first):
             return False
         self.reshard()
         return True
@@ -159,7 +171,7 @@ class Unit:
         return []
 
     def _release_after_reduce(self) -> None:
-        if not self.is_root and (self.training_state is TrainingState.POST_BACKWARD or not self._inputs_hooked):
+        if released_at_reduce(self.is_root, self.training_state is TrainingState.POST_BACKWARD, self._inputs_hooked):
             self.reshard()
 
     def end_backward(self) -> None:
