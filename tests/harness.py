@@ -23,6 +23,7 @@ import atexit
 import os
 import pickle
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -53,6 +54,39 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_script_ranks(
+    args: list[str], rank_env=lambda rank: {"RANK": str(rank)}, world_size: int = 2, timeout: float = 300
+) -> list[tuple[int, str]]:
+    """Start ``world_size`` processes of ``python *args`` torchrun-style (``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT`` on a free port, one intra-op thread, the repo on ``PYTHONPATH``, plus ``rank_env(rank)``),
+    for scripts that own their process group and exit, unlike the pool's workers; (exit code, output) per
+    rank.  ``PL_TRAINER_STRATEGY`` is dropped, so that a Lightning script picks its own strategy."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(world_size):
+        env = dict(
+            os.environ,
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=REPO_ROOT,
+            **rank_env(rank),
+        )
+        env.pop("PL_TRAINER_STRATEGY", None)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *args],
+                env=env,
+                cwd=REPO_ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    return [(p.wait(timeout=timeout), p.stdout.read()) for p in procs]
 
 
 def _add_paths(paths) -> None:

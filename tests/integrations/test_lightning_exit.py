@@ -17,44 +17,18 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
-import sys
 
-from tests.harness import REPO_ROOT
+from tests.harness import REPO_ROOT, run_script_ranks
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "scripts", "lightning_short_run.py")
 ROUNDS = ("zero1", "zero3", "zero3")  # each: a fit, then a resume from its sharded checkpoint
 _THREADS = re.compile(r"THREADS before=(\d+) at_exit=(\d+)")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_pair(strategy: str, ckpt_dir: str, resume: bool) -> list[tuple[int, str]]:
     """Both ranks of one run; (exit code, output) per rank."""
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            LOCAL_RANK=str(rank),
-            NODE_RANK="0",
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=REPO_ROOT,
-        )
-        env.pop("PL_TRAINER_STRATEGY", None)
-        args = [sys.executable, SCRIPT, strategy, ckpt_dir, "--count-threads"] + (["--resume"] if resume else [])
-        procs.append(
-            subprocess.Popen(args, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    return [(p.wait(timeout=600), p.stdout.read()) for p in procs]
+    args = [SCRIPT, strategy, ckpt_dir, "--count-threads"] + (["--resume"] if resume else [])
+    return run_script_ranks(args, rank_env=lambda rank: {"LOCAL_RANK": str(rank), "NODE_RANK": "0"}, timeout=600)
 
 
 def test_short_runs_exit_0_with_gloo_threads_joined(tmp_path):

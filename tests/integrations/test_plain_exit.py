@@ -8,41 +8,16 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
-from tests.harness import REPO_ROOT, _free_port
+from tests.harness import REPO_ROOT, run_script_ranks
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "scripts", "plain_exit_run.py")
 _THREADS = re.compile(r"THREADS before=(\d+) at_exit=(\d+)")
 
 
 def _threads_at_exit(stage: int) -> list[int]:
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=REPO_ROOT,
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, SCRIPT, str(stage)],
-                env=env,
-                cwd=REPO_ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
     counts = []
-    for rank, p in enumerate(procs):
-        code, out = p.wait(timeout=300), p.stdout.read()
+    for rank, (code, out) in enumerate(run_script_ranks([SCRIPT, str(stage)])):
         assert code == 0, f"stage {stage} rank {rank}: exit code {code}\n{out[-3000:]}"
         found = _THREADS.search(out)
         assert found is not None, f"stage {stage} rank {rank}: no thread count\n{out[-3000:]}"
