@@ -202,7 +202,9 @@ class ZeroPluginVariant(Variant):
             return {n: p.detach().clone() for n, p in self.raw.named_parameters()}
 
     def _engine(self):
-        return importlib.import_module(self.zp.__name__ + ".engine").engine_of(self.raw, "benchmarks")
+        # through api, which imports engine_of in every revision: a baseline package (benchmarks/ab.py) may
+        # have its modules in another layout
+        return importlib.import_module(self.zp.__name__ + ".api").engine_of(self.raw, "benchmarks")
 
     def teardown(self) -> None:
         # The engine registry maps model -> engine and the engine holds the model, so
