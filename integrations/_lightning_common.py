@@ -283,6 +283,9 @@ def source_for(module: nn.Module, param_source: Any) -> materialize.ParamSource 
         return safetensors_under(param_source)
     if param_source is not None:
         return materialize.as_source(param_source)
+    recorded = materialize.recorded_source(module)  # a lazy from_pretrained ([Note: recorded sources])
+    if recorded is not None:
+        return recorded
     check_initialisable(module)
     return ModuleInitSource(module)
 

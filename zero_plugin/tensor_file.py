@@ -10,11 +10,18 @@ the raw bytes, so a tensor whose dtype matches is read with one ``readinto`` int
 memory; otherwise (bf16 on disk, fp32 in training; a destination on an accelerator) it goes through a
 bounded staging buffer, chunk by chunk.  Plain reads go through the page cache, which is not this
 process's memory.
+
+[Note: byte ranges checked against shapes]  A tensor's ``data_offsets`` (its byte range) must hold exactly
+``prod(shape) * itemsize`` bytes.  The reads below take their length from the destination, not from the
+range, so a header whose range disagrees with its shape (hand-edited, truncated by a broken writer) would
+silently fill the destination with part of this tensor and part of the next one.  ``header`` checks every
+tensor when it parses the file, before anything is read.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -65,8 +72,22 @@ def header(path: Path) -> dict[str, TensorEntry]:
                 f"does not know ({', '.join(_DTYPES)})"
             )
         lo, hi = info["data_offsets"]
-        out[key] = TensorEntry(path, _DTYPES[info["dtype"]], tuple(info["shape"]), base + lo, hi - lo)
+        entry = TensorEntry(path, _DTYPES[info["dtype"]], tuple(info["shape"]), base + lo, hi - lo)
+        _check_byte_range(key, entry)
+        out[key] = entry
     return out
+
+
+def _check_byte_range(key: str, entry: TensorEntry) -> None:
+    """[Note: byte ranges checked against shapes]"""
+    expected = math.prod(entry.shape) * entry.dtype.itemsize
+    if entry.nbytes != expected:
+        raise ValueError(
+            f"zero_plugin: {entry.path}: tensor {key!r} ({str(entry.dtype).removeprefix('torch.')}, shape "
+            f"{entry.shape}) needs {expected} bytes, but the header's data_offsets record {entry.nbytes}; the "
+            "file's header is corrupt or was written by a broken tool: re-save the checkpoint (e.g. "
+            "save_pretrained, or safetensors.torch.save_file) or download it again"
+        )
 
 
 def read_into(entry: TensorEntry, out: torch.Tensor) -> None:

@@ -179,3 +179,33 @@ def test_large_model_bench_end_to_end_tiny(tiny_checkpoint, tmp_path):
     md = (tmp_path / "lm.md").read_text()
     assert "| zero3 | ok | 0 |" in md and "| ddp | ok | 0 |" in md and "target <= 0.6" in md
     assert json.loads((tmp_path / "lm.json").read_text())["model"]["full_copy_bytes"] == summary["bytes"]
+
+
+_STEP_SCRIPT = """
+import torch
+layer = torch.nn.Linear(1000, 1000)  # weight 3.81 MiB
+opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+x = torch.randn(64, 1000, requires_grad=True)  # 0.24 MiB: the matmul saves it and (for x's gradient) the weight
+for _ in range(2):
+    torch.relu(layer(x)).sum().backward()  # relu's output, 0.24 MiB, saved for its own backward
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_step_memory_counts_saved_tensors_per_phase(tmp_path):
+    """``benchmarks/step_memory.py`` around a script: one line per phase boundary, the saved storages of each
+    forward split into parameters and activations (known sizes here), each phase's own peak RSS."""
+    script = tmp_path / "train.py"
+    script.write_text(_STEP_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.step_memory", str(script)], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line.split(" ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("step_memory ")]
+    assert [line["phase"] for line in lines] == ["forward", "backward", "between", "step"] * 2
+    for forward in (line for line in lines if line["phase"] == "forward"):
+        assert forward["saved_params_MiB"] == pytest.approx(1000 * 1000 * 4 / 2**20, abs=0.05)
+        assert forward["saved_activations_MiB"] == pytest.approx(2 * 64 * 1000 * 4 / 2**20, abs=0.05)
+        assert forward["largest_activations"][0][1] == [64, 1000]
+    assert all(line["peak_MiB"] >= line["end_MiB"] > 0 and line["gathered_units"] == [] for line in lines)

@@ -1,5 +1,8 @@
 """``zero_plugin.tensor_file`` reads what safetensors wrote, bit for bit, into existing tensors."""
 
+import json
+import struct
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -58,3 +61,30 @@ def test_wrong_shape_and_truncated_file_are_clear_errors(written):
     path.write_bytes(data[: entry.start + 10])
     with pytest.raises(ValueError, match="ends early"):
         tensor_file.read_into(entry, torch.empty(7, 15))
+
+
+def _rewrite_header(path, edit):
+    """Edit the JSON header in place, padded to its old length so every byte offset stays valid."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    meta = json.loads(data[8 : 8 + length])
+    edit(meta)
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    assert len(text) <= length
+    path.write_bytes(data[:8] + text.ljust(length, b" ") + data[8 + length :])
+
+
+@pytest.mark.parametrize("dest_dtype", [torch.float32, torch.float64])  # plain read, converting read
+def test_header_whose_byte_range_disagrees_with_shape_is_a_clear_error(written, dest_dtype):
+    """A header recording (7, 14) for 7 x 15 floats of bytes: the read would silently take 392 of the 420
+    bytes (or run into the next tensor's bytes if the shape were larger), so it must fail, naming the
+    tensor, the file and both byte counts, before the destination is touched."""
+    path, _ = written
+    _rewrite_header(path, lambda meta: meta["f32"].update(shape=[7, 14]))
+    out = torch.full((7, 14), 7.0, dtype=dest_dtype)
+    with pytest.raises(ValueError) as err:
+        tensor_file.read_into(tensor_file.header(path)["f32"], out)
+    message = str(err.value)
+    for part in ("'f32'", str(path), "392", "420", "re-save"):
+        assert part in message, (part, message)
+    assert torch.equal(out, torch.full((7, 14), 7.0, dtype=dest_dtype))
