@@ -235,6 +235,10 @@ def _fit_lines(result: dict) -> list[str]:
             (True, True): ', offload_optimizer="cpu", offload_params=True',
             (False, True): ", offload_params=True",
         }.get((best["offload"], best["offload_params"]), "")
+        if best["shard_world"] != best["world_size"]:
+            extra += f", shard_group_size={best['shard_world']}"
+        if best["kept_grads"]:
+            extra += ", accumulate_full_grads=True"
         lines.append(
             f"best: ZeroConfig(stage={best['stage']}{extra}): {best['peak']['device'] / _GIB:.2f} GiB "
             f"per device, cost {best['cost']:g}"

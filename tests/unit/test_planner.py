@@ -423,3 +423,15 @@ def test_cli_shard_group_size_and_kept_gradients(capsys):
     assert 0 < float(hier[("3", "-")][device]) - float(eight[("3", "-")][device]) <= 14.90 + 0.01
     assert main([*base, "--shard-group-size", "5"]) == 2
     assert "shard_group_size must divide the world size 32" in capsys.readouterr().err
+
+
+def test_cli_fit_with_shard_group_size(capsys):
+    """8B on 32 x 24 GiB: stage 2 fits with states over 32 ranks, not over shard groups of 8 (35 GiB), where
+    stage 3 does; with the kept gradients stage 3 no longer fits there either."""
+    base = ["estimate", "--params", "8B", "--world-size", "32", "--offload", "none", "--fit", "--gpu-mem", "24GiB"]
+    assert main(base) == 0
+    assert "best: ZeroConfig(stage=2): 20.02 GiB" in capsys.readouterr().out
+    assert main([*base, "--shard-group-size", "8"]) == 0
+    assert "best: ZeroConfig(stage=3, shard_group_size=8): 18.63 GiB" in capsys.readouterr().out
+    assert main([*base, "--shard-group-size", "8", "--accumulate-full-grads"]) == 1
+    assert "nothing fits" in capsys.readouterr().out
