@@ -253,3 +253,12 @@ def test_planned_hierarchical_bytes_equal_group_stats(stage, layout, accum, keep
         assert stats["replica_group"]["bytes"] == want["inter"] - short, where
         kinds = dict(want["kinds"], all_reduce=want["kinds"]["all_reduce"] - short)
         assert measured({k: v for k, v in stats.items() if not k.endswith("_group")}) == kinds, where
+
+
+def test_rows_ignore_the_plans_shard_group_size():
+    """Each row's option says how its states are sharded; ``--shard-group-size`` only sets the memory table."""
+    topo = Topology(4, 8)
+    want = [(r["name"], r["model_states"]) for r in zpp.comm_rows(zpp.Planner(SYN), topo)]
+    for k in (8, 16):
+        got = zpp.comm_rows(zpp.Planner(SYN, config=ZeroConfig(shard_group_size=k)), topo)
+        assert [(r["name"], r["model_states"]) for r in got] == want

@@ -49,7 +49,7 @@ when nothing overlaps it; overlapped with compute, a step takes at least max(com
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -374,8 +374,10 @@ def comm_rows(plan: Any, topo: Topology, accum: int = 1, stages=(0, 1, 2, 3), in
             options = [o for o in options if not (o.hierarchical or o.hpz)]
         for option in options:
             phases = step_phases(plan, stage, option, topo, accum, in_place)
+            # the row's option says how the states are sharded, whatever the plan's config.shard_group_size
             shard_world = topo.gpus_per_node if option.hierarchical else topo.world_size
-            states = plan.theory(plan.setting(shard_world, stage))["total"] + _extra_memory(plan, option, topo)
+            setting = replace(plan.setting(topo.world_size, stage), shard_world=shard_world)
+            states = plan.theory(setting)["total"] + _extra_memory(plan, option, topo)
             rows.append(
                 {
                     "stage": stage,
