@@ -120,7 +120,8 @@ def test_stage3_multi_node_bytes_by_hand():
     assert hier["weight all-gather, forward"].network == "intra" and hier["weight all-gather, forward"].ranks == 4
     assert hier["gradient reduce-scatter"].network == "intra"
     across = hier["gradient shard all-reduce across nodes"]
-    assert (across.network, across.ranks, across.nbytes) == ("inter", 2, 2 * 32 * 25 * 4)  # ceil(100/4) each
+    # per block ceil(100/4) shard elements and one has-gradient flag, all-reduced (2x)
+    assert (across.network, across.ranks, across.nbytes) == ("inter", 2, 2 * 32 * (25 + 1) * 4)
     hpz = _by_what(3, Option(hpz=True), topo)
     assert hpz["weight all-gather, forward"].network == "inter"
     assert (hpz["weight all-gather, backward"].network, hpz["weight all-gather, backward"].ranks) == ("intra", 4)
