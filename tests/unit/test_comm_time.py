@@ -4,6 +4,10 @@
   what ``zp.comm_stats()`` counts for a real step on gloo ranks (stages 0-3, world sizes 2 and 3, both
   collective layouts, accumulation with ``no_sync``, mixed precision), so the byte side of every row
   rests on the engine's own numbers.  The control channel's small exchanges are not payload.
+* Hierarchical sharding: on 4 gloo ranks as 2 shard groups of 2 (planned as 2 nodes x 2 GPUs), stages 1-3,
+  both layouts, with and without accumulation: the planner's intra-node bytes equal ``comm_stats``'
+  ``shard_group`` entry, its inter-node bytes the ``replica_group`` entry (flags included; in place, shard
+  rank 1 sends its short regions' padding less, computed independently here).
 * Formulas: hand-computed alpha-beta times and per-link bytes for small cases ([Note: alpha-beta model]).
 * CLI: the table, the flags and their errors.
 """
