@@ -90,7 +90,12 @@ def _planner(args: argparse.Namespace):
 
     if args.params is not None and (args.batch is not None or args.checkpointing):
         raise ValueError("--batch/--seq/--checkpointing need --model: activations come from tracing the model")
-    config = ZeroConfig(bucket_size_mb=args.bucket_size_mb, prefetch_depth=args.prefetch_depth)
+    config = ZeroConfig(
+        bucket_size_mb=args.bucket_size_mb,
+        prefetch_depth=args.prefetch_depth,
+        shard_group_size=args.shard_group_size,
+        accumulate_full_grads=args.accumulate_full_grads,
+    )
     if args.nodes is not None or args.gpus_per_node is not None:
         nodes, per_node = args.nodes or 1, args.gpus_per_node or 8
         if args.world_size_given and args.world_size != nodes * per_node:
@@ -138,6 +143,18 @@ def _header(plan, args: argparse.Namespace) -> list[str]:
         )
     else:
         lines.append("activations: not estimated (give --model with --batch and --seq)")
+    k = plan.config.shard_group_size
+    if k is not None and k != args.world_size:
+        lines.append(
+            f"hierarchical sharding: shard groups of {k} ranks, model states sharded over {k} and replicated "
+            f"{args.world_size // k} times (stages 1-3)"
+        )
+    if plan.config.accumulate_full_grads:
+        kept = plan.kept_grad_bytes(plan.setting(args.world_size, 3))
+        lines.append(
+            f"accumulate_full_grads: stage 3 keeps the full gradients under zp.no_sync, +{kept / _GIB:.2f} GiB "
+            "per rank on the device (in grads and the peak)"
+        )
     return lines
 
 
@@ -218,6 +235,10 @@ def _fit_lines(result: dict) -> list[str]:
             (True, True): ', offload_optimizer="cpu", offload_params=True',
             (False, True): ", offload_params=True",
         }.get((best["offload"], best["offload_params"]), "")
+        if best["shard_world"] != best["world_size"]:
+            extra += f", shard_group_size={best['shard_world']}"
+        if best["kept_grads"]:
+            extra += ", accumulate_full_grads=True"
         lines.append(
             f"best: ZeroConfig(stage={best['stage']}{extra}): {best['peak']['device'] / _GIB:.2f} GiB "
             f"per device, cost {best['cost']:g}"
@@ -290,17 +311,19 @@ def _plot(plan, args: argparse.Namespace, settings) -> None:
             "(or pip install 'zero-plugin[bench]')"
         ) from None
     fig, ax = plt.subplots(figsize=(8, 5))
+    k = plan.config.shard_group_size  # world sizes that --shard-group-size divides
+    sizes = [n for n in _PLOT_WORLD_SIZES if k is None or n % k == 0]
     for stage, offload, offload_params in settings:
         ys = [
             plan.estimate(n, stage, offload=offload, offload_params=offload_params)["peak"]["device"] / _GIB
-            for n in _PLOT_WORLD_SIZES
+            for n in sizes
         ]
         label = f"stage {stage}" + {
             (True, False): " + offload",
             (True, True): " + offload + params",
             (False, True): " + params offload",
         }.get((offload, offload_params), "")
-        ax.plot(_PLOT_WORLD_SIZES, ys, marker="o", linestyle="--" if offload else "-", label=label)
+        ax.plot(sizes, ys, marker="o", linestyle="--" if offload else "-", label=label)
     if args.gpu_mem:
         ax.axhline(args.gpu_mem / _GIB, color="grey", linewidth=1, label="--gpu-mem")
     ax.set_xscale("log", base=2)
@@ -406,6 +429,17 @@ def _add_estimate(sub) -> None:
     est.add_argument("--seq", type=int, help="tokens per sequence")
     est.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block")
     est.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="what the ranks compute on")
+    est.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=None,
+        help="ZeroConfig.shard_group_size: hierarchical sharding, states sharded over K ranks (a node: K=G)",
+    )
+    est.add_argument(
+        "--accumulate-full-grads",
+        action="store_true",
+        help="ZeroConfig.accumulate_full_grads: stage 3 keeps full gradients under no_sync (+memory)",
+    )
     est.add_argument("--bucket-size-mb", type=float, default=25.0, help="ZeroConfig.bucket_size_mb (default 25)")
     est.add_argument("--prefetch-depth", type=int, default=1, help="ZeroConfig.prefetch_depth (default 1)")
     est.add_argument(

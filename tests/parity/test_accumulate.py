@@ -1,6 +1,6 @@
 """Stage-3 gradient accumulation under ``zp.no_sync``: reduce every micro-batch (default) or keep the full
 gradients and reduce once (``ZeroConfig.accumulate_full_grads``, [Note: deferred reduction] in
-zero_plugin/stage3/accumulate.py), against a single-process float64 reference.
+zero_plugin/stage3/accumulate.py), also with hierarchical sharding (``shard_group_size=2`` on 4 ranks), against a single-process float64 reference.
 
 Model and data: ``accumulate_workers`` (parameters used unevenly across micro-batches and ranks, one expert
 unused by every rank in every micro-batch of a step, clipping after accumulation).  Tolerance 1e-10
@@ -28,10 +28,14 @@ CASES = [
     for keep in (False, True)
     for layout, extra in (("in_place", "none"), ("buffered", "none"), ("in_place", "offload"))
 ] + [(2, True, "in_place", "offload_params"), (3, True, "buffered", "offload_params")]
+# hierarchical sharding: 4 ranks as 2 shard groups of 2, the kept gradients reduced in the group, then
+# summed across it ([Note: sum across replicas] in zero_plugin/comm_layout.py)
+CASES += [(4, True, "in_place", "hier"), (4, True, "buffered", "hier"), (4, False, "in_place", "hier")]
 EXTRA = {
     "none": {},
     "offload": {"offload_optimizer": "cpu"},
     "offload_params": {"offload_optimizer": "cpu", "offload_params": True},
+    "hier": {"shard_group_size": 2},
 }
 
 

@@ -4,6 +4,10 @@
   what ``zp.comm_stats()`` counts for a real step on gloo ranks (stages 0-3, world sizes 2 and 3, both
   collective layouts, accumulation with ``no_sync``, mixed precision), so the byte side of every row
   rests on the engine's own numbers.  The control channel's small exchanges are not payload.
+* Hierarchical sharding: on 4 gloo ranks as 2 shard groups of 2 (planned as 2 nodes x 2 GPUs), stages 1-3,
+  both layouts, with and without accumulation: the planner's intra-node bytes equal ``comm_stats``'
+  ``shard_group`` entry, its inter-node bytes the ``replica_group`` entry (flags included; in place, shard
+  rank 1 sends its short regions' padding less, computed independently here).
 * Formulas: hand-computed alpha-beta times and per-link bytes for small cases ([Note: alpha-beta model]).
 * CLI: the table, the flags and their errors.
 """
@@ -120,7 +124,8 @@ def test_stage3_multi_node_bytes_by_hand():
     assert hier["weight all-gather, forward"].network == "intra" and hier["weight all-gather, forward"].ranks == 4
     assert hier["gradient reduce-scatter"].network == "intra"
     across = hier["gradient shard all-reduce across nodes"]
-    assert (across.network, across.ranks, across.nbytes) == ("inter", 2, 2 * 32 * 25 * 4)  # ceil(100/4) each
+    # per block ceil(100/4) shard elements and one has-gradient flag, all-reduced (2x)
+    assert (across.network, across.ranks, across.nbytes) == ("inter", 2, 2 * 32 * (25 + 1) * 4)
     hpz = _by_what(3, Option(hpz=True), topo)
     assert hpz["weight all-gather, forward"].network == "inter"
     assert (hpz["weight all-gather, backward"].network, hpz["weight all-gather, backward"].ranks) == ("intra", 4)
@@ -200,3 +205,65 @@ def test_cli_bad_link_values(capsys, flag, value):
     with pytest.raises(SystemExit):
         main(["estimate", "--params", "1B", "--nodes", "2", flag, value])
     assert "expected a" in capsys.readouterr().err
+
+
+# -- hierarchical sharding: shard group = "node" -------------------------------------------------------------
+HIER_CASES = [(stage, layout, accum) for stage in (1, 2, 3) for layout in ("in_place", "buffered") for accum in (1, 2)]
+HIER_CASES += [(3, "in_place", 3, True), (3, "buffered", 3, True)]  # with accumulate_full_grads
+
+
+def planned_by_network(plan, stage: int, accum: int, in_place: bool, keep: bool = False) -> dict:
+    option = Option(hierarchical=True, accumulate=keep)
+    out: dict = {"intra": 0, "inter": 0, "kinds": {}}
+    for ph in step_phases(plan, stage, option, Topology(2, 2), accum, in_place=in_place):
+        out[ph.network] += ph.nbytes
+        out["kinds"][ph.stats_kind] = out["kinds"].get(ph.stats_kind, 0) + ph.nbytes
+    return out
+
+
+def short_regions_bytes(plan, shard_rank: int, reductions: int) -> int:
+    """In place a rank sends its own regions across groups; the planner counts padded shards (shard rank
+    0's): the difference for ``shard_rank``, all-reduced (2x) in the reduce dtype."""
+    from zero_plugin._flat import ShardLayout
+
+    short = 0
+    for p in plan.params:
+        if p.requires_grad and p.numel:
+            layout = ShardLayout(p.numel, 2, shard_rank)
+            short += layout.shard_numel - layout.local_numel
+    return reductions * 2 * short * plan.reduce_bytes(plan.config)
+
+
+@pytest.mark.parametrize(
+    "stage,layout,accum,keep",
+    [c if len(c) == 4 else (*c, False) for c in HIER_CASES],
+    ids=[f"s{c[0]}-{c[1]}-A{c[2]}{'-keep' if len(c) == 4 else ''}" for c in HIER_CASES],
+)
+def test_planned_hierarchical_bytes_equal_group_stats(stage, layout, accum, keep):
+    """4 gloo ranks as 2 shard groups of 2 (``shard_group_size=2``), planned as ``--nodes 2 --gpus-per-node
+    2``: intra-node bytes = ``comm_stats()["shard_group"]``, inter-node = ``["replica_group"]``, and by kind
+    (every group together) the planner's kinds.  The cross-group all-reduce carries the has-gradient flags
+    (one per member, in the reduce dtype) beside the reduced shards; the planner counts them."""
+    config = dict(stage=stage, bucket_size_mb=BUCKET_MB, shard_group_size=2, accumulate_full_grads=keep)
+    plan = odd_mlp_plan(ZeroConfig(bucket_size_mb=BUCKET_MB))
+    in_place = layout == "in_place"
+    want = planned_by_network(plan, stage, accum, in_place, keep)
+    assert want["inter"] > 0 and want["intra"] > 0
+    reductions = accum if stage == 3 and not keep else 1
+    assert short_regions_bytes(plan, 1, 1) > 0, "odd shapes: shard rank 1's regions end short"
+    for rank, stats in enumerate(run_ranks(4, workers.step_stats, config, accum, not in_place)):
+        short = short_regions_bytes(plan, rank % 2, reductions) if in_place else 0
+        where = f"rank {rank}: comm_stats {stats} vs planner {want}"
+        assert stats["shard_group"]["bytes"] == want["intra"], where
+        assert stats["replica_group"]["bytes"] == want["inter"] - short, where
+        kinds = dict(want["kinds"], all_reduce=want["kinds"]["all_reduce"] - short)
+        assert measured({k: v for k, v in stats.items() if not k.endswith("_group")}) == kinds, where
+
+
+def test_rows_ignore_the_plans_shard_group_size():
+    """Each row's option says how its states are sharded; ``--shard-group-size`` only sets the memory table."""
+    topo = Topology(4, 8)
+    want = [(r["name"], r["model_states"]) for r in zpp.comm_rows(zpp.Planner(SYN), topo)]
+    for k in (8, 16):
+        got = zpp.comm_rows(zpp.Planner(SYN, config=ZeroConfig(shard_group_size=k)), topo)
+        assert [(r["name"], r["model_states"]) for r in got] == want

@@ -351,3 +351,87 @@ def test_prediction_within_10_percent_of_measured_rss(stage, tmp_path):
     predicted = predict(job, {})["peak"]["total"]
     measured = ranks[0]["peak"]
     assert predicted == pytest.approx(measured, rel=0.10), (predicted / 2**20, measured / 2**20)
+
+
+# -- hierarchical sharding and kept gradients ---------------------------------------------------------------
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hierarchical_model_states_equal_memory_report_theory(fake_world, stage):
+    """``shard_group_size=2`` on 4 ranks: states over the shard group's 2 ranks, as ``memory_report`` says."""
+    model = _tiny_llama()
+    config = zp.ZeroConfig(stage=stage, shard_group_size=2)
+    plan = zpp.Planner(model, device="cpu", config=config)
+    row = plan.estimate(4, stage)
+    assert (row["world_size"], row["shard_world"]) == (4, 2)
+    assert row["model_states"] == zpp.Planner(model, device="cpu").estimate(2, stage)["model_states"]
+    fake_world(4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = zp.setup(model, optimizer, config)
+    assert row["model_states"] == zp.memory_report(model, optimizer)["theory"]
+
+
+def test_hierarchical_peak_is_the_shard_groups_and_stage0_ignores_it():
+    psi = 1_000_000_000
+    hier = zpp.Planner(psi, param_dtype="bf16", config=zp.ZeroConfig(shard_group_size=8))
+    flat = zpp.Planner(psi, param_dtype="bf16")
+    for stage in (1, 2, 3):
+        assert hier.estimate(32, stage)["peak"] == flat.estimate(8, stage)["peak"]
+    assert hier.estimate(32, 0)["shard_world"] == 32 and hier.estimate(32, 0)["peak"] == flat.estimate(32, 0)["peak"]
+    with pytest.raises(ValueError, match="shard_group_size must divide the world size 12"):
+        hier.estimate(12, 3)
+
+
+def test_kept_gradients_add_to_the_stage3_peak():
+    """``accumulate_full_grads``: Ψ x reduce-dtype bytes on the device at stage 3 only, alive from the synced
+    micro-batch's forward until each unit's reduction: the peak moves into backward, by at most Ψ x 2."""
+    psi = 1_000_000_000
+    keep = zpp.Planner(psi, param_dtype="bf16", config=zp.ZeroConfig(accumulate_full_grads=True))
+    each = zpp.Planner(psi, param_dtype="bf16")
+    a, b = keep.estimate(8, 3), each.estimate(8, 3)
+    assert a["kept_grads"] == psi * 2 and b["kept_grads"] == 0
+    assert b["peak"]["device"] < a["peak"]["device"] <= b["peak"]["device"] + psi * 2
+    assert a["peak"]["device"] >= a["model_states"]["params"] + a["model_states"]["optimizer"] + psi * 2
+    assert (a["peak"]["phase"], b["peak"]["phase"]) == ("backward", "step")
+    assert a["at_peak"]["grads"] > b["at_peak"]["grads"]
+    assert a["model_states"] == b["model_states"]  # the ZeRO-paper states: what memory_report's theory says
+    assert keep.estimate(8, 2)["peak"] == each.estimate(8, 2)["peak"]
+    fp32 = zpp.Planner(psi, param_dtype="bf16", config=zp.ZeroConfig(accumulate_full_grads=True, reduce_dtype="fp32"))
+    assert fp32.estimate(8, 3)["kept_grads"] == psi * 4
+
+
+def _rows_of(out: str) -> dict:
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "|" in line]
+    return {(r[0], r[1]): r for r in rows if len(r) > 12}
+
+
+def test_cli_shard_group_size_and_kept_gradients(capsys):
+    base = ["estimate", "--params", "8B", "--world-size", "32", "--offload", "none"]
+    assert main(base) == 0
+    flat = _rows_of(capsys.readouterr().out)
+    assert main([*base, "--shard-group-size", "8", "--accumulate-full-grads"]) == 0
+    out = capsys.readouterr().out
+    assert "hierarchical sharding: shard groups of 8 ranks, model states sharded over 8 and replicated 4 times" in out
+    assert "accumulate_full_grads: stage 3 keeps the full gradients under zp.no_sync, +14.90 GiB per rank" in out
+    hier = _rows_of(out)
+    assert main(["estimate", "--params", "8B", "--world-size", "8", "--offload", "none"]) == 0
+    eight = _rows_of(capsys.readouterr().out)
+    assert hier[("0", "-")] == flat[("0", "-")]  # stage 0 replicates anyway
+    for stage in ("1", "2"):
+        assert hier[(stage, "-")] == eight[(stage, "-")]
+    states = slice(3, 7)
+    assert hier[("3", "-")][states] == eight[("3", "-")][states]
+    device = -3  # the device peak's column: more with the kept gradients (14.90 GiB of bf16), at most all of them
+    assert 0 < float(hier[("3", "-")][device]) - float(eight[("3", "-")][device]) <= 14.90 + 0.01
+    assert main([*base, "--shard-group-size", "5"]) == 2
+    assert "shard_group_size must divide the world size 32" in capsys.readouterr().err
+
+
+def test_cli_fit_with_shard_group_size(capsys):
+    """8B on 32 x 24 GiB: stage 2 fits with states over 32 ranks, not over shard groups of 8 (35 GiB), where
+    stage 3 does; with the kept gradients stage 3 no longer fits there either."""
+    base = ["estimate", "--params", "8B", "--world-size", "32", "--offload", "none", "--fit", "--gpu-mem", "24GiB"]
+    assert main(base) == 0
+    assert "best: ZeroConfig(stage=2): 20.02 GiB" in capsys.readouterr().out
+    assert main([*base, "--shard-group-size", "8"]) == 0
+    assert "best: ZeroConfig(stage=3, shard_group_size=8): 18.63 GiB" in capsys.readouterr().out
+    assert main([*base, "--shard-group-size", "8", "--accumulate-full-grads"]) == 1
+    assert "nothing fits" in capsys.readouterr().out

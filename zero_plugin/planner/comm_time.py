@@ -8,7 +8,11 @@ Each row is one (stage, option): which collectives a training step issues, their
 its time.  For a single group (``Option.plain``, one node) the bytes are exactly what ``zp.comm_stats()``
 counts for one step in steady state, in the layout of the planned backend (in place on gloo, buffered on
 NCCL, [Note: collective layouts] in ``comm_layout.py``): ``tests/unit/test_comm_time.py`` runs the engine
-and compares.  The control channel's small exchanges ([Note: control channel]) are not counted.
+and compares.  So does hierarchical sharding (``Option.hierarchical``, shard group = node) at stages 1-3:
+its intra-node bytes are what ``comm_stats()["shard_group"]`` counts and its inter-node bytes what
+``comm_stats()["replica_group"]`` counts, for shard rank 0 (in place, other shard ranks send their
+regions' padding less across groups, ``_Sizes.replica_bytes``).  The control channel's small exchanges
+([Note: control channel]) are not counted.
 
 [Note: alpha-beta model]
 A collective over ``p`` ranks is a ring (Patarasuk & Yuan; the accounting of ZeRO, arXiv 1910.02054
@@ -27,7 +31,8 @@ of a flat multi-node collective count as inter-node bytes (ZeRO++'s "cross-node 
 Hierarchical collectives are an intra phase plus an inter phase:
   * hierarchical sharding (shard group = node: FSDP2 HSDP, MiCS, ``ZeroConfig.shard_group_size=G``):
     parameters gathered inside the node, AG(n, G) on intra; gradients reduce-scattered inside the node,
-    RS(n, G) on intra, then the 1/G shard all-reduced across nodes, AR(n/G, M) on inter;
+    RS(n, G) on intra, then the 1/G shard with its has-gradient flags all-reduced across nodes,
+    AR(n/G, M) on inter; the inf/NaN check and the clip norm stay inside the node;
   * hpZ (ZeRO++): a secondary copy of the parameters sharded inside the node (+n/G memory) serves
     backward's gathers, AG(n, G) on intra; forward gathers stay flat, AG(n, N);
   * qwZ (ZeRO++): weights all-gathered as int8 in blocks of ``QUANT_BLOCK`` elements with one fp32
@@ -44,7 +49,7 @@ when nothing overlaps it; overlapped with compute, a step takes at least max(com
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -126,7 +131,7 @@ class Option:
 
 
 # Which options zero_plugin implements today (the rest are planned: rows to compare against).
-IMPLEMENTED = {"hierarchical": False, "hpz": False, "qwz": False, "qgz": False, "accumulate": True}
+IMPLEMENTED = {"hierarchical": True, "hpz": False, "qwz": False, "qgz": False, "accumulate": True}
 
 _STAGE3 = [
     Option(),
@@ -222,6 +227,13 @@ class _Sizes:
             return self.numel(idx) * rbytes
         return p * (self.padded(idx, p) + len(idx)) * rbytes
 
+    def replica_bytes(self, idx: list[int], g: int, rbytes: float) -> float:
+        """One all-reduce across the replica group ([Note: sum across replicas] in ``comm_layout.py``): the
+        reduced shard of every member and its has-gradient flag, in the reduce dtype, logical 2x.  The
+        shard is counted padded, which is exactly what shard rank 0 sends in either layout (and every rank
+        when buffered); in place a rank whose regions end short sends their padding less."""
+        return 2 * (self.padded(idx, g) + len(idx)) * rbytes
+
     # stages 0-2 -----------------------------------------------------------------------------
     def buckets(self, p: int, sharded: bool) -> list[list[int]]:
         """Parameter indices per gradient bucket, cut as ``grads/bucket.py`` cuts them."""
@@ -253,8 +265,10 @@ def step_phases(plan: Any, stage: int, option: Option, topo: Topology, accum: in
     else:
         phases = _replicated(sizes, stage, option, topo)
     # optim/loss_scale.py ``found_nonfinite``: one float32 flag all-reduced before each step (clip_grad_norm_,
-    # when called, replaces it with its norm's all-reduce of one float64)
-    phases.append(Phase("inf/NaN check before the step", "all_reduce", 2 * 4, 1, topo.world_size, topo.flat_network))
+    # when called, replaces it with its norm's all-reduce of one float64); with hierarchical sharding over
+    # the shard group only, whose owned gradients replicas share bit for bit ([Note: sum across replicas])
+    check = (topo.gpus_per_node, "intra") if option.hierarchical else (topo.world_size, topo.flat_network)
+    phases.append(Phase("inf/NaN check before the step", "all_reduce", 2 * 4, 1, *check))
     return [ph for ph in phases if ph.ranks > 1 and (ph.nbytes or ph.calls)]
 
 
@@ -282,8 +296,8 @@ def _replicated(sizes: _Sizes, stage: int, option: Option, topo: Topology) -> li
         k = sum(len(b) for b in buckets)
         out.append(Phase("has-gradient flags", "all_reduce", 2 * _FLAG_BYTES * k, len(buckets), p, net))
     if option.hierarchical:
-        shard = sum(sizes.padded(b, g) for b in buckets) * rb
-        out.append(Phase("gradient shard all-reduce across nodes", "all_reduce", 2 * shard, len(buckets), m, "inter"))
+        across = sum(sizes.replica_bytes(b, g, rb) for b in buckets)
+        out.append(Phase("gradient shard all-reduce across nodes", "all_reduce", across, len(buckets), m, "inter"))
     if sizes.in_place:  # one gather of every region (optim/param_sync.py)
         gathered, calls = sizes.numel([i for b in buckets for i in b]) * pb, 1
     else:
@@ -331,8 +345,8 @@ def _stage3(sizes: _Sizes, option: Option, topo: Topology, accum: int) -> list[P
         k = sum(len(sizes.train[u]) for u in units)
         out.append(Phase("has-gradient flags", "all_reduce", reductions * 2 * _FLAG_BYTES * k, calls, p, net))
     if option.hierarchical:
-        shard = reductions * sum(sizes.padded(sizes.train[u], g) for u in units) * sizes.rb
-        out.append(Phase("gradient shard all-reduce across nodes", "all_reduce", 2 * shard, calls, m, "inter"))
+        across = reductions * sum(sizes.replica_bytes(sizes.train[u], g, sizes.rb) for u in units)
+        out.append(Phase("gradient shard all-reduce across nodes", "all_reduce", across, calls, m, "inter"))
     return out
 
 
@@ -360,8 +374,10 @@ def comm_rows(plan: Any, topo: Topology, accum: int = 1, stages=(0, 1, 2, 3), in
             options = [o for o in options if not (o.hierarchical or o.hpz)]
         for option in options:
             phases = step_phases(plan, stage, option, topo, accum, in_place)
+            # the row's option says how the states are sharded, whatever the plan's config.shard_group_size
             shard_world = topo.gpus_per_node if option.hierarchical else topo.world_size
-            states = plan.theory(plan.setting(shard_world, stage))["total"] + _extra_memory(plan, option, topo)
+            setting = replace(plan.setting(topo.world_size, stage), shard_world=shard_world)
+            states = plan.theory(setting)["total"] + _extra_memory(plan, option, topo)
             rows.append(
                 {
                     "stage": stage,

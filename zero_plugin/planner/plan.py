@@ -21,6 +21,13 @@ whatever is gone when the other peaks):
     tag's elements, ``stage3/unit.py``), reduce-scatter buffers ``N*(width+k)``; in place (gloo): the
     full tensors from the launch and no buffers, gradients kept whole until their reduction completes;
     as many reductions in flight as ``stage3/hooks.py`` allows;
+  * hierarchical sharding (``config.shard_group_size=k``): states sharded over the shard group's k
+    ranks (``memory_report``'s theory with N = k) and the collectives replayed over k; the replica
+    all-reduce of the reduced shards adds no buffer (the regions or row it sums exist already; in place
+    one concatenated copy of them, Ψ/k, is not counted);
+  * stage 3 with ``config.accumulate_full_grads``: the full gradients kept between ``no_sync``
+    micro-batches (Ψ x reduce-dtype bytes, ``Planner.kept_grad_bytes``), alive in the synced
+    micro-batch's forward and backward until each unit's reduction completes;
   * the optimizer step: AdamW on one tensor at a time allocates two parameter-sized temporaries
     (CPU default), ``foreach`` one list of all of them (CUDA default), the fused kernel none (offload).
 The estimate counts live tensor bytes: what ``torch.cuda.max_memory_allocated`` reports on a GPU, and
@@ -169,7 +176,7 @@ class Planner:
         c = self.counts
         return theory_bytes(
             stage=s.stage,
-            world_size=s.world_size,
+            world_size=s.shard_world,
             trainable=c["trainable"],
             frozen=c["frozen"],
             param_bytes=self.param_bytes,
@@ -194,6 +201,7 @@ class Planner:
             self.device,
             config,
             in_place=self.device == "cpu" and regions_in_place("gloo"),
+            shard_world=config.resolved_shard_group_size(world_size) or world_size,
         )
 
     def estimate(
@@ -205,6 +213,15 @@ class Planner:
         replay = (Stage3Replay if s.stage == 3 else ReplicatedReplay)(self, s, theory)
         mem = replay.run()
         return _result(self, s, theory, replay, mem)
+
+    def kept_grad_bytes(self, s: Setting) -> float:
+        """Stage 3 with ``accumulate_full_grads``: the full gradients ``zp.no_sync`` keeps on the compute
+        device between micro-batches, every trainable parameter in the reduce dtype ([Note: deferred
+        reduction] in stage3/accumulate.py).  The replay holds them from the forward of the step's synced
+        micro-batch (every micro-batch before it left them) until the unit's reduction completes."""
+        if s.stage != 3 or not s.config.accumulate_full_grads:
+            return 0.0
+        return float(self.counts["trainable"] * self.reduce_bytes(s.config))
 
     def rows(self, world_size: int, settings=SETTINGS) -> list[dict[str, Any]]:
         return [self.estimate(world_size, st, offload=off, offload_params=op) for st, off, op in settings]
@@ -276,7 +293,7 @@ def _result(plan: Planner, s: Setting, theory: dict[str, float], replay: Replay,
     device_peak = mem.peaks["device"][0]
     snapshot = mem.peaks["total" if s.device == "cpu" else "device"][1]
     at = mem.by_category(snapshot, ("device", "host") if s.device == "cpu" else ("device",))
-    grads = at.get("grads", 0.0) + at.get("grad_shards", 0.0)
+    grads = at.get("grads", 0.0) + at.get("grad_shards", 0.0) + at.get("kept_grads", 0.0)
     transient = {
         k: at.get(k, 0.0)
         for k in ("gathered", "gather_buffers", "reduce_buffers", "allgather_buffers", "collective_temp", "step")
@@ -288,6 +305,8 @@ def _result(plan: Planner, s: Setting, theory: dict[str, float], replay: Replay,
     return {
         "stage": s.stage,
         "world_size": s.world_size,
+        "shard_world": s.shard_world,
+        "kept_grads": plan.kept_grad_bytes(s),
         "offload": s.offload,
         "offload_params": s.offload_params,
         "device": s.device,

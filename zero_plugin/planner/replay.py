@@ -83,6 +83,13 @@ class Setting:
     device: str
     config: ZeroConfig
     in_place: bool  # regions gathered and reduced in place (gloo, [Note: in-place region gather] in ``collectives.py``)
+    # ranks the states are sharded over: the shard group's k with ZeroConfig.shard_group_size, else the
+    # world; the collectives replayed here run over the shard group ([Note: hierarchical groups])
+    shard_world: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.shard_world:
+            object.__setattr__(self, "shard_world", self.world_size)
 
 
 class Replay:
@@ -90,7 +97,7 @@ class Replay:
 
     def __init__(self, plan: Any, s: Setting, theory: dict[str, float]) -> None:
         self.plan, self.s, self.mem = plan, s, Memory()
-        self.n = s.world_size
+        self.n = s.shard_world
         self.pb, self.rb, self.mb = plan.param_bytes, plan.reduce_bytes(s.config), plan.master_bytes
         self.shard_is_master = plan.shard_is_master(s)
         self.trainable = [i for i, p in enumerate(plan.params) if p.requires_grad and p.numel]
@@ -321,6 +328,11 @@ class Stage3Replay(Replay):
         self.ready = {u: 0 for u in units}
         self.schedule = ReductionSchedule(self._launch_one, self.complete, _MAX_INFLIGHT_REDUCES)
         self.schedule.start(reduction_order(self.order, self.ids, self.ids[0], lambda u: self.n_train[u] > 0))
+        # accumulate_full_grads: the earlier micro-batches' full gradients, kept in the reduce dtype until
+        # the unit's reduction of the synced one sends them ([Note: deferred reduction] in stage3/accumulate.py)
+        keeps = s.config.accumulate_full_grads
+        self.kept = {u: self.grad_numel[u] * self.rb if keeps else 0 for u in units}
+        self.mem.add("device", "kept_grads", sum(self.kept.values()))
 
     def _width(self, idx: list[int], extra: int) -> int:
         """Elements per rank in a unit's collective (``stage3/unit.py``): padded shards plus the extras."""
@@ -418,6 +430,7 @@ class Stage3Replay(Replay):
             self.reduce_output("reduce_buffers", self.reduce_buf[u], at_launch=True)
 
     def complete(self, u: int, pending: Any = None) -> None:
+        self.mem.add("device", "kept_grads", -self.kept[u])
         if self.s.in_place:  # this rank's region is copied out, then the full gradients go
             self.mem.add(self.place("grad_shards"), "grad_shards", self.shard_grads[u])
             if self.rb != self.pb:
