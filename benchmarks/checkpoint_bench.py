@@ -98,7 +98,7 @@ def bench_zero(cfg, directory: str) -> dict:
     from transformers import LlamaForCausalLM
 
     import zero_plugin as zp
-    from zero_plugin.materialize import empty_model, from_init_fn
+    from zero_plugin.loading.materialize import empty_model, from_init_fn
 
     model = empty_model(lambda: LlamaForCausalLM(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -136,7 +136,7 @@ def bench_fsdp2(cfg, directory: str) -> dict:
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
-    from zero_plugin.materialize import empty_model
+    from zero_plugin.loading.materialize import empty_model
 
     model = empty_model(lambda: LlamaForCausalLM(cfg))  # parameters on meta, buffers real
     buffers = {n: b.clone() for n, b in model.named_buffers()}  # to_empty would wipe them (rotary tables)

@@ -253,7 +253,7 @@ def commands(args: argparse.Namespace, work: Path) -> dict[str, tuple[list[str],
     zero = [
         sys.executable,
         "-m",
-        "zero_plugin.cli",
+        "zero_plugin.launch.cli",
         "launch",
         "--stage",
         "3",
@@ -309,7 +309,7 @@ def planner_peaks(model: Path, batch: int, seq: int) -> dict[int, float]:
     import torch
 
     from zero_plugin.config import ZeroConfig
-    from zero_plugin.launch_estimate import Machine, _model_config, launched_row, plan_launch
+    from zero_plugin.launch.estimate import Machine, _model_config, launched_row, plan_launch
 
     gpu = torch.cuda.is_available()
     machine = Machine(host_bytes=float("inf"), gpu_bytes=float("inf") if gpu else None)

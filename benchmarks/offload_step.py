@@ -78,7 +78,7 @@ class Tensors:
     def __init__(self, n: int, layout: str, seed: int = 0) -> None:
         import torch
 
-        from zero_plugin._flat import ShardLayout
+        from zero_plugin.engines.flat import ShardLayout
         from zero_plugin.optim.master import MasterParam
 
         g = torch.Generator().manual_seed(seed)

@@ -399,7 +399,7 @@ Two allocator modes ([Note: allocator modes] in the script):
 _FINDINGS = """\
 ## What the measurements taught the planner
 
-- **In-place collectives on gloo** ([Note: in-place region gather] in `zero_plugin/collectives.py`): the
+- **In-place collectives on gloo** ([Note: in-place region gather] in `zero_plugin/comm/collectives.py`): the
   stage 1-2 parameter sync after the step and every stage-3 unit gather broadcast each rank's region
   straight into the parameters, and gradients are summed in place, so on CPU there are no bucket or
   gather buffers left to count (the table's *buffers* column at stages 1-2 is 0; at stage 3 it is the
@@ -422,7 +422,7 @@ _FINDINGS = """\
   below blocks allocated later. MKL keeps its gemm packing buffers and every gloo thread its own
   arena. The excess over live bytes (summary above) is 0.3-0.9 activation peaks at stages 0-2 and
   smaller at stage 3, whose hooks trim the heap after each unit's reshard on CPU ([Note: heap
-  trimming] in `zero_plugin/hostmem.py`); it differs between the ranks of one run. `rss_glibc` (live
+  trimming] in `zero_plugin/engines/hostmem.py`); it differs between the ranks of one run. `rss_glibc` (live
   peak + one activation peak) is an upper estimate for it, loose at stage 3; the 10% bar applies to
   the exact allocator, and a CPU run that must match the plan can set `MALLOC_MMAP_THRESHOLD_=131072`
   at the CPU cost above."""

@@ -37,7 +37,7 @@ def _sample(pid: int) -> dict[str, int]:
 
 def _command(args: argparse.Namespace) -> list[str]:
     """``benchmarks/large_model.py``'s zero3 command: the same script options, 1 x 64 tokens per rank."""
-    launch = [sys.executable, "-m", "zero_plugin.cli", "launch", "--stage", "3", "--num_processes", "2"]
+    launch = [sys.executable, "-m", "zero_plugin.launch.cli", "launch", "--stage", "3", "--num_processes", "2"]
     options = argparse.Namespace(model=args.model, steps=args.steps, batch_size=1, max_length=64)
     return [*launch, "--main_process_port", "0", *script_args(options, Path(f"{args.out}_run"))]
 

@@ -50,7 +50,7 @@ def worker(rank: int, world: int, port: int, params: float, steps: int, out: dic
     from transformers import LlamaForCausalLM
 
     import zero_plugin as zp
-    from zero_plugin.materialize import empty_model, from_init_fn
+    from zero_plugin.loading.materialize import empty_model, from_init_fn
 
     cfg = llama_config(params)
     model = empty_model(lambda: LlamaForCausalLM(cfg))

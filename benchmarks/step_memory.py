@@ -138,7 +138,7 @@ def install() -> None:
 
     torch.autograd.backward = backward  # Tensor.backward calls torch.autograd.backward
     import zero_plugin
-    from zero_plugin.engine import engine_of
+    from zero_plugin.engines.engine import engine_of
 
     setup = zero_plugin.setup
 

@@ -38,12 +38,12 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 import zero_plugin as zp
-from zero_plugin import materialize
 from zero_plugin.config import ZeroConfig
-from zero_plugin.engine import engine_of
+from zero_plugin.engines.engine import engine_of
+from zero_plugin.loading import materialize
 from zero_plugin.stage3.inference import InferenceEngine
 
-from . import _common, _loss_scaling
+from . import common, loss_scaling
 
 __all__ = ["Accelerator", "ZeroPlugin"]
 
@@ -134,13 +134,13 @@ class Accelerator(_AccelerateAccelerator):
     def _route_fp16(self) -> None:
         """``mixed_precision="fp16"`` (argument, ``accelerate launch --mixed_precision fp16`` or config file):
         parameters as they are, autocast fp16, and zero_plugin's synchronized loss scaler instead of Accelerate's
-        GradScaler ([Note: fp16 one-flag mapping] in ``_loss_scaling.py``)."""
+        GradScaler ([Note: fp16 one-flag mapping] in ``loss_scaling.py``)."""
         if self.mixed_precision != "fp16":
             return
         kwargs = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
-        settings = _loss_scaling.scaler_settings(kwargs)
+        settings = loss_scaling.scaler_settings(kwargs)
         self.zero_plugin = ZeroPlugin(
-            _loss_scaling.fp16_config(self.zero_config, settings, "Accelerate's mixed_precision='fp16'")
+            loss_scaling.fp16_config(self.zero_config, settings, "Accelerate's mixed_precision='fp16'")
         )
         self.scaler = None  # Accelerate's own GradScaler (made on accelerator devices) is never used
         self.native_amp = True  # autocast fp16 on every device; Accelerate alone skips it on CPU
@@ -162,7 +162,7 @@ class Accelerator(_AccelerateAccelerator):
         fresh_optimizers = {
             i: a
             for i, a in enumerate(args)
-            if isinstance(a, torch.optim.Optimizer) and _common.zero_optimizer_of(a) is None
+            if isinstance(a, torch.optim.Optimizer) and common.zero_optimizer_of(a) is None
         }
         pairs = []
         for i, obj in enumerate(args):
@@ -205,7 +205,7 @@ class Accelerator(_AccelerateAccelerator):
         ``zero_plugin/stage3/inference.py``), replicated at stages 0-2 (a lazily loaded one is loaded in
         full there: it would stay on meta).
         """
-        if _common.is_set_up(model):
+        if common.is_set_up(model):
             device_placement = False  # placed before sharding, see _set_up
         elif not evaluation_mode and _has_trainable(model):
             raise ValueError(f"zero_plugin: prepare_model() alone cannot shard a trainable model; {_PAIR_HINT}")
@@ -231,7 +231,7 @@ class Accelerator(_AccelerateAccelerator):
         """An ``AcceleratedOptimizer`` over the ``ZeroOptimizer`` (which already placed its state)."""
         if getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
-        zero_optimizer = _common.zero_optimizer_of(optimizer)
+        zero_optimizer = common.zero_optimizer_of(optimizer)
         if zero_optimizer is None:
             raise ValueError(f"zero_plugin: prepare_optimizer() alone cannot shard an optimizer; {_PAIR_HINT}")
         prepared = _ZeroAcceleratedOptimizer(zero_optimizer, device_placement=False, scaler=None)
@@ -248,19 +248,19 @@ class Accelerator(_AccelerateAccelerator):
 
     def _scale(self, loss: torch.Tensor) -> torch.Tensor:
         """fp16: ``loss`` times the loss scale (one scaled backward serves one set-up model's scaler)."""
-        scaling = [o for _, o in self._zero_pairs() if _common.zero_optimizer_of(o).guard.scaling]
+        scaling = [o for _, o in self._zero_pairs() if common.zero_optimizer_of(o).guard.scaling]
         if len(scaling) > 1:
             raise ValueError(
                 "zero_plugin: fp16 loss scaling with more than one set-up model per Accelerator is not "
                 "supported (each optimizer keeps its own scale, so one scaled loss cannot serve both); "
                 "use mixed_precision='bf16', or one model"
             )
-        return _common.zero_optimizer_of(scaling[0]).scale_loss(loss) if scaling else loss
+        return common.zero_optimizer_of(scaling[0]).scale_loss(loss) if scaling else loss
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """``zp.no_sync`` for a set-up model (``accumulate`` enters this while ``sync_gradients`` is False)."""
-        if not _common.is_set_up(model):
+        if not common.is_set_up(model):
             with super().no_sync(model):
                 yield
             return
@@ -284,8 +284,8 @@ class Accelerator(_AccelerateAccelerator):
         for set_up, optimizer in self._zero_pairs():
             if set_up is model:
                 # clamp true values, as Accelerate does; an overflow the clamp hides still skips the step
-                _common.zero_optimizer_of(optimizer).guard.check_before_clamp()
-        for grad in _common.owned_grads(model):
+                common.zero_optimizer_of(optimizer).guard.check_before_clamp()
+        for grad in common.owned_grads(model):
             grad.clamp_(-clip_value, clip_value)
         return None
 
@@ -296,16 +296,16 @@ class Accelerator(_AccelerateAccelerator):
         if not pairs:
             return super().unscale_gradients(optimizer)
         chosen = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
-        chosen_ids = {id(_common.zero_optimizer_of(o)) for o in chosen if o is not None}
+        chosen_ids = {id(common.zero_optimizer_of(o)) for o in chosen if o is not None}
         for _, prepared in pairs:
-            zero_optimizer = _common.zero_optimizer_of(prepared)
+            zero_optimizer = common.zero_optimizer_of(prepared)
             if optimizer is None or id(zero_optimizer) in chosen_ids:
                 zero_optimizer.unscale_()
 
     # -- state ------------------------------------------------------------------------------------
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
         """Collective for a set-up model: rank 0 gets full CPU tensors, other ranks ``{}`` (``zp.full_state_dict``)."""
-        if _common.is_set_up(model):
+        if common.is_set_up(model):
             return zp.full_state_dict(model)
         return super().get_state_dict(model, unwrap=unwrap)
 
@@ -320,7 +320,7 @@ class Accelerator(_AccelerateAccelerator):
 
         def save_zero(models: list, weights: list, out_dir: str) -> None:
             for i, (model, optimizer) in enumerate(pairs):
-                _common.save_sharded(os.path.join(out_dir, f"zero_plugin_{i}"), model, optimizer)
+                common.save_sharded(os.path.join(out_dir, f"zero_plugin_{i}"), model, optimizer)
 
         with self._zero_objects_hidden(pairs), _hook(self.register_save_state_pre_hook(save_zero)):
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
@@ -333,7 +333,7 @@ class Accelerator(_AccelerateAccelerator):
 
         def load_zero(models: list, in_dir: str) -> None:
             for i, (model, optimizer) in enumerate(pairs):
-                _common.load_sharded(os.path.join(in_dir, f"zero_plugin_{i}"), model, optimizer)
+                common.load_sharded(os.path.join(in_dir, f"zero_plugin_{i}"), model, optimizer)
 
         with self._zero_objects_hidden(pairs), _hook(self.register_load_state_pre_hook(load_zero)):
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
@@ -341,10 +341,10 @@ class Accelerator(_AccelerateAccelerator):
     def free_memory(self, *objects: Any):
         """Accelerate's ``free_memory``; set-up models among ``objects`` also lose zero_plugin's hooks."""
         for obj in objects:
-            zero_optimizer = _common.zero_optimizer_of(obj)
+            zero_optimizer = common.zero_optimizer_of(obj)
             model = zero_optimizer.engine.model if zero_optimizer is not None else obj
-            if _common.is_set_up(model):
-                _common.release(model)
+            if common.is_set_up(model):
+                common.release(model)
         return super().free_memory(*objects)
 
     # -- helpers ------------------------------------------------------------------------------------
@@ -352,7 +352,7 @@ class Accelerator(_AccelerateAccelerator):
         """(model, prepared optimizer) for every optimizer this accelerator prepared over a ZeroOptimizer."""
         pairs = []
         for optimizer in self._optimizers:
-            zero_optimizer = _common.zero_optimizer_of(optimizer)
+            zero_optimizer = common.zero_optimizer_of(optimizer)
             if zero_optimizer is not None:
                 pairs.append((zero_optimizer.engine.model, optimizer))
         return pairs
@@ -379,7 +379,7 @@ class Accelerator(_AccelerateAccelerator):
         models, optimizers = self._models, self._optimizers
         hidden_models = {id(m) for m, _ in pairs}
         hidden_optimizers = {id(o) for _, o in pairs}
-        self._models = [m for m in models if id(m) not in hidden_models and not _common.is_set_up(m)]
+        self._models = [m for m in models if id(m) not in hidden_models and not common.is_set_up(m)]
         self._optimizers = [o for o in optimizers if id(o) not in hidden_optimizers]
         try:
             yield
@@ -418,7 +418,7 @@ def place_before_setup(model: nn.Module, device: torch.device, stage: int) -> No
 
 def _set_up_for_training(model: nn.Module) -> bool:
     """Set up with an optimizer; a model set up for evaluation only may still be paired with one."""
-    return _common.is_set_up(model) and not isinstance(engine_of(model, "prepare"), InferenceEngine)
+    return common.is_set_up(model) and not isinstance(engine_of(model, "prepare"), InferenceEngine)
 
 
 def _has_trainable(model: nn.Module) -> bool:

@@ -8,7 +8,7 @@ are the Trainer methods that assume every rank holds the full model or optimizer
   stage 3).  Here every rank joins the collective ``zp.full_state_dict`` and rank 0 writes
   (for a PEFT model only the trainable adapter weights are gathered: adapter files stay small).
 * ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: the optimizer state is
-  saved with ``_common.save_sharded`` into ``checkpoint-N/zero_plugin/`` and loaded back on resume
+  saved with ``common.save_sharded`` into ``checkpoint-N/zero_plugin/`` and loaded back on resume
   (a plain DDP checkpoint's ``optimizer.pt`` also loads: it is a full state dict).  ``optimizer.pt``
   is a stub that a plain Trainer fails to load with a message naming the fix ([Note: optimizer stub]).
 * ``_load_best_model`` (``load_best_model_at_end``): every rank loads the best checkpoint's weights
@@ -34,10 +34,10 @@ from torch import nn
 import zero_plugin as zp
 from zero_plugin.ckpt.rng import capture_rng, restore_rng
 
-from . import _common
-from ._optimizer_stub import is_stub, write_stub
+from . import common
 from .accelerate_plugin import Accelerator as ZeroAccelerator
 from .accelerate_plugin import place_before_setup
+from .optimizer_stub import is_stub, write_stub
 
 __all__ = ["install"]
 
@@ -51,7 +51,7 @@ def _uses_zero(trainer: Any) -> bool:
 
 def _set_up_model(trainer: Any) -> nn.Module | None:
     model = trainer.model
-    return model if _uses_zero(trainer) and _common.is_set_up(model) else None
+    return model if _uses_zero(trainer) and common.is_set_up(model) else None
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -104,7 +104,7 @@ def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
     if model is None:
         return _ORIGINALS["_save_optimizer_and_scheduler"](self, output_dir)
     # The sharded folder holds the weights too, beside save_model's files: _load_best_model reads them there.
-    _common.save_sharded(os.path.join(output_dir, CHECKPOINT_SUBDIR), model, self.optimizer)
+    common.save_sharded(os.path.join(output_dir, CHECKPOINT_SUBDIR), model, self.optimizer)
     if self.args.should_save:
         from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
@@ -132,7 +132,7 @@ def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
 
     sharded = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
     if os.path.isdir(sharded):
-        _common.load_sharded(sharded, model, self.optimizer)
+        common.load_sharded(sharded, model, self.optimizer)
     elif is_stub(os.path.join(checkpoint, OPTIMIZER_NAME)):
         raise FileNotFoundError(
             f"zero_plugin: {checkpoint!r} was written by zero_plugin but its optimizer state "
@@ -152,7 +152,7 @@ def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
 
 def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
     target = model if model is not None else self.model
-    if _uses_zero(self) and _common.is_set_up(target):
+    if _uses_zero(self) and common.is_set_up(target):
         raise ValueError(
             "zero_plugin: resume_from_checkpoint on a Trainer whose model is already sharded (a second "
             "train() call) is not supported; resume in a fresh Trainer/process"

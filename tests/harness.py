@@ -10,7 +10,7 @@ modules or process groups. ``fn`` must not destroy the default process group.
 
 Workers start once per world size (``spawn`` context, gloo on 127.0.0.1, one
 intra-op thread each) and are reused across tests. Before each call a worker
-re-seeds torch with 0 and resets ``zero_plugin.collectives`` comm stats; after
+re-seeds torch with 0 and resets ``zero_plugin.comm.collectives`` comm stats; after
 it, it runs ``gc.collect()``. An exception on any rank is re-raised in the
 parent as ``RankError`` carrying every failing rank's traceback. When some rank
 does not answer (blocked in a collective its peers abandoned, or past the
@@ -97,7 +97,7 @@ def _add_paths(paths) -> None:
 
 def _reset_comm_stats() -> None:
     try:
-        from zero_plugin.collectives import reset_comm_stats
+        from zero_plugin.comm.collectives import reset_comm_stats
     except ImportError:
         return
     reset_comm_stats()

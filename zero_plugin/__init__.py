@@ -2,8 +2,9 @@
 
 from .api import clip_grad_norm_, gathered_parameters, no_sync, rebind_optimizer, setup
 from .checkpoint import load_checkpoint, save_checkpoint
-from .collectives import comm_stats, reset_comm_stats
+from .comm.collectives import comm_stats, reset_comm_stats
 from .config import ZeroConfig
+from .loading import materialize as materialize  # zp.materialize.* as documented (README)
 from .memory import memory_report
 from .optim.zero_optimizer import ZeroOptimizer
 from .state_dict import full_state_dict, load_full_state_dict

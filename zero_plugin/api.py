@@ -9,17 +9,18 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from . import _validate, materialize, quantized
-from .buffers import BufferSync
-from .collectives import Comm
+from .comm.collectives import Comm
 from .config import ZeroConfig
-from .engine import engine_of, register_engine
-from .frozen import FrozenGuard
+from .engines import validate
+from .engines.buffers import BufferSync
+from .engines.engine import engine_of, register_engine
+from .engines.frozen import FrozenGuard
+from .engines.stages import build_engine, build_inference_engine
+from .loading import materialize, quantized
 from .optim.clip import clip_owned_grads
 from .optim.offload import use_fast_cpu_kernels
 from .optim.state import region_of
 from .optim.zero_optimizer import ZeroOptimizer
-from .stages import build_engine, build_inference_engine
 
 __all__ = ["setup", "rebind_optimizer", "clip_grad_norm_", "no_sync", "gathered_parameters"]
 
@@ -36,8 +37,8 @@ def setup(
 
     Returns the same module object and a :class:`ZeroOptimizer` wrapping ``optimizer``.
     A model built on the meta device (``zp.materialize.empty_model``) is materialised from
-    ``param_source`` (see ``zero_plugin/materialize.py``), by default from the files a lazy
-    ``from_pretrained`` recorded (``zero_plugin/lazy_pretrained.py``); at stage 3 one unit at a time.
+    ``param_source`` (see ``zero_plugin/loading/materialize.py``), by default from the files a lazy
+    ``from_pretrained`` recorded (``zero_plugin/loading/lazy_pretrained.py``); at stage 3 one unit at a time.
 
     ``optimizer=None``: evaluation only (a reference or teacher model), returns ``(model, None)``.  Stage 3
     shards the parameters and gathers them per unit in forward, without gradients or optimizer state
@@ -60,8 +61,8 @@ def setup(
     if optimizer is not None:
         _release_evaluation_only(model)
     comm = Comm(group, timeout_s=config.timeout_s, debug=config.debug_collectives)
-    trainable = _validate.trainable_parameters(model, optimizer) if optimizer is not None else []
-    _validate.check_ranks_agree(model, config, comm)
+    trainable = validate.trainable_parameters(model, optimizer) if optimizer is not None else []
+    validate.check_ranks_agree(model, config, comm)
     quantized.prepare_quantized(model, comm, _compute_device(comm) if config.stage == 3 else None)
     source = materialize.as_source(param_source)
     if source is None and materialize.has_meta_params(model):
@@ -70,7 +71,7 @@ def setup(
         return _setup_for_evaluation(model, config, comm, source, group), None
     if config.stage < 3:
         materialize.materialize_all(model, source, comm)
-        _validate.broadcast_module_state(model, comm)
+        validate.broadcast_module_state(model, comm)
     engine = build_engine(model, trainable, config, _engine_comm(comm, config, group), source)
     materialize.note_set_up(model)
     _rebind_optimizer(optimizer, engine)
@@ -89,7 +90,7 @@ def _setup_for_evaluation(model: nn.Module, config: ZeroConfig, comm: Comm, sour
     """``zp.setup(model, None, config)``: [Note: evaluation-only models] in stage3/inference.py."""
     if config.stage < 3:  # replicated, as DDP leaves a model it does not train
         materialize.materialize_all(model, source, comm)
-        _validate.broadcast_module_state(model, comm)
+        validate.broadcast_module_state(model, comm)
         materialize.note_set_up(model)
         return model
     engine = build_inference_engine(model, config, _engine_comm(comm, config, group), source)
@@ -162,7 +163,7 @@ def rebind_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Zero
     engine = engine_of(model, "rebind_optimizer")
     if isinstance(optimizer, ZeroOptimizer):
         raise ValueError("zp.rebind_optimizer: pass the plain torch optimizer, not a ZeroOptimizer")
-    trainable = _validate.trainable_parameters(model, optimizer)
+    trainable = validate.trainable_parameters(model, optimizer)
     wanted = {s.name for s in engine.slots}
     got = {name for name, _ in trainable}
     if wanted != got:

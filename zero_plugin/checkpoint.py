@@ -31,7 +31,7 @@ from torch import nn
 from .ckpt.format import CheckpointError
 from .ckpt.load import load as _load
 from .ckpt.save import save as _save
-from .engine import engine_of
+from .engines.engine import engine_of
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_peft_adapter", "CheckpointError"]
 

@@ -111,7 +111,7 @@ def memory_report(model, optimizer=None) -> dict:
     """This rank's bytes of parameters, gradients and optimizer state (incl. fp32 masters), and the theory.
 
     ``optimizer=None``: a model set up for evaluation only (``zp.setup(model, None, config)``)."""
-    from .engine import engine_of
+    from .engines.engine import engine_of
 
     engine = engine_of(model, "memory_report")
     held = engine.model_state_tensors()

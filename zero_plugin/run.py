@@ -38,7 +38,7 @@ and the group destroyed.  Skipping finalisation loses nothing the handlers and f
   that a safetensors ``from_pretrained`` builds on meta and records its files (anything else loads
   as usual, with one warning); once ``peft.tuners.tuners_utils`` is imported,
   ``BaseTunerLayer._move_adapter_to_device_of_base_layer``, so that adapters created on a meta base
-  keep their initial values (``zero_plugin/lazy_pretrained.py``, both Notes there).
+  keep their initial values (``zero_plugin/loading/lazy_pretrained.py``, both Notes there).
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def install() -> None:
     import accelerate
     import accelerate.accelerator
 
-    from . import lazy_pretrained
     from .integrations import hf_trainer
     from .integrations.accelerate_plugin import Accelerator
+    from .loading import lazy_pretrained
 
     accelerate.Accelerator = Accelerator
     accelerate.accelerator.Accelerator = Accelerator
@@ -227,7 +227,7 @@ def _shut_down_process_group() -> None:
         except Exception:  # noqa: BLE001 - a peer that failed has gone; destroy anyway
             pass
         dist.destroy_process_group()
-        from .collectives import release_groups
+        from .comm.collectives import release_groups
 
         release_groups()  # zero_plugin's cached groups also hold the default group
 
@@ -253,7 +253,7 @@ def _launch_parser() -> argparse.ArgumentParser:
         "--no_estimate",
         action="store_true",
         help="do not print the planner's memory per rank for "
-        "the script's --model before launching (zero_plugin/launch_estimate.py)",
+        "the script's --model before launching (zero_plugin/launch/estimate.py)",
     )
     return parser
 
@@ -271,7 +271,7 @@ def launch(argv: list[str]) -> int:
         print(f"zero-plugin launch: {exc}", file=sys.stderr)
         return 2
     if not args.no_estimate:
-        from .launch_estimate import print_launch_estimate
+        from .launch.estimate import print_launch_estimate
 
         print_launch_estimate(script_args, args, accelerate_settings, env, _has_accelerator_devices())
     try:

@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .engine import engine_of
+from .engines.engine import engine_of
 
 __all__ = ["full_state_dict", "load_full_state_dict", "raw_state_dict"]
 

@@ -98,7 +98,7 @@ def part_fake_pg_memory() -> dict:
             "import json, torch, zero_plugin as zp\n"
             "from tests.gpu.fake_pg import fake_world\n"
             "from tests.gpu.check import _llama\n"
-            "from zero_plugin.materialize import empty_model, from_init_fn\n"
+            "from zero_plugin.loading.materialize import empty_model, from_init_fn\n"
             "torch.cuda.set_device(0)\n"
             f"with fake_world(8):\n"
             "    cfg, build = _llama(2048, 16, 5504, 16)\n"
@@ -124,7 +124,7 @@ def part_13b_lora() -> dict:
     from peft import LoraConfig, get_peft_model
 
     import zero_plugin as zp
-    from zero_plugin.materialize import empty_model, from_init_fn
+    from zero_plugin.loading.materialize import empty_model, from_init_fn
 
     _nccl_world1()
     torch.cuda.set_per_process_memory_fraction(24 * GiB / torch.cuda.get_device_properties(0).total_memory)

@@ -1,4 +1,4 @@
-"""Stage-3 overlap on a real CUDA device ([Note: side streams] in zero_plugin/streams.py).
+"""Stage-3 overlap on a real CUDA device ([Note: side streams] in zero_plugin/comm/streams.py).
 
 World size 1 over NCCL: a unit's "all-gather" is then a device copy, far too short to see.  Each
 collective issued through the engine's ``Comm`` is therefore preceded by ``torch.cuda._sleep`` on the
@@ -109,9 +109,9 @@ def _overlap_fraction(spans: dict, order: list, origin) -> float:
 
 def _run(use_side_streams: bool, cycles: int, steps: int = 5) -> dict:
     import zero_plugin as zp
-    from zero_plugin.engine import engine_of
+    from zero_plugin.comm.streams import NO_STREAMS, CudaStreams
+    from zero_plugin.engines.engine import engine_of
     from zero_plugin.stage3.hooks import _MAX_INFLIGHT_REDUCES
-    from zero_plugin.streams import NO_STREAMS, CudaStreams
 
     torch.manual_seed(0)
     model = Chain().cuda()

@@ -57,9 +57,9 @@ def _plugin(package: str, **scaler_kwargs):
 
 def loss_scale_of(precision, optimizer) -> float:
     """Lightning's GradScaler's scale under DDP; zero_plugin's loss scale under the ZeRO strategies."""
-    from zero_plugin.integrations import _common
+    from zero_plugin.integrations import common
 
-    zero_optimizer = _common.zero_optimizer_of(optimizer)
+    zero_optimizer = common.zero_optimizer_of(optimizer)
     if zero_optimizer is not None:
         return zero_optimizer.loss_scale  # Fabric's plugin keeps its GradScaler, which the strategy never calls
     return precision.scaler.get_scale()

@@ -180,7 +180,7 @@ def setup_memory_worker(meta_init: bool) -> dict:
             with fabric.init_module():
                 net = _bigger_llama()
             fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
-        engine = zp.engine.engine_of(net, "test")
+        engine = zp.engines.engine.engine_of(net, "test")
         unit_bytes = [sum(sp.layout.numel * sp.param.element_size() for sp in u.params) for u in engine.units]
         shard_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
         return {"peak": _peak_bytes(prof), "full": sum(unit_bytes), "max_unit": max(unit_bytes), "shard": shard_bytes}

@@ -12,7 +12,7 @@
 * Launch traps and configuration errors fail with clear messages; how ``zero-plugin launch`` builds the
   accelerate launch (CPU-only: --multi_gpu + ACCELERATE_USE_CPU).
 
-prepare() misuse, ``ZeroPlugin`` configuration, the Trainer's refusals and ``integrations/_common.py``
+prepare() misuse, ``ZeroPlugin`` configuration, the Trainer's refusals and ``integrations/common.py``
 checkpoints are checked in one process, in ``test_accelerate_in_process.py``.
 
 All launches start together in a small thread pool (module fixture) and tests wait for the ones they need.
@@ -36,7 +36,7 @@ import torch
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 PY = sys.executable
 CONSOLE = Path(PY).parent / "zero-plugin"
-ZERO_LAUNCH = [str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.cli"]
+ZERO_LAUNCH = [str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.launch.cli"]
 ACCELERATE_LAUNCH = [PY, "-m", "accelerate.commands.launch"]
 TWO = ["--num_processes", "2", "--main_process_port", "0"]
 CPU_ENV = {"ACCELERATE_USE_CPU": "true"}
@@ -82,12 +82,15 @@ STAGE_LAUNCHES = {
     ),
     "stage2": Launch(
         "stage2",
-        (PY, "-m", "zero_plugin.cli", "launch", "--config_file", "{tmp}/stage2.yaml"),
+        (PY, "-m", "zero_plugin.launch.cli", "launch", "--config_file", "{tmp}/stage2.yaml"),
         TRAIN,
         ("--memory_report",),
     ),
     "stage3": Launch(
-        "stage3", (PY, "-m", "zero_plugin.cli", "launch", "--cpu", "--stage", "3", *TWO), TRAIN, ("--memory_report",)
+        "stage3",
+        (PY, "-m", "zero_plugin.launch.cli", "launch", "--cpu", "--stage", "3", *TWO),
+        TRAIN,
+        ("--memory_report",),
     ),
     "stage3_offload": Launch(
         "stage3_offload",

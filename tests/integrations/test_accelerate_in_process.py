@@ -1,6 +1,6 @@
 """Accelerate / HF Trainer integration in one process, no launcher: ``accelerator.prepare()`` rules,
 ``ZeroPlugin`` configuration, the Trainer's refusals of unsupported features, and
-``integrations/_common.py`` checkpoints round-tripping across stages (2 ranks of the worker pool).  The end-to-end launches are in ``test_accelerate.py``.
+``integrations/common.py`` checkpoints round-tripping across stages (2 ranks of the worker pool).  The end-to-end launches are in ``test_accelerate.py``.
 """
 
 from __future__ import annotations
@@ -123,10 +123,10 @@ def test_trainer_load_best_model_at_end_needs_the_sharded_folder():
         _check_supported(args)
 
 
-# -- integrations/_common.py checkpoints, resharding across stages --------------------------------------------
+# -- integrations/common.py checkpoints, resharding across stages --------------------------------------------
 def _checkpoint_roundtrip(path: str, save_stage: int, load_stage: int) -> float:
     """Train 2 steps at save_stage, save_sharded, load into a fresh model at load_stage; both step once more."""
-    from zero_plugin.integrations import _common
+    from zero_plugin.integrations import common
 
     import zero_plugin as zp
 
@@ -149,9 +149,9 @@ def _checkpoint_roundtrip(path: str, save_stage: int, load_stage: int) -> float:
     model, optimizer = build(save_stage)
     for x in data[:2]:
         step(model, optimizer, x)
-    _common.save_sharded(path, model, optimizer)
+    common.save_sharded(path, model, optimizer)
     other, other_opt = build(load_stage)
-    _common.load_sharded(path, other, other_opt)
+    common.load_sharded(path, other, other_opt)
     step(model, optimizer, data[2])
     step(other, other_opt, data[2])
     a, b = zp.full_state_dict(model, rank0_only=False), zp.full_state_dict(other, rank0_only=False)
@@ -175,7 +175,7 @@ def test_stage3_evaluation_mode_shards_then_prepare_with_optimizer_trains():
     import copy
 
     from accelerate.state import AcceleratorState
-    from zero_plugin.integrations import _common
+    from zero_plugin.integrations import common
     from zero_plugin.integrations.accelerate import Accelerator
 
     import zero_plugin as zp
@@ -188,7 +188,7 @@ def test_stage3_evaluation_mode_shards_then_prepare_with_optimizer_trains():
     try:
         accelerator = Accelerator(zero_plugin=zp.ZeroConfig(stage=3))
         prepared = accelerator.prepare_model(model, evaluation_mode=True)
-        assert prepared is model and _common.is_set_up(model)
+        assert prepared is model and common.is_set_up(model)
         assert model[0].weight.shape == (7 * 15,)  # a 1-D shard between forwards (world size 1: all of it)
         with torch.no_grad():
             assert torch.equal(model(x), reference(x))

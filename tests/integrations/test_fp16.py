@@ -3,7 +3,7 @@ torch's GradScaler does (same initial scale and growth interval; the initial sca
 and steps are skipped).
 
 Both runs keep fp32 parameters and run the forward under ``autocast(fp16)``; only the GradScaler is replaced by
-zero_plugin's synchronized loss scaler ([Note: fp16 one-flag mapping] in ``integrations/_loss_scaling.py``).
+zero_plugin's synchronized loss scaler ([Note: fp16 one-flag mapping] in ``integrations/loss_scaling.py``).
 So the skipped steps must be the same, step for step, and the losses and weights differ only by the order in
 which fp32 gradients are summed over ranks: 1e-5 relative.
 
@@ -13,7 +13,7 @@ Lightning's ``precision="16-mixed"`` takes the same path: ``test_lightning_fp16.
 from __future__ import annotations
 
 import pytest
-from zero_plugin.integrations import _loss_scaling
+from zero_plugin.integrations import loss_scaling as _loss_scaling
 
 import zero_plugin as zp
 from tests.harness import run_ranks

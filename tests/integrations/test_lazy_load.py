@@ -33,7 +33,7 @@ SCRIPT = REPO / "tests" / "integrations" / "scripts" / "lazy_load.py"
 PY = sys.executable
 CONSOLE = Path(PY).parent / "zero-plugin"
 LAUNCH = [
-    *([str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.cli"]),
+    *([str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.launch.cli"]),
     "launch",
     "--stage",
     "3",

@@ -17,7 +17,7 @@ import torch
 
 from tests.harness import run_ranks
 from tests.integrations import lightning_consolidate_workers as cw
-from zero_plugin import cli
+from zero_plugin.launch import cli
 
 LOSS_RTOL, UPDATE_TOL = 1e-4, 1e-3
 

@@ -3,7 +3,7 @@ Lightning's own GradScaler does (same initial scale and growth interval; the ini
 overflows and steps are skipped).
 
 Both keep fp32 parameters and Lightning's ``autocast(fp16)``; only the GradScaler is replaced by zero_plugin's
-synchronized loss scaler ([Note: fp16 one-flag mapping] in ``integrations/_loss_scaling.py``).  So the skipped
+synchronized loss scaler ([Note: fp16 one-flag mapping] in ``integrations/loss_scaling.py``).  So the skipped
 steps must be the same, step for step, the learning rates too (Lightning steps the scheduler after a skipped
 step under both), and the gradients are DDP's fp32 ones, so losses and weights are DDP's to the last bit
 (offload's fused CPU AdamW aside).
@@ -94,7 +94,7 @@ def test_the_plugin_scaler_maps_onto_the_config():
     """Init scale and growth interval carry over, a disabled or absent scaler means no scaling, another scaler class
     is refused, and other precisions keep the config as it is."""
     from lightning.pytorch.plugins.precision import MixedPrecision
-    from zero_plugin.integrations import _lightning_common as common
+    from zero_plugin.integrations import lightning_common as common
 
     import zero_plugin as zp
 

@@ -1,6 +1,6 @@
 """Lightning / Fabric models built on the meta device and materialised one stage-3 unit at a time.
 
-"Same init" when init happens per unit ([Note: which init] in zero_plugin/meta_init.py): the values of a
+"Same init" when init happens per unit ([Note: which init] in zero_plugin/loading/meta_init.py): the values of a
 randomly initialised meta model are drawn by rank 0 unit by unit with each module's own init, so they are
 deterministic for a seed and follow the model's init scheme, but they are not the draws of eager
 construction (which visits the modules in construction order).  Exact equality is therefore shown with

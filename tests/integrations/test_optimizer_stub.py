@@ -1,4 +1,4 @@
-"""The stub ``optimizer.pt`` ([Note: optimizer stub] in integrations/_optimizer_stub.py): every way of
+"""The stub ``optimizer.pt`` ([Note: optimizer stub] in integrations/optimizer_stub.py): every way of
 loading it fails with the message it carries, and nothing else in a checkpoint folder is taken for it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 import torch
-from zero_plugin.integrations._optimizer_stub import is_stub, write_stub
+from zero_plugin.integrations.optimizer_stub import is_stub, write_stub
 
 MESSAGE = "NOT AN OPTIMIZER STATE: checkpoint-2/zero_plugin/ holds it; resume under `zero-plugin launch`"
 

@@ -19,7 +19,7 @@ from tests.unit import qlora_workers as w
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "qlora_accelerate.py"
 PY = sys.executable
 CONSOLE = Path(PY).parent / "zero-plugin"
-ZERO_LAUNCH = [str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.cli"]
+ZERO_LAUNCH = [str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.launch.cli"]
 
 
 def _run(cmd: list[str], cwd: Path) -> None:

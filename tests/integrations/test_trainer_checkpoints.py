@@ -30,7 +30,7 @@ import torch
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "trainer_best.py"
 PY = sys.executable
 CONSOLE = Path(PY).parent / "zero-plugin"
-ZERO_LAUNCH = [str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.cli"]
+ZERO_LAUNCH = [str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.launch.cli"]
 TWO = ["--num_processes", "2", "--main_process_port", "0"]
 LAUNCH_TIMEOUT_S = 600
 LOSS_RTOL = 1e-4

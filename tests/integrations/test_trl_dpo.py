@@ -21,7 +21,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "dpo_trl.py"
 PY = sys.executable
 CONSOLE = Path(PY).parent / "zero-plugin"
-ZERO_LAUNCH = [str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.cli"]
+ZERO_LAUNCH = [str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.launch.cli"]
 TWO = ["--num_processes", "2", "--main_process_port", "0"]
 LAUNCHES = {
     "ddp": ([PY, "-m", "accelerate.commands.launch", "--multi_gpu", *TWO], {"ACCELERATE_USE_CPU": "true"}),

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import zero_plugin as zp
 from tests.parity.uneven_workers import OUT, ROWS_PER_RANK, WIDTH, build_model, rank_slice
 from tests.unit.memory_comm_workers import collectives_layout
-from zero_plugin.collectives import Comm
+from zero_plugin.comm.collectives import Comm
 
 STEPS, ACCUM, MAX_NORM = 3, 3, 0.3
 
@@ -156,7 +156,7 @@ def behaviour_worker() -> dict:
 
 
 def _sharded(model):
-    from zero_plugin.engine import engine_of
+    from zero_plugin.engines.engine import engine_of
 
     return engine_of(model, "test").sharded.values()
 

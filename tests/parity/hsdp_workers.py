@@ -18,7 +18,7 @@ import zero_plugin as zp
 from tests import models
 from tests.parity import workers
 from tests.unit import memory_comm_workers
-from zero_plugin.engine import engine_of
+from zero_plugin.engines.engine import engine_of
 
 
 def _config(stage: int, k, offload: bool = False, **extra) -> zp.ZeroConfig:

@@ -114,7 +114,7 @@ def parity_worker(
         model, opt = zp.setup(model, build_optimizer(model), config)
     out = train_loop(model, opt, batches, steps, accum, max_norm)
     out["shards"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    from zero_plugin.engine import engine_of
+    from zero_plugin.engines.engine import engine_of
 
     out["unsharded_units_after"] = [u.name for u in engine_of(model, "test").unsharded_units()]
     out["root_params"] = sorted(sp.name for sp in engine_of(model, "test").units[0].params)

@@ -29,7 +29,7 @@ CASES = [
     for layout, extra in (("in_place", "none"), ("buffered", "none"), ("in_place", "offload"))
 ] + [(2, True, "in_place", "offload_params"), (3, True, "buffered", "offload_params")]
 # hierarchical sharding: 4 ranks as 2 shard groups of 2, the kept gradients reduced in the group, then
-# summed across it ([Note: sum across replicas] in zero_plugin/comm_layout.py)
+# summed across it ([Note: sum across replicas] in zero_plugin/comm/layout.py)
 CASES += [(4, True, "in_place", "hier"), (4, True, "buffered", "hier"), (4, False, "in_place", "hier")]
 EXTRA = {
     "none": {},

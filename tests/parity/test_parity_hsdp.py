@@ -2,7 +2,7 @@
 
 States are sharded within shard groups {0, 1} and {2, 3} and replicated across them; gradients are
 reduced in the shard group, then the reduced shard is all-reduced across the replica group {0, 2} / {1, 3}
-([Note: hierarchical groups] in zero_plugin/collectives.py, [Note: sum across replicas] in comm_layout.py).
+([Note: hierarchical groups] in zero_plugin/comm/collectives.py, [Note: sum across replicas] in comm/layout.py).
 
 Parity: OddMLP (float64, odd shapes that pad at k=2) against the single-process reference that sees the
 whole global batch, with accumulation (``zp.no_sync``) and clipping, at stages 1-3, CPU offload, and the

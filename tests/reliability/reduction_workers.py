@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import zero_plugin as zp
 from tests import models
-from zero_plugin.engine import engine_of
+from zero_plugin.engines.engine import engine_of
 
 LR = 1e-2
 

@@ -24,7 +24,7 @@ import zero_plugin as zp
 from tests import models
 from zero_plugin.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, save_peft_adapter
 from zero_plugin.ckpt import format as ckpt_format
-from zero_plugin.engine import engine_of
+from zero_plugin.engines.engine import engine_of
 
 LR = 1e-2
 GLOBAL_ROWS = 4  # divisible by every world size used (1, 2, 4)

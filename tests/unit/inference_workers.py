@@ -148,14 +148,14 @@ def _hook_count(model) -> int:
 
 
 def release_removes_every_hook(stage: int, train: bool) -> dict:
-    """``zp.integrations._common.release`` (the engine's ``remove``) leaves no hook of zp.setup behind,
+    """``zp.integrations.common.release`` (the engine's ``remove``) leaves no hook of zp.setup behind,
     the input-casting hook of ``param_dtype`` included."""
-    from zero_plugin.integrations import _common
+    from zero_plugin.integrations import common
 
     model = models.make_odd_mlp(dtype=torch.float32)
     before = _hook_count(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if train else None
     zp.setup(model, opt, zp.ZeroConfig(stage=stage, param_dtype="bf16"))
     during = _hook_count(model)
-    _common.release(model)
+    common.release(model)
     return {"before": before, "during": during, "after": _hook_count(model)}

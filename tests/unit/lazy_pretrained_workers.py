@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import zero_plugin as zp
-from zero_plugin import lazy_pretrained, materialize
+from zero_plugin.loading import lazy_pretrained, materialize
 
 LORA_TARGETS = ("q_proj", "v_proj", "down_proj")
 

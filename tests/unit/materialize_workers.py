@@ -7,7 +7,7 @@ from transformers import LlamaForCausalLM
 
 import zero_plugin as zp
 from tests import models
-from zero_plugin.materialize import empty_model, from_init_fn, pretrained_on_meta
+from zero_plugin.loading.materialize import empty_model, from_init_fn, pretrained_on_meta
 
 
 def from_checkpoint_worker(path: str, stage: int) -> dict:

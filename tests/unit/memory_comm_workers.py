@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import zero_plugin as zp
-from zero_plugin import collectives
-from zero_plugin.engine import engine_of
+from zero_plugin.comm import collectives
+from zero_plugin.engines.engine import engine_of
 
 # Odd sizes (padding on 2-4 ranks) and ~295k parameters, so padding is negligible next to Ψ.
 SIZES = (257, 509, 255, 131)
@@ -173,7 +173,7 @@ def _take_stats() -> dict:
     return stats
 
 
-# -- every collective goes through zero_plugin/collectives.py ------------------------------------
+# -- every collective goes through zero_plugin/comm/collectives.py ------------------------------------
 
 # torch.distributed function -> the comm_stats() kind zero_plugin records for it.
 COUNTED = {
@@ -268,7 +268,7 @@ class _CollectiveSpy:
 
 @contextlib.contextmanager
 def collectives_layout(buffered: bool):
-    """[Note: in-place region gather] in zero_plugin/collectives.py: gloo gathers and reduces in place
+    """[Note: in-place region gather] in zero_plugin/comm/collectives.py: gloo gathers and reduces in place
     unless ZERO_PLUGIN_BUFFERED_COLLECTIVES=1 selects the rank-major buffered layout NCCL uses."""
     previous = os.environ.get("ZERO_PLUGIN_BUFFERED_COLLECTIVES")
     os.environ["ZERO_PLUGIN_BUFFERED_COLLECTIVES"] = "1" if buffered else "0"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import zero_plugin as zp
 from tests import models
 from tests.parity import workers as W
-from zero_plugin.engine import engine_of
+from zero_plugin.engines.engine import engine_of
 
 
 def _rank_world() -> tuple[int, int]:

@@ -4,7 +4,7 @@ import torch
 
 import zero_plugin as zp
 from tests import models
-from zero_plugin.engine import engine_of
+from zero_plugin.engines.engine import engine_of
 
 
 def peft_generate_worker() -> dict:

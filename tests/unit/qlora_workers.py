@@ -1,5 +1,5 @@
 """Functions that run inside the ranks of ``tests/unit/test_qlora.py`` (QLoRA: a bitsandbytes 4-bit base with
-LoRA adapters; [Note: packed 4-bit weights] in zero_plugin/quantized.py), and the model/data helpers the
+LoRA adapters; [Note: packed 4-bit weights] in zero_plugin/loading/quantized.py), and the model/data helpers the
 single-process references in the test file share with them.
 
 The base is a tiny random Llama saved with ``save_pretrained`` and loaded with a 4-bit ``BitsAndBytesConfig``
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import zero_plugin as zp
-from zero_plugin.engine import engine_of
+from zero_plugin.engines.engine import engine_of
 
 LR = 1e-2
 VOCAB, SEQ, PER_RANK = 96, 12, 2
@@ -139,7 +139,7 @@ def train_worker(folder: str, stage: int, steps: int, out_dir: str | None = None
 
 
 def _packed_bytes(model, engine) -> tuple[int, int]:
-    from zero_plugin.quantized import is_packed_4bit
+    from zero_plugin.loading.quantized import is_packed_4bit
 
     sharded = getattr(engine, "sharded", {})
     shard = full = 0

@@ -23,7 +23,7 @@ from tests.unit.stage3_behaviour_workers import (
     reference,
     train_steps,
 )
-from zero_plugin.engine import engine_of
+from zero_plugin.engines.engine import engine_of
 from zero_plugin.stage3.param import ShardedState
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from torch import nn
 import zero_plugin as zp
 from tests import models
 from tests.models import OddBlock
-from zero_plugin.engine import engine_of
+from zero_plugin.engines.engine import engine_of
 
 # ---------------------------------------------------------------------------------------------------------------
 # models

@@ -149,7 +149,7 @@ def memory_worker(layers: int) -> dict:
     events, in order), against the result it returns, the largest unit and the whole model."""
     from torch.profiler import ProfilerActivity, profile
 
-    from zero_plugin.engine import engine_of
+    from zero_plugin.engines.engine import engine_of
 
     model = models.make_tiny_llama(layers=layers, tie=False)
     opt = torch.optim.SGD(model.parameters(), lr=LR)

@@ -1,6 +1,6 @@
 """Functions that run inside the ranks of ``tests/unit/test_stream_order.py``.
 
-:class:`RecordingStreams` implements the stream protocol of ``zero_plugin/streams.py`` without a GPU:
+:class:`RecordingStreams` implements the stream protocol of ``zero_plugin/comm/streams.py`` without a GPU:
 it keeps a notion of the current stream ("compute", or "gather"/"reduce" inside a side-stream context)
 and logs every record, wait, entry and exit.  The worker adds to the same log, tagged with the current
 stream, what the protocol orders: pool takes and gives, collective launches and waits, the start of each
@@ -20,9 +20,9 @@ import zero_plugin as zp
 from tests import models
 from tests.unit.memory_comm_workers import collectives_layout
 from tests.unit.stage3_behaviour_workers import DeepMLP, _full_params, _seeded, train_steps
-from zero_plugin.engine import engine_of
+from zero_plugin.comm.streams import NO_STREAMS, StreamSet
+from zero_plugin.engines.engine import engine_of
 from zero_plugin.stage3.param import ShardedState
-from zero_plugin.streams import NO_STREAMS, StreamSet
 
 SIDES = ("gather", "reduce")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zero_plugin as zp
-from zero_plugin._flat import ShardLayout
+from zero_plugin.engines.flat import ShardLayout
 from zero_plugin.optim import blocked_step as B
 from zero_plugin.optim.blocked_step import BlockedStep
 from zero_plugin.optim.cpu_step import fused_cpu_step

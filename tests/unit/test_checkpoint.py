@@ -320,7 +320,7 @@ def test_peft_adapter_from_stage3_loads_unsharded(tmp_path):
     # Offline: the stage-3 checkpoint consolidated with --format hf is the same adapter, byte for byte.
     from safetensors.torch import load_file
 
-    from zero_plugin.cli import main
+    from zero_plugin.launch.cli import main
 
     out = tmp_path / "adapter-offline"
     assert main(["consolidate", str(tmp_path / "adapter-ckpt"), str(out), "--format", "hf"]) == 0
@@ -344,7 +344,7 @@ def test_consolidate_to_hf_folder_loads_with_from_pretrained(stage, config, tmp_
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from zero_plugin.cli import main
+    from zero_plugin.launch.cli import main
 
     ckpt = str(tmp_path / "ckpt")
     ref = run_ranks(2, w.hf_export_source, ckpt, stage, config, timeout=180)[0]
@@ -371,7 +371,7 @@ def test_consolidate_to_hf_folder_loads_with_from_pretrained(stage, config, tmp_
 
 def test_consolidate_refuses_bad_input_and_leaves_nothing(tmp_path, capsys):
     from zero_plugin.ckpt import consolidate as cons
-    from zero_plugin.cli import main
+    from zero_plugin.launch.cli import main
 
     path = str(tmp_path / "ckpt")
     w.save_small(path, steps=1)  # OddMLP: no transformers config

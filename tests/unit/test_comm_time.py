@@ -23,8 +23,8 @@ from tests import models
 from tests.harness import run_ranks
 from tests.unit import comm_time_workers as workers
 from zero_plugin import planner as zpp
-from zero_plugin.cli import main
 from zero_plugin.config import ZeroConfig
+from zero_plugin.launch.cli import main
 from zero_plugin.planner.comm_time import QUANT_BLOCK, Link, Option, Phase, Topology, phase_time, step_phases
 
 BUCKET_MB = 2048 / 2**20  # a few parameters per bucket: several buckets at stages 0-2
@@ -224,7 +224,7 @@ def planned_by_network(plan, stage: int, accum: int, in_place: bool, keep: bool 
 def short_regions_bytes(plan, shard_rank: int, reductions: int) -> int:
     """In place a rank sends its own regions across groups; the planner counts padded shards (shard rank
     0's): the difference for ``shard_rank``, all-reduced (2x) in the reduce dtype."""
-    from zero_plugin._flat import ShardLayout
+    from zero_plugin.engines.flat import ShardLayout
 
     short = 0
     for p in plan.params:

@@ -1,5 +1,5 @@
 """``zero-plugin launch`` prints the planner's memory per rank before starting the processes
-(zero_plugin/launch_estimate.py).  In process: the lines come from ``estimate_lines`` with an injected
+(zero_plugin/launch/estimate.py).  In process: the lines come from ``estimate_lines`` with an injected
 ``Machine``, and ``launch`` runs with Accelerate's launcher replaced, so nothing is started.
 
 The numbers must be ``zero_plugin.planner``'s for the same model, setting and world size; the two rows
@@ -12,10 +12,10 @@ import re
 
 import pytest
 
-from zero_plugin import launch_estimate as le
 from zero_plugin import planner as zpp
 from zero_plugin import run
 from zero_plugin.config import ZeroConfig
+from zero_plugin.launch import estimate as le
 
 GIB = 2**30
 _UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}

@@ -16,8 +16,8 @@ from integrations.accelerate_plugin import place_before_setup
 from tests import models
 from tests.harness import run_ranks
 from tests.unit import lazy_pretrained_workers as LW
-from zero_plugin import lazy_pretrained, materialize
 from zero_plugin.config import ZeroConfig
+from zero_plugin.loading import lazy_pretrained, materialize
 from zero_plugin.run import _loads_lazily
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.* is deprecated:FutureWarning")
@@ -142,7 +142,7 @@ def test_frozen_lazy_model_prepared_alone(tmp_path, stage):
     import contextlib
 
     from accelerate.state import AcceleratorState
-    from zero_plugin.integrations import _common
+    from zero_plugin.integrations import common
     from zero_plugin.integrations.accelerate import Accelerator, ZeroPlugin
 
     import zero_plugin as zp
@@ -158,7 +158,7 @@ def test_frozen_lazy_model_prepared_alone(tmp_path, stage):
         )
         with warns:
             prepared = accelerator.prepare(frozen)
-        assert prepared is frozen and _common.is_set_up(prepared) == (stage == 3)
+        assert prepared is frozen and common.is_set_up(prepared) == (stage == 3)
         state = prepared.state_dict()  # full tensors at stage 3 too ([Note: stage-3 state dicts])
         ids = torch.arange(12).reshape(2, 6)
         with torch.no_grad():

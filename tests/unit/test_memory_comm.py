@@ -147,7 +147,7 @@ def test_communication_per_step_is_two_psi(stage, layout, world_size, mixed):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("stage", STAGES)
 def test_every_collective_goes_through_the_counter(stage, world_size, buffered):
-    """Every torch.distributed call seen by spies was issued by zero_plugin/collectives.py (its own count
+    """Every torch.distributed call seen by spies was issued by zero_plugin/comm/collectives.py (its own count
     of the calls it made, by function name), and each logical collective of the step was counted."""
     for rank, r in enumerate(run_ranks(world_size, workers.spy_worker, stage, False, False, buffered)):
         where = f"stage {stage}, N={world_size}, {'buffered' if buffered else 'in place'}, rank {rank}"

@@ -15,7 +15,7 @@ import torch
 
 import zero_plugin as zp
 from zero_plugin import planner as zpp
-from zero_plugin.cli import main
+from zero_plugin.launch.cli import main
 
 GIB = 2**30
 

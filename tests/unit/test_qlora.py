@@ -1,5 +1,5 @@
 """QLoRA: a bitsandbytes 4-bit base (bf16 storage, the FSDP-QLoRA layout) with LoRA adapters under zp (issue 19,
-item 9; [Note: packed 4-bit weights] in zero_plugin/quantized.py).  bitsandbytes' CPU backend runs the 4-bit
+item 9; [Note: packed 4-bit weights] in zero_plugin/loading/quantized.py).  bitsandbytes' CPU backend runs the 4-bit
 matmuls, so the parity runs here: 2 gloo ranks against the unsharded single-process QLoRA run on the
 concatenated batches (same seed, same data).  Tolerances: losses rtol 1e-5, LoRA weights 1e-5 of their update
 (fp32 compute over a dequantized base: only the batch split's summation order differs).

@@ -200,4 +200,4 @@ def test_a_call_abandoned_by_an_exception_does_not_spoil_the_next_one():
         )
         assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
     handle.remove()
-    zp.engine.engine_of(model, "test").remove()
+    zp.engines.engine.engine_of(model, "test").remove()

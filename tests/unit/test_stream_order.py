@@ -1,4 +1,4 @@
-"""The CUDA stream protocol of stage 3 ([Note: side streams] in zero_plugin/streams.py), checked on CPU.
+"""The CUDA stream protocol of stage 3 ([Note: side streams] in zero_plugin/comm/streams.py), checked on CPU.
 
 A recording stand-in for the stream set (``stream_order_workers.RecordingStreams``) is injected into a
 stage-3 engine that uses the buffered collective layout (NCCL's, forced on gloo), and a few training steps

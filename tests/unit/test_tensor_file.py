@@ -1,4 +1,4 @@
-"""``zero_plugin.tensor_file`` reads what safetensors wrote, bit for bit, into existing tensors."""
+"""``zero_plugin.loading.tensor_file`` reads what safetensors wrote, bit for bit, into existing tensors."""
 
 import json
 import struct
@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from zero_plugin import tensor_file
+from zero_plugin.loading import tensor_file
 
 
 @pytest.fixture()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import zero_plugin as zp
-from zero_plugin.engine import engine_of
+from zero_plugin.engines.engine import engine_of
 from zero_plugin.stage3.param import ShardedState
 from zero_plugin.stage3.unit import TrainingState
 

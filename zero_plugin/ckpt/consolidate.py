@@ -185,7 +185,7 @@ def _all_tensors(index: dict, dtype, rename: Callable[[str], str]) -> list[_Tens
 def _packed_4bit(index: dict) -> set[str]:
     """Parameters saved with a bitsandbytes quant state beside them (``<name>.quant_state.bitsandbytes__nf4``
     among the buffers): packed 4-bit codes, which ``--dtype`` must not cast, nor their quant state
-    ([Note: packed 4-bit weights] in ``zero_plugin/quantized.py``)."""
+    ([Note: packed 4-bit weights] in ``zero_plugin/loading/quantized.py``)."""
     marker = ".quant_state.bitsandbytes__"
     return {b.split(marker, 1)[0] for b in index["buffers"] if marker in b} & set(index["params"])
 

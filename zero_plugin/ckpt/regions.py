@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._flat import ShardLayout
+from ..engines.flat import ShardLayout
 from ..optim.master import MasterParam
 from ..state_dict import raw_state_dict
 from .format import CheckpointError

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .._flat import ShardLayout
+from ..engines.flat import ShardLayout
 from ..optim.state import optimizer_class
 from . import format as fmt
 from .export_info import describe_model

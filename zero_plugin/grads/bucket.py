@@ -8,7 +8,7 @@ bucket before it was issued ([Note: rank-agreed reduction order] in
 ``schedule.py``); the rest are flushed at the end of backward.
 
 A bucket's collective uses one of the layouts of [Note: collective layouts] in
-``zero_plugin/comm_layout.py``: stage 0 a flat buffer of ``width`` elements (every
+``zero_plugin/comm/layout.py``: stage 0 a flat buffer of ``width`` elements (every
 parameter whole); stages 1-2 in place (gloo) or as rank-major rows of ``width``
 padded columns (NCCL).
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..comm_layout import packed_offsets
+from ..comm.layout import packed_offsets
 from ..optim.master import MasterParam
 
 __all__ = ["Bucket", "plan_buckets"]

@@ -14,7 +14,7 @@ collective the summed flag tells whether *any* rank had one.  A parameter no ran
 no gradient, so the optimizer skips it exactly as single-process training (and DDP) would;
 a parameter used on some ranks only gets the average with zeros from the others.
 
-Stage composition (see ``zero_plugin/stages.py``):
+Stage composition (see ``zero_plugin/engines/stages.py``):
   * stage 0 -> :class:`AllReduceReducer`: every rank keeps the full averaged grad in ``param.grad``;
   * stage 1 -> :class:`ReduceScatterReducer(keep_full_grad=True)`: the averaged owned region
     is written into ``param.grad`` in place (full gradients stay allocated, ZeRO-1);
@@ -38,9 +38,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .. import comm_layout
-from .._hooks import WeakHook
-from ..collectives import Comm
+from ..comm import layout as comm_layout
+from ..comm.collectives import Comm
+from ..engines.weak_hook import WeakHook
 from ..optim.master import MasterParam
 from .bucket import Bucket, plan_buckets
 from .schedule import LateFlags, ReductionSchedule
@@ -74,7 +74,7 @@ class GradReducer:
             comm.open_control_channel()  # collective: every rank builds the same reducer at setup
             self._late_agreement = LateFlags(comm)
         self._late: list[Bucket] = []
-        self.after_backward = lambda: None  # the engine's: [Note: per-step state] in zero_plugin/engine.py
+        self.after_backward = lambda: None  # the engine's: [Note: per-step state] in zero_plugin/engines/engine.py
 
     # -- hooks --------------------------------------------------------------
     def register(self, root: nn.Module) -> None:
@@ -171,7 +171,7 @@ class GradReducer:
     # -- per-kind -----------------------------------------------------------
     def _launch(self, bucket: Bucket):
         """Copy in and issue the bucket's collective; its record ([Note: collective layouts] in
-        ``comm_layout.py``)."""
+        ``comm/layout.py``)."""
         raise NotImplementedError
 
     def _complete(self, bucket: Bucket, pending) -> None:
@@ -235,7 +235,7 @@ class ReduceScatterReducer(GradReducer):
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> comm_layout.InPlaceReduce | comm_layout.BufferedReduce:
         """The full gradients are let go at once (ZeRO-2: the reduction holds them until it completes), or
-        kept (ZeRO-1); in place on gloo, each rank then keeps its own region ([Note: collective layouts] in ``comm_layout.py``)."""
+        kept (ZeRO-1); in place on gloo, each rank then keeps its own region ([Note: collective layouts] in ``comm/layout.py``)."""
         launch = comm_layout.reduce_in_place if self.comm.gathers_regions_in_place else comm_layout.reduce_buffered
         return launch(
             self.comm,

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Generic, Iterable, Protocol, Sequence, TypeVar
 
-from ..collectives import Comm
+from ..comm.collectives import Comm
 
 __all__ = ["ReductionSchedule", "LateAgreement", "LateFlags"]
 

@@ -4,7 +4,7 @@ The norm is over the *reduced* gradients the optimizer will see: for sharded
 stages each rank holds a disjoint region, so the per-rank sums of |g|^p are
 all-reduced (a per-rank norm, pytorch/pytorch#170862, would be wrong).  With hierarchical sharding
 ``engine.comm`` is the shard group: every replica group holds the same reduced shards, bit for bit
-([Note: sum across replicas] in ``comm_layout.py``), so the sum over the shard group counts each element
+([Note: sum across replicas] in ``comm/layout.py``), so the sum over the shard group counts each element
 once and is the same on every rank; over the whole world it would count each N/k times.
 """
 

@@ -14,7 +14,7 @@ Every copy between host and device is ``non_blocking`` from or into pinned memor
 complete only when the stream that issued it has passed it: the engine calls ``synchronize_copies``
 once, after the last gradient copy and before the CPU optimizer reads anything (``before_step``).
 Host->device copies (the updated master written back) need no wait: later device work on the same
-stream, or on a side stream that waits for it ([Note: side streams] in ``zero_plugin/streams.py``),
+stream, or on a side stream that waits for it ([Note: side streams] in ``zero_plugin/comm/streams.py``),
 is ordered after them, and the host writes those masters again only after the next
 ``synchronize_copies``.  Dtype casts happen on the device (a host-side cast of a pinned tensor would
 produce pageable memory, which the copy engine cannot read asynchronously).

@@ -3,16 +3,16 @@
 Pipeline per bucket: ``copy_in (own region) -> all_gather (async) -> wait -> copy_out``.
 At most two buckets are in flight, so copies overlap communication while buffers stay bounded.
 On gloo every rank's region is instead broadcast straight into the parameters (no buffer, no copy):
-[Note: collective layouts] in ``comm_layout.py``.
+[Note: collective layouts] in ``comm/layout.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import comm_layout
-from .._flat import copy_from_rows
-from ..collectives import Comm
+from ..comm import layout as comm_layout
+from ..comm.collectives import Comm
+from ..engines.flat import copy_from_rows
 from ..grads.bucket import Bucket, plan_buckets
 from .master import MasterParam
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..optim.master import MasterParam
+from .master import MasterParam
 
 __all__ = [
     "consolidate_optimizer_state",

@@ -7,7 +7,7 @@ Each row is one (stage, option): which collectives a training step issues, their
 (the ``comm_stats`` convention, [Note: logical bytes] in ``collectives.py``), the network each runs on and
 its time.  For a single group (``Option.plain``, one node) the bytes are exactly what ``zp.comm_stats()``
 counts for one step in steady state, in the layout of the planned backend (in place on gloo, buffered on
-NCCL, [Note: collective layouts] in ``comm_layout.py``): ``tests/unit/test_comm_time.py`` runs the engine
+NCCL, [Note: collective layouts] in ``comm/layout.py``): ``tests/unit/test_comm_time.py`` runs the engine
 and compares.  So does hierarchical sharding (``Option.hierarchical``, shard group = node) at stages 1-3:
 its intra-node bytes are what ``comm_stats()["shard_group"]`` counts and its inter-node bytes what
 ``comm_stats()["replica_group"]`` counts, for shard rank 0 (in place, other shard ranks send their
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
-from .._flat import ShardLayout
+from ..engines.flat import ShardLayout
 from ..grads.bucket import plan_buckets
 from ..stage3.unit import _TAG as _GATHER_TAG
 
@@ -228,7 +228,7 @@ class _Sizes:
         return p * (self.padded(idx, p) + len(idx)) * rbytes
 
     def replica_bytes(self, idx: list[int], g: int, rbytes: float) -> float:
-        """One all-reduce across the replica group ([Note: sum across replicas] in ``comm_layout.py``): the
+        """One all-reduce across the replica group ([Note: sum across replicas] in ``comm/layout.py``): the
         reduced shard of every member and its has-gradient flag, in the reduce dtype, logical 2x.  The
         shard is counted padded, which is exactly what shard rank 0 sends in either layout (and every rank
         when buffered); in place a rank whose regions end short sends their padding less."""

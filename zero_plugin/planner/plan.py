@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..collectives import regions_in_place
+from ..comm.collectives import regions_in_place
 from ..config import ZeroConfig
 from ..memory import theory_bytes
 from .replay import Memory, Replay, ReplicatedReplay, Setting, Stage3Replay

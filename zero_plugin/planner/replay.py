@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from .._flat import ShardLayout
 from ..config import ZeroConfig
+from ..engines.flat import ShardLayout
 from ..grads.bucket import plan_buckets
 from ..grads.reducer import _MAX_INFLIGHT as _MAX_PENDING_BUCKETS  # gradient buckets during backward
 from ..grads.schedule import ReductionSchedule

@@ -374,7 +374,7 @@ def _meta_model(config) -> nn.Module:
     the plan's precision is ``param_dtype`` over fp32 masters, not the dtype a checkpoint was saved in."""
     from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
 
-    from ..materialize import empty_model
+    from ..loading.materialize import empty_model
 
     if not isinstance(config, PretrainedConfig):
         raise ValueError(

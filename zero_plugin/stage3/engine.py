@@ -25,16 +25,16 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .._flat import ShardLayout
-from ..collectives import Comm
+from ..comm.collectives import Comm
+from ..comm.streams import StreamSet, streams_for
 from ..config import ZeroConfig
-from ..engine import Engine
-from ..hostmem import trim_host_heap
-from ..materialize import ParamSource, owners_of, to_real
+from ..engines.engine import Engine
+from ..engines.flat import ShardLayout
+from ..engines.hostmem import trim_host_heap
+from ..loading.materialize import ParamSource, owners_of, to_real
+from ..loading.quantized import is_packed_4bit
 from ..optim.master import MasterParam, copy_changed
 from ..optim.offload import host_for
-from ..quantized import is_packed_4bit
-from ..streams import StreamSet, streams_for
 from .hooks import Stage3Runtime
 from .param import ShardedParam, ShardedState
 from .policy import assign_units

@@ -66,9 +66,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
-from .._hooks import WeakHook
+from ..engines.hostmem import trim_host_heap
+from ..engines.weak_hook import WeakHook
 from ..grads.schedule import ReductionSchedule
-from ..hostmem import trim_host_heap
 from .accumulate import FullGradStore
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState

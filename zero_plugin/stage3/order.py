@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from ..collectives import Comm
+from ..comm.collectives import Comm
 
 if TYPE_CHECKING:
     from .unit import Unit

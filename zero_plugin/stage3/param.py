@@ -37,7 +37,7 @@ import enum
 import torch
 from torch import nn
 
-from .._flat import ShardLayout, copy_from_rows
+from ..engines.flat import ShardLayout, copy_from_rows
 from ..optim.offload import pin, to_device
 
 __all__ = ["ShardedParam", "ShardedState"]

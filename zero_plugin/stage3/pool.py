@@ -9,10 +9,10 @@ then ends up at or above DDP's although the live bytes are far lower.  Reusing t
 allocator reuses blocks already; the pool only saves its bookkeeping there.
 
 A block is handed out as a 1-D view of exactly the requested size and must be given back only after
-the collective that used it completed (the records of ``comm_layout.py`` give buffers back after
+the collective that used it completed (the records of ``comm/layout.py`` give buffers back after
 ``wait``) and, on CUDA, after the compute stream waited for the side stream that used it: the next
 user, on any stream, is then ordered after every earlier use ([Note: side streams] in
-``zero_plugin/streams.py``).  Free blocks are kept per (dtype, device), at most ``max_free`` of them:
+``zero_plugin/comm/streams.py``).  Free blocks are kept per (dtype, device), at most ``max_free`` of them:
 the smallest is dropped beyond that.
 """
 

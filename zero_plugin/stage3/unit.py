@@ -1,11 +1,11 @@
 """A stage-3 unit: parameters gathered, released and reduced together.
 
 Pipelines (one collective per dtype present in the unit), in the layouts of [Note: collective layouts]
-in ``zero_plugin/comm_layout.py``:
+in ``zero_plugin/comm/layout.py``:
   unshard:      copy_in (local shards) -> all_gather (async) -> [wait] -> copy_out (to_unsharded)
   reduce_grads: copy_in (full grads, padded) -> reduce_scatter (async) -> [wait] -> accumulate shard grads
 In the buffered layout (NCCL) each pipeline runs on a side stream ([Note: side streams] in
-``zero_plugin/streams.py``); the compute stream waits for it only before the result is used, and buffers
+``zero_plugin/comm/streams.py``); the compute stream waits for it only before the result is used, and buffers
 go back to the pool (and full gradients are let go) only after that wait.
 
 [Note: unit transitions]
@@ -37,9 +37,9 @@ import enum
 import torch
 from torch import nn
 
-from .. import comm_layout
-from ..collectives import Comm
-from ..streams import NO_STREAMS, StreamSet
+from ..comm import layout as comm_layout
+from ..comm.collectives import Comm
+from ..comm.streams import NO_STREAMS, StreamSet
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .pool import BufferPool

@@ -94,7 +94,7 @@ def import_model_code(lora: bool) -> None:
 
 def unit_sizes(model) -> dict:
     """Full model bytes, this rank's shard bytes, the largest unit's full bytes (stage 3)."""
-    from zero_plugin.engine import engine_of
+    from zero_plugin.engines.engine import engine_of
 
     engine = engine_of(model, "lazy_load")
     units = [sum(sp.layout.numel * sp.param.element_size() for sp in u.params) for u in engine.units]

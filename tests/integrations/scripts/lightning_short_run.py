@@ -8,7 +8,7 @@ Ranks come from the environment (the test starts both, torchrun-style) or from L
 launcher when ``LOCAL_RANK`` is unset.  The model is ``tests.models.OddMLP`` (three stage-3 units)
 with dropout; a validation loop runs too (stage-3 forwards without gradients).  ``--count-threads`` prints
 the process's thread count before the Trainer starts and at exit, after the strategy's exit handler
-([Note: gloo at interpreter exit] in ``integrations/_lightning_exit.py``): gloo's threads must be gone.
+([Note: gloo at interpreter exit] in ``integrations/lightning_exit.py``): gloo's threads must be gone.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ active exception", exit code 134 / -6, after a run that succeeded.  Seen in 1 of
 collective shortly before exit can do it; on a loaded machine the worker may get no CPU until then.
 
 torch joins a group's worker threads only when its last Python reference goes, not in
-``destroy_process_group`` (which only unregisters it), and ``zero_plugin.collectives`` caches the default
+``destroy_process_group`` (which only unregisters it), and ``zero_plugin.comm.collectives`` caches the default
 group with the groups it derives from it.  So a strategy that initialised the default group registers,
 once per process, :func:`_release_groups`, an ``atexit`` handler that runs while the interpreter is fully
 alive: a barrier (every rank leaves together; skipped after an uncaught exception), then
@@ -54,7 +54,7 @@ def _release_groups(timeout: timedelta | None) -> None:
         if not _exiting_on_error():
             _barrier(timeout)
         dist.destroy_process_group()
-    from zero_plugin.collectives import release_groups
+    from zero_plugin.comm.collectives import release_groups
 
     release_groups()  # zero_plugin's cached groups also hold the default group
     gc.collect()  # the default group's last references are gone: its threads are joined here

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import zero_plugin as zp
-from zero_plugin.engine import engine_of
+from zero_plugin.engines.engine import engine_of
 from zero_plugin.optim.zero_optimizer import ZeroOptimizer
 
 __all__ = [

@@ -74,7 +74,7 @@ def _parse_latency(text: str) -> float:
 def _settings(args: argparse.Namespace, fit: bool) -> list[tuple[int, bool, bool]]:
     """Rows: stages 0-3 without and 1-3 with optimizer offload (``--offload`` narrows), plus
     parameter offload at stage 3 with ``--offload-params`` (always considered by ``--fit``)."""
-    from .planner import SETTINGS
+    from ..planner import SETTINGS
 
     rows = [s for s in SETTINGS if not s[2]]
     if args.offload != "both":
@@ -85,8 +85,8 @@ def _settings(args: argparse.Namespace, fit: bool) -> list[tuple[int, bool, bool
 
 
 def _planner(args: argparse.Namespace):
-    from .config import ZeroConfig
-    from .planner import Planner
+    from ..config import ZeroConfig
+    from ..planner import Planner
 
     if args.params is not None and (args.batch is not None or args.checkpointing):
         raise ValueError("--batch/--seq/--checkpointing need --model: activations come from tracing the model")
@@ -203,7 +203,7 @@ def _table(rows: list[dict]) -> list[str]:
 
 
 def _fit_lines(result: dict) -> list[str]:
-    from .planner import COST_MODEL
+    from ..planner import COST_MODEL
 
     one_memory = result["gpu_mem"] is None  # device "cpu": a rank's device bytes are host memory too
     device = (
@@ -247,7 +247,7 @@ def _fit_lines(result: dict) -> list[str]:
 
 
 def _topology(args: argparse.Namespace):
-    from .planner import DEFAULT_INTER, DEFAULT_INTRA, Link, Topology
+    from ..planner import DEFAULT_INTER, DEFAULT_INTRA, Link, Topology
 
     def link(default: Link, bandwidth: float | None, latency: float | None) -> Link:
         return Link(
@@ -263,7 +263,7 @@ def _topology(args: argparse.Namespace):
 
 
 def _comm_lines(plan, args: argparse.Namespace) -> list[str]:
-    from .planner import comm_rows
+    from ..planner import comm_rows
 
     topo = _topology(args)
     rows = comm_rows(plan, topo, accum=args.accum)
@@ -494,14 +494,14 @@ def _add_consolidate(sub) -> None:
 
 
 def _torch_dtype(name: str | None):
-    from .config import _as_dtype
+    from ..config import _as_dtype
 
     return _as_dtype("--dtype", name) if name else None
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from .ckpt.consolidate import DEFAULT_MAX_SHARD_BYTES, consolidate
-    from .ckpt.format import CheckpointError
+    from ..ckpt.consolidate import DEFAULT_MAX_SHARD_BYTES, consolidate
+    from ..ckpt.format import CheckpointError
 
     try:
         written = consolidate(
@@ -522,7 +522,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from .run import launch
+    from ..run import launch
 
     return launch(args.argv)
 

@@ -33,7 +33,7 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
-from .config import ZeroConfig
+from ..config import ZeroConfig
 
 __all__ = ["Machine", "estimate_lines", "find_model", "plan_launch", "print_launch_estimate"]
 
@@ -129,7 +129,7 @@ def plan_launch(
     Returns ``{"setting", "device", "full", "frozen"}``: the launched (stage, offload, offload_params), the
     planned device, and one fit result per row (``frozen`` is None when the model has no 1-D parameter).
     """
-    from .planner import SETTINGS, Planner, resolve_model
+    from ..planner import SETTINGS, Planner, resolve_model
 
     device = "cpu" if machine.gpu_bytes is None else "cuda"
     setting = (zero_config.stage, zero_config.offload, zero_config.offload_params)

@@ -9,7 +9,7 @@ methods are written once, in mixins that reach Lightning only through ``self._li
 (``lightning_strategy.make_trainer_classes``, ``fabric_strategy.make_fabric_strategy``) puts the mixin over that
 package's base classes, once per package (cached).  Nothing rewrites or re-executes source: the unified
 package's classes are built when ``lightning_strategy`` / ``fabric_strategy`` are imported, the standalone
-packages' by the two-line modules ``_pytorch_lightning_strategy`` / ``_lightning_fabric_strategy``.
+packages' by the two-line modules ``pytorch_lightning_strategy`` / ``lightning_fabric_strategy``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ onto these functions.  Nothing here imports Lightning: the same helpers serve
 A sharded checkpoint (the default) is a directory::
 
     <path>/zero/       zp.save_checkpoint(...): every rank's regions (any stage, any world size on load);
-                       the same format as the Accelerate integration's checkpoints (``_common.py``)
+                       the same format as the Accelerate integration's checkpoints (``common.py``)
     <path>/meta.pt     rank 0, written last (a directory without it is an interrupted save): everything
                        Lightning/Fabric saves except model and optimizer state (loops, callbacks,
                        LR schedulers, user values), torch.save format; plus the ``zero_plugin`` record
@@ -38,13 +38,13 @@ import torch
 from torch import nn
 
 import zero_plugin as zp
-from zero_plugin import materialize
 from zero_plugin.ckpt import lightning_file
-from zero_plugin.engine import Engine, engine_of
-from zero_plugin.meta_init import ModuleInitSource, check_initialisable, has_meta_buffers, safetensors_under
+from zero_plugin.engines.engine import Engine, engine_of
+from zero_plugin.loading import materialize
+from zero_plugin.loading.meta_init import ModuleInitSource, check_initialisable, has_meta_buffers, safetensors_under
 
-from . import _common, _loss_scaling
-from ._common import is_set_up
+from . import common, loss_scaling
+from .common import is_set_up
 
 __all__ = [
     "PRESETS",
@@ -148,7 +148,7 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-# -- fp16: Lightning's GradScaler replaced ([Note: fp16 one-flag mapping] in _loss_scaling.py) ------------------
+# -- fp16: Lightning's GradScaler replaced ([Note: fp16 one-flag mapping] in loss_scaling.py) ------------------
 def loss_scaler_settings(plugin: Any) -> dict | None:
     """The ZeroConfig fields that take over a ``16-mixed`` plugin's GradScaler; None for other precisions.
 
@@ -165,8 +165,8 @@ def loss_scaler_settings(plugin: Any) -> dict | None:
             "reproduces only torch's GradScaler (init_scale, growth_interval, enabled)"
         )
     if scaler is None or not scaler.is_enabled():  # a disabled GradScaler has no factors to read
-        return _loss_scaling.scaler_settings({"enabled": False})
-    return _loss_scaling.scaler_settings(
+        return loss_scaling.scaler_settings({"enabled": False})
+    return loss_scaling.scaler_settings(
         {
             "init_scale": scaler.get_scale(),
             "growth_interval": scaler.get_growth_interval(),
@@ -178,7 +178,7 @@ def loss_scaler_settings(plugin: Any) -> dict | None:
 
 def engine_config(config: zp.ZeroConfig, scaler_settings: dict | None) -> zp.ZeroConfig:
     """The config the engine runs: ``config``, with loss scaling on when a 16-mixed GradScaler is replaced."""
-    return config if scaler_settings is None else _loss_scaling.fp16_config(config, scaler_settings, _FP16_FLAG)
+    return config if scaler_settings is None else loss_scaling.fp16_config(config, scaler_settings, _FP16_FLAG)
 
 
 def scale_loss(modules: Iterable[nn.Module], loss: torch.Tensor) -> torch.Tensor:
@@ -218,7 +218,7 @@ def engine_or_none(module: nn.Module | None) -> Engine | None:
 
 def zero_optimizer_of(optimizer: Any) -> zp.ZeroOptimizer:
     """The ZeroOptimizer behind a LightningOptimizer / _FabricOptimizer / ZeroOptimizer."""
-    found = _common.zero_optimizer_of(optimizer)
+    found = common.zero_optimizer_of(optimizer)
     if found is None:
         raise ValueError(
             f"zero_plugin: expected the optimizer set up by the ZeRO strategy, got {type(optimizer).__name__}"
@@ -244,7 +244,7 @@ def _only_optimizer(optimizers: Iterable[torch.optim.Optimizer]) -> torch.optim.
 # ``builds_on_meta`` decides, once for both strategies:
 #   * empty_init=False: real parameters, as ever (the user wants eager init);
 #   * stage 3 (unless ``meta_init=False``), or any stage given a ``param_source``: parameters on the
-#     meta device, buffers real (``zero_plugin.meta_init.meta_parameters``); setup materialises them,
+#     meta device, buffers real (``zero_plugin.loading.meta_init.meta_parameters``); setup materialises them,
 #     at stage 3 one unit at a time, from the source or from each module's own init;
 #   * otherwise (stages 0-2, no source) exactly Lightning's DDP: empty_init=True skips the
 #     ``torch.nn.init`` calls (``_EmptyInit``: uninitialised memory, to be overwritten by a checkpoint
@@ -366,7 +366,7 @@ def clip_grad_value(optimizer_or_module: Any, clip_val: float) -> None:
     """Element-wise clipping is local, so clipping each rank's reduced shard is exact.  fp16: of the true,
     unscaled gradients, and an overflow the clamp would hide still skips the step (``check_before_clamp``)."""
     _zero_optimizer_for(optimizer_or_module).guard.check_before_clamp()
-    for grad in _common.owned_grads(_model_for(optimizer_or_module)):
+    for grad in common.owned_grads(_model_for(optimizer_or_module)):
         grad.clamp_(-float(clip_val), float(clip_val))
 
 

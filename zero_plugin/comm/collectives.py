@@ -22,7 +22,7 @@ gradients are summed in place with each rank keeping its region (``Comm.reduce_i
 the all-gather and the reduce-scatter (one launch instead of N per tensor, and real wire savings).
 ``ZERO_PLUGIN_BUFFERED_COLLECTIVES=1`` forces the buffered (NCCL) layout on gloo, which is how the CPU
 tests cover it; ``regions_in_place`` is the one place that decides, and the memory planner asks it too.
-Both layouts are laid out in ``comm_layout.py`` ([Note: collective layouts]).
+Both layouts are laid out in ``comm/layout.py`` ([Note: collective layouts]).
 
 [Note: control channel]
 A second gloo group over the same ranks (``Comm.open_control_channel``), for small blocking exchanges
@@ -127,7 +127,7 @@ def _release_groups_at_exit() -> None:
 def release_groups() -> None:
     """Forget the cached control and sibling groups ([Note: control channel]), whose cache entries also
     hold the default group: call it after ``destroy_process_group()``, so that the last references to the
-    groups go and torch joins their threads (``integrations/_lightning_exit.py``, ``run.py``)."""
+    groups go and torch joins their threads (``integrations/lightning_exit.py``, ``run.py``)."""
     _SAME_RANKS.clear()
 
 

@@ -1,6 +1,6 @@
 """The Trainer strategy for the standalone ``pytorch_lightning`` package: ``lightning_strategy.py``'s classes over
 ``pytorch_lightning`` / ``lightning_fabric`` bases ([Note: one strategy source, two Lightning packages] in
-``_lightning_names.py``).  Importing this module builds them; ``zero_plugin.integrations.lightning`` does so when
+``lightning_names.py``).  Importing this module builds them; ``zero_plugin.integrations.lightning`` does so when
 ``pytorch_lightning`` is installed."""
 
 from __future__ import annotations

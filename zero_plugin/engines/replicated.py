@@ -14,16 +14,16 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ._flat import ShardLayout
-from .collectives import Comm
-from .config import ZeroConfig
+from ..comm.collectives import Comm
+from ..config import ZeroConfig
+from ..grads.reducer import GradReducer
+from ..loading.quantized import is_packed_4bit
+from ..optim.master import MasterParam
+from ..optim.offload import host_for
+from ..optim.param_sync import ParamAllGather
+from ..optim.state import gather_full
 from .engine import Engine
-from .grads.reducer import GradReducer
-from .optim.master import MasterParam
-from .optim.offload import host_for
-from .optim.param_sync import ParamAllGather
-from .optim.state import gather_full
-from .quantized import is_packed_4bit
+from .flat import ShardLayout
 
 __all__ = ["ReplicatedEngine", "make_masters", "cast_frozen"]
 

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
-from ._flat import ShardLayout, copy_padded_rows
+from ..engines.flat import ShardLayout, copy_padded_rows
 from .collectives import Comm
 from .streams import NO_STREAMS, StreamSet
 

@@ -5,7 +5,7 @@ registers is replaced by a meta tensor of the same shape, dtype and ``requires_g
 while buffers stay real (rotary tables, position ids computed in ``__init__`` keep their
 values).  It uses torch's module parameter-registration hook, no patching of torch.
 
-:class:`ModuleInitSource` is the fill side, a :class:`~zero_plugin.materialize.ParamSource`
+:class:`ModuleInitSource` is the fill side, a :class:`~zero_plugin.loading.materialize.ParamSource`
 for ``zp.setup(..., param_source=...)``: stage 3 materialises one unit at a time, and for each
 module owning parameters of that unit it runs the module's own initialisation.
 

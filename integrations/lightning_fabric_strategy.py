@@ -1,5 +1,5 @@
 """The Fabric strategy for the standalone ``lightning_fabric`` package: ``fabric_strategy.py``'s class over
-``lightning_fabric`` bases ([Note: one strategy source, two Lightning packages] in ``_lightning_names.py``).
+``lightning_fabric`` bases ([Note: one strategy source, two Lightning packages] in ``lightning_names.py``).
 Importing this module builds it; ``zero_plugin.integrations.lightning`` does so when ``lightning_fabric`` is
 installed."""
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .collectives import Comm
-from .config import ZeroConfig
+from ..comm.collectives import Comm
+from ..config import ZeroConfig
 
 __all__ = ["trainable_parameters", "check_ranks_agree"]
 

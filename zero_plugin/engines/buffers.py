@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .collectives import Comm
+from ..comm.collectives import Comm
 
 __all__ = ["BufferSync"]
 

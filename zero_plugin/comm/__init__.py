@@ -1,0 +1,3 @@
+"""Communication: the only caller of torch.distributed (``collectives``), the collective layouts (``layout``) and
+CUDA side streams (``streams``).
+"""
