@@ -21,6 +21,7 @@ hyper-parameters through the config's ``optimizer`` section.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import warnings
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .measure import group_ranks
 from .variants import SkipVariant, Variant
 
 __all__ = ["DeepSpeedVariant", "DeepSpeedCommCounter", "engine_held_tensors"]
@@ -80,8 +82,8 @@ def _ensure_launcher_env() -> None:
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
 
 
-def ds_config(stage: int, offload: bool, lr: float, micro_batch: int) -> dict:
-    zero: dict = {"stage": stage}
+def ds_config(stage: int, offload: bool, lr: float, micro_batch: int, extra: dict | None = None) -> dict:
+    zero: dict = {"stage": stage, **(extra or {})}
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -98,7 +100,9 @@ def ds_config(stage: int, offload: bool, lr: float, micro_batch: int) -> dict:
 class DeepSpeedVariant(Variant):
     """``deepspeed.initialize`` at one ZeRO stage; measured through the engine it returns."""
 
-    def __init__(self, raw: nn.Module, lr: float, batch: int, stage: int, offload: bool) -> None:
+    def __init__(
+        self, raw: nn.Module, lr: float, batch: int, stage: int, offload: bool, zero: dict | None = None
+    ) -> None:
         super().__init__(raw, lr, batch)
         deepspeed = _import_deepspeed()
         if offload:
@@ -112,7 +116,7 @@ class DeepSpeedVariant(Variant):
             model=raw,
             model_parameters=raw.parameters(),
             optimizer=client_optimizer,
-            config=ds_config(stage, offload, lr, batch),
+            config=ds_config(stage, offload, lr, batch, zero),
             dist_init_required=False,
         )
         self.module = self.engine
@@ -128,6 +132,13 @@ class DeepSpeedVariant(Variant):
 
     def comm(self) -> dict[str, int]:
         return self.counter.by_kind()
+
+    def comm_by_group(self) -> dict[tuple[int, ...], int]:
+        everyone = tuple(range(dist.get_world_size()))
+        out: dict[tuple[int, ...], int] = {}
+        for ranks, nbytes in self.counter.by_group.items():
+            out[ranks or everyone] = out.get(ranks or everyone, 0) + nbytes
+        return out
 
     def state_groups(self) -> dict[str, list]:
         """Distinct storages the engine holds (see :func:`engine_held_tensors`)."""
@@ -249,9 +260,11 @@ class DeepSpeedCommCounter:
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = {}
+        self.by_group: dict[tuple[int, ...] | None, int] = {}  # by the group's global ranks (None: world)
 
     def reset(self) -> None:
         self.bytes = {}
+        self.by_group = {}
 
     def by_kind(self) -> dict[str, int]:
         return {"total": sum(self.bytes.values()), **self.bytes}
@@ -272,12 +285,15 @@ class DeepSpeedCommCounter:
 
     def _wrap(self, fn, spec: tuple[str, int, str, int]):
         kind, index, keyword, factor = spec
+        signature = inspect.signature(fn)
 
         def counted(*args, **kwargs):
             arg = args[index] if len(args) > index else kwargs[keyword]
             tensors = arg if isinstance(arg, (list, tuple)) else [arg]
             nbytes = factor * sum(t.numel() * t.element_size() for t in tensors)
             self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+            ranks = group_ranks(signature.bind_partial(*args, **kwargs).arguments.get("group"))
+            self.by_group[ranks] = self.by_group.get(ranks, 0) + nbytes
             return fn(*args, **kwargs)
 
         return counted

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import inspect
 import os
 import threading
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["state_bytes", "RssPeak", "release_memory", "TorchCommCounter", "local_tensor"]
+__all__ = ["state_bytes", "RssPeak", "release_memory", "TorchCommCounter", "group_ranks", "local_tensor"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -150,16 +151,21 @@ class TorchCommCounter:
         "reduce_scatter_tensor": (1, "input"),
     }
 
-    def __init__(self) -> None:
+    def __init__(self, all_reduce: bool = False) -> None:
         self.bytes = 0
         self.calls = 0
+        self.by_group: dict[tuple[int, ...] | None, int] = {}  # None: the default (whole-world) group
+        if all_reduce:  # FSDP2 HSDP's replica all-reduce; off where DDP's comm hook counts all-reduce
+            self._KINDS = {**self._KINDS, "all_reduce": (0, "tensor")}
 
-    def add(self, nbytes: int) -> None:
+    def add(self, nbytes: int, ranks: tuple[int, ...] | None = None) -> None:
         self.bytes += int(nbytes)
         self.calls += 1
+        self.by_group[ranks] = self.by_group.get(ranks, 0) + int(nbytes)
 
     def reset(self) -> None:
         self.bytes = self.calls = 0
+        self.by_group = {}
 
     @contextmanager
     def counting(self) -> Iterator[TorchCommCounter]:
@@ -174,10 +180,20 @@ class TorchCommCounter:
 
     def _wrap(self, fn, where: tuple[int, str]):
         index, keyword = where
+        factor = 2 if fn.__name__ == "all_reduce" else 1  # all-reduce of n moves 2n
+        signature = inspect.signature(fn)
 
         def counted(*args, **kwargs):
             t = args[index] if len(args) > index else kwargs[keyword]
-            self.add(t.numel() * t.element_size())
+            group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+            self.add(factor * t.numel() * t.element_size(), group_ranks(group))
             return fn(*args, **kwargs)
 
         return counted
+
+
+def group_ranks(group) -> tuple[int, ...] | None:
+    """The global ranks of a torch process group; None for the default group."""
+    if group is None or group is dist.group.WORLD:
+        return None
+    return tuple(dist.get_process_group_ranks(group))

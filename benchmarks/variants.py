@@ -65,6 +65,14 @@ class Variant:
     def comm(self) -> dict[str, int]:
         return {"total": self.counter.bytes}
 
+    def comm_by_group(self) -> dict[tuple[int, ...], int]:
+        """Logical bytes since the last reset by the global ranks of the group they ran on (``multinode.py``)."""
+        everyone = tuple(range(dist.get_world_size()))
+        out: dict[tuple[int, ...], int] = {}
+        for ranks, nbytes in self.counter.by_group.items():
+            out[ranks or everyone] = out.get(ranks or everyone, 0) + nbytes
+        return out
+
     def state_groups(self) -> dict[str, list]:
         params = list(self.raw.parameters())
         return {"params": params, "grads": [p.grad for p in params], "optimizer": self._optimizer_state()}
@@ -156,18 +164,53 @@ class FSDP2Variant(Variant):
         return {n: p.full_tensor().clone() for n, p in self.raw.named_parameters()}
 
 
+class FSDP2HSDPVariant(FSDP2Variant):
+    """FSDP2 HSDP: ``fully_shard`` on a 2-D ``(replicate, shard)`` CPU mesh, shard groups of
+    ``shard_size`` consecutive ranks (one "node"); gradients are reduce-scattered in the shard group
+    and all-reduced across the replicate group (counted too: ``TorchCommCounter(all_reduce=True)``)."""
+
+    shard_size = 2
+    _meshes: dict = {}
+
+    def __init__(self, raw: nn.Module, lr: float, batch: int) -> None:
+        Variant.__init__(self, raw, lr, batch)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.counter = TorchCommCounter(all_reduce=True)
+        k, world = self.shard_size, dist.get_world_size()
+        if world % k or world == k:
+            raise SkipVariant(f"HSDP needs a world size that is a multiple of {k} above it; got {world}")
+        if k not in self._meshes:
+            self._meshes[k] = init_device_mesh("cpu", (world // k, k), mesh_dim_names=("replicate", "shard"))
+        for layer in raw.model.layers:
+            fully_shard(layer, mesh=self._meshes[k])
+        self.module = fully_shard(raw, mesh=self._meshes[k])
+        self.optimizer = _adamw(raw.parameters(), lr)
+
+
 class ZeroPluginVariant(Variant):
     """zero_plugin at one stage; collectives counted by ``zp.comm_stats()``."""
 
     def __init__(
-        self, raw: nn.Module, lr: float, batch: int, stage: int, offload: bool, package: str = "zero_plugin"
+        self,
+        raw: nn.Module,
+        lr: float,
+        batch: int,
+        stage: int,
+        offload: bool,
+        package: str = "zero_plugin",
+        shard_group_size: int | None = None,
     ) -> None:
         super().__init__(raw, lr, batch)
         zp = importlib.import_module(package)
 
         self.zp = zp
         self.theory_stage = stage
-        config = zp.ZeroConfig(stage=stage, offload_optimizer="cpu" if offload else "none")
+        self.shard_group_size = shard_group_size
+        config = zp.ZeroConfig(
+            stage=stage, offload_optimizer="cpu" if offload else "none", shard_group_size=shard_group_size
+        )
         try:
             self.module, self.optimizer = zp.setup(raw, _adamw(raw.parameters(), lr), config)
         except (NotImplementedError, ImportError) as exc:  # stage 3 before its engine exists
@@ -182,6 +225,12 @@ class ZeroPluginVariant(Variant):
 
     def comm(self) -> dict[str, int]:
         return {k: v["bytes"] for k, v in self.zp.comm_stats().items() if v["bytes"]}
+
+    def comm_by_group(self) -> dict[tuple[int, ...], int]:
+        from .links import zp_groups
+
+        world = dist.get_world_size()
+        return zp_groups(self.comm(), dist.get_rank(), world, self.shard_group_size)
 
     def state_groups(self) -> dict[str, list]:
         held = self._engine().model_state_tensors()
@@ -213,8 +262,8 @@ class ZeroPluginVariant(Variant):
         super().teardown()
 
 
-def _zp(stage: int, offload: bool = False):
-    return lambda raw, lr, batch: ZeroPluginVariant(raw, lr, batch, stage, offload)
+def _zp(stage: int, offload: bool = False, shard_group_size: int | None = None):
+    return lambda raw, lr, batch: ZeroPluginVariant(raw, lr, batch, stage, offload, shard_group_size=shard_group_size)
 
 
 BASELINE_ENV = "ZERO_PLUGIN_BASELINE_PACKAGE"
@@ -233,11 +282,11 @@ def _zp_baseline(stage: int):
     return make
 
 
-def _ds(stage: int, offload: bool = False):
+def _ds(stage: int, offload: bool = False, **zero: object):
     def make(raw: nn.Module, lr: float, batch: int) -> Variant:
         from .deepspeed_variant import DeepSpeedVariant  # imports this module: load it lazily
 
-        return DeepSpeedVariant(raw, lr, batch, stage, offload)
+        return DeepSpeedVariant(raw, lr, batch, stage, offload, zero=zero)
 
     return make
 
@@ -247,12 +296,14 @@ VARIANTS = {
     "ddp_default": DefaultDDPVariant,
     "zero_redundancy": ZeroRedundancyVariant,
     "fsdp2": FSDP2Variant,
+    "fsdp2_hsdp": FSDP2HSDPVariant,
     "zp0": _zp(0),
     "zp1": _zp(1),
     "zp2": _zp(2),
     "zp2_offload": _zp(2, offload=True),
     "zp3": _zp(3),
     "zp3_offload": _zp(3, offload=True),
+    "zp3_shard2": _zp(3, shard_group_size=2),  # hierarchical sharding: shard groups of 2 (benchmarks/multinode.py)
     "zp0_base": _zp_baseline(0),
     "zp1_base": _zp_baseline(1),
     "zp2_base": _zp_baseline(2),
@@ -262,6 +313,11 @@ VARIANTS = {
     "ds3": _ds(3),
     "ds2_offload": _ds(2, offload=True),
     "ds3_offload": _ds(3, offload=True),
+    # ZeRO++ (benchmarks/multinode.py): hpZ (secondary weight partition in groups of 2), qwZ, qgZ, all three
+    "ds3_hpz": _ds(3, zero_hpz_partition_size=2),
+    "ds3_qwz": _ds(3, zero_quantized_weights=True),
+    "ds3_qgz": _ds(3, zero_quantized_gradients=True),
+    "ds3_zeropp": _ds(3, zero_hpz_partition_size=2, zero_quantized_weights=True, zero_quantized_gradients=True),
 }
 # The DeepSpeed variants are skipped (with a note in the report) where deepspeed is not installed.
 DEFAULT_VARIANTS = (
