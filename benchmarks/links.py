@@ -16,7 +16,7 @@ whose group spans nodes.  So a world collective over 4 ranks on 2 nodes of 2 cro
 wire bytes), a group inside one node never does, and a group of one rank per node always does.  The
 group is what the collective ran on: torch's process group (its ranks) for DDP, FSDP2 and DeepSpeed,
 the shard / replica / world Comm for zero_plugin ([Note: hierarchical groups] in
-``zero_plugin/collectives.py``).  Real NCCL picks trees or rings per size and node topology; the rule
+``zero_plugin/comm/collectives.py``).  Real NCCL picks trees or rings per size and node topology; the rule
 is a model, applied alike to all.
 """
 
