@@ -9,7 +9,7 @@ all-gathered after the step.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -100,8 +100,10 @@ class ReplicatedEngine(Engine):
             if not slot.is_identity:
                 slot.master.grad = None
 
-    def accumulator(self) -> Any:
-        return self.reducer
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.reducer.no_sync():
+            yield
 
     @contextlib.contextmanager
     def gathered(self, params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:

@@ -20,7 +20,7 @@ the unit] in param.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -232,10 +232,12 @@ class Stage3Engine(Engine):
             else:
                 sp.sharded_grad.zero_()
 
-    def accumulator(self) -> Any:
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
         # Reduce-scatter every micro-batch into the shard gradients (the sum is the same), or with
         # ZeroConfig.accumulate_full_grads keep the full gradients until the synced backward.
-        return self.runtime
+        with self.runtime.no_sync():
+            yield
 
     # -- gathering ----------------------------------------------------------------
     @contextlib.contextmanager
