@@ -151,10 +151,14 @@ class Engine:
     def owned_grads(self) -> list[torch.Tensor]:
         return [g for g in (self.owned_grad(s) for s in self.slots) if g is not None]
 
+    def accumulator(self) -> Any:
+        """What ``zp.no_sync`` suspends: the stage's gradient reducer, whose ``no_sync()`` is a context."""
+        raise NotImplementedError
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        raise NotImplementedError
-        yield
+        with self.accumulator().no_sync():
+            yield
 
     # -- state ----------------------------------------------------------------
     def name_of_master(self, master: torch.Tensor) -> str:

@@ -9,7 +9,7 @@ all-gathered after the step.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -100,10 +100,8 @@ class ReplicatedEngine(Engine):
             if not slot.is_identity:
                 slot.master.grad = None
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        with self.reducer.no_sync():
-            yield
+    def accumulator(self) -> Any:
+        return self.reducer
 
     @contextlib.contextmanager
     def gathered(self, params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:

@@ -20,7 +20,7 @@ the unit] in param.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -232,12 +232,10 @@ class Stage3Engine(Engine):
             else:
                 sp.sharded_grad.zero_()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def accumulator(self) -> Any:
         # Reduce-scatter every micro-batch into the shard gradients (the sum is the same), or with
         # ZeroConfig.accumulate_full_grads keep the full gradients until the synced backward.
-        with self.runtime.no_sync():
-            yield
+        return self.runtime
 
     # -- gathering ----------------------------------------------------------------
     @contextlib.contextmanager

@@ -320,17 +320,10 @@ class Unit:
         gradients are let go (the records hold them until the reductions complete)."""
         self._reduced = True
         groups = _by_dtype(self.trainable, lambda sp: self.reduce_dtype or sp.unsharded.dtype)
+        common = {"release_grads": True, "tag": self.name, "grad_of": self.grad_of}
         if self.reduce_comm.gathers_regions_in_place:
             return [
-                comm_layout.reduce_in_place(
-                    self.reduce_comm,
-                    group,
-                    dtype,
-                    group[0].unsharded.device,
-                    release_grads=True,
-                    tag=self.name,
-                    grad_of=self.grad_of,
-                )
+                comm_layout.reduce_in_place(self.reduce_comm, group, dtype, group[0].unsharded.device, **common)
                 for dtype, group in groups.items()
             ]
         with self.streams.reduce():  # after the compute stream's backward wrote the gradients
@@ -340,11 +333,9 @@ class Unit:
                     group,
                     dtype,
                     group[0].unsharded.device,
-                    release_grads=True,
                     buffers=self.pool,
                     streams=self.streams,
-                    tag=self.name,
-                    grad_of=self.grad_of,
+                    **common,
                 )
                 for dtype, group in groups.items()
             ]
