@@ -144,6 +144,15 @@ def one_rank_worker(peer: str, verb: str, timeout_s: float) -> tuple:
         return ("RuntimeError", str(exc), time.monotonic() - start)
 
 
+def _peak(events) -> tuple[int, int]:
+    """Live bytes at the end and at their highest over allocation (+) and free (-) events in order."""
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return live, peak
+
+
 def memory_worker(layers: int) -> dict:
     """Bytes allocated on the CPU while ``model.state_dict()`` runs (the profiler's allocation and free
     events, in order), against the result it returns, the largest unit and the whole model."""
@@ -162,13 +171,19 @@ def memory_worker(layers: int) -> dict:
     events = sorted(
         (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
     )
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
+    # gloo's worker threads stage the collectives in buffers of their own, allocated and freed at times that
+    # interleave with the caller's by chance: each side is counted on its own.  The caller's thread is the
+    # one the result was allocated on (the largest net allocation).
+    net: dict[int, int] = {}
+    for e in events:
+        net[e.start_thread_id()] = net.get(e.start_thread_id(), 0) + e.nbytes()
+    main = max(net, key=net.get)
+    live, peak = _peak(e for e in events if e.start_thread_id() == main)
+    _, other_peak = _peak(e for e in events if e.start_thread_id() != main)
     result = sum(v.numel() * v.element_size() for v in sd.values())
     return {
         "peak": peak,
+        "other_peak": other_peak,
         "end": live,
         "result": result,
         "units": unit_bytes,

@@ -159,12 +159,14 @@ def test_state_dict_peak_memory_is_one_unit_above_the_result():
     largest = max(r["units"])
     print(
         f"state_dict at stage 3, 2 ranks: peak {r['peak']} B, result {r['result']} B, largest unit "
-        f"{largest} B, whole model {r['model']} B, live at the end {r['end']} B"
+        f"{largest} B, whole model {r['model']} B, live at the end {r['end']} B, gloo's threads' peak "
+        f"{r['other_peak']} B"
     )
     assert largest * 3 < r["model"], "the model must have several units for the bound to mean anything"
     assert r["result"] == r["model"]
     assert r["end"] >= r["result"], f"the allocation events miss the result: {r}"
     assert r["peak"] <= r["result"] + largest, r
+    assert r["other_peak"] <= largest, f"gloo's threads staged more than one unit at a time: {r}"
 
 
 def test_rank0_only_switch_is_validated():
