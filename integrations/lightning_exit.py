@@ -54,7 +54,7 @@ def _release_groups(timeout: timedelta | None) -> None:
         if not _exiting_on_error():
             _barrier(timeout)
         dist.destroy_process_group()
-    from zero_plugin.comm.collectives import release_groups
+    from zero_plugin.comm.groups import release_groups
 
     release_groups()  # zero_plugin's cached groups also hold the default group
     gc.collect()  # the default group's last references are gone: its threads are joined here

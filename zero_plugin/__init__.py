@@ -2,7 +2,7 @@
 
 from .api import clip_grad_norm_, gathered_parameters, no_sync, rebind_optimizer, setup
 from .checkpoint import load_checkpoint, save_checkpoint
-from .comm.collectives import comm_stats, reset_comm_stats
+from .comm.stats import comm_stats, reset_comm_stats
 from .config import ZeroConfig
 from .loading import materialize as materialize  # zp.materialize.* as documented (README)
 from .memory import memory_report

@@ -227,7 +227,7 @@ def _shut_down_process_group() -> None:
         except Exception:  # noqa: BLE001 - a peer that failed has gone; destroy anyway
             pass
         dist.destroy_process_group()
-        from .comm.collectives import release_groups
+        from .comm.groups import release_groups
 
         release_groups()  # zero_plugin's cached groups also hold the default group
 

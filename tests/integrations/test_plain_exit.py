@@ -1,6 +1,6 @@
 """A plain torch.distributed script that destroys its process group and returns leaves no gloo thread of
 zero_plugin's cached groups alive at interpreter exit ([Note: cached groups at exit] in
-``zero_plugin/comm/collectives.py``): a worker thread still alive then aborts a successful run now and then
+``zero_plugin/comm/groups.py``): a worker thread still alive then aborts a successful run now and then
 ("terminate called without an active exception", exit -6: seen in ``examples/full_finetune.py`` under
 torchrun).  The abort is a race; the thread count at exit is what fails every time without the fix."""
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zero_plugin as zp
-from zero_plugin.comm import collectives
+from zero_plugin.comm import stats as comm_counters
 from zero_plugin.engines.engine import engine_of
 
 # Odd sizes (padding on 2-4 ranks) and ~295k parameters, so padding is negligible next to Ψ.
@@ -306,6 +306,6 @@ def spy_worker(stage: int, mixed: bool, bypass: bool = False, buffered: bool = F
         if bypass:
             dist.all_reduce(torch.zeros(1))
         stats = zp.comm_stats()
-        physical = collectives.physical_calls()
+        physical = comm_counters.physical_calls()
         wrapped = sorted({attr for _, attr, _ in spy._undo})
     return {"spy": dict(spy.counts), "stats": stats, "physical": physical, "wrapped": wrapped}

@@ -50,25 +50,28 @@ bytes of each (intra- and inter-group traffic; control traffic in neither); ``to
 
 from __future__ import annotations
 
-import atexit
-import gc
 import os
-import threading
-from collections import defaultdict, deque
-from dataclasses import dataclass
+from collections import deque
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "comm_stats", "regions_in_place", "release_groups", "reset_comm_stats"]
+# The counters, the group cache and the work handles live in their own modules; Comm's methods use them
+# under these module-private names.  comm_stats, reset_comm_stats, physical_calls and release_groups are
+# re-exported for code that imports them from here.
+from .groups import SAME_RANKS as _SAME_RANKS
+from .groups import release_groups
+from .groups import release_groups_at_exit as _release_groups_at_exit
+from .stats import comm_stats, physical_calls, reset_comm_stats
+from .stats import issued as _issued
+from .stats import record as _record
+from .works import DoneWork as _DoneWork
+from .works import RowWork as _RowWork
+from .works import Works as _Works
 
-
-@dataclass(slots=True)
-class _Counter:
-    calls: int = 0
-    bytes: int = 0
+__all__ = ["Comm", "comm_stats", "physical_calls", "regions_in_place", "release_groups", "reset_comm_stats"]
 
 
 # torch >= 2.13 renamed the tensor collectives; older releases only have the old names.
@@ -76,119 +79,6 @@ _ALL_GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") els
 _REDUCE_SCATTER_NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 _ALL_GATHER = getattr(dist, _ALL_GATHER_NAME)
 _REDUCE_SCATTER = getattr(dist, _REDUCE_SCATTER_NAME)
-
-_LOCK = threading.Lock()
-_STATS: dict[str, _Counter] = defaultdict(_Counter)
-_GROUP_STATS: dict[str, _Counter] = defaultdict(_Counter)  # by Comm.label: [Note: hierarchical groups]
-
-
-_PHYSICAL: dict[str, int] = defaultdict(int)
-_SAME_RANKS: dict[tuple, tuple[Any, Any]] = {}  # (ranks, purpose) -> (default group it was made in, group)
-
-
-def _issued(name: str) -> None:
-    """Count one torch.distributed call by the function's name (tests compare with spies on torch)."""
-    with _LOCK:
-        _PHYSICAL[name] += 1
-
-
-def physical_calls() -> dict[str, int]:
-    """torch.distributed calls issued since the last :func:`reset_comm_stats`, by function name.
-    Logical collectives (``comm_stats``) may be issued as several calls, e.g. an in-place region
-    gather as one broadcast per region."""
-    with _LOCK:
-        return dict(_PHYSICAL)
-
-
-# [Note: cached groups at exit]  The control channel and the stage-3 reduction group are made once per
-# (ranks, purpose) and cached here; the cache (and any engine still alive) keeps their gloo worker threads
-# running after a script's own ``dist.destroy_process_group()``.  A thread still alive when the interpreter
-# finalises now and then aborts a run that succeeded ("terminate called without an active exception", exit
-# -6: seen with ``examples/full_finetune.py`` under torchrun); engines the script no longer references but
-# that sit in reference cycles (a model and its engine) also keep the default group's threads alive through
-# the collectives' work handles they hold, until finalisation.  So the first Comm over more than one rank
-# registers an exit handler that drops the cache and collects those engines while the interpreter is still
-# whole, so that torch joins the threads.  ``release_groups()`` is the same, on demand
-# (the Lightning exit handler, ``run.py``'s teardown).
-_EXIT_HANDLER = [False]
-
-
-def _release_at_exit() -> None:
-    release_groups()
-    gc.collect()
-
-
-def _release_groups_at_exit() -> None:
-    if not _EXIT_HANDLER[0]:
-        _EXIT_HANDLER[0] = True
-        atexit.register(_release_at_exit)
-
-
-def release_groups() -> None:
-    """Forget the cached control and sibling groups ([Note: control channel]), whose cache entries also
-    hold the default group: call it after ``destroy_process_group()``, so that the last references to the
-    groups go and torch joins their threads (``integrations/lightning_exit.py``, ``run.py``)."""
-    _SAME_RANKS.clear()
-
-
-def _record(kind: str, nbytes: int, label: str | None = None) -> None:
-    with _LOCK:
-        for counter in (_STATS[kind], _GROUP_STATS[label]) if label is not None else (_STATS[kind],):
-            counter.calls += 1
-            counter.bytes += int(nbytes)
-
-
-def comm_stats() -> dict[str, dict[str, int]]:
-    """Calls and logical bytes ([Note: logical bytes]) per collective kind since the last reset, plus a ``total``; with hierarchical
-    sharding also ``shard_group`` and ``replica_group`` ([Note: hierarchical groups]), not in the total."""
-    with _LOCK:
-        out = {k: {"calls": c.calls, "bytes": c.bytes} for k, c in _STATS.items()}
-        groups = {f"{k}_group": {"calls": c.calls, "bytes": c.bytes} for k, c in _GROUP_STATS.items()}
-    out["total"] = {
-        "calls": sum(v["calls"] for v in out.values()),
-        "bytes": sum(v["bytes"] for v in out.values()),
-    }
-    out.update(groups)
-    return out
-
-
-def reset_comm_stats() -> None:
-    with _LOCK:
-        _STATS.clear()
-        _GROUP_STATS.clear()
-        _PHYSICAL.clear()
-
-
-class _DoneWork:
-    """Stands in for a ``dist.Work`` when no communication is needed (one rank)."""
-
-    def wait(self) -> bool:
-        return True
-
-
-class _RowWork:
-    """An in-place all-reduce standing in for a reduce-scatter: on completion, copy this rank's row out."""
-
-    def __init__(self, work, output: torch.Tensor, row: torch.Tensor) -> None:
-        self.work, self.output, self.row = work, output, row
-
-    def wait(self, timeout=None) -> bool:
-        ok = self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
-        self.output.copy_(self.row)
-        return ok
-
-
-class _Works:
-    """Several async collectives waited on as one."""
-
-    def __init__(self, works: list) -> None:
-        self.works = works
-
-    def wait(self, timeout=None) -> bool:
-        ok = True
-        for w in self.works:
-            ok = (w.wait() if timeout is None else w.wait(timeout=timeout)) and ok
-        return ok
 
 
 def regions_in_place(backend: str) -> bool:

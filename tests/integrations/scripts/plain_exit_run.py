@@ -1,7 +1,7 @@
 """A plain torch.distributed script (no launcher of ours, no Lightning): zp.setup at a stage, two steps, then
 ``dist.destroy_process_group()`` as ``examples/full_finetune.py`` ends, and return.  ``--count-threads``
 prints the process's thread count before the process group and at exit, after every other exit handler
-([Note: cached groups at exit] in ``zero_plugin/comm/collectives.py``)."""
+([Note: cached groups at exit] in ``zero_plugin/comm/groups.py``)."""
 
 from __future__ import annotations
 

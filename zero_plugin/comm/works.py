@@ -1,0 +1,42 @@
+"""Handles that ``Comm`` returns for async collectives when it issues something other than one
+``dist.Work``: nothing (one rank), an all-reduce standing in for a reduce-scatter, or several calls that
+make up one logical collective ([Note: in-place region gather] in ``collectives.py``).  Each has
+``wait(timeout=None)`` like ``dist.Work``."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DoneWork", "RowWork", "Works"]
+
+
+class DoneWork:
+    """Stands in for a ``dist.Work`` when no communication is needed (one rank)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class RowWork:
+    """An in-place all-reduce standing in for a reduce-scatter: on completion, copy this rank's row out."""
+
+    def __init__(self, work, output: torch.Tensor, row: torch.Tensor) -> None:
+        self.work, self.output, self.row = work, output, row
+
+    def wait(self, timeout=None) -> bool:
+        ok = self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
+        self.output.copy_(self.row)
+        return ok
+
+
+class Works:
+    """Several async collectives waited on as one."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self, timeout=None) -> bool:
+        ok = True
+        for w in self.works:
+            ok = (w.wait() if timeout is None else w.wait(timeout=timeout)) and ok
+        return ok
