@@ -13,6 +13,7 @@ import re
 
 import pytest
 
+from tests.models import planner_llama_config as _tiny_config
 from zero_plugin import planner as zpp
 from zero_plugin import run
 from zero_plugin.config import ZeroConfig
@@ -20,21 +21,6 @@ from zero_plugin.launch import estimate as le
 
 GIB = 2**30
 _UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
-
-
-def _tiny_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=160,
-        vocab_size=320,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
 
 
 @pytest.fixture
