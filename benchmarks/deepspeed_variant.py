@@ -133,13 +133,6 @@ class DeepSpeedVariant(Variant):
     def comm(self) -> dict[str, int]:
         return self.counter.by_kind()
 
-    def comm_by_group(self) -> dict[tuple[int, ...], int]:
-        everyone = tuple(range(dist.get_world_size()))
-        out: dict[tuple[int, ...], int] = {}
-        for ranks, nbytes in self.counter.by_group.items():
-            out[ranks or everyone] = out.get(ranks or everyone, 0) + nbytes
-        return out
-
     def state_groups(self) -> dict[str, list]:
         """Distinct storages the engine holds (see :func:`engine_held_tensors`)."""
         params = list(self.raw.parameters())

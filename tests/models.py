@@ -77,6 +77,24 @@ def _llama_config(tie: bool, layers: int):
     )
 
 
+def planner_llama_config(tied: bool = False):
+    """The planner tests' Llama config (hidden 64, 2 layers, vocab 320): sizes that round to readable
+    numbers; planned on the meta device or saved as a config folder, never trained."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=160,
+        vocab_size=320,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        use_cache=False,
+    )
+
+
 def make_tiny_llama(seed: int = 0, tie: bool = True, dtype: torch.dtype = torch.float32, layers: int = 2):
     """A randomly initialised ``LlamaForCausalLM`` (no download)."""
     from transformers import LlamaForCausalLM

@@ -8,10 +8,12 @@ are a full fine-tune and a frozen base ([Note: two rows at launch]).
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
 
+from tests.models import planner_llama_config as _tiny_config
 from zero_plugin import planner as zpp
 from zero_plugin import run
 from zero_plugin.config import ZeroConfig
@@ -19,21 +21,6 @@ from zero_plugin.launch import estimate as le
 
 GIB = 2**30
 _UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
-
-
-def _tiny_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=160,
-        vocab_size=320,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
 
 
 @pytest.fixture
@@ -194,3 +181,32 @@ def test_launch_is_silent_without_a_visible_model(launched, model_dir, tmp_path,
     code, err, started = launched(*argv)
     assert code == 0 and len(started) == 1
     assert err == ""
+
+
+# -- the config's hierarchical sharding and accumulation mode reach the planner ---------------------------
+HIERARCHICAL = ZeroConfig(stage=3, shard_group_size=2, accumulate_full_grads=True)
+
+
+def test_launch_plans_the_zero_config_file(launched, model_dir, tmp_path):
+    """shard_group_size and accumulate_full_grads from --zero_config: the printed peak is the planner's for
+    that config, which differs from plain stage 3's (so a launcher that dropped them would print another)."""
+    (tmp_path / "zero.yaml").write_text("shard_group_size: 2\naccumulate_full_grads: true\n")
+    code, err, _ = launched(
+        "--num_processes", "4", "--zero_config", str(tmp_path / "zero.yaml"), "train.py", "--model", model_dir
+    )
+    lines = err.splitlines()
+    assert code == 0 and lines[1].startswith("  --stage 3, 4 ranks on cpu (shard groups of 2), full fine-tune")
+    planned = zpp.Planner(_tiny_config(), config=HIERARCHICAL, device="cpu").estimate(4, 3)["peak"]["total"]
+    plain = zpp.Planner(_tiny_config(), device="cpu").estimate(4, 3)["peak"]["total"]
+    assert planned > 1.2 * plain and _close(_bytes(lines[1])[-1], planned)
+
+
+def test_node_shard_groups_are_the_ranks_per_machine(monkeypatch, capsys, model_dir):
+    """shard_group_size="node": the children read LOCAL_WORLD_SIZE, which the launcher has not set; it plans
+    num_processes // num_machines ranks per shard group instead of printing nothing."""
+    args = argparse.Namespace(num_processes=4, num_machines=2)
+    env = {"ZERO_PLUGIN_STAGE": "3", "ZERO_PLUGIN_SHARD_GROUP_SIZE": "node", "ZERO_PLUGIN_ACCUMULATE_FULL_GRADS": "1"}
+    monkeypatch.setattr(le, "_available_host_memory", lambda: 64.0 * GIB)
+    le.print_launch_estimate(["--model", model_dir], args, {}, env, False)
+    expected = le.estimate_lines(["--model", model_dir], HIERARCHICAL, 4, le.Machine(64.0 * GIB), ranks_per_host=2)
+    assert "(shard groups of 2)" in expected[1] and capsys.readouterr().err.splitlines() == expected

@@ -14,26 +14,11 @@ import pytest
 import torch
 
 import zero_plugin as zp
+from tests.models import planner_llama_config as _tiny_config
 from zero_plugin import planner as zpp
 from zero_plugin.launch.cli import main
 
 GIB = 2**30
-
-
-def _tiny_config(tied: bool = False):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=160,
-        vocab_size=320,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=tied,
-        use_cache=False,
-    )
 
 
 def _tiny_llama(tied: bool = False, frozen_embeddings: bool = False):

@@ -18,6 +18,12 @@ base about 4.  So it prints both: every parameter trainable, and a frozen base w
 parameters (norms, biases) train, which makes backward run through every block as LoRA's does
 (adapters, ~1% of the parameters, are not counted).  The warning says which of the two will not fit.
 
+[Note: shard groups at launch]
+``ZeroConfig.shard_group_size="node"`` is resolved by each child from ``LOCAL_WORLD_SIZE``, which the
+launcher does not have yet: Accelerate starts ``num_processes // num_machines`` processes per machine, so
+the plan uses that many ranks per shard group (``ranks_per_host``).  The rest of the config (an int
+``shard_group_size``, ``accumulate_full_grads``) goes to the planner as the children will read it.
+
 Nothing here may stop a launch: a model that cannot be seen, or any failure of the estimate, costs
 one debug log line and the launch goes on (``print_launch_estimate``).
 """
@@ -126,12 +132,15 @@ def plan_launch(
 ) -> dict:
     """``Planner.fit`` of the launched model for every setting, trainable and frozen ([Note: two rows at launch]).
 
-    Returns ``{"setting", "device", "full", "frozen"}``: the launched (stage, offload, offload_params), the
-    planned device, and one fit result per row (``frozen`` is None when the model has no 1-D parameter).
+    Returns ``{"setting", "device", "shard_group_size", "full", "frozen"}``: the launched (stage, offload,
+    offload_params), the planned device, the ranks per shard group (None: the whole world), and one fit result
+    per row (``frozen`` is None when the model has no 1-D parameter).
     """
     from ..planner import SETTINGS, Planner, resolve_model
 
     device = "cpu" if machine.gpu_bytes is None else "cuda"
+    if zero_config.shard_group_size == "node" and ranks_per_host is not None:  # [Note: shard groups at launch]
+        zero_config = zero_config.replace(shard_group_size=ranks_per_host)
     setting = (zero_config.stage, zero_config.offload, zero_config.offload_params)
     settings = SETTINGS if setting in SETTINGS else (*SETTINGS, setting)
     fits = {}
@@ -152,7 +161,8 @@ def plan_launch(
             ranks_per_host=ranks_per_host,
             settings=settings,
         )
-    return {"setting": setting, "device": device, **fits}
+    shard = zero_config.resolved_shard_group_size(world_size)
+    return {"setting": setting, "device": device, "shard_group_size": shard, **fits}
 
 
 def launched_row(fit: dict, setting: tuple) -> dict:
@@ -180,6 +190,11 @@ def _per_rank(row: dict, device: str) -> str:
 def _flags(row: dict) -> str:
     text = f"--stage {row['stage']}" + (" --offload cpu" if row["offload"] else "")
     return text + (" with offload_params: true in --zero_config" if row["offload_params"] else "")
+
+
+def _groups(plan: dict) -> str:
+    k = plan["shard_group_size"]
+    return f" (shard groups of {k})" if k else ""
 
 
 def _shortfall(row: dict, fit: dict, device: str) -> str:
@@ -239,7 +254,7 @@ def render(plan: dict, model: str, machine: Machine, batch: int | None, seq: int
     lines = [
         f"zero-plugin launch: memory per rank planned for --model {model} ({_count(counts['total'])} "
         f"parameters, {full['param_dtype']}; zero_plugin.planner: model states, our buffers, {acts}):",
-        f"  {_flags(full)}, {fit['world_size']} ranks on {device}, full fine-tune (every parameter trains): "
+        f"  {_flags(full)}, {fit['world_size']} ranks on {device}{_groups(plan)}, full fine-tune (every parameter trains): "
         f"{_per_rank(full, device)}",
     ]
     if plan["frozen"] is not None:

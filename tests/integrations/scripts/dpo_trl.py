@@ -17,6 +17,7 @@ from peft import LoraConfig
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, set_seed
 from trl import DPOConfig, DPOTrainer
+from trl_common import trl_args, write_result
 
 WORDS = 48
 
@@ -80,22 +81,7 @@ def main():
     policy, reference = llama(len(tok), seed=0), llama(len(tok), seed=1)
     set_seed(0)
     full_bytes = storage_bytes(reference)
-    config = DPOConfig(
-        output_dir=args.out,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=1,
-        max_steps=args.max_steps,
-        learning_rate=5e-3,
-        beta=0.1,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        save_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        max_length=32,
-    )
+    config = DPOConfig(**trl_args(args.out, args.max_steps), gradient_accumulation_steps=1, beta=0.1)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
     trainer = DPOTrainer(
         model=policy,
@@ -116,16 +102,7 @@ def main():
             },
             f,
         )
-    if trainer.is_world_process_zero():
-        with open(os.path.join(args.out, "result.json"), "w") as f:
-            json.dump(
-                {
-                    "log_history": trainer.state.log_history,
-                    "world_size": config.world_size,
-                    "accelerator_class": type(trainer.accelerator).__module__,
-                },
-                f,
-            )
+    write_result(trainer, args.out)
 
 
 if __name__ == "__main__":

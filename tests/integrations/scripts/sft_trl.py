@@ -8,14 +8,13 @@ still on the meta device when the trainer was built.
 """
 
 import argparse
-import json
-import os
 
 import torch
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, set_seed
 from trl import SFTConfig, SFTTrainer
+from trl_common import trl_args, write_result
 
 
 def texts(rows: int, seed: int) -> Dataset:
@@ -35,18 +34,7 @@ def main():
     args = ap.parse_args()
     set_seed(0)
     config = SFTConfig(
-        output_dir=args.out,
-        per_device_train_batch_size=2,
-        max_steps=args.max_steps,
-        learning_rate=5e-3,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        save_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        max_length=32,
+        **trl_args(args.out, args.max_steps),
         packing=False,
         model_init_kwargs={"dtype": torch.float32},
     )
@@ -60,17 +48,7 @@ def main():
     )
     meta = sum(p.is_meta for p in trainer.model.parameters())
     trainer.train()
-    if trainer.is_world_process_zero():
-        with open(os.path.join(args.out, "result.json"), "w") as f:
-            json.dump(
-                {
-                    "log_history": trainer.state.log_history,
-                    "world_size": config.world_size,
-                    "meta_before_train": meta,
-                    "accelerator_class": type(trainer.accelerator).__module__,
-                },
-                f,
-            )
+    write_result(trainer, args.out, meta_before_train=meta)
 
 
 if __name__ == "__main__":
