@@ -75,13 +75,18 @@ def build_optimizer(model):
     return models.two_group_adamw(model)
 
 
-def sliced_worker(kind, trainable_head, batches, steps, accum, max_norm, slice_numel, buffered=False) -> dict:
+def sliced_worker(
+    kind, trainable_head, batches, steps, accum, max_norm, slice_numel, buffered=False, default_policy=False
+) -> dict:
+    """``default_policy``: the default unit choice (decoder layers, [Note: frozen linear units]) instead of
+    ``head_units``."""
     from tests.unit.memory_comm_workers import collectives_layout
     from zero_plugin.engines.engine import engine_of
     from zero_plugin.stage3.sliced import SlicedLinearUnit
 
     model = build_model(kind, trainable_head)
-    config = zp.ZeroConfig(stage=3, unit_policy=head_units, linear_slice_numel=slice_numel)
+    policy = None if default_policy else head_units
+    config = zp.ZeroConfig(stage=3, unit_policy=policy, linear_slice_numel=slice_numel)
     with collectives_layout(buffered):
         model, opt = zp.setup(model, build_optimizer(model), config)
         engine = engine_of(model, "test")

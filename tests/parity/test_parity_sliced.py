@@ -22,18 +22,23 @@ from tests.parity import sliced_workers as workers
 
 STEPS, ACCUM, GLOBAL_ROWS, MAX_NORM = 4, 2, 12, 1.0
 
-# (kind, trainable_head, world_size, buffered, sliced expected)
+# (kind, trainable_head, world_size, buffered, which units are sliced: "head", "none" or "blocks" =
+# under the default unit choice, every frozen linear inside the decoder layers, [Note: frozen linear units])
 CASES = [
-    ("mlp", False, 2, False, True),
-    ("mlp", False, 3, False, True),
-    ("mlp", False, 2, True, True),
-    ("mlp", True, 2, False, False),
-    ("mlp_tied", True, 3, False, False),
-    ("llama", False, 2, False, True),
-    ("llama", False, 3, True, True),
-    ("lora", False, 3, False, True),
-    ("lora_tied", False, 2, False, False),
+    ("mlp", False, 2, False, "head"),
+    ("mlp", False, 3, False, "head"),
+    ("mlp", False, 2, True, "head"),
+    ("mlp", True, 2, False, "none"),
+    ("mlp_tied", True, 3, False, "none"),
+    ("llama", False, 2, False, "head"),
+    ("llama", False, 3, True, "head"),
+    ("lora", False, 3, False, "head"),
+    ("lora_tied", False, 2, False, "none"),
+    ("lora", False, 2, False, "blocks"),
+    ("lora_tied", False, 3, True, "blocks"),
 ]
+# LoRA on q/v of 2 layers: q and v's base layers, k, o, gate, up, down
+BLOCK_LINEARS = 2 * 7
 
 
 @functools.cache
@@ -61,7 +66,7 @@ def reference(kind: str, trainable_head: bool) -> dict:
 @pytest.mark.parametrize(
     "kind,trainable_head,world_size,buffered,sliced",
     CASES,
-    ids=[f"{c[0]}-train{int(c[1])}-ws{c[2]}-buf{int(c[3])}" for c in CASES],
+    ids=[f"{c[0]}-train{int(c[1])}-ws{c[2]}-buf{int(c[3])}-{c[4]}" for c in CASES],
 )
 def test_sliced_head_parity(kind, trainable_head, world_size, buffered, sliced):
     ref = reference(kind, trainable_head)
@@ -76,14 +81,18 @@ def test_sliced_head_parity(kind, trainable_head, world_size, buffered, sliced):
         MAX_NORM,
         workers.SLICE_NUMEL,
         buffered=buffered,
+        default_policy=sliced == "blocks",
     )
     mlp = kind.startswith("mlp")
     rel = 1e-10 if mlp else 1e-4
     for rank, r in enumerate(results):
         names = [name for name, _ in r["sliced"]]
-        if sliced:
+        if sliced == "head":
             assert len(names) == 1 and names[0].endswith("head"), f"rank {rank}: sliced units {r['sliced']}"
             assert r["sliced"][0][1] >= 6, f"rank {rank}: {r['sliced']}"
+        elif sliced == "blocks":
+            assert len(names) == BLOCK_LINEARS and all(".layers." in n for n in names), f"rank {rank}: {names}"
+            assert min(count for _, count in r["sliced"]) >= 5, f"rank {rank}: {r['sliced']}"
         else:
             assert names == [], f"rank {rank}: a trainable or tied head must not be sliced, got {names}"
         assert r["whole_gathers"] == [], f"rank {rank}: sliced unit gathered whole {r['whole_gathers']}"

@@ -86,7 +86,9 @@ def build_stage3_engine(
 
 def _make_unit(index, name, module, params, comm, config, pool, streams) -> Unit:
     args = (index, name, module, params, comm, config.effective_reduce_dtype, pool, streams)
-    if index and sliceable(module, params, config.linear_slice_numel):  # [Note: sliced linear units]
+    if index and sliceable(
+        module, [sp.param for sp in params], config.linear_slice_numel
+    ):  # [Note: sliced linear units]
         return SlicedLinearUnit(*args, slice_numel=config.linear_slice_numel)
     return Unit(*args)
 

@@ -23,7 +23,9 @@ backward), so they pair like any gather.
 
 Only frozen, untied layers: a trainable weight would need its gradient reduce-scattered slice by
 slice, and a tied one (input embedding) is used whole by another module; both stay ordinary units
-(the tied one is in the root unit, [Note: leaf units] in ``policy.py``).  Explicit gathers
+(the tied one is in the root unit, [Note: leaf units] in ``policy.py``).  Under the default unit choice a
+frozen Linear of that size inside a block (a LoRA base layer's ``base_layer``) becomes such a unit of its
+own too ([Note: frozen linear units] in ``policy.py``), so the block's unit gathers only what is left.  Explicit gathers
 (``zp.gathered_parameters``, state dicts, ``release_full``) still gather it whole with
 :meth:`Unit.unshard`; while it is gathered the forward is a plain ``F.linear``.  The module's
 ``forward`` is replaced by an instance attribute (not the class's), removed with the engine.
@@ -41,12 +43,12 @@ from .unit import Unit
 __all__ = ["SlicedLinearUnit", "sliceable"]
 
 
-def sliceable(module: nn.Module, params: list[ShardedParam], slice_numel: int) -> bool:
-    """Whether a unit of ``module`` with ``params`` is computed in slices ([Note: sliced linear units])."""
+def sliceable(module: nn.Module, params: list[nn.Parameter], slice_numel: int) -> bool:
+    """Whether a unit of ``module`` owning ``params`` is computed in slices ([Note: sliced linear units])."""
     if not slice_numel or not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
         return False
     own = {id(p) for p in module.parameters(recurse=False)}
-    if {id(sp.param) for sp in params} != own or any(sp.param.requires_grad for sp in params):
+    if {id(p) for p in params} != own or any(p.requires_grad for p in params):
         return False
     return module.weight.numel() >= 2 * slice_numel
 
