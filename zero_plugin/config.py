@@ -163,6 +163,11 @@ class ZeroConfig:
     """Stage 3: parameters with numel <= this (elements) join the root unit: still sharded, but gathered once per
     step with the root instead of with their block ([Note: persistent parameters] in stage3/policy.py); >= 0.
     Default 0."""
+    linear_slice_numel: int = 1 << 23
+    """Stage 3: a unit made of one frozen ``nn.Linear`` with at least twice this many weight elements (an untied LM
+    head under LoRA) is computed one row-slice of at most this many elements at a time in forward and backward,
+    never gathered whole ([Note: sliced linear units] in stage3/sliced.py); elements, >= 0, 0 = off. Default
+    2**23 (32 MiB in fp32)."""
     reshard_after_forward: bool = True
     """Stage 3: free a unit's gathered params after forward; False keeps them until backward,
     trading memory for one less all-gather. Default True."""
@@ -244,6 +249,7 @@ class ZeroConfig:
         put("bucket_size_mb", _as_positive_float("bucket_size_mb", self.bucket_size_mb, hi=4096.0))
         put("prefetch_depth", _as_int("prefetch_depth", self.prefetch_depth, 0, 8))
         put("persistence_threshold", _as_int("persistence_threshold", self.persistence_threshold, 0))
+        put("linear_slice_numel", _as_int("linear_slice_numel", self.linear_slice_numel, 0))
         put("reshard_after_forward", _as_bool("reshard_after_forward", self.reshard_after_forward))
         put("accumulate_full_grads", _as_bool("accumulate_full_grads", self.accumulate_full_grads))
         put("unit_classes", _as_unit_classes(self.unit_classes))
@@ -434,6 +440,7 @@ _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "stage": _INT,
     "prefetch_depth": _INT,
     "persistence_threshold": _INT,
+    "linear_slice_numel": _INT,
     "bucket_size_mb": _FLOAT,
     "timeout_s": _FLOAT,
     "loss_scale_init": _FLOAT,

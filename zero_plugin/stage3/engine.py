@@ -39,6 +39,7 @@ from .hooks import Stage3Runtime
 from .param import ShardedParam, ShardedState
 from .policy import assign_units
 from .pool import BufferPool
+from .sliced import SlicedLinearUnit, sliceable
 from .state_dict_hooks import StateDictHooks, gather_to_host
 from .unit import Unit
 
@@ -73,7 +74,7 @@ def build_stage3_engine(
     pool = BufferPool()  # one for all units: [Note: buffer reuse]
     streams = streams_for(compute_device(comm))  # [Note: side streams] in ``streams.py``; no-op on CPU
     units = [
-        Unit(i, name, module, per_unit[i], comm, config.effective_reduce_dtype, pool, streams)
+        _make_unit(i, name, module, per_unit[i], comm, config, pool, streams)
         for i, (name, module) in enumerate(modules)
     ]
     reduce_comm = comm.sibling("stage-3 reductions")  # [Note: reductions on their own group] in hooks.py
@@ -81,6 +82,15 @@ def build_stage3_engine(
         unit.reduce_comm = reduce_comm
     slots = [_master_for(sharded[id(p)], names[id(p)], config) for _, p in trainable]
     return (engine_type or Stage3Engine)(model, config, comm, slots, units, sharded)
+
+
+def _make_unit(index, name, module, params, comm, config, pool, streams) -> Unit:
+    args = (index, name, module, params, comm, config.effective_reduce_dtype, pool, streams)
+    if index and sliceable(
+        module, [sp.param for sp in params], config.linear_slice_numel
+    ):  # [Note: sliced linear units]
+        return SlicedLinearUnit(*args, slice_numel=config.linear_slice_numel)
+    return Unit(*args)
 
 
 @torch.no_grad()
@@ -358,6 +368,8 @@ class Stage3Engine(Engine):
 
     def remove(self) -> None:
         self.runtime.remove()
+        for unit in self.units:
+            unit.remove()
         self.state_dict_hooks.remove()
         super().remove()
 

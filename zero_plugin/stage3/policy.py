@@ -13,6 +13,14 @@ forward and backward instead of for the whole step.  A 32k-vocabulary embedding 
 several decoder layers, so keeping it and the LM head in the root unit would hold them
 unsharded through every layer's forward and backward.  Tied weights stay in the root unit.
 
+[Note: frozen linear units] Unless ``unit_policy`` decides, an ``nn.Linear`` inside a block whose own
+parameters are all frozen at setup, not shared, with at least ``2 x ZeroConfig.linear_slice_numel``
+weight elements (the MLP projections of a multi-billion-parameter model under LoRA) becomes a unit of
+its own, which the engine computes slice by slice ([Note: sliced linear units] in ``sliced.py``): the
+block's unit then gathers only the rest (attention, norms, adapters), and the large frozen weights
+are never whole in memory.  Memory per rank over step time: slices are gathered when used, not
+prefetched (on CPU, where this matters most, a gather barely overlaps compute anyway).
+
 [Note: persistent parameters] ``persistence_threshold`` > 0: every parameter with at most that many
 elements (norm weights, biases) belongs to the root unit, whatever block it sits in.  Their shards
 and optimizer state stay partitioned, but they are gathered once per step in one batched gather
@@ -26,6 +34,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..config import ZeroConfig
+from .sliced import sliceable
 
 __all__ = ["assign_units", "LEAF_UNIT_MIN_NUMEL"]
 
@@ -83,6 +92,7 @@ def assign_units(model: nn.Module, config: ZeroConfig) -> tuple[list[tuple[str, 
         _no_unit_matched(model, config.unit_classes)
     if config.unit_policy is None:  # the default blocks or unit_classes; a custom policy decides alone
         _split_leaf_units(model, units, owner)
+        _split_frozen_linears(model, units, owner, config.linear_slice_numel)
     if config.persistence_threshold:
         for p in model.parameters():  # [Note: persistent parameters]
             if p.numel() <= config.persistence_threshold:
@@ -118,6 +128,29 @@ def _split_leaf_units(model: nn.Module, units: list[tuple[str, nn.Module]], owne
         if not own or any(owner.get(id(p)) != 0 or users[id(p)] > 1 for p in own):
             continue
         if sum(p.numel() for p in own) >= LEAF_UNIT_MIN_NUMEL:
+            units.append((name, module))
+            for p in own:
+                owner[id(p)] = len(units) - 1
+
+
+def _split_frozen_linears(
+    model: nn.Module, units: list[tuple[str, nn.Module]], owner: dict[int, int], slice_numel: int
+) -> None:
+    """Large frozen linears inside blocks become units of their own ([Note: frozen linear units])."""
+    if not slice_numel:
+        return
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    heads = {id(m) for _, m in units}
+    for name, module in model.named_modules():
+        if id(module) in heads:
+            continue
+        own = [p for p in module.parameters(recurse=False) if p is not None]
+        if not own or any(owner.get(id(p), 0) == 0 or users[id(p)] > 1 for p in own):
+            continue  # outside every block (the root's or a leaf unit's business), or shared
+        if sliceable(module, own, slice_numel):
             units.append((name, module))
             for p in own:
                 owner[id(p)] = len(units) - 1

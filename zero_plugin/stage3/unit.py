@@ -115,6 +115,10 @@ class Unit:
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, {self.state.value})"
 
+    def remove(self) -> None:
+        """The engine is removed: undo what the unit installed on its module (nothing here;
+        ``sliced.SlicedLinearUnit`` replaces the module's forward)."""
+
     @property
     def is_root(self) -> bool:
         return self.index == 0  # policy.assign_units: [Note: root unit] in hooks.py

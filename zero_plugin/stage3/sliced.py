@@ -1,0 +1,148 @@
+"""A frozen ``nn.Linear`` unit computed one row-slice of its weight at a time (stage 3).
+
+[Note: sliced linear units]
+An LM head over a 32k vocabulary is the largest unit of a Llama (32000 x 3072 fp32 = 375 MiB at 3B,
+as much as a decoder layer) and it is gathered at the worst moment: at the end of the forward and
+the start of the backward, while every saved activation of the step is alive
+(``benchmarks/results/large_model_trace.md``).  A frozen Linear needs its weight only to compute
+``y = x @ W^T + b`` in forward and ``grad_x = g @ W`` in backward, and both are sums over
+independent row-blocks of ``W``.  So a unit made of exactly one ``nn.Linear`` whose parameters are
+all frozen at setup, with at least ``2 x ZeroConfig.linear_slice_numel`` weight elements, is never
+gathered whole by the runtime: its forward gathers rows ``[a, b)`` of ``W`` (and ``b[a:b]``) into one
+slice buffer of at most ``linear_slice_numel`` elements, writes ``y[..., a:b]``, and moves to the
+next slice; its backward does the same for ``grad_x += g[..., a:b] @ W[a:b]``.  Peak memory for the
+weight is one slice instead of the whole matrix; the price is a second gather of the weight in
+backward (the runtime keeps a whole last unit from forward to backward instead, [Note: last unit
+kept] in ``hooks.py``), i.e. one more all-gather of the layer per step.
+
+Each slice is an all-gather of every rank's part of the slice's flat range ``[a*H, b*H)``: on gloo
+the parts are broadcast straight into the slice buffer (``Comm.gather_regions``, as a unit's in-place
+gather), elsewhere each rank's part is padded to the longest part and all-gathered.  Every rank runs
+the same slices in the same order at the same point of the step (the unit's own forward or
+backward), so they pair like any gather.
+
+Only frozen, untied layers: a trainable weight would need its gradient reduce-scattered slice by
+slice, and a tied one (input embedding) is used whole by another module; both stay ordinary units
+(the tied one is in the root unit, [Note: leaf units] in ``policy.py``).  Under the default unit choice a
+frozen Linear of that size inside a block (a LoRA base layer's ``base_layer``) becomes such a unit of its
+own too ([Note: frozen linear units] in ``policy.py``), so the block's unit gathers only what is left.  Explicit gathers
+(``zp.gathered_parameters``, state dicts, ``release_full``) still gather it whole with
+:meth:`Unit.unshard`; while it is gathered the forward is a plain ``F.linear``.  The module's
+``forward`` is replaced by an instance attribute (not the class's), removed with the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .param import ShardedParam, ShardedState
+from .unit import Unit
+
+__all__ = ["SlicedLinearUnit", "sliceable"]
+
+
+def sliceable(module: nn.Module, params: list[nn.Parameter], slice_numel: int) -> bool:
+    """Whether a unit of ``module`` owning ``params`` is computed in slices ([Note: sliced linear units])."""
+    if not slice_numel or not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
+        return False
+    own = {id(p) for p in module.parameters(recurse=False)}
+    if {id(p) for p in params} != own or any(p.requires_grad for p in params):
+        return False
+    return module.weight.numel() >= 2 * slice_numel
+
+
+class SlicedLinearUnit(Unit):
+    """A frozen ``nn.Linear`` unit whose forward and backward gather one row-slice at a time."""
+
+    def __init__(self, *args, slice_numel: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        by_param = {id(sp.param): sp for sp in self.params}
+        self.weight = by_param[id(self.module.weight)]
+        self.bias = by_param.get(id(self.module.bias)) if self.module.bias is not None else None
+        out_features, in_features = self.weight.shape
+        rows = max(1, slice_numel // in_features)
+        self.slices = [(a, min(a + rows, out_features)) for a in range(0, out_features, rows)]
+        self.module.forward = self.forward  # an instance attribute: removed by :meth:`remove`
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+    # The runtime never gathers this unit whole: its forward and backward gather slices.
+    def pre_forward(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def ensure_unsharded(self, checked: bool = True) -> None:
+        if self._gather:  # an explicit unshard(async_op=True) in flight
+            self.wait_unshard()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.state is ShardedState.UNSHARDED:  # gathered explicitly (zp.gathered_parameters)
+            return F.linear(x, self.module.weight, self.module.bias)
+        return _SlicedLinear.apply(self, x)
+
+    # -- slices -------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_slices(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(*x.shape[:-1], self.weight.shape[0])
+        for a, b in self.slices:
+            w = self._gather_rows(a, b)
+            bias = self._gather_flat(self.bias, a, b) if self.bias is not None else None
+            out[..., a:b] = F.linear(x, w, bias)
+        return out
+
+    @torch.no_grad()
+    def input_grad(self, grad_out: torch.Tensor) -> torch.Tensor:
+        grad_in = None
+        for a, b in self.slices:
+            part = grad_out[..., a:b].matmul(self._gather_rows(a, b))
+            grad_in = part if grad_in is None else grad_in.add_(part)
+        return grad_in
+
+    def _gather_rows(self, a: int, b: int) -> torch.Tensor:
+        in_features = self.weight.shape[1]
+        return self._gather_flat(self.weight, a * in_features, b * in_features).view(b - a, in_features)
+
+    def _gather_flat(self, sp: ShardedParam, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of ``sp``'s flattened full tensor, in its compute dtype, on every rank."""
+        world, rank = self.comm.world_size, sp.layout.rank
+        parts = []
+        for r in range(world):
+            r_lo, r_hi = sp.layout.bounds(r)
+            p_lo = min(max(lo, r_lo), hi)
+            parts.append((p_lo, max(p_lo, min(hi, r_hi))))
+        buf = torch.empty(hi - lo, dtype=sp.unsharded.dtype, device=sp.unsharded.device)
+        own_lo, own_hi = parts[rank]
+        start = sp.layout.bounds()[0]
+        buf[own_lo - lo : own_hi - lo].copy_(sp.local[own_lo - start : own_hi - start])
+        tag = f"{self.name}[{lo}:{hi}]"
+        if self.comm.gathers_regions_in_place:
+            self.comm.gather_regions([[buf[p_lo - lo : p_hi - lo]] for p_lo, p_hi in parts], tag=tag)
+            return buf
+        width = max(p_hi - p_lo for p_lo, p_hi in parts)
+        inp = buf.new_zeros(width)
+        inp[: own_hi - own_lo].copy_(buf[own_lo - lo : own_hi - lo])
+        rows = buf.new_empty(world, width)
+        self.comm.all_gather(rows.view(-1), inp, tag=tag)
+        for r, (p_lo, p_hi) in enumerate(parts):
+            buf[p_lo - lo : p_hi - lo].copy_(rows[r, : p_hi - p_lo])
+        return buf
+
+
+class _SlicedLinear(torch.autograd.Function):
+    """``y = x @ W^T + b`` with a frozen ``W`` gathered slice by slice in forward and again in backward."""
+
+    @staticmethod
+    def forward(ctx, unit: SlicedLinearUnit, x: torch.Tensor) -> torch.Tensor:
+        ctx.unit = unit
+        return unit.forward_slices(x)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        if not ctx.needs_input_grad[1]:
+            return None, None
+        return None, ctx.unit.input_grad(grad_out)
