@@ -32,6 +32,7 @@ estimate), never by letting the kernel's OOM killer pick a process of the machin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -161,6 +162,10 @@ def _poll_until_exit(proc: subprocess.Popen, watch: Watch, timeout_s: float, min
             watch.killed = f"killed by the watchdog after {elapsed:.0f} s: {reason}; ranks at RSS " + ", ".join(
                 f"r{r} {b / GIB:.2f} GiB" for r, b in sorted(rss.items())
             )
+            # the launcher's ranks run in sessions of their own: the group kill does not reach them
+            for pid in {*_descendants(proc.pid), *watch.ranks}:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             os.killpg(proc.pid, signal.SIGKILL)
             break
         time.sleep(0.1)
