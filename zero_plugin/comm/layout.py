@@ -66,6 +66,7 @@ __all__ = [
     "reduce_in_place",
     "reduce_buffered",
     "all_reduce_flat",
+    "all_reduce_filled",
 ]
 
 Store = Callable[[Any, torch.Tensor], None]  # (member, its averaged result)
@@ -371,3 +372,12 @@ def all_reduce_flat(comm: Comm, members: list, dtype: torch.dtype, device: torch
         dst.copy_(grad.view(-1)) if grad is not None else dst.zero_()
         buf[width + i] = float(grad is not None)
     return FlatAllReduce(comm, members, offsets, width, buf, comm.all_reduce(buf, async_op=True))
+
+
+def all_reduce_filled(comm: Comm, members: list, buffer: torch.Tensor, width: int) -> FlatAllReduce:
+    """Stage 0 with a buffer the caller filled already in :func:`all_reduce_flat`'s layout (members whole
+    at their packed offsets, then the flags): the all-reduce alone ([Note: gradients as bucket views] in
+    ``grads/views.py``)."""
+    offsets, packed = packed_offsets(m.layout.numel for m in members)
+    assert packed == width and buffer.numel() == width + len(members), "all_reduce_filled: layout mismatch"
+    return FlatAllReduce(comm, members, offsets, width, buffer, comm.all_reduce(buffer, async_op=True))

@@ -44,6 +44,7 @@ from ..engines.weak_hook import WeakHook
 from ..optim.master import MasterParam
 from .bucket import Bucket, plan_buckets
 from .schedule import LateFlags, ReductionSchedule
+from .views import BucketViews, store_view
 
 __all__ = ["AllReduceReducer", "ReduceScatterReducer", "GradReducer"]
 
@@ -183,17 +184,39 @@ class GradReducer:
 
 
 class AllReduceReducer(GradReducer):
-    """Stage 0 (DDP): average full gradients with a bucketed all-reduce."""
+    """Stage 0 (DDP): average full gradients with a bucketed all-reduce; gradients stay views of the
+    buckets' buffers where the dtypes allow ([Note: gradients as bucket views] in ``views.py``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.views = BucketViews(self.reduce_dtype)
+        self._viewed = {id(b) for b in self.buckets if self.views.applies(b)}
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> comm_layout.FlatAllReduce:
+        if id(bucket) in self._viewed:
+            buf = self.views.fill(bucket)
+            return comm_layout.all_reduce_filled(self.comm, bucket.slots, buf, bucket.width)
         return comm_layout.all_reduce_flat(
             self.comm, bucket.slots, self._buffer_dtype(bucket), bucket.slots[0].param.device
         )
 
+    def _post_accumulate(self, param: torch.Tensor) -> None:
+        if self.require_sync:
+            bucket, index = self._where[id(param)]
+            if id(bucket) in self._viewed and not bucket.launched:
+                self.views.adopt(bucket, index)
+        super()._post_accumulate(param)
+
     @torch.no_grad()
     def _complete(self, bucket: Bucket, pending: comm_layout.FlatAllReduce) -> None:
-        pending.complete("gradient reduction", self._store)
+        pending.complete("gradient reduction", self._store_view if id(bucket) in self._viewed else self._store)
+
+    def _store_view(self, slot: MasterParam, reduced: torch.Tensor) -> None:
+        self.owned[id(slot.param)] = store_view(slot, reduced)
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return super().grad_tensors() + self.views.tensors()
 
     def _store(self, slot: MasterParam, reduced: torch.Tensor) -> None:
         """The average into ``param.grad``; never called for a parameter unused on every rank, which keeps no
