@@ -25,6 +25,9 @@ steps, MiB; 5 timed steps after 2 warm-up unless said; DDP: 1 fault per step, pe
   * at the ends of forward and backward: 99.5k / 105.8k, peak 739 / 741;
   * after the optimizer step only: 99.7k / 100.7k, peak 756 / 748;
   * at the end of forward only (the default now): 44.0k / 44.3k, peak 731 / 736.
+In ``benchmarks.ab`` against the previous default (2 warm-up + 5 timed steps x 2 rounds, load
+average 12-21 on 2 cores, so CPU time): 5.20 against 6.08 CPU s per step (0.894x; DDP 4.84 s), peak RSS
+increase 586 against 568 MiB (DDP 895 MiB), final parameters bit-identical to DDP's.
 The end of forward is the one point where the heap's holes are not about to be refilled: the
 activations the backward needs are all allocated, and the backward frees more than it allocates, so it
 reuses its own freed pages; pages trimmed anywhere earlier are faulted in again by the same forward,
