@@ -202,9 +202,9 @@ class ZeroConfig:
     """Dynamic loss scaling: consecutive steps without inf/NaN after which the scale doubles (GradScaler's
     ``growth_interval``); >= 1 steps. Default 2000."""
     trim_host_heap: bool = True
-    """Stage 3 on CPU: hand freed heap pages back to the OS after each unit's release in forward and at the
-    ends of forward and backward (lower peak RSS; the pages are faulted in again, which costs step time,
-    up to ~15% on small models); no effect on CUDA. Default True."""
+    """Stage 3 on CPU: hand freed heap pages back to the OS once per forward, at its end (lower peak RSS;
+    the pages are faulted in again, which costs some step time: [Note: heap trimming] in
+    ``engines/hostmem.py``); no effect on CUDA. Default True."""
     cpu_ram_efficient_loading: bool = False
     """Stages 0-2 under ``zero_plugin.run``: only rank 0 reads a safetensors ``from_pretrained`` checkpoint, the
     other ranks build the model on meta and receive rank 0's values in ``zp.setup`` (as Accelerate's FSDP option

@@ -6,16 +6,44 @@ and their gradients while activations are allocated in between, so the heaps end
 more than the live bytes: measured on the 120M-parameter benchmark model (2 ranks), the peak RSS
 increase was 2036 MiB with the default allocator against 1288 MiB with every block mmapped
 (``MALLOC_MMAP_THRESHOLD_=131072``), while DDP's was 3095 / 2615 MiB.  ``malloc_trim(0)`` returns
-the free pages of every arena (``madvise(MADV_DONTNEED)`` on free chunks, not only the heap top);
-the stage-3 runtime calls it after each unit's release in forward (the activations kept for backward
-would otherwise grow around the freed units) and at the end of each forward and backward, so the next
-phase re-faults only what it really uses.  With it the peak RSS increase of stage 3 is 0.53x DDP's at
-120M parameters and 0.55-0.61x at 58M (``benchmarks/results/medium-ws2.md``, ``small-ws2.md``);
-trimming only when the heap holds more than two units' worth of free bytes changed neither the peak
-nor the step time at 58M, while not trimming at all took the 58M step from 1.14-1.18x to 1.00x DDP's
-and its peak from 0.55-0.61x to 0.64x: ``ZeroConfig(trim_host_heap=False)`` makes that choice.  A
-no-op where glibc is not the allocator (macOS, musl) and on CUDA devices (the caching allocator
-manages device memory; host buffers there are pinned and reused).
+the free pages of every arena (``madvise(MADV_DONTNEED)`` on free chunks, not only the heap top), and
+every page it returns is faulted in (and zeroed) again when the heap reuses it: that re-faulting, not
+the trim call, is the step-time cost, and minor page faults per step (``ru_minflt``) measure it
+independently of machine load.  On ``blocks34m`` (2 ranks, batch 4x128) the unit-sized blocks have the
+sizes of the activations (1 MiB hidden states and q/k/v/o weights, 2.7 MiB MLP intermediates and
+weights), so no size class or mmap threshold separates them.  Without any trim the heap's extent grows
+step after step (peak RSS increase 751 MiB after 4 steps, 827-845 after 9; at the end of forward
+516 MiB in use and 200 MiB free in the heap): the holes that the released units and the forward's
+temporaries leave are where the kept activations would have to go.  Where to trim, measured with
+``benchmarks``-style steps (minor faults per step on rank 0 / rank 1, peak RSS increase over set-up and
+steps, MiB; 5 timed steps after 2 warm-up unless said; DDP: 1 fault per step, peak 1089 / 1106 over
+9 steps):
+  * after each unit's release in forward, at the end of forward and of backward (the previous default):
+    146.6k / 150.3k faults, peak 775 / 775 (9 steps), step CPU time 1.2x the untrimmed one;
+  * never (``trim_host_heap=False``): 3 / 3 faults, peak 827-845 (9 steps) and still growing;
+  * at the end of backward only: 88.1k / 84.0k, peak 769 / 781;
+  * at the ends of forward and backward: 99.5k / 105.8k, peak 739 / 741;
+  * after the optimizer step only: 99.7k / 100.7k, peak 756 / 748;
+  * at the end of forward only (the default now): 44.0k / 44.3k, peak 731 / 736.
+In ``benchmarks.ab`` against the previous default (2 warm-up + 5 timed steps x 2 rounds, load
+average 12-21 on 2 cores, so CPU time): 5.20 against 6.08 CPU s per step (0.894x; DDP 4.84 s), peak RSS
+increase 586 against 568 MiB (DDP 895 MiB), final parameters bit-identical to DDP's.
+The end of forward is the one point where the heap's holes are not about to be refilled: the
+activations the backward needs are all allocated, and the backward frees more than it allocates, so it
+reuses its own freed pages; pages trimmed anywhere earlier are faulted in again by the same forward,
+and pages trimmed at the end of backward by the next forward.  Before that: trimming only when the heap
+held more than two units' worth of free bytes changed neither the peak nor the step time at 58M; a pool
+of unit-sized blocks for the unsharded parameters (``BufferPool``) with trimming gave no win, without
+trimming it was faster but the peak was 0.61-0.70x DDP's; ``mallopt(M_MMAP_THRESHOLD, 1 MiB)`` for the
+whole process cost DDP itself +49% CPU time (its activations are mmapped and faulted in each step too).
+Not tried: persistent per-slot storages for the gathered parameters (the unsharded tensors must keep
+their storage objects: [Note: stage-3 parameter storage] in ``stage3/param.py``, and torch gives no way
+to point an existing CPU storage at pooled memory, so this needs saved-tensor hooks that re-derive the
+views autograd saved), and jemalloc or tcmalloc (they take effect only through ``LD_PRELOAD`` before the
+process starts, which a library cannot do; a launcher such as ``zero-plugin launch`` could set it).
+``ZeroConfig(trim_host_heap=False)`` turns trimming off.  A no-op where glibc is not the allocator
+(macOS, musl) and on CUDA devices (the caching allocator manages device memory; host buffers there are
+pinned and reused).
 """
 
 from __future__ import annotations

@@ -241,11 +241,10 @@ class Stage3Runtime:
                 if other.holds_gathered:
                     other.post_forward(grad, self.reshard_after_forward, self._needed_first(other))
             self.root.post_forward(grad, self.reshard_after_forward, self._needed_first(self.root))
-            if self.trim_heap:
+            if self.trim_heap:  # once per forward, not per released unit: [Note: heap trimming] in hostmem.py
                 trim_host_heap()
-        elif unit.post_forward(grad, self.reshard_after_forward, self._needed_first(unit)):
-            if self.trim_heap and grad:
-                trim_host_heap()  # the activations kept for backward grow around freed units
+        else:
+            unit.post_forward(grad, self.reshard_after_forward, self._needed_first(unit))
         return None
 
     def _needed_first(self, unit: Unit) -> bool:
@@ -353,8 +352,6 @@ class Stage3Runtime:
         self._backward_cursor = 0
         for unit in self.units:
             unit.end_backward()
-        if self.trim_heap:
-            trim_host_heap()
 
     def drain(self) -> None:
         self.schedule.drain()
