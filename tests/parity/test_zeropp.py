@@ -135,6 +135,14 @@ def test_hpz_backward_gathers_stay_in_the_node():
         assert s["reduce_scatter"] == ps["reduce_scatter"]
 
 
+def test_hpz_secondary_memory_in_memory_report():
+    for r in run_ranks(4, zeropp_workers.secondary_memory_worker, "mlp", batches()[0]):
+        assert r["before"]["held"] == 0 and r["after"]["held"] == 0 and r["before"]["k"] == 2
+        # float64: ~Ψ/k elements per rank (padding apart); what the forward kept (released units only)
+        assert abs(r["before"]["between"] - 8 * r["psi"] / 2) <= 8 * 2 * 8
+        assert 0 < r["during"]["held"] <= r["before"]["between"]
+
+
 @pytest.mark.parametrize(
     "world, extra",
     [(2, {}), (4, {"secondary_shard_size": 2})],

@@ -182,3 +182,16 @@ def comm_worker(kind: str, batch, buffered: bool = False, **config) -> dict:
         "n_gathers": sum(isinstance(r, quantized.QuantizedGather) for r in launched),
         "n_reduces": len(reduces),
     }
+
+
+def secondary_memory_worker(kind: str, batch) -> dict:
+    """hpZ's ``memory_report()["secondary"]`` before a step, between its forward and backward, after it."""
+    model, opt = _setup(kind, secondary_shard_size=2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before = zp.memory_report(model, opt)["secondary"]
+    loss = models.loss_fn(model, models.shard_batch(batch, rank, world))
+    during = zp.memory_report(model, opt)["secondary"]
+    loss.backward()
+    after = zp.memory_report(model, opt)["secondary"]
+    psi = sum(sp.layout.numel for u in engine_of(model, "test").units for sp in u.params)  # params are shards now
+    return {"before": before, "during": during, "after": after, "psi": psi}
