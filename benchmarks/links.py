@@ -52,18 +52,28 @@ def link_bytes(by_group: Mapping[tuple[int, ...], float], node_size: int) -> dic
     return out
 
 
-def zp_groups(stats: Mapping[str, float], rank: int, world: int, shard: int | None) -> dict[tuple[int, ...], float]:
+def zp_groups(
+    stats: Mapping[str, float], rank: int, world: int, shard: int | None, secondary: int | None = None
+) -> dict[tuple[int, ...], float]:
     """zero_plugin's ``comm_stats`` bytes (already per step) by the ranks of the group they ran on.
 
     ``shard_group`` is this rank's k consecutive ranks, ``replica_group`` the ranks with the same index in
-    every shard group; what is left of ``total`` ran over the whole world (setup, world-wide calls)."""
+    every shard group; ``secondary_group`` (hpZ) this rank's ``secondary`` consecutive ranks; what is left of
+    ``total`` ran over the whole world (setup, world-wide calls)."""
     everyone = tuple(range(world))
-    if not shard or shard == world:
-        return {everyone: float(stats.get("total", 0))}
-    start = rank - rank % shard
-    shard_ranks = tuple(range(start, start + shard))
-    replica_ranks = tuple(range(rank % shard, world, shard))
-    s, r = float(stats.get("shard_group", 0)), float(stats.get("replica_group", 0))
-    rest = float(stats.get("total", 0)) - s - r
-    assert rest >= -1e-6, f"group bytes {s} + {r} exceed the total {stats.get('total')}"
-    return {shard_ranks: s, replica_ranks: r, everyone: max(rest, 0.0)}
+    out: dict[tuple[int, ...], float] = {}
+    rest = float(stats.get("total", 0))
+    if secondary and secondary != world:
+        start = rank - rank % secondary
+        out[tuple(range(start, start + secondary))] = b = float(stats.get("secondary_group", 0))
+        rest -= b
+    if shard and shard != world:
+        start = rank - rank % shard
+        shard_ranks = tuple(range(start, start + shard))
+        replica_ranks = tuple(range(rank % shard, world, shard))
+        s, r = float(stats.get("shard_group", 0)), float(stats.get("replica_group", 0))
+        out[shard_ranks], out[replica_ranks] = s, r
+        rest -= s + r
+    assert rest >= -1e-6, f"group bytes {out} exceed the total {stats.get('total')}"
+    out[everyone] = out.get(everyone, 0.0) + max(rest, 0.0)
+    return out

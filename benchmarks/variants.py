@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -201,6 +201,7 @@ class ZeroPluginVariant(Variant):
         offload: bool,
         package: str = "zero_plugin",
         shard_group_size: int | None = None,
+        **zeropp: Any,
     ) -> None:
         super().__init__(raw, lr, batch)
         zp = importlib.import_module(package)
@@ -210,6 +211,8 @@ class ZeroPluginVariant(Variant):
         self.shard_group_size = shard_group_size
         # shard_group_size only when asked for: a baseline package of benchmarks/ab.py may predate the field
         extra = {} if shard_group_size is None else {"shard_group_size": shard_group_size}
+        extra.update(zeropp)  # ZeRO++ switches (benchmarks/multinode.py), likewise only when asked for
+        self.secondary_shard_size = zeropp.get("secondary_shard_size")
         config = zp.ZeroConfig(stage=stage, offload_optimizer="cpu" if offload else "none", **extra)
         try:
             self.module, self.optimizer = zp.setup(raw, _adamw(raw.parameters(), lr), config)
@@ -230,7 +233,7 @@ class ZeroPluginVariant(Variant):
         from .links import zp_groups
 
         world = dist.get_world_size()
-        return zp_groups(self.comm(), dist.get_rank(), world, self.shard_group_size)
+        return zp_groups(self.comm(), dist.get_rank(), world, self.shard_group_size, self.secondary_shard_size)
 
     def state_groups(self) -> dict[str, list]:
         held = self._engine().model_state_tensors()
@@ -262,8 +265,10 @@ class ZeroPluginVariant(Variant):
         super().teardown()
 
 
-def _zp(stage: int, offload: bool = False, shard_group_size: int | None = None):
-    return lambda raw, lr, batch: ZeroPluginVariant(raw, lr, batch, stage, offload, shard_group_size=shard_group_size)
+def _zp(stage: int, offload: bool = False, shard_group_size: int | None = None, **zeropp: Any):
+    return lambda raw, lr, batch: ZeroPluginVariant(
+        raw, lr, batch, stage, offload, shard_group_size=shard_group_size, **zeropp
+    )
 
 
 BASELINE_ENV = "ZERO_PLUGIN_BASELINE_PACKAGE"
@@ -304,6 +309,9 @@ VARIANTS = {
     "zp3": _zp(3),
     "zp3_offload": _zp(3, offload=True),
     "zp3_shard2": _zp(3, shard_group_size=2),  # hierarchical sharding: shard groups of 2 (benchmarks/multinode.py)
+    "zp3_hpz": _zp(3, secondary_shard_size=2),  # ZeRO++ (benchmarks/multinode.py)
+    "zp3_qwz_qgz": _zp(3, quantized_weights=True, quantized_gradients=True),
+    "zp3_all": _zp(3, secondary_shard_size=2, quantized_weights=True, quantized_gradients=True),
     "zp0_base": _zp_baseline(0),
     "zp1_base": _zp_baseline(1),
     "zp2_base": _zp_baseline(2),

@@ -123,9 +123,13 @@ def _as_unit_policy(value: Any) -> Callable[[torch.nn.Module, str], bool] | None
 
 
 def _as_shard_group_size(value: Any) -> int | str | None:
+    return _as_group_size("shard_group_size", value)
+
+
+def _as_group_size(field: str, value: Any) -> int | str | None:
     if value is None or (isinstance(value, str) and value.strip().lower() == "node"):
         return None if value is None else "node"
-    return _as_int("shard_group_size", value, 1, allowed='None, "node" or an int >= 1 dividing the world size')
+    return _as_int(field, value, 1, allowed='None, "node" or an int >= 1 dividing the world size')
 
 
 def _as_loss_scale(value: Any) -> str | float:
@@ -228,6 +232,24 @@ class ZeroConfig:
     collectives.py). An int (ranks) that divides the world size; "node" = ``LOCAL_WORLD_SIZE`` of the
     environment, resolved at setup; None = the whole world (no replicas). Ignored at stage 0, which shards
     nothing, and in a one-rank world. Default None."""
+    quantized_weights: bool = False
+    """Stage 3, ZeRO++ qwZ: all-gather parameters as block-wise int8 (one float32 scale per
+    ``quantization_block`` elements), about 1/4 of the fp32 gather bytes (1/2 of bf16); the shards and the
+    optimizer's masters stay exact, only the gathered copy used in forward and backward is quantized
+    ([Note: qwZ gather] in comm/quantized.py). DeepSpeed: ``zero_quantized_weights``. Default False."""
+    quantized_gradients: bool = False
+    """Stage 3, ZeRO++ qgZ: reduce-scatter gradients as block-wise int8 through one all-to-all, dequantized and
+    summed in fp32 (fp64 for fp64 gradients) by the owner of each shard ([Note: qgZ reduction] in
+    comm/quantized.py). DeepSpeed: ``zero_quantized_gradients``. Default False."""
+    quantization_block: int = 2048
+    """Elements per int8 block (one float32 scale each) for quantized_weights / quantized_gradients; 64..2**20.
+    Default 2048."""
+    secondary_shard_size: int | str | None = None
+    """Stage 3, ZeRO++ hpZ: after each forward gather keep this rank's 1/k of the unit over k consecutive ranks
+    (a node) and gather from it in backward, inside the node: Ψ/k more memory per rank between forward and
+    backward, no inter-node bytes in backward gathers ([Note: secondary shards] in stage3/secondary.py). An int
+    k dividing the world size; "node" = ``LOCAL_WORLD_SIZE``; None = off. Excludes shard_group_size (whose
+    gathers stay in the group already). DeepSpeed: ``zero_hpz_partition_size``. Default None."""
 
     def __post_init__(self) -> None:
         self._normalise_fields()
@@ -268,6 +290,10 @@ class ZeroConfig:
         put("check_ranks", _as_bool("check_ranks", self.check_ranks))
         put("state_dict_rank0_only", _as_bool("state_dict_rank0_only", self.state_dict_rank0_only))
         put("shard_group_size", _as_shard_group_size(self.shard_group_size))
+        put("quantized_weights", _as_bool("quantized_weights", self.quantized_weights))
+        put("quantized_gradients", _as_bool("quantized_gradients", self.quantized_gradients))
+        put("quantization_block", _as_int("quantization_block", self.quantization_block, 64, 2**20))
+        put("secondary_shard_size", _as_group_size("secondary_shard_size", self.secondary_shard_size))
 
     def _validate(self) -> None:
         """All cross-field rules; fields are already normalised."""
@@ -285,6 +311,24 @@ class ZeroConfig:
             raise ValueError(
                 "ZeroConfig.unit_classes and ZeroConfig.unit_policy are mutually exclusive, set at most one; "
                 f"got unit_classes={self.unit_classes!r} and unit_policy={_qualname(self.unit_policy)!r}"
+            )
+        zeropp = {
+            "quantized_weights": self.quantized_weights,
+            "quantized_gradients": self.quantized_gradients,
+            "secondary_shard_size": self.secondary_shard_size is not None,
+        }
+        for name, on in zeropp.items():
+            if on and self.stage != 3:
+                raise ValueError(
+                    f"ZeroConfig.{name}={getattr(self, name)!r} (ZeRO++) requires ZeroConfig.stage=3 (only stage 3 "
+                    f"gathers parameters and reduce-scatters per unit); got stage={self.stage}; set stage=3 or "
+                    f"leave {name} at its default"
+                )
+        if self.secondary_shard_size is not None and self.shard_group_size is not None:
+            raise ValueError(
+                f"ZeroConfig.secondary_shard_size={self.secondary_shard_size!r} (hpZ) and shard_group_size="
+                f"{self.shard_group_size!r} exclude each other: with shard groups every gather already stays "
+                "inside the group; set at most one"
             )
         if self.loss_scale != "dynamic" and not self.scales_loss:
             # Only fp16's narrow exponent range underflows gradients; without scaling a fixed scale goes unused.
@@ -319,9 +363,18 @@ class ZeroConfig:
     def resolved_shard_group_size(self, world_size: int, environ: Mapping[str, str] | None = None) -> int | None:
         """Ranks per shard group for a world of ``world_size`` ranks, or None when the whole world is one group
         (``shard_group_size`` None or equal to the world size, stage 0, or a one-rank world: a script run
-        without a launcher).  The one place "node" is resolved: ``LOCAL_WORLD_SIZE`` (torchrun's processes per
-        node) from ``environ`` (default ``os.environ``)."""
-        k = self.shard_group_size
+        without a launcher).  "node" is ``LOCAL_WORLD_SIZE`` (torchrun's processes per node) from ``environ``
+        (default ``os.environ``), read in :meth:`_resolve_group_size` only."""
+        return self._resolve_group_size("shard_group_size", world_size, environ)
+
+    def resolved_secondary_shard_size(self, world_size: int, environ: Mapping[str, str] | None = None) -> int | None:
+        """hpZ's k for a world of ``world_size`` ranks, or None when off (None, k equal to the world size,
+        which gathers over the same ranks anyway, or a one-rank world); "node" as for shard_group_size."""
+        return self._resolve_group_size("secondary_shard_size", world_size, environ)
+
+    def _resolve_group_size(self, field: str, world_size: int, environ: Mapping[str, str] | None) -> int | None:
+        """The one place "node" reads ``LOCAL_WORLD_SIZE``."""
+        value = k = getattr(self, field)
         if k is None or self.stage == 0 or world_size == 1:
             return None
         if k == "node":
@@ -329,14 +382,14 @@ class ZeroConfig:
             text = env.get("LOCAL_WORLD_SIZE", "")
             if not text.strip().isdigit() or int(text) < 1:
                 raise ValueError(
-                    'ZeroConfig.shard_group_size="node" reads LOCAL_WORLD_SIZE (the processes per node, set by '
+                    f'ZeroConfig.{field}="node" reads LOCAL_WORLD_SIZE (the processes per node, set by '
                     f"torchrun), which must be an int >= 1; got {text!r}"
                 )
             k = int(text)
         if world_size % k:
             raise ValueError(
-                f"ZeroConfig.shard_group_size must divide the world size {world_size}; got {self.shard_group_size!r}"
-                + (f" (LOCAL_WORLD_SIZE={k})" if self.shard_group_size == "node" else "")
+                f"ZeroConfig.{field} must divide the world size {world_size}; got {value!r}"
+                + (f" (LOCAL_WORLD_SIZE={k})" if value == "node" else "")
             )
         return None if k == world_size else k
 
@@ -465,6 +518,13 @@ _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "loss_scaling": (_or_none(_text_bool), '"true", "false" or none'),
     "loss_scale": (lambda t: "dynamic" if t.lower() == "dynamic" else float(t), '"dynamic" or a number'),
     "shard_group_size": (_or_none(lambda t: "node" if t.lower() == "node" else int(t)), '"node", an integer or none'),
+    "secondary_shard_size": (
+        _or_none(lambda t: "node" if t.lower() == "node" else int(t)),
+        '"node", an integer or none',
+    ),
+    "quantized_weights": _BOOL,
+    "quantized_gradients": _BOOL,
+    "quantization_block": _INT,
 }
 
 

@@ -131,7 +131,19 @@ def memory_report(model, optimizer=None) -> dict:
         "theory": theory,
         "placement": _placement(engine, counter, theory),
         **_counts(engine),
+        **_secondary(engine),
     }
+
+
+def _secondary(engine) -> dict:
+    """hpZ ([Note: secondary shards] in stage3/secondary.py): the secondary shards, held between a forward and
+    its backward only, so not in ``measured`` (model states): ``held`` now, ``between`` from a forward to its
+    backward (Ψ/k elements in the compute dtype, every unit released after its forward)."""
+    shards = [u.secondary for u in getattr(engine, "units", ()) if getattr(u, "secondary", None) is not None]
+    if not shards:
+        return {}
+    between = sum(m.layout.local_numel * m.sp.unsharded.element_size() for s in shards for m in s.members)
+    return {"secondary": {"held": sum(s.nbytes() for s in shards), "between": between, "k": shards[0].comm.world_size}}
 
 
 def _offloaded(engine) -> set[str]:

@@ -23,6 +23,7 @@ from tests import models
 from tests.harness import run_ranks
 from tests.unit import comm_time_workers as workers
 from zero_plugin import planner as zpp
+from zero_plugin.comm.quantize import packed_numel
 from zero_plugin.config import ZeroConfig
 from zero_plugin.launch.cli import main
 from zero_plugin.planner.comm_time import QUANT_BLOCK, Link, Option, Phase, Topology, phase_time, step_phases
@@ -93,6 +94,40 @@ def test_planned_bytes_equal_comm_stats_mixed_precision(stage):
         assert measured(stats) == want
 
 
+ZEROPP = [
+    ("qwz", 2, "in_place", dict(quantized_weights=True)),
+    ("qwz", 2, "buffered", dict(quantized_weights=True)),
+    ("qgz", 2, "in_place", dict(quantized_gradients=True)),
+    ("qwz+qgz", 2, "buffered", dict(quantized_weights=True, quantized_gradients=True)),
+    ("hpz", 4, "in_place", dict(secondary_shard_size=2)),
+    ("hpz+qwz+qgz", 4, "buffered", dict(secondary_shard_size=2, quantized_weights=True, quantized_gradients=True)),
+]
+
+
+@pytest.mark.parametrize("name,world_size,layout,switches", ZEROPP, ids=[f"{c[0]}-ws{c[1]}-{c[2]}" for c in ZEROPP])
+def test_planned_bytes_equal_comm_stats_zeropp(name, world_size, layout, switches):
+    """ZeRO++ (qwZ, qgZ, hpZ): the planner's bytes per kind equal comm_stats, with a block of 64 so that the
+    odd MLP's rows span several blocks; hpZ's backward gathers equal the ``secondary_group`` entry."""
+    config = dict(stage=3, bucket_size_mb=BUCKET_MB, quantization_block=64, **switches)
+    plan = odd_mlp_plan(ZeroConfig(stage=3, bucket_size_mb=BUCKET_MB, quantization_block=64))
+    option = Option(
+        hpz="secondary_shard_size" in switches,
+        qwz="quantized_weights" in switches,
+        qgz="quantized_gradients" in switches,
+    )
+    topo = Topology(world_size // 2, 2)
+    phases = step_phases(plan, 3, option, topo, 1, in_place=layout == "in_place")
+    want: dict[str, float] = {}
+    for ph in phases:
+        want[ph.stats_kind] = want.get(ph.stats_kind, 0) + ph.nbytes
+    for rank, stats in enumerate(run_ranks(world_size, workers.step_stats, config, 1, layout == "buffered")):
+        got = {k: v for k, v in measured(stats).items() if not k.endswith("_group")}
+        assert got == want, f"rank {rank}: comm_stats {got} vs planner {want}"
+        if option.hpz:
+            backward = next(ph for ph in phases if ph.what == "weight all-gather, backward")
+            assert stats["secondary_group"]["bytes"] == backward.nbytes > 0
+
+
 # -- formulas ----------------------------------------------------------------------------------------------
 def test_ring_times_by_hand():
     link = Link(bandwidth=1e9, latency=1e-5)
@@ -129,13 +164,15 @@ def test_stage3_multi_node_bytes_by_hand():
     hpz = _by_what(3, Option(hpz=True), topo)
     assert hpz["weight all-gather, forward"].network == "inter"
     assert (hpz["weight all-gather, backward"].network, hpz["weight all-gather, backward"].ranks) == ("intra", 4)
+    assert hpz["weight all-gather, backward"].nbytes == 31 * 4 * (25 + 2) * 4  # buffered, tagged, fp32
     qwz = _by_what(3, Option(qwz=True), topo)
-    assert qwz["weight all-gather, forward"].nbytes == pytest.approx(SYN * (1 + 4 / QUANT_BLOCK))
+    # per block and rank: ceil(100/8) = 13 int8 padded to 16 bytes, one 4-byte scale, the 4-byte tag
+    assert QUANT_BLOCK == 2048 and packed_numel(13, QUANT_BLOCK) == 20
+    assert qwz["weight all-gather, forward"].nbytes == 32 * 8 * (20 + 4)
     qgz = _by_what(3, Option(qgz=True), topo)
-    q = SYN * (1 + 4 / QUANT_BLOCK)
-    assert qgz["int8 gradient all-to-all, inside the node"].nbytes == pytest.approx(q)
-    assert qgz["int8 gradient all-to-all, across nodes"].nbytes == pytest.approx(q / 4)
-    assert "gradient reduce-scatter" not in qgz
+    a2a = qgz["int8 gradient all-to-all"]
+    assert (a2a.nbytes, a2a.calls, a2a.ranks, a2a.network) == (32 * 8 * 20, 32, 8, "inter")
+    assert "gradient reduce-scatter" not in qgz and qgz["has-gradient flags"].nbytes == 32 * 2 * 4
 
 
 def test_accumulation_reduces_once_per_step():
@@ -176,7 +213,8 @@ def test_cli_multi_node_table(capsys):
     assert "4 node(s) x 8 GPUs = 32 ranks, 4 micro-batch(es)" in out
     assert "NVLink 450 GB/s, 3 us; network 50 GB/s (400 Gb/s) per GPU, 10 us" in out
     lines = {tuple(line.split("|")[0].split()): line for line in out.splitlines() if "|" in line}
-    assert "planned" in lines[("3", "hier+qwZ")] and "available" in lines[("3", "accum")]
+    assert "available" in lines[("3", "hier+qwZ")] and "available" in lines[("3", "accum")]
+    assert "available" in lines[("3", "hpZ+qwZ+qgZ")]
     assert "available" in lines[("2", "plain")]
     assert "+14.90 GiB per rank (trainable parameters x 2 bytes" in out  # 8e9 bf16 full gradients
 

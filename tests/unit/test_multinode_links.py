@@ -46,3 +46,8 @@ def test_zp_groups_maps_labels_to_ranks(rank, shard, replica):
 def test_zp_groups_without_a_split_is_all_world():
     assert zp_groups({"total": 42, "all_gather": 42}, 1, 4, None) == {(0, 1, 2, 3): 42.0}
     assert zp_groups({"total": 42}, 1, 4, 4) == {(0, 1, 2, 3): 42.0}
+
+
+def test_zp_groups_secondary_group_is_the_node():
+    stats = {"total": 100, "secondary_group": 30}
+    assert zp_groups(stats, 3, 4, None, 2) == {(2, 3): 30.0, (0, 1, 2, 3): 70.0}

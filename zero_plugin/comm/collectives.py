@@ -147,6 +147,21 @@ class Comm:
         shard._in_place = shard.replica._in_place = self._in_place
         return shard
 
+    def node_group(self, k: int) -> Comm:
+        """This rank's group of ``k`` consecutive ranks (hpZ's secondary shards: [Note: secondary shards] in
+        stage3/secondary.py), labelled "secondary" in ``comm_stats``.  Collective over the default group at
+        setup, like :meth:`split`: every rank makes every group, in the same order; cached."""
+        assert self.group is None and self.world_size % k == 0, "node_group: default group, k | N"
+        mine = None
+        for g in range(self.world_size // k):
+            ranks = tuple(range(g * k, (g + 1) * k))
+            group = self._cached_group(ranks, "secondary", self.backend, local=False)
+            if self.rank in ranks:
+                mine = group
+        comm = Comm(mine, timeout_s=self.timeout_s, label="secondary")
+        comm.history, comm._in_place = self.history, self._in_place
+        return comm
+
     # -- control channel ------------------------------------------------------
     def open_control_channel(self) -> None:
         """Open this group's control channel ([Note: control channel]); collective, at setup."""
@@ -289,6 +304,19 @@ class Comm:
             return _DoneWork() if async_op else None
         _issued(_ALL_GATHER_NAME)
         return _ALL_GATHER(output, input, group=self.group, async_op=async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""):
+        """Row r of ``input`` (``world_size`` equal rows, rank-major) goes to rank r; ``output``'s row r comes
+        from rank r (qgZ: [Note: qgZ reduction] in ``quantized.py``).  Counted as its input's bytes, like a
+        reduce-scatter ([Note: logical bytes])."""
+        assert input.numel() == output.numel() and input.numel() % self.world_size == 0, "all_to_all: sizes"
+        self._record("all_to_all", input.numel() * input.element_size())
+        self._note("all_to_all", tag, input.numel())
+        if self.world_size == 1:
+            output.copy_(input)
+            return _DoneWork() if async_op else None
+        _issued("all_to_all_single")
+        return dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
 
     @property
     def gathers_regions_in_place(self) -> bool:

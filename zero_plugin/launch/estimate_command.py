@@ -241,7 +241,8 @@ def _comm_lines(plan, args: argparse.Namespace) -> list[str]:
         "collectives across nodes; comm ms: alpha-beta ring model, nothing overlapped (zero_plugin/planner/"
         "comm_time.py, [Note: alpha-beta model]); states: parameters + gradients + optimizer state per rank",
         "options: hier = shard group of one node (HSDP/MiCS); hpZ = secondary parameter shard inside the node for "
-        "backward; qwZ = int8 weight all-gather; qgZ = int8 gradient reduce-scatter (ZeRO++); accum = "
+        "backward (secondary_shard_size); qwZ = int8 weight all-gather (quantized_weights); qgZ = int8 gradient "
+        "all-to-all (quantized_gradients) (ZeRO++); accum = "
         "ZeroConfig(accumulate_full_grads=True) under zp.no_sync (+ full gradients of every unit)",
     ]
     return lines

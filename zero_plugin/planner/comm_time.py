@@ -33,13 +33,19 @@ Hierarchical collectives are an intra phase plus an inter phase:
     parameters gathered inside the node, AG(n, G) on intra; gradients reduce-scattered inside the node,
     RS(n, G) on intra, then the 1/G shard with its has-gradient flags all-reduced across nodes,
     AR(n/G, M) on inter; the inf/NaN check and the clip norm stay inside the node;
-  * hpZ (ZeRO++): a secondary copy of the parameters sharded inside the node (+n/G memory) serves
-    backward's gathers, AG(n, G) on intra; forward gathers stay flat, AG(n, N);
-  * qwZ (ZeRO++): weights all-gathered as int8 in blocks of ``QUANT_BLOCK`` elements with one fp32
-    scale each: n·(1 + 4/QUANT_BLOCK)/param_bytes bytes instead of n;
-  * qgZ (ZeRO++; int8 here, the paper's int4 would halve it): gradients quantized the same way and
-    reduce-scattered in two all-to-all hops, inside the node then across nodes: A2A(q, G) on intra +
-    A2A(q/G, M) on inter, each with the ring's cost (p-1)·α + (p-1)/p · q/β;
+  * hpZ (ZeRO++, ``ZeroConfig.secondary_shard_size=G``): a secondary copy of the parameters sharded inside
+    the node (+n/G memory) serves backward's gathers, AG(n, G) on intra, in the parameter dtype (not
+    quantized) and in the buffered layout with the unit's tag; forward gathers stay flat, AG(n, N);
+  * qwZ (ZeRO++, ``quantized_weights``): weights all-gathered as int8 in blocks of
+    ``ZeroConfig.quantization_block`` elements with one fp32 scale each, per rank one packed row of its
+    padded chunks (``comm/quantize.packed_numel``) plus the unit's tag (4 bytes): about n/param_bytes·(1 +
+    4/block) bytes instead of n;
+  * qgZ (``quantized_gradients``; int8, the paper's int4 would halve it): gradients quantized the same way,
+    one row per destination, exchanged by one all-to-all over the shard group (the world, or the node
+    with hierarchical sharding), A2A(q, p) with the ring's cost (p-1)·α + (p-1)/p · q/β, the has-gradient
+    flags in a float32 all-reduce beside it, and with hierarchical sharding the exact replica all-reduce
+    as without qgZ ([Note: qgZ reduction] in ``comm/quantized.py``; ZeRO++'s two-hop all-to-all is not
+    implemented);
   * stage-3 accumulation (``ZeroConfig.accumulate_full_grads``, under ``zp.no_sync``): gathers every
     micro-batch, one reduction per step (+ the full gradients of every unit in memory, Ψ·reduce bytes).
 A step of A micro-batches: stages 0-2 reduce once (``no_sync`` before the last), stage 3 gathers A times
@@ -53,6 +59,7 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
+from ..comm.quantize import packed_numel
 from ..engines.flat import ShardLayout
 from ..grads.bucket import plan_buckets
 from ..stage3.unit import _TAG as _GATHER_TAG
@@ -72,7 +79,7 @@ __all__ = [
     "step_phases",
 ]
 
-QUANT_BLOCK = 256  # qwZ/qgZ: elements per int8 block with one fp32 scale
+QUANT_BLOCK = 2048  # qwZ/qgZ: ZeroConfig.quantization_block's default (elements per int8 block, one fp32 scale)
 _FLAG_BYTES = 4  # the in-place layout's has-gradient flags: float32, all-reduced beside each reduction
 
 
@@ -131,7 +138,7 @@ class Option:
 
 
 # Which options zero_plugin implements today (the rest are planned: rows to compare against).
-IMPLEMENTED = {"hierarchical": True, "hpz": False, "qwz": False, "qgz": False, "accumulate": True}
+IMPLEMENTED = {"hierarchical": True, "hpz": True, "qwz": True, "qgz": True, "accumulate": True}
 
 _STAGE3 = [
     Option(),
@@ -217,6 +224,25 @@ class _Sizes:
             return self.numel(idx) * wbytes
         return p * (self.padded(idx, p) + _GATHER_TAG) * wbytes if idx else 0
 
+    def quantized_gather_bytes(self, u: int, p: int) -> float:
+        """qwZ: one packed row per rank, its padded chunks quantized, then the tag in 4 bytes ([Note: qwZ
+        gather] in comm/quantized.py), in either layout."""
+        idx = self.members[u]
+        return p * (packed_numel(self.padded(idx, p), self.block) + 4) if idx else 0
+
+    def secondary_gather_bytes(self, u: int, g: int) -> float:
+        """hpZ: a buffered gather of the secondary shards over the node's g ranks, with the tag."""
+        idx = self.members[u]
+        return g * (self.padded(idx, g) + _GATHER_TAG) * self.pb if idx else 0
+
+    def quantized_reduce_bytes(self, idx: list[int], p: int) -> float:
+        """qgZ: one packed row per destination rank, sent by one all-to-all."""
+        return p * packed_numel(self.padded(idx, p), self.block)
+
+    @property
+    def block(self) -> int:
+        return getattr(self.plan.config, "quantization_block", QUANT_BLOCK)
+
     def reduce_units(self) -> list[int]:
         return [u for u in self.train if self.train[u]]
 
@@ -248,10 +274,6 @@ class _Sizes:
         ]
         bucket_bytes = int(self.plan.config.bucket_size_mb * 2**20)
         return [[s.index for s in b.slots] for b in plan_buckets(slots, bucket_bytes, sharded=sharded)]
-
-
-def _quantized(nbytes_elems: float) -> float:
-    return nbytes_elems * (1 + 4 / QUANT_BLOCK)
 
 
 # -- phases of one step ----------------------------------------------------------------------------------
@@ -308,16 +330,21 @@ def _replicated(sizes: _Sizes, stage: int, option: Option, topo: Topology) -> li
 
 def _stage3(sizes: _Sizes, option: Option, topo: Topology, accum: int) -> list[Phase]:
     n, g, m, flat = topo.world_size, topo.gpus_per_node, topo.nodes, topo.flat_network
-    wbytes = _quantized(1) if option.qwz else sizes.pb
     forward, backward = sizes.gathered_units()
     fwd_p, fwd_net = (g, "intra") if option.hierarchical else (n, flat)
     bwd_p, bwd_net = (g, "intra") if (option.hierarchical or option.hpz) else (n, flat)
+
+    def gathered(u: int, p: int, secondary: bool = False) -> float:
+        if secondary:  # hpZ: the backward's gathers, not quantized
+            return sizes.secondary_gather_bytes(u, p)
+        return sizes.quantized_gather_bytes(u, p) if option.qwz else sizes.gather_bytes(u, p, sizes.pb)
+
     reductions = 1 if option.accumulate else accum
     out = [
         Phase(
             "weight all-gather, forward",
             "all_gather",
-            accum * sum(sizes.gather_bytes(u, fwd_p, wbytes) for u in forward),
+            accum * sum(gathered(u, fwd_p) for u in forward),
             accum * len(forward),
             fwd_p,
             fwd_net,
@@ -325,7 +352,7 @@ def _stage3(sizes: _Sizes, option: Option, topo: Topology, accum: int) -> list[P
         Phase(
             "weight all-gather, backward",
             "all_gather",
-            accum * sum(sizes.gather_bytes(u, bwd_p, wbytes) for u in backward),
+            accum * sum(gathered(u, bwd_p, option.hpz) for u in backward),
             accum * len(backward),
             bwd_p,
             bwd_net,
@@ -333,16 +360,15 @@ def _stage3(sizes: _Sizes, option: Option, topo: Topology, accum: int) -> list[P
     ]
     units = sizes.reduce_units()
     calls = reductions * len(units)
-    if option.qgz:
-        q = reductions * sum(_quantized(sizes.numel(sizes.train[u])) for u in units)
-        out.append(Phase("int8 gradient all-to-all, inside the node", "all_to_all", q, calls, g, "intra"))
-        out.append(Phase("int8 gradient all-to-all, across nodes", "all_to_all", q / g, calls, m, "inter"))
-        return out
     p, net = (g, "intra") if option.hierarchical else (n, flat)
-    rs = reductions * sum(sizes.reduce_bytes(sizes.train[u], p, sizes.rb) for u in units)
-    out.append(Phase("gradient reduce-scatter", "reduce_scatter", rs, calls, p, net))
-    if sizes.in_place:
-        k = sum(len(sizes.train[u]) for u in units)
+    k = sum(len(sizes.train[u]) for u in units)
+    if option.qgz:
+        q = reductions * sum(sizes.quantized_reduce_bytes(sizes.train[u], p) for u in units)
+        out.append(Phase("int8 gradient all-to-all", "all_to_all", q, calls, p, net))
+    else:
+        rs = reductions * sum(sizes.reduce_bytes(sizes.train[u], p, sizes.rb) for u in units)
+        out.append(Phase("gradient reduce-scatter", "reduce_scatter", rs, calls, p, net))
+    if sizes.in_place or option.qgz:
         out.append(Phase("has-gradient flags", "all_reduce", reductions * 2 * _FLAG_BYTES * k, calls, p, net))
     if option.hierarchical:
         across = reductions * sum(sizes.replica_bytes(sizes.train[u], g, sizes.rb) for u in units)

@@ -39,6 +39,7 @@ from .hooks import Stage3Runtime
 from .param import ShardedParam, ShardedState
 from .policy import assign_units
 from .pool import BufferPool
+from .secondary import SecondaryShard
 from .sliced import SlicedLinearUnit, sliceable
 from .state_dict_hooks import StateDictHooks, gather_to_host
 from .unit import Unit
@@ -80,6 +81,7 @@ def build_stage3_engine(
     reduce_comm = comm.sibling("stage-3 reductions")  # [Note: reductions on their own group] in hooks.py
     for unit in units:
         unit.reduce_comm = reduce_comm
+    _compose_zeropp(units, comm, config)
     slots = [_master_for(sharded[id(p)], names[id(p)], config) for _, p in trainable]
     return (engine_type or Stage3Engine)(model, config, comm, slots, units, sharded)
 
@@ -91,6 +93,17 @@ def _make_unit(index, name, module, params, comm, config, pool, streams) -> Unit
     ):  # [Note: sliced linear units]
         return SlicedLinearUnit(*args, slice_numel=config.linear_slice_numel)
     return Unit(*args)
+
+
+def _compose_zeropp(units: list[Unit], comm: Comm, config: ZeroConfig) -> None:
+    """ZeRO++'s switches on each unit: qwZ / qgZ block sizes ([Note: qwZ gather], [Note: qgZ reduction] in
+    comm/quantized.py) and hpZ's secondary shards ([Note: secondary shards] in secondary.py)."""
+    k = config.resolved_secondary_shard_size(comm.world_size) if comm.world is comm else None
+    node = comm.node_group(k) if k is not None and comm.backend != "fake" else None
+    for unit in units:
+        unit.weight_block = config.quantization_block if config.quantized_weights else None
+        unit.grad_block = config.quantization_block if config.quantized_gradients else None
+        unit.secondary = SecondaryShard(node, unit.params) if node is not None else None
 
 
 @torch.no_grad()
@@ -256,7 +269,7 @@ class Stage3Engine(Engine):
         )
         opened = [u for u in units if u.state is ShardedState.SHARDED]
         for u in opened:
-            u.unshard()
+            u.unshard(exact=True)  # the shards' own values, also under qwZ / hpZ (ZeRO++)
         # [Note: gathered edits] in optim/master.py: each rank's region as gathered, to find edited elements.
         before = (
             {id(sp): sp.layout.local_view(sp.param.data.reshape(-1)).clone() for u in units for sp in u.params}

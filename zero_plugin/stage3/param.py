@@ -89,12 +89,13 @@ class ShardedParam:
         self._set_data(self.local)
 
     # -- transitions ----------------------------------------------------------
-    def to_unsharded(self, rows: torch.Tensor) -> None:
-        """Fill the full tensor from gathered ``(world_size, shard_numel)`` rows and expose it."""
+    def to_unsharded(self, rows: torch.Tensor, layout: ShardLayout | None = None) -> None:
+        """Fill the full tensor from gathered ``(world_size, shard_numel)`` rows and expose it; ``layout``: the
+        rows' own layout when it is not the shard's (hpZ's secondary shards, stage3/secondary.py)."""
         assert self.state is ShardedState.SHARDED, f"{self.name}: to_unsharded from {self.state}"
         storage = self.unsharded.untyped_storage()
         storage.resize_(self.layout.numel * self.unsharded.element_size())
-        copy_from_rows(self.unsharded.data.view(-1), rows, self.layout)
+        copy_from_rows(self.unsharded.data.view(-1), rows, layout or self.layout)
         self._set_data(self.unsharded)
         self.state = ShardedState.UNSHARDED
 

@@ -38,11 +38,13 @@ import torch
 from torch import nn
 
 from ..comm import layout as comm_layout
+from ..comm import quantized
 from ..comm.collectives import Comm
 from ..comm.streams import NO_STREAMS, StreamSet
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .pool import BufferPool
+from .secondary import SecondaryShard
 
 __all__ = ["Unit", "TrainingState", "released_after_forward", "released_at_reduce"]
 
@@ -111,6 +113,11 @@ class Unit:
         # What a reduction sends for a parameter: its param.grad, or with kept gradients the runtime's
         # FullGradStore.grad_of ([Note: deferred reduction] in accumulate.py)
         self.grad_of = _param_grad
+        # ZeRO++, set by the engine: int8 block sizes of qwZ / qgZ ([Note: qwZ gather], [Note: qgZ reduction] in
+        # comm/quantized.py), hpZ's secondary shard ([Note: secondary shards] in secondary.py); None = off
+        self.weight_block: int | None = None
+        self.grad_block: int | None = None
+        self.secondary: SecondaryShard | None = None
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, {self.state.value})"
@@ -132,6 +139,8 @@ class Unit:
         this unit first.  True when released."""
         if not released_after_forward(grad, reshard_after_forward, needed_first):
             return False
+        if grad and self.secondary is not None and self.state is ShardedState.UNSHARDED:
+            self.secondary.keep()  # [Note: secondary shards]: backward gathers inside the node
         self.reshard()
         return True
 
@@ -181,6 +190,8 @@ class Unit:
     def end_backward(self) -> None:
         """The final callback: every reduction completed; release, forget this backward."""
         self.reshard()
+        if self.secondary is not None:
+            self.secondary.drop()
         self.ready.clear()
         self._reduced = False
         self._inputs_hooked = False
@@ -215,19 +226,22 @@ class Unit:
             self.unshard(async_op=True, checked=False)
 
     @torch.no_grad()
-    def unshard(self, async_op: bool = False, checked: bool = True) -> None:
+    def unshard(self, async_op: bool = False, checked: bool = True, exact: bool = False) -> None:
         """``checked=False``: the caller's protocol already keeps this gather paired ([Note: collective
-        order] in order.py); otherwise the ranks compare it before the payload goes out."""
+        order] in order.py); otherwise the ranks compare it before the payload goes out.  ``exact``: gather
+        the shards themselves, neither quantized nor from a secondary shard (``zp.gathered_parameters``)."""
         if self.state is ShardedState.UNSHARDED or self._gather:
             if not async_op:
                 self.wait_unshard()
             return
         if checked and self.guard is not None:  # [Note: collective order]: nothing sent before ranks agree
             self.guard.before_gather(self)
-        if self.comm.gathers_regions_in_place:
+        if self.secondary is not None and self.secondary.kept and not exact:
+            self._gather.extend(self.secondary.gather(self._tag(), self.name))  # [Note: secondary shards]
+        elif self.comm.gathers_regions_in_place and (self.weight_block is None or exact):
             self._gather_in_place()
         else:
-            self._gather_buffered()
+            self._gather_buffered(quantize=not exact)
         if not async_op:
             self.wait_unshard()
 
@@ -237,9 +251,12 @@ class Unit:
         flats = [sp.open_unsharded() for sp in opened]
         self._gather.append(comm_layout.gather_in_place(self.comm, opened, flats, tag=self.name))
 
-    def _gather_buffered(self) -> None:
+    def _gather_buffered(self, quantize: bool = True) -> None:
         with self.streams.gather():  # after the compute stream's writes to the shards (the last step)
             for dtype, group in _by_dtype(self.params, lambda sp: sp.unsharded.dtype).items():
+                if self.weight_block is not None and quantize:  # [Note: qwZ gather]
+                    self._gather.append(self._gather_quantized(group, dtype))
+                    continue
                 self._gather.append(
                     comm_layout.gather_buffered(
                         self.comm,
@@ -252,6 +269,12 @@ class Unit:
                         tag=self.name,
                     )
                 )
+
+    def _gather_quantized(self, group: list[ShardedParam], dtype: torch.dtype) -> quantized.QuantizedGather:
+        device = group[0].unsharded.device
+        return quantized.gather_quantized(
+            self.comm, group, dtype, device, ShardedParam.copy_local_into, self.weight_block, self._tag(), self.name
+        )
 
     @torch.no_grad()
     def wait_unshard(self) -> None:
@@ -324,6 +347,8 @@ class Unit:
         gradients are let go (the records hold them until the reductions complete)."""
         self._reduced = True
         groups = _by_dtype(self.trainable, lambda sp: self.reduce_dtype or sp.unsharded.dtype)
+        if self.grad_block is not None:  # [Note: qgZ reduction]
+            return self._reduce_quantized(groups)
         common = {"release_grads": True, "tag": self.name, "grad_of": self.grad_of}
         if self.reduce_comm.gathers_regions_in_place:
             return [
@@ -340,6 +365,23 @@ class Unit:
                     buffers=self.pool,
                     streams=self.streams,
                     **common,
+                )
+                for dtype, group in groups.items()
+            ]
+
+    def _reduce_quantized(self, groups: dict[torch.dtype, list[ShardedParam]]) -> list[quantized.QuantizedReduce]:
+        with self.streams.reduce():  # after the compute stream's backward wrote the gradients
+            return [
+                quantized.reduce_quantized(
+                    self.reduce_comm,
+                    group,
+                    dtype,
+                    group[0].unsharded.device,
+                    release_grads=True,
+                    block=self.grad_block,
+                    streams=self.streams,
+                    tag=self.name,
+                    grad_of=self.grad_of,
                 )
                 for dtype, group in groups.items()
             ]
