@@ -12,6 +12,7 @@ from torch import nn
 
 import zero_plugin as zp
 from tests import models
+from tests.parity.stage3_workers import train_loop
 
 SLICE_NUMEL = 100  # tiny slices: the heads below are 1455-3880 elements, 15-40 rows wide -> 6-17 slices
 VOCAB = 97  # odd: rows and flat shards of the head never align with the ranks' shards
@@ -94,34 +95,13 @@ def sliced_worker(
         whole_gathers = []
         for unit in sliced:  # the runtime must never gather a sliced unit whole
             unit.unshard = lambda *a, _u=unit, _f=unit.unshard, **k: (whole_gathers.append(_u.name), _f(*a, **k))[1]
-        out = _train(model, opt, batches, steps, accum, max_norm)
+        out = train_loop(model, opt, batches, steps, accum, max_norm, loss_fn=loss)
         out["sliced"] = [(u.name, len(u.slices)) for u in sliced]
         out["whole_gathers"] = whole_gathers
         out["unsharded_units_after"] = [u.name for u in engine.unsharded_units()]
         out["full_state_dict"] = zp.full_state_dict(model)
         out["eval_logits"] = _eval_logits(model, batches[0])
     return out
-
-
-def _train(model, opt, batches, steps, accum, max_norm) -> dict:
-    import contextlib
-
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses, norms = [], []
-    for step in range(steps):
-        step_loss = 0.0
-        for i, micro in enumerate(batches[step * accum : (step + 1) * accum]):
-            with contextlib.nullcontext() if i == accum - 1 else zp.no_sync(model):
-                value = loss(model, models.shard_batch(micro, rank, world))
-                (value / accum).backward()
-            step_loss += value.item() / accum
-        losses.append(step_loss)
-        norms.append(float(zp.clip_grad_norm_(model, max_norm)))
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "clip_norms": norms}
 
 
 @torch.no_grad()

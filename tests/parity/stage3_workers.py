@@ -69,7 +69,7 @@ def build_optimizer(model) -> torch.optim.AdamW:
     )
 
 
-def train_loop(model, opt, batches: list, steps: int, accum: int, max_norm: float) -> dict:
+def train_loop(model, opt, batches: list, steps: int, accum: int, max_norm: float, loss_fn=None) -> dict:
     """Accumulate ``accum`` micro-batches (all but the last under ``zp.no_sync``), clip, step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     losses, norms = [], []
@@ -78,7 +78,7 @@ def train_loop(model, opt, batches: list, steps: int, accum: int, max_norm: floa
         for i, micro in enumerate(batches[step * accum : (step + 1) * accum]):
             sync = contextlib.nullcontext() if i == accum - 1 else zp.no_sync(model)
             with sync:
-                value = models.loss_fn(model, models.shard_batch(micro, rank, world))
+                value = (loss_fn or models.loss_fn)(model, models.shard_batch(micro, rank, world))
                 (value / accum).backward()
             step_loss += value.item() / accum
         losses.append(step_loss)
