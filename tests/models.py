@@ -8,6 +8,7 @@ batch sizes are equal, so the mean of the ranks' mean losses is the global mean.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -178,18 +179,32 @@ def shard_batch(global_batch, rank: int, world_size: int):
     return global_batch[rank * per_rank : (rank + 1) * per_rank]
 
 
-def two_group_adamw(model: nn.Module, lr: float = 1e-2) -> torch.optim.AdamW:
-    """AdamW: matrices (wd 0.1, lr) and vectors (biases/norms/scalars: wd 0, lr / 2)."""
+def two_group_adamw(model: nn.Module, lr: float = 1e-2, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW: matrices (wd 0.1, lr) and vectors (biases/norms/scalars: wd 0, lr / 2); ``fused=True`` is torch's
+    fused kernel (the one the offload optimizer's CPU step runs)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1, "lr": lr},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": lr / 2},
     ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, fused=fused)
 
 
 def _clone_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def ranks_threads():
+    """Run a single-process reference on one intra-op thread, as every rank does (tests/harness.py): float64
+    matmuls block differently on two threads, and the tiny Llama's float32 casts (norms, softmax, loss) turn the
+    last-bit differences into ~1e-8 in the weights after a few Adam steps on some CPUs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def reference_train(
@@ -203,6 +218,11 @@ def reference_train(
     """
     if len(batches) < steps * accum:
         raise ValueError(f"need {steps * accum} micro-batches, got {len(batches)}")
+    with ranks_threads():
+        return _reference_train(model_fn, opt_fn, batches, steps, accum, clip, loss)
+
+
+def _reference_train(model_fn, opt_fn, batches: list, steps: int, accum: int, clip: float | None, loss) -> dict:
     model = model_fn()
     opt = opt_fn(model)
     out = {"losses": [], "micro_losses": [], "clip_norms": [], "init_params": _clone_params(model)}

@@ -26,8 +26,9 @@ from tests.integrations import lightning_fp16_workers as fw
 LOSS_RTOL = 1e-7
 WEIGHT_RTOL = 1e-7  # ||θ - θ_ddp|| / ||θ_ddp||, over every floating-point entry
 UPDATE_TOL = 1e-6  # ||Δθ - Δθ_ddp|| / ||Δθ_ddp||
-# Offload steps with the fused CPU AdamW kernel, not torch's foreach one: 5.6e-7 / 6.9e-6 measured.
-OFFLOAD_WEIGHT_RTOL, OFFLOAD_UPDATE_TOL = 2e-6, 3e-5
+# Offload steps with torch's fused CPU AdamW kernel, so its reference is DDP with ``AdamW(fused=True)``: against
+# DDP's default AdamW the two kernels' last bits, through fp16 autocast, move the losses by 5.9e-6 and the weights
+# by 2.6e-6 / 3.3e-5 (update) on an AMD EPYC (5.6e-7 / 6.9e-6 on the Intel host where it was first measured).
 TRAINER_SPECS = (0, 1, 2, 3, "zero3_offload")
 FABRIC_SPECS = (0, 1, 2, 3)
 
@@ -68,9 +69,9 @@ def assert_like_ddp(got: list, ref: list, weight_rtol: float = WEIGHT_RTOL, upda
 
 @pytest.mark.parametrize("spec", TRAINER_SPECS)
 def test_trainer_16_mixed_skips_and_trains_like_ddp_grad_scaler(spec):
-    got, ref = trainer_run(spec), trainer_run("ddp")
     offload = isinstance(spec, str) and spec.endswith("offload")
-    assert_like_ddp(got, ref, *((OFFLOAD_WEIGHT_RTOL, OFFLOAD_UPDATE_TOL) if offload else ()))
+    got, ref = trainer_run(spec), trainer_run("ddp_fused" if offload else "ddp")
+    assert_like_ddp(got, ref)
     assert got[0]["global_step"] == ref[0]["global_step"] == fw.STEPS  # a skipped step still counts, as in DDP
     assert got[0]["param_dtypes"] == ["torch.float32"]  # parameters stay fp32, as under DDP
 

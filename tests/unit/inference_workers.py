@@ -108,15 +108,15 @@ def replicated_stages(stage: int) -> dict:
     return {"same_object": out_model is model, "optimizer": out_opt, "rank0_values": same, "attached": attached}
 
 
-def evaluation_then_training(kind: str, steps: int) -> dict:
-    """Set up for evaluation, run a forward, then set up again with an optimizer and train."""
+def _train_stage3(kind: str, steps: int, evaluate_first: bool) -> tuple[list[float], dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _make(kind)
     opt = models.two_group_adamw(model, lr=1e-2)  # groups by ndim: built while the parameters are whole
-    zp.setup(model, None, zp.ZeroConfig(stage=3))
-    args, kwargs = _inputs(kind, rank)
-    with torch.no_grad():
-        model(*args, **kwargs)
+    if evaluate_first:
+        zp.setup(model, None, zp.ZeroConfig(stage=3))
+        args, kwargs = _inputs(kind, rank)
+        with torch.no_grad():
+            model(*args, **kwargs)
     model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3))
     kind_batches = "mlp" if kind == "mlp" else "llama"
     losses = []
@@ -126,7 +126,15 @@ def evaluation_then_training(kind: str, steps: int) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "state": zp.full_state_dict(model)}
+    return losses, zp.full_state_dict(model)
+
+
+def evaluation_then_training(kind: str, steps: int) -> dict:
+    """Set up for evaluation, run a forward, then set up again with an optimizer and train; and the same model
+    trained at stage 3 without the evaluation set-up."""
+    losses, state = _train_stage3(kind, steps, evaluate_first=True)
+    plain_losses, plain_state = _train_stage3(kind, steps, evaluate_first=False)
+    return {"losses": losses, "state": state, "plain_losses": plain_losses, "plain_state": plain_state}
 
 
 def _hook_count(model) -> int:

@@ -49,23 +49,33 @@ def test_stages_0_to_2_stay_replicated(stage):
 
 @pytest.mark.parametrize("kind", ["mlp", "llama"])
 def test_evaluation_only_model_can_be_set_up_for_training_later(kind):
-    steps = 3
-    results = run_ranks(2, w.evaluation_then_training, kind, steps)
+    steps, world = 3, 2
+    results = run_ranks(world, w.evaluation_then_training, kind, steps)
+    # the evaluation set-up leaves nothing behind: training is stage 3's from scratch, to the bit
+    for r in results:
+        assert r["losses"] == r["plain_losses"]
+        for name, value in r["plain_state"].items():
+            assert torch.equal(r["state"][name], value), name
+    # and stage 3's training is the single-process one on the same per-rank halves (each half-batch's mean loss,
+    # averaged), on the ranks' one thread (models.ranks_threads)
     model = w._make(kind)
     opt = models.two_group_adamw(model, lr=1e-2)
-    batches = models.make_batches("mlp" if kind == "mlp" else "llama", steps, 2, 2)
     losses = []
-    for batch in batches:
-        loss = models.loss_fn(model, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
+    with models.ranks_threads():
+        for batch in models.make_batches("mlp" if kind == "mlp" else "llama", steps, world, 2):
+            step_loss = 0.0
+            for rank in range(world):
+                loss = models.loss_fn(model, models.shard_batch(batch, rank, world)) / world
+                loss.backward()
+                step_loss += float(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            losses.append(step_loss)
     got = results[0]["state"]
     for name, value in model.state_dict().items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-10)
-    mean = [sum(r["losses"][i] for r in results) / 2 for i in range(steps)]
-    assert mean == pytest.approx(losses, rel=1e-6)  # the mean of two half-batch means (the loss is float32)
+    mean = [sum(r["losses"][i] for r in results) / world for i in range(steps)]
+    assert mean == pytest.approx(losses, rel=1e-6)
 
 
 @pytest.mark.parametrize("stage,train", [(0, True), (1, True), (2, True), (3, True), (3, False)])
