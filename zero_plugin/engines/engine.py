@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -25,7 +26,7 @@ from ..config import ZeroConfig
 from ..optim.master import MasterParam
 from ..optim.offload import synchronize_copies
 
-__all__ = ["Engine", "engine_of", "register_engine"]
+__all__ = ["Engine", "EngineBasis", "engine_of", "register_engine"]
 
 # The engine lives in the model's __dict__ (not in a global map whose values would keep every model
 # alive): model -> engine -> model is a plain cycle the GC collects.
@@ -75,17 +76,28 @@ def _model_zero_grad(model: nn.Module, set_to_none: bool = True) -> None:
         engine.zero_grad(set_to_none)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineBasis:
+    """What every engine is built on: the model, its config, the ranks' Comm and the optimizer's master slots
+    (each stage's engine adds its own parts: a reducer and parameter sync at stages 0-2, units at stage 3)."""
+
+    model: nn.Module
+    config: ZeroConfig
+    comm: Comm
+    slots: list[MasterParam]
+
+
 class Engine:
     """What every stage provides to the optimizer wrapper and the public verbs."""
 
     grads_sharded: bool = False  # True when each rank's owned grads are disjoint (global norm needs a sum)
 
-    def __init__(self, model: nn.Module, config: ZeroConfig, comm: Comm, slots: list[MasterParam]) -> None:
-        self.model = model
-        self.config = config
-        self.comm = comm
-        self.slots = slots
-        self._master_names = {id(s.master): s.name for s in slots}
+    def __init__(self, basis: EngineBasis) -> None:
+        self.model = basis.model
+        self.config = basis.config
+        self.comm = basis.comm
+        self.slots = basis.slots
+        self._master_names = {id(s.master): s.name for s in basis.slots}
         # [Note: per-step state]: reset by reset_step_state.
         self.step_grad_norm: float | None = None  # global norm from clip_grad_norm_, reused by the inf/NaN check
         self.grads_unscaled = False  # fp16: the owned gradients were divided by the loss scale

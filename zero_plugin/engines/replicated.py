@@ -22,7 +22,7 @@ from ..optim.master import MasterParam
 from ..optim.offload import host_for
 from ..optim.param_sync import ParamAllGather
 from ..optim.state import gather_full
-from .engine import Engine
+from .engine import Engine, EngineBasis
 from .flat import ShardLayout
 
 __all__ = ["ReplicatedEngine", "make_masters", "cast_frozen"]
@@ -67,20 +67,12 @@ def make_masters(
 class ReplicatedEngine(Engine):
     """Full parameters on every rank; gradients and optimizer state as the stage says."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        config: ZeroConfig,
-        comm: Comm,
-        slots: list[MasterParam],
-        reducer: GradReducer,
-        param_sync: ParamAllGather | None,
-    ) -> None:
-        super().__init__(model, config, comm, slots)
+    def __init__(self, basis: EngineBasis, reducer: GradReducer, param_sync: ParamAllGather | None) -> None:
+        super().__init__(basis)
         self.reducer = reducer
         self.param_sync = param_sync
         self.grads_sharded = reducer.sharded
-        reducer.register(model)
+        reducer.register(basis.model)
         reducer.after_backward = self.after_backward
 
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:

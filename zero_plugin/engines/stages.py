@@ -24,7 +24,7 @@ from ..comm.collectives import Comm
 from ..config import ZeroConfig
 from ..grads.reducer import AllReduceReducer, ReduceScatterReducer
 from ..optim.param_sync import ParamAllGather
-from .engine import Engine
+from .engine import Engine, EngineBasis
 from .replicated import ReplicatedEngine, cast_frozen, make_masters
 
 __all__ = ["build_engine", "build_inference_engine"]
@@ -61,7 +61,7 @@ def build_engine(
     else:
         reducer = AllReduceReducer(slots, **common)
         param_sync = None
-    return ReplicatedEngine(model, config, comm, slots, reducer, param_sync)
+    return ReplicatedEngine(EngineBasis(model, config, comm, slots), reducer, param_sync)
 
 
 def build_inference_engine(model: nn.Module, config: ZeroConfig, comm: Comm, param_source=None) -> Engine | None:

@@ -28,7 +28,7 @@ from torch import nn
 from ..comm.collectives import Comm
 from ..comm.streams import StreamSet, streams_for
 from ..config import ZeroConfig
-from ..engines.engine import Engine
+from ..engines.engine import Engine, EngineBasis
 from ..engines.flat import ShardLayout
 from ..engines.hostmem import trim_host_heap
 from ..loading.materialize import ParamSource, owners_of, to_real
@@ -83,7 +83,7 @@ def build_stage3_engine(
         unit.reduce_comm = reduce_comm
     _compose_zeropp(units, comm, config)
     slots = [_master_for(sharded[id(p)], names[id(p)], config) for _, p in trainable]
-    return (engine_type or Stage3Engine)(model, config, comm, slots, units, sharded)
+    return (engine_type or Stage3Engine)(EngineBasis(model, config, comm, slots), units, sharded)
 
 
 def _make_unit(index, name, module, params, comm, config, pool, streams) -> Unit:
@@ -176,16 +176,9 @@ class Stage3Engine(Engine):
     grads_sharded = True
     runtime_type = Stage3Runtime  # the inference engine's forward-only runtime: stage3/inference.py
 
-    def __init__(
-        self,
-        model: nn.Module,
-        config: ZeroConfig,
-        comm: Comm,
-        slots: list[MasterParam],
-        units: list[Unit],
-        sharded: dict[int, ShardedParam],
-    ) -> None:
-        super().__init__(model, config, comm, slots)
+    def __init__(self, basis: EngineBasis, units: list[Unit], sharded: dict[int, ShardedParam]) -> None:
+        super().__init__(basis)
+        model, config, comm, slots = basis.model, basis.config, basis.comm, basis.slots
         self.units = units
         self.sharded = sharded
         self.unit_of = {id(sp.param): u for u in units for sp in u.params}

@@ -342,47 +342,24 @@ class Unit:
         return len(self.ready) >= len(self.trainable)
 
     @torch.no_grad()
-    def reduce_grads(self) -> list[comm_layout.InPlaceReduce | comm_layout.BufferedReduce]:
+    def reduce_grads(self) -> list[comm_layout.InPlaceReduce | comm_layout.BufferedReduce | quantized.QuantizedReduce]:
         """Launch the reduce-scatter of this unit's full grads (missing ones count as zeros); the full
         gradients are let go (the records hold them until the reductions complete)."""
         self._reduced = True
         groups = _by_dtype(self.trainable, lambda sp: self.reduce_dtype or sp.unsharded.dtype)
-        if self.grad_block is not None:  # [Note: qgZ reduction]
-            return self._reduce_quantized(groups)
         common = {"release_grads": True, "tag": self.name, "grad_of": self.grad_of}
-        if self.reduce_comm.gathers_regions_in_place:
+        if self.grad_block is not None:  # [Note: qgZ reduction]
+            launch, extra = quantized.reduce_quantized, {"block": self.grad_block, "streams": self.streams}
+        elif self.reduce_comm.gathers_regions_in_place:
             return [
                 comm_layout.reduce_in_place(self.reduce_comm, group, dtype, group[0].unsharded.device, **common)
                 for dtype, group in groups.items()
             ]
+        else:
+            launch, extra = comm_layout.reduce_buffered, {"buffers": self.pool, "streams": self.streams}
         with self.streams.reduce():  # after the compute stream's backward wrote the gradients
             return [
-                comm_layout.reduce_buffered(
-                    self.reduce_comm,
-                    group,
-                    dtype,
-                    group[0].unsharded.device,
-                    buffers=self.pool,
-                    streams=self.streams,
-                    **common,
-                )
-                for dtype, group in groups.items()
-            ]
-
-    def _reduce_quantized(self, groups: dict[torch.dtype, list[ShardedParam]]) -> list[quantized.QuantizedReduce]:
-        with self.streams.reduce():  # after the compute stream's backward wrote the gradients
-            return [
-                quantized.reduce_quantized(
-                    self.reduce_comm,
-                    group,
-                    dtype,
-                    group[0].unsharded.device,
-                    release_grads=True,
-                    block=self.grad_block,
-                    streams=self.streams,
-                    tag=self.name,
-                    grad_of=self.grad_of,
-                )
+                launch(self.reduce_comm, group, dtype, group[0].unsharded.device, **common, **extra)
                 for dtype, group in groups.items()
             ]
 
