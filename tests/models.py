@@ -214,7 +214,8 @@ def reference_train(
 
     Returns ``losses`` (per step, mean over its micro-batches), ``micro_losses``,
     ``clip_norms`` (pre-clip total norm per step, empty without ``clip``),
-    ``init_params`` and ``params`` (``{name: tensor}`` before and after).
+    ``init_params`` and ``params`` (``{name: tensor}`` before and after), ``state`` (the state dict after: tied
+    aliases and buffers too).
     """
     if len(batches) < steps * accum:
         raise ValueError(f"need {steps * accum} micro-batches, got {len(batches)}")
@@ -240,6 +241,7 @@ def _reference_train(model_fn, opt_fn, batches: list, steps: int, accum: int, cl
         opt.step()
         opt.zero_grad()
     out["params"] = _clone_params(model)
+    out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return out
 
 

@@ -58,21 +58,17 @@ def test_evaluation_only_model_can_be_set_up_for_training_later(kind):
             assert torch.equal(r["state"][name], value), name
     # and stage 3's training is the single-process one on the same per-rank halves (each half-batch's mean loss,
     # averaged), on the ranks' one thread (models.ranks_threads)
-    model = w._make(kind)
-    opt = models.two_group_adamw(model, lr=1e-2)
-    losses = []
-    with models.ranks_threads():
-        for batch in models.make_batches("mlp" if kind == "mlp" else "llama", steps, world, 2):
-            step_loss = 0.0
-            for rank in range(world):
-                loss = models.loss_fn(model, models.shard_batch(batch, rank, world)) / world
-                loss.backward()
-                step_loss += float(loss.detach())
-            opt.step()
-            opt.zero_grad()
-            losses.append(step_loss)
+    halves = [
+        models.shard_batch(batch, rank, world)
+        for batch in models.make_batches("mlp" if kind == "mlp" else "llama", steps, world, 2)
+        for rank in range(world)
+    ]
+    ref = models.reference_train(
+        lambda: w._make(kind), lambda m: models.two_group_adamw(m, lr=1e-2), halves, steps, accum=world
+    )
+    losses = ref["losses"]
     got = results[0]["state"]
-    for name, value in model.state_dict().items():
+    for name, value in ref["state"].items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-10)
     mean = [sum(r["losses"][i] for r in results) / world for i in range(steps)]
     assert mean == pytest.approx(losses, rel=1e-6)
