@@ -5,137 +5,25 @@ variables.  The engine reads no other environment variable except one test switc
 :meth:`ZeroConfig.resolved_shard_group_size` at setup.
 
 Values are normalised on construction (dtype names -> ``torch.dtype``, lists -> tuples) so that equal
-settings compare, hash and fingerprint equally on every rank, however they were written.
+settings compare, hash and fingerprint equally on every rank, however they were written: the checks are in
+``config_values.py``, the file and environment sources in ``config_sources.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
-import importlib
 import json
-import math
-import numbers
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
-import yaml
+
+from . import config_sources as sources
+from . import config_values as values
 
 __all__ = ["ZeroConfig"]
-
-_DTYPE_NAMES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-    "double": torch.float64,
-}
-_DTYPE_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-_TRUE_TEXT = frozenset({"true", "1", "yes", "on"})
-_FALSE_TEXT = frozenset({"false", "0", "no", "off"})
-_NONE_TEXT = frozenset({"none", "null", ""})
-_ENV_PREFIX = "ZERO_PLUGIN_"
-_ENV_CONFIG = "ZERO_PLUGIN_CONFIG"
-_ENV_ALIASES = {"ZERO_PLUGIN_OFFLOAD": "offload_optimizer"}
-_FILE_SECTION = "zero_plugin"
-
-
-def _error(field: str, allowed: str, value: Any) -> ValueError:
-    return ValueError(f"ZeroConfig.{field} must be {allowed}; got {value!r}")
-
-
-def _qualname(obj: Any) -> str:
-    if isinstance(obj, str):
-        return obj
-    return f"{obj.__module__}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
-
-
-def _as_int(field: str, value: Any, lo: int, hi: int | None = None, allowed: str | None = None) -> int:
-    # bool subclasses int, but stage=True is always a mistake.
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not ok or value < lo or (hi is not None and value > hi):
-        raise _error(field, allowed or (f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}"), value)
-    return int(value)
-
-
-def _as_positive_float(field: str, value: Any, hi: float = math.inf, allowed: str | None = None) -> float:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or not 0 < value <= hi:
-        bound = "" if hi == math.inf else f" and <= {hi:g}"
-        raise _error(field, allowed or f"a finite number > 0{bound}", value)
-    return float(value)
-
-
-def _as_bool(field: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _error(field, "a bool (True or False)", value)
-    return value
-
-
-def _as_dtype(field: str, value: Any, allowed: tuple[torch.dtype, ...] = tuple(_DTYPE_SHORT)) -> torch.dtype:
-    dtype = _DTYPE_NAMES.get(value.strip().lower()) if isinstance(value, str) else value
-    if not isinstance(dtype, torch.dtype) or dtype not in allowed:
-        names = ", ".join(_DTYPE_SHORT[d] for d in allowed)
-        raise _error(field, f"one of {names} (a floating torch.dtype or its name)", value)
-    return dtype
-
-
-def _as_offload(value: Any) -> str:
-    if value is None or value is False:
-        return "none"
-    if value is True:
-        return "cpu"
-    if isinstance(value, str) and value.strip().lower() in ("none", "cpu"):
-        return value.strip().lower()
-    raise _error("offload_optimizer", '"none" or "cpu" (or None, True, False)', value)
-
-
-def _as_unit_classes(value: Any) -> tuple:
-    if isinstance(value, (str, type)):
-        value = (value,)
-    if isinstance(value, (set, frozenset)):
-        # Set order follows id-based hashes and differs between processes;
-        # sorting keeps fingerprints equal across ranks.
-        value = sorted(value, key=_qualname)
-    if not isinstance(value, (tuple, list)):
-        raise _error("unit_classes", "a tuple, list or set of nn.Module subclasses or class names", value)
-    for entry in value:
-        is_module_class = isinstance(entry, type) and issubclass(entry, torch.nn.Module)
-        if not (is_module_class or (isinstance(entry, str) and entry.strip())):
-            raise _error("unit_classes", "entries that are nn.Module subclasses or non-empty class names", entry)
-    return tuple(e.strip() if isinstance(e, str) else e for e in value)
-
-
-def _as_unit_policy(value: Any) -> Callable[[torch.nn.Module, str], bool] | None:
-    # A class is callable too; passing one here almost always meant unit_classes.
-    if value is not None and (isinstance(value, type) or not callable(value)):
-        allowed = "a callable (module, qualified_name) -> bool, or None (classes go in unit_classes)"
-        raise _error("unit_policy", allowed, value)
-    return value
-
-
-def _as_shard_group_size(value: Any) -> int | str | None:
-    return _as_group_size("shard_group_size", value)
-
-
-def _as_group_size(field: str, value: Any) -> int | str | None:
-    if value is None or (isinstance(value, str) and value.strip().lower() == "node"):
-        return None if value is None else "node"
-    return _as_int(field, value, 1, allowed='None, "node" or an int >= 1 dividing the world size')
-
-
-def _as_loss_scale(value: Any) -> str | float:
-    if isinstance(value, str) and value.strip().lower() == "dynamic":
-        return "dynamic"
-    return _as_positive_float("loss_scale", value, allowed='"dynamic" or a finite number > 0')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -261,39 +149,42 @@ class ZeroConfig:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("stage", _as_int("stage", self.stage, 0, 3, allowed="one of 0, 1, 2, 3"))
-        put("offload_optimizer", _as_offload(self.offload_optimizer))
-        put("offload_params", _as_bool("offload_params", self.offload_params))
+        put("stage", values.as_int("stage", self.stage, 0, 3, allowed="one of 0, 1, 2, 3"))
+        put("offload_optimizer", values.as_offload(self.offload_optimizer))
+        put("offload_params", values.as_bool("offload_params", self.offload_params))
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
-            put(name, None if value is None else _as_dtype(name, value))
-        put("master_dtype", _as_dtype("master_dtype", self.master_dtype, (torch.float32, torch.float64)))
-        put("bucket_size_mb", _as_positive_float("bucket_size_mb", self.bucket_size_mb, hi=4096.0))
-        put("prefetch_depth", _as_int("prefetch_depth", self.prefetch_depth, 0, 8))
-        put("persistence_threshold", _as_int("persistence_threshold", self.persistence_threshold, 0))
-        put("linear_slice_numel", _as_int("linear_slice_numel", self.linear_slice_numel, 0))
-        put("reshard_after_forward", _as_bool("reshard_after_forward", self.reshard_after_forward))
-        put("accumulate_full_grads", _as_bool("accumulate_full_grads", self.accumulate_full_grads))
-        put("unit_classes", _as_unit_classes(self.unit_classes))
-        put("unit_policy", _as_unit_policy(self.unit_policy))
+            put(name, None if value is None else values.as_dtype(name, value))
+        put("master_dtype", values.as_dtype("master_dtype", self.master_dtype, (torch.float32, torch.float64)))
+        put("bucket_size_mb", values.as_positive_float("bucket_size_mb", self.bucket_size_mb, hi=4096.0))
+        put("prefetch_depth", values.as_int("prefetch_depth", self.prefetch_depth, 0, 8))
+        put("persistence_threshold", values.as_int("persistence_threshold", self.persistence_threshold, 0))
+        put("linear_slice_numel", values.as_int("linear_slice_numel", self.linear_slice_numel, 0))
+        put("reshard_after_forward", values.as_bool("reshard_after_forward", self.reshard_after_forward))
+        put("accumulate_full_grads", values.as_bool("accumulate_full_grads", self.accumulate_full_grads))
+        put("unit_classes", values.as_unit_classes(self.unit_classes))
+        put("unit_policy", values.as_unit_policy(self.unit_policy))
         if self.clip_grad_norm is not None:
-            put("clip_grad_norm", _as_positive_float("clip_grad_norm", self.clip_grad_norm))
+            put("clip_grad_norm", values.as_positive_float("clip_grad_norm", self.clip_grad_norm))
         if self.loss_scaling is not None and not isinstance(self.loss_scaling, bool):
-            raise _error("loss_scaling", "True, False or None", self.loss_scaling)
-        put("loss_scale", _as_loss_scale(self.loss_scale))
-        put("loss_scale_init", _as_positive_float("loss_scale_init", self.loss_scale_init))
-        put("loss_scale_growth_interval", _as_int("loss_scale_growth_interval", self.loss_scale_growth_interval, 1))
-        put("trim_host_heap", _as_bool("trim_host_heap", self.trim_host_heap))
-        put("cpu_ram_efficient_loading", _as_bool("cpu_ram_efficient_loading", self.cpu_ram_efficient_loading))
-        put("debug_collectives", _as_bool("debug_collectives", self.debug_collectives))
-        put("timeout_s", _as_positive_float("timeout_s", self.timeout_s))
-        put("check_ranks", _as_bool("check_ranks", self.check_ranks))
-        put("state_dict_rank0_only", _as_bool("state_dict_rank0_only", self.state_dict_rank0_only))
-        put("shard_group_size", _as_shard_group_size(self.shard_group_size))
-        put("quantized_weights", _as_bool("quantized_weights", self.quantized_weights))
-        put("quantized_gradients", _as_bool("quantized_gradients", self.quantized_gradients))
-        put("quantization_block", _as_int("quantization_block", self.quantization_block, 64, 2**20))
-        put("secondary_shard_size", _as_group_size("secondary_shard_size", self.secondary_shard_size))
+            raise values.error("loss_scaling", "True, False or None", self.loss_scaling)
+        put("loss_scale", values.as_loss_scale(self.loss_scale))
+        put("loss_scale_init", values.as_positive_float("loss_scale_init", self.loss_scale_init))
+        put(
+            "loss_scale_growth_interval",
+            values.as_int("loss_scale_growth_interval", self.loss_scale_growth_interval, 1),
+        )
+        put("trim_host_heap", values.as_bool("trim_host_heap", self.trim_host_heap))
+        put("cpu_ram_efficient_loading", values.as_bool("cpu_ram_efficient_loading", self.cpu_ram_efficient_loading))
+        put("debug_collectives", values.as_bool("debug_collectives", self.debug_collectives))
+        put("timeout_s", values.as_positive_float("timeout_s", self.timeout_s))
+        put("check_ranks", values.as_bool("check_ranks", self.check_ranks))
+        put("state_dict_rank0_only", values.as_bool("state_dict_rank0_only", self.state_dict_rank0_only))
+        put("shard_group_size", values.as_shard_group_size(self.shard_group_size))
+        put("quantized_weights", values.as_bool("quantized_weights", self.quantized_weights))
+        put("quantized_gradients", values.as_bool("quantized_gradients", self.quantized_gradients))
+        put("quantization_block", values.as_int("quantization_block", self.quantization_block, 64, 2**20))
+        put("secondary_shard_size", values.as_group_size("secondary_shard_size", self.secondary_shard_size))
 
     def _validate(self) -> None:
         """All cross-field rules; fields are already normalised."""
@@ -310,7 +201,7 @@ class ZeroConfig:
         if self.unit_classes and self.unit_policy is not None:
             raise ValueError(
                 "ZeroConfig.unit_classes and ZeroConfig.unit_policy are mutually exclusive, set at most one; "
-                f"got unit_classes={self.unit_classes!r} and unit_policy={_qualname(self.unit_policy)!r}"
+                f"got unit_classes={self.unit_classes!r} and unit_policy={values.qualname(self.unit_policy)!r}"
             )
         zeropp = {
             "quantized_weights": self.quantized_weights,
@@ -395,16 +286,16 @@ class ZeroConfig:
 
     def replace(self, **changes: Any) -> ZeroConfig:
         """A copy with ``changes`` applied, validated again."""
-        _check_known_keys(changes, "ZeroConfig.replace")
+        sources.check_known_keys(changes, "ZeroConfig.replace", _FIELD_NAMES)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON/YAML-safe dict: dtypes as "bf16"-style names, classes and unit_policy as qualified names."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name in ("param_dtype", "reduce_dtype", "master_dtype"):
-            out[name] = None if out[name] is None else _DTYPE_SHORT[out[name]]
-        out["unit_classes"] = [_qualname(c) for c in self.unit_classes]
-        out["unit_policy"] = None if self.unit_policy is None else _qualname(self.unit_policy)
+            out[name] = None if out[name] is None else values.DTYPE_SHORT[out[name]]
+        out["unit_classes"] = [values.qualname(c) for c in self.unit_classes]
+        out["unit_policy"] = None if self.unit_policy is None else values.qualname(self.unit_policy)
         return out
 
     @classmethod
@@ -412,13 +303,13 @@ class ZeroConfig:
         """Build from a mapping; string values (YAML, env) are parsed per field, e.g. "3", "true", "bf16"."""
         if not isinstance(data, Mapping):
             raise ValueError(f"ZeroConfig.from_dict expects a mapping of field names; got {type(data).__name__}")
-        _check_known_keys(data, "ZeroConfig.from_dict")
-        return cls(**{k: _parse_text(k, v) if isinstance(v, str) else v for k, v in data.items()})
+        sources.check_known_keys(data, "ZeroConfig.from_dict", _FIELD_NAMES)
+        return cls(**{k: sources.parse_text(k, v) if isinstance(v, str) else v for k, v in data.items()})
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> ZeroConfig:
         """Load a .yaml/.yml/.json file holding the fields at top level or under ``zero_plugin:``."""
-        data = _read_config_file(Path(path))
+        data = sources.read_config_file(Path(path))
         try:
             return cls.from_dict(data)
         except ValueError as exc:
@@ -429,18 +320,18 @@ class ZeroConfig:
         """ZERO_PLUGIN_CONFIG (a file) first, then ZERO_PLUGIN_<FIELD> / ZERO_PLUGIN_OFFLOAD override it."""
         env = os.environ if environ is None else environ
         data: dict[str, Any] = {}
-        config_path = env.get(_ENV_CONFIG, "")
+        config_path = env.get(sources.ENV_CONFIG, "")
         if config_path:
             try:
-                data.update(_read_config_file(Path(config_path)))
+                data.update(sources.read_config_file(Path(config_path)))
             except (ValueError, FileNotFoundError) as exc:
-                raise type(exc)(f"{_ENV_CONFIG}={config_path!r}: {exc}") from exc
-        overrides = _env_overrides(env)
+                raise type(exc)(f"{sources.ENV_CONFIG}={config_path!r}: {exc}") from exc
+        overrides = sources.env_overrides(env, _FIELD_NAMES)
         data.update({field: env[var] for var, field in overrides.items()})
         try:
             return cls.from_dict(data)
         except ValueError as exc:
-            used = ([_ENV_CONFIG] if config_path else []) + list(overrides)
+            used = ([sources.ENV_CONFIG] if config_path else []) + list(overrides)
             origin = ", ".join(f"{var}={env[var]!r}" for var in used)
             raise ValueError(f"{exc} (from environment: {origin})") from exc
 
@@ -450,134 +341,3 @@ class ZeroConfig:
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(ZeroConfig))
-
-
-def _check_known_keys(keys: Any, where: str) -> None:
-    unknown = [k for k in keys if k not in _FIELD_NAMES]
-    if not unknown:
-        return
-    described = []
-    for key in unknown:
-        close = difflib.get_close_matches(str(key), _FIELD_NAMES, n=1)
-        described.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
-    raise ValueError(f"{where}: unknown key(s) {', '.join(described)}; allowed: {', '.join(_FIELD_NAMES)}")
-
-
-def _text_bool(text: str) -> bool:
-    if text.lower() not in _TRUE_TEXT | _FALSE_TEXT:
-        raise ValueError(text)
-    return text.lower() in _TRUE_TEXT
-
-
-def _text_import(path: str) -> Any:
-    """Resolve "pkg.module.attr.sub" by importing the longest importable module prefix."""
-    parts = path.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except (ImportError, ValueError):
-            continue
-        for attr in parts[i:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(path)
-
-
-def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    return lambda text: None if text.lower() in _NONE_TEXT else parse(text)
-
-
-_BOOL = (_text_bool, '"true"/"false" (or 1/0, yes/no, on/off)')
-_INT, _FLOAT = (int, "an integer"), (float, "a number")
-_TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
-    "stage": _INT,
-    "prefetch_depth": _INT,
-    "persistence_threshold": _INT,
-    "linear_slice_numel": _INT,
-    "bucket_size_mb": _FLOAT,
-    "timeout_s": _FLOAT,
-    "loss_scale_init": _FLOAT,
-    "loss_scale_growth_interval": _INT,
-    "offload_params": _BOOL,
-    "reshard_after_forward": _BOOL,
-    "accumulate_full_grads": _BOOL,
-    "trim_host_heap": _BOOL,
-    "debug_collectives": _BOOL,
-    "cpu_ram_efficient_loading": _BOOL,
-    "check_ranks": _BOOL,
-    "state_dict_rank0_only": _BOOL,
-    "offload_optimizer": (
-        lambda t: _text_bool(t) if t.lower() in _TRUE_TEXT | _FALSE_TEXT else t,
-        '"none", "cpu", "true" or "false"',
-    ),
-    "param_dtype": (_or_none(str), "a dtype name or none"),
-    "reduce_dtype": (_or_none(str), "a dtype name or none"),
-    "unit_classes": (lambda t: [c.strip() for c in t.split(",") if c.strip()], "comma-separated class names"),
-    "unit_policy": (_or_none(_text_import), "an importable qualified name or none"),
-    "clip_grad_norm": (_or_none(float), "a number or none"),
-    "loss_scaling": (_or_none(_text_bool), '"true", "false" or none'),
-    "loss_scale": (lambda t: "dynamic" if t.lower() == "dynamic" else float(t), '"dynamic" or a number'),
-    "shard_group_size": (_or_none(lambda t: "node" if t.lower() == "node" else int(t)), '"node", an integer or none'),
-    "secondary_shard_size": (
-        _or_none(lambda t: "node" if t.lower() == "node" else int(t)),
-        '"node", an integer or none',
-    ),
-    "quantized_weights": _BOOL,
-    "quantized_gradients": _BOOL,
-    "quantization_block": _INT,
-}
-
-
-def _parse_text(field: str, text: str) -> Any:
-    if field not in _TEXT_PARSERS:
-        return text  # master_dtype: the constructor parses dtype names itself.
-    parse, allowed = _TEXT_PARSERS[field]
-    try:
-        return parse(text.strip())
-    except (ValueError, ImportError, AttributeError) as exc:
-        raise _error(field, f"{allowed} when given as text", text) from exc
-
-
-def _read_config_file(path: Path) -> dict[str, Any]:
-    suffix = path.suffix.lower()
-    if suffix not in (".yaml", ".yml", ".json"):
-        raise ValueError(
-            f"ZeroConfig.from_file: {str(path)!r} must end in .yaml, .yml or .json; "
-            f"got {path.suffix or 'no extension'!r}"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(f"ZeroConfig.from_file: no such file: {str(path)!r}")
-    try:
-        text = path.read_text(encoding="utf-8")
-        data = json.loads(text) if suffix == ".json" else yaml.safe_load(text)
-    except (UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ValueError(f"ZeroConfig.from_file: cannot parse {str(path)!r}: {exc}") from exc
-    if isinstance(data, Mapping) and _FILE_SECTION in data:
-        data = data[_FILE_SECTION]
-    data = {} if data is None else data  # an empty file or section means all defaults
-    if not isinstance(data, Mapping):
-        raise ValueError(
-            f"ZeroConfig.from_file: {str(path)!r} must hold a mapping of ZeroConfig fields "
-            f"(top level or under '{_FILE_SECTION}:'); got {type(data).__name__}"
-        )
-    return dict(data)
-
-
-def _env_overrides(env: Mapping[str, str]) -> dict[str, str]:
-    """{variable: field} for every set, non-empty ZERO_PLUGIN_<FIELD> variable (upper case only)."""
-    overrides: dict[str, str] = {}
-    for var in sorted(env):
-        suffix = var[len(_ENV_PREFIX) :]
-        if not var.startswith(_ENV_PREFIX) or var == _ENV_CONFIG or not env[var]:
-            continue
-        field = _ENV_ALIASES.get(var) or (suffix.lower() if suffix.isupper() else None)
-        if field not in _FIELD_NAMES:
-            continue  # other ZERO_PLUGIN_* variables belong to the launcher and integrations
-        clash = [other for other, f in overrides.items() if f == field]
-        if clash:
-            raise ValueError(
-                f"{clash[0]} and {var} both set ZeroConfig.{field}; got "
-                f"{env[clash[0]]!r} and {env[var]!r}; set only one"
-            )
-        overrides[var] = field
-    return overrides

@@ -48,7 +48,7 @@ def _add_consolidate(sub) -> None:
 
 
 def _torch_dtype(name: str | None):
-    from ..config import _as_dtype
+    from ..config_values import as_dtype as _as_dtype
 
     return _as_dtype("--dtype", name) if name else None
 
