@@ -180,7 +180,7 @@ class ZeroConfig:
         put("timeout_s", values.as_positive_float("timeout_s", self.timeout_s))
         put("check_ranks", values.as_bool("check_ranks", self.check_ranks))
         put("state_dict_rank0_only", values.as_bool("state_dict_rank0_only", self.state_dict_rank0_only))
-        put("shard_group_size", values.as_shard_group_size(self.shard_group_size))
+        put("shard_group_size", values.as_group_size("shard_group_size", self.shard_group_size))
         put("quantized_weights", values.as_bool("quantized_weights", self.quantized_weights))
         put("quantized_gradients", values.as_bool("quantized_gradients", self.quantized_gradients))
         put("quantization_block", values.as_int("quantization_block", self.quantization_block, 64, 2**20))

@@ -13,6 +13,9 @@ import yaml
 
 from . import config_values as values
 
+_TRUE_TEXT = frozenset({"true", "1", "yes", "on"})
+_FALSE_TEXT = frozenset({"false", "0", "no", "off"})
+_NONE_TEXT = frozenset({"none", "null", ""})
 ENV_PREFIX = "ZERO_PLUGIN_"
 ENV_CONFIG = "ZERO_PLUGIN_CONFIG"
 ENV_ALIASES = {"ZERO_PLUGIN_OFFLOAD": "offload_optimizer"}
@@ -31,9 +34,9 @@ def check_known_keys(keys: Any, where: str, fields: tuple[str, ...]) -> None:
 
 
 def _text_bool(text: str) -> bool:
-    if text.lower() not in values.TRUE_TEXT | values.FALSE_TEXT:
+    if text.lower() not in _TRUE_TEXT | _FALSE_TEXT:
         raise ValueError(text)
-    return text.lower() in values.TRUE_TEXT
+    return text.lower() in _TRUE_TEXT
 
 
 def _text_import(path: str) -> Any:
@@ -51,7 +54,7 @@ def _text_import(path: str) -> Any:
 
 
 def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    return lambda text: None if text.lower() in values.NONE_TEXT else parse(text)
+    return lambda text: None if text.lower() in _NONE_TEXT else parse(text)
 
 
 _BOOL = (_text_bool, '"true"/"false" (or 1/0, yes/no, on/off)')
@@ -74,7 +77,7 @@ _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "check_ranks": _BOOL,
     "state_dict_rank0_only": _BOOL,
     "offload_optimizer": (
-        lambda t: _text_bool(t) if t.lower() in values.TRUE_TEXT | values.FALSE_TEXT else t,
+        lambda t: _text_bool(t) if t.lower() in _TRUE_TEXT | _FALSE_TEXT else t,
         '"none", "cpu", "true" or "false"',
     ),
     "param_dtype": (_or_none(str), "a dtype name or none"),

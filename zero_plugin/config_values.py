@@ -22,9 +22,6 @@ DTYPE_NAMES = {
     "double": torch.float64,
 }
 DTYPE_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-TRUE_TEXT = frozenset({"true", "1", "yes", "on"})
-FALSE_TEXT = frozenset({"false", "0", "no", "off"})
-NONE_TEXT = frozenset({"none", "null", ""})
 
 
 def error(field: str, allowed: str, value: Any) -> ValueError:
@@ -99,10 +96,6 @@ def as_unit_policy(value: Any) -> Callable[[torch.nn.Module, str], bool] | None:
         allowed = "a callable (module, qualified_name) -> bool, or None (classes go in unit_classes)"
         raise error("unit_policy", allowed, value)
     return value
-
-
-def as_shard_group_size(value: Any) -> int | str | None:
-    return as_group_size("shard_group_size", value)
 
 
 def as_group_size(field: str, value: Any) -> int | str | None:
