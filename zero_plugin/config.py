@@ -56,9 +56,10 @@ class ZeroConfig:
     step with the root instead of with their block ([Note: persistent parameters] in stage3/policy.py); >= 0.
     Default 0."""
     linear_slice_numel: int = 1 << 23
-    """Stage 3: a unit made of one frozen ``nn.Linear`` with at least twice this many weight elements (an untied LM
-    head under LoRA) is computed one row-slice of at most this many elements at a time in forward and backward,
-    never gathered whole ([Note: sliced linear units] in stage3/sliced.py); elements, >= 0, 0 = off. Default
+    """Stage 3: a unit made of one frozen ``nn.Linear`` or ``nn.Embedding`` with at least twice this many weight
+    elements (an untied LM head or input embedding under LoRA, a multi-billion-parameter model's MLP projections) is
+    computed one row-slice of at most this many elements at a time in forward (and a linear's backward), never
+    gathered whole ([Note: sliced linear units] in stage3/sliced.py); elements, >= 0, 0 = off. Default
     2**23 (32 MiB in fp32)."""
     reshard_after_forward: bool = True
     """Stage 3: free a unit's gathered params after forward; False keeps them until backward,

@@ -41,6 +41,14 @@ def head_units(module: nn.Module, qualname: str) -> bool:
     return type(module).__name__ in ("OddBlock", "LlamaDecoderLayer") or qualname.split(".")[-1] in ("head", "lm_head")
 
 
+def head_and_embedding_units(module: nn.Module, qualname: str) -> bool:
+    """``head_units`` and the input embedding, as the default policy makes a large untied one ([Note: leaf units])."""
+    return head_units(module, qualname) or qualname.split(".")[-1] == "embed_tokens"
+
+
+POLICIES = {"head": head_units, "head_embed": head_and_embedding_units, "default": None}
+
+
 def build_model(kind: str, trainable_head: bool):
     """kind: ``mlp`` / ``mlp_tied`` (float64), ``llama`` / ``llama_tied`` (every weight trains but the head),
     ``lora`` / ``lora_tied`` (PEFT LoRA on q/v: the head is frozen anyway)."""
@@ -77,21 +85,20 @@ def build_optimizer(model):
 
 
 def sliced_worker(
-    kind, trainable_head, batches, steps, accum, max_norm, slice_numel, buffered=False, default_policy=False
+    kind, trainable_head, batches, steps, accum, max_norm, slice_numel, buffered=False, policy="head"
 ) -> dict:
-    """``default_policy``: the default unit choice (decoder layers, [Note: frozen linear units]) instead of
-    ``head_units``."""
+    """``policy``: a key of ``POLICIES``; ``default`` is the default unit choice (decoder layers, [Note: frozen
+    linear units])."""
     from tests.unit.memory_comm_workers import collectives_layout
     from zero_plugin.engines.engine import engine_of
-    from zero_plugin.stage3.sliced import SlicedLinearUnit
+    from zero_plugin.stage3.sliced import SlicedUnit
 
     model = build_model(kind, trainable_head)
-    policy = None if default_policy else head_units
-    config = zp.ZeroConfig(stage=3, unit_policy=policy, linear_slice_numel=slice_numel)
+    config = zp.ZeroConfig(stage=3, unit_policy=POLICIES[policy], linear_slice_numel=slice_numel)
     with collectives_layout(buffered):
         model, opt = zp.setup(model, build_optimizer(model), config)
         engine = engine_of(model, "test")
-        sliced = [u for u in engine.units if isinstance(u, SlicedLinearUnit)]
+        sliced = [u for u in engine.units if isinstance(u, SlicedUnit)]
         whole_gathers = []
         for unit in sliced:  # the runtime must never gather a sliced unit whole
             unit.unshard = lambda *a, _u=unit, _f=unit.unshard, **k: (whole_gathers.append(_u.name), _f(*a, **k))[1]

@@ -4,7 +4,9 @@ single-process reference that sees every rank's batch.
 A frozen, untied output layer (a float64 MLP head with a bias over an odd 97-row vocabulary; a tiny
 transformers Llama's ``lm_head``, with every other weight training or under LoRA) is computed slice by
 slice (``linear_slice_numel=100``: 6-17 slices whose rows never line up with the ranks' shards) and
-must train exactly as the whole layer does; the runtime must never gather it whole.  A trainable or
+must train exactly as the whole layer does; the runtime must never gather it whole.  A frozen untied
+``embed_tokens`` unit is sliced the same way, and whether a layer is sliced depends on its full size,
+not on the rank's shard of it.  A trainable or
 tied head is not sliced and trains as before.  Tolerances as in ``test_parity_stage3.py``: float64
 MLP 1e-10, transformers fp32 update-norm error 1e-3 and loss 1e-4 relative.
 """
@@ -23,7 +25,10 @@ from tests.parity import sliced_workers as workers
 STEPS, ACCUM, GLOBAL_ROWS, MAX_NORM = 4, 2, 12, 1.0
 
 # (kind, trainable_head, world_size, buffered, which units are sliced: "head", "none" or "blocks" =
-# under the default unit choice, every frozen linear inside the decoder layers, [Note: frozen linear units])
+# under the default unit choice, every frozen linear inside the decoder layers, [Note: frozen linear units];
+# "wide_blocks": the same with slices of WIDE_SLICE_NUMEL elements, which the 800-element k/v weights reach
+# only whole (2 x 400): their 400-element shards do not, and whether to slice is a property of the layer;
+# "head_embed": the head and the frozen input embedding, each a unit of its own)
 CASES = [
     ("mlp", False, 2, False, "head"),
     ("mlp", False, 3, False, "head"),
@@ -36,9 +41,13 @@ CASES = [
     ("lora_tied", False, 2, False, "none"),
     ("lora", False, 2, False, "blocks"),
     ("lora_tied", False, 3, True, "blocks"),
+    ("lora", False, 2, False, "wide_blocks"),
+    ("lora", False, 2, False, "head_embed"),
+    ("lora", False, 3, True, "head_embed"),
 ]
 # LoRA on q/v of 2 layers: q and v's base layers, k, o, gate, up, down
 BLOCK_LINEARS = 2 * 7
+WIDE_SLICE_NUMEL = 400
 
 
 @functools.cache
@@ -79,9 +88,9 @@ def test_sliced_head_parity(kind, trainable_head, world_size, buffered, sliced):
         STEPS,
         ACCUM,
         MAX_NORM,
-        workers.SLICE_NUMEL,
+        WIDE_SLICE_NUMEL if sliced == "wide_blocks" else workers.SLICE_NUMEL,
         buffered=buffered,
-        default_policy=sliced == "blocks",
+        policy={"blocks": "default", "wide_blocks": "default", "head_embed": "head_embed"}.get(sliced, "head"),
     )
     mlp = kind.startswith("mlp")
     rel = 1e-10 if mlp else 1e-4
@@ -90,9 +99,13 @@ def test_sliced_head_parity(kind, trainable_head, world_size, buffered, sliced):
         if sliced == "head":
             assert len(names) == 1 and names[0].endswith("head"), f"rank {rank}: sliced units {r['sliced']}"
             assert r["sliced"][0][1] >= 6, f"rank {rank}: {r['sliced']}"
-        elif sliced == "blocks":
+        elif sliced == "head_embed":
+            assert sorted(n.split(".")[-1] for n in names) == ["embed_tokens", "lm_head"], f"rank {rank}: {names}"
+            assert min(count for _, count in r["sliced"]) >= 6, f"rank {rank}: {r['sliced']}"
+        elif sliced in ("blocks", "wide_blocks"):
             assert len(names) == BLOCK_LINEARS and all(".layers." in n for n in names), f"rank {rank}: {names}"
-            assert min(count for _, count in r["sliced"]) >= 5, f"rank {rank}: {r['sliced']}"
+            fewest = 2 if sliced == "wide_blocks" else 5
+            assert min(count for _, count in r["sliced"]) >= fewest, f"rank {rank}: {r['sliced']}"
         else:
             assert names == [], f"rank {rank}: a trainable or tied head must not be sliced, got {names}"
         assert r["whole_gathers"] == [], f"rank {rank}: sliced unit gathered whole {r['whole_gathers']}"

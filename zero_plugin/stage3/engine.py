@@ -40,7 +40,7 @@ from .param import ShardedParam, ShardedState
 from .policy import assign_units
 from .pool import BufferPool
 from .secondary import SecondaryShard
-from .sliced import SlicedLinearUnit, sliceable
+from .sliced import sliceable, sliced_unit_type
 from .state_dict_hooks import StateDictHooks, gather_to_host
 from .unit import Unit
 
@@ -89,10 +89,16 @@ def build_stage3_engine(
 def _make_unit(index, name, module, params, comm, config, pool, streams) -> Unit:
     args = (index, name, module, params, comm, config.effective_reduce_dtype, pool, streams)
     if index and sliceable(
-        module, [sp.param for sp in params], config.linear_slice_numel
+        module, [sp.param for sp in params], config.linear_slice_numel, _full_weight_numel(module, params)
     ):  # [Note: sliced linear units]
-        return SlicedLinearUnit(*args, slice_numel=config.linear_slice_numel)
+        return sliced_unit_type(module)(*args, slice_numel=config.linear_slice_numel)
     return Unit(*args)
+
+
+def _full_weight_numel(module: nn.Module, params: list[ShardedParam]) -> int:
+    """The unsharded element count of ``module.weight`` (the module holds only this rank's shard)."""
+    weight = getattr(module, "weight", None)
+    return next((sp.layout.numel for sp in params if sp.param is weight), 0)
 
 
 def _compose_zeropp(units: list[Unit], comm: Comm, config: ZeroConfig) -> None:

@@ -150,7 +150,7 @@ def _split_frozen_linears(
         own = [p for p in module.parameters(recurse=False) if p is not None]
         if not own or any(owner.get(id(p), 0) == 0 or users[id(p)] > 1 for p in own):
             continue  # outside every block (the root's or a leaf unit's business), or shared
-        if sliceable(module, own, slice_numel):
+        if isinstance(module, nn.Linear) and sliceable(module, own, slice_numel, module.weight.numel()):
             units.append((name, module))
             for p in own:
                 owner[id(p)] = len(units) - 1

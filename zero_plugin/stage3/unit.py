@@ -124,7 +124,7 @@ class Unit:
 
     def remove(self) -> None:
         """The engine is removed: undo what the unit installed on its module (nothing here;
-        ``sliced.SlicedLinearUnit`` replaces the module's forward)."""
+        ``sliced.SlicedUnit`` replaces the module's forward)."""
 
     @property
     def is_root(self) -> bool:
