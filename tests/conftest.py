@@ -1,6 +1,7 @@
 """Shared pytest setup: repo root importable, worker pools closed at session end."""
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -16,3 +17,25 @@ from tests.harness import close_all_pools  # noqa: E402
 def _close_worker_pools():
     yield
     close_all_pools()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_module_tmp(request, tmp_path_factory):
+    """Delete what a module's fixtures wrote under the session's temporary folder once the module passed.
+
+    pytest keeps every ``tmp_path_factory.mktemp`` folder until the session ends, so the suite's disk use was
+    the sum of all modules' checkpoints and saved models (one module alone writes ~300 MB); on a CI machine with
+    little free disk the later ``torch.save`` calls failed and every test after them with them.  A module that
+    failed keeps its folders for inspection (``tmp_path_retention_policy`` does the same for ``tmp_path``).
+    """
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed != failed:
+        return
+    for path in set(base.iterdir()) - before:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)

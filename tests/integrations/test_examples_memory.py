@@ -22,7 +22,17 @@ from pathlib import Path
 import pytest
 
 from tests.harness import _free_port
-from tests.integrations.test_lazy_load import EXAMPLES, FALLBACK, LAUNCH, PY, SLACK, _checkpoint, _env, common
+from tests.integrations.test_lazy_load import (
+    EXAMPLES,
+    FALLBACK,
+    LAUNCH,
+    PY,
+    SLACK,
+    _checkpoint,
+    _env,
+    common,
+    drop_weights,
+)
 
 PROBE = Path(__file__).resolve().parent / "scripts" / "rss_probe.py"
 STEPS = ("--max_steps", "2", "--log_every", "1", "--warmup_steps", "0", "--max_new_tokens", "1")
@@ -42,6 +52,7 @@ def _run(tmp: Path, name: str, command: list[str], extra_env: dict[str, str] | N
     (tmp / name).mkdir()
     env = {**_env(tmp), **(extra_env or {})}
     proc = subprocess.run(command, env=env, cwd=tmp / name, capture_output=True, text=True, timeout=TIMEOUT_S)
+    drop_weights(tmp / f"{name}_out")
     return proc.returncode, proc.stdout + proc.stderr
 
 

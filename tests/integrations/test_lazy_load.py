@@ -85,6 +85,9 @@ def _checkpoint(folder: Path, tokenizer, hidden: int, inter: int, layers: int, s
     return str(safe), str(pickled)
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
 def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_PLUGIN_", "ACCELERATE_", "MASTER_"))}
     env.update(
@@ -101,7 +104,16 @@ def _launch(tmp: Path, name: str, args: list[str]) -> SimpleNamespace:
     out = tmp / name
     out.mkdir()
     proc = subprocess.run([*LAUNCH, *args], env=_env(tmp), cwd=out, capture_output=True, text=True, timeout=TIMEOUT_S)
+    drop_weights(tmp / f"{name}_out")
     return SimpleNamespace(name=name, returncode=proc.returncode, output=proc.stdout + proc.stderr, out=out)
+
+
+def drop_weights(folder: Path) -> None:
+    """Delete the weights and checkpoints a finished run saved: the scripts reload and check them themselves, and
+    the tests read only their JSON.  Kept, the launches of one module filled 1.6 GB of the temporary folder."""
+    for path in folder.rglob("*"):
+        if path.suffix in WEIGHT_SUFFIXES and path.is_file():
+            path.unlink()
 
 
 @pytest.fixture(scope="module")
