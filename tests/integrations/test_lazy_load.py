@@ -85,9 +85,6 @@ def _checkpoint(folder: Path, tokenizer, hidden: int, inter: int, layers: int, s
     return str(safe), str(pickled)
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
 def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_PLUGIN_", "ACCELERATE_", "MASTER_"))}
     env.update(
@@ -106,6 +103,9 @@ def _launch(tmp: Path, name: str, args: list[str]) -> SimpleNamespace:
     proc = subprocess.run([*LAUNCH, *args], env=_env(tmp), cwd=out, capture_output=True, text=True, timeout=TIMEOUT_S)
     drop_weights(tmp / f"{name}_out")
     return SimpleNamespace(name=name, returncode=proc.returncode, output=proc.stdout + proc.stderr, out=out)
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def drop_weights(folder: Path) -> None:

@@ -48,6 +48,8 @@ of heap through one backward).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -84,8 +86,8 @@ class SlicedUnit(Unit):
 
     def __init__(self, *args, slice_numel: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        by_param = {id(sp.param): sp for sp in self.params}
-        self.weight = by_param[id(self.module.weight)]
+        self.by_param = {id(sp.param): sp for sp in self.params}
+        self.weight = self.by_param[id(self.module.weight)]
         rows_total, width = self.weight.shape
         rows = max(1, slice_numel // width)
         self.slices = [(a, min(a + rows, rows_total)) for a in range(0, rows_total, rows)]
@@ -106,10 +108,14 @@ class SlicedUnit(Unit):
             self.wait_unshard()
 
     # -- slices -------------------------------------------------------------------
-    def _gather_rows(self, a: int, b: int) -> torch.Tensor:
-        """Rows ``[a, b)`` of the weight in a pooled block: give it back once used."""
+    def row_slices(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``(a, b, rows a..b of the weight)`` for each slice, gathered in a pooled block that goes back to the
+        pool when the loop moves on: the caller must not keep the rows past its loop body."""
         width = self.weight.shape[1]
-        return self._gather_flat(self.weight, a * width, b * width, pooled=True).view(b - a, width)
+        for a, b in self.slices:
+            w = self._gather_flat(self.weight, a * width, b * width, pooled=True).view(b - a, width)
+            yield a, b, w
+            self.pool.give(w)
 
     def _gather_flat(self, sp: ShardedParam, lo: int, hi: int, pooled: bool = False) -> torch.Tensor:
         """Elements ``[lo, hi)`` of ``sp``'s flattened full tensor, in its compute dtype, on every rank."""
@@ -143,8 +149,7 @@ class SlicedLinearUnit(SlicedUnit):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        by_param = {id(sp.param): sp for sp in self.params}
-        self.bias = by_param.get(id(self.module.bias)) if self.module.bias is not None else None
+        self.bias = self.by_param.get(id(self.module.bias)) if self.module.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.state is ShardedState.UNSHARDED:  # gathered explicitly (zp.gathered_parameters)
@@ -154,20 +159,16 @@ class SlicedLinearUnit(SlicedUnit):
     @torch.no_grad()
     def forward_slices(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_empty(*x.shape[:-1], self.weight.shape[0])
-        for a, b in self.slices:
-            w = self._gather_rows(a, b)
+        for a, b, w in self.row_slices():
             bias = self._gather_flat(self.bias, a, b) if self.bias is not None else None
             out[..., a:b] = F.linear(x, w, bias)
-            self.pool.give(w)
         return out
 
     @torch.no_grad()
     def input_grad(self, grad_out: torch.Tensor) -> torch.Tensor:
         grad_in = None
-        for a, b in self.slices:
-            w = self._gather_rows(a, b)
+        for a, b, w in self.row_slices():
             part = grad_out[..., a:b].matmul(w)
-            self.pool.give(w)
             grad_in = part if grad_in is None else grad_in.add_(part)
         return grad_in
 
@@ -191,12 +192,10 @@ class SlicedEmbeddingUnit(SlicedUnit):
                 f"min {int(flat.min())}, max {int(flat.max())}"
             )
         out = torch.empty(flat.numel(), width, dtype=self.weight.unsharded.dtype, device=self.weight.unsharded.device)
-        for a, b in self.slices:
-            w = self._gather_rows(a, b)
+        for a, b, w in self.row_slices():
             hit = ((flat >= a) & (flat < b)).nonzero().squeeze(1)
             if hit.numel():
                 out.index_copy_(0, hit, w.index_select(0, flat.index_select(0, hit) - a))
-            self.pool.give(w)
         return out.view(*ids.shape, width)
 
 
