@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import zero_plugin as zp
 from tests import models
+from tests.integrations import lightning_fabric_workers as fw
 from tests.integrations import lightning_workers as lw
 
 
@@ -115,7 +116,7 @@ def fabric_meta_worker(strategy_kwargs: dict, empty_init: bool | None = True, st
         tied = _tied(net)
         batches = models.make_batches("llama", steps * lw.ACCUM, 2, lw.PER_RANK_BATCH, seed=0)
         losses: list = []
-        lw._fabric_train(fabric, model, opt, batches, losses, [])
+        fw.fabric_train(fabric, model, opt, batches, losses, [])
         return {
             "losses": losses,
             "init": init,

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.harness import REPO_ROOT, run_ranks
+from tests.integrations import lightning_fabric_workers as fw
 from tests.integrations import lightning_workers as lw
 
 LOSS_RTOL, UPDATE_TOL, RESUME_TOL = 1e-4, 1e-3, 1e-6
@@ -36,7 +37,7 @@ def trainer_run(kind: str, strategy: str, **kwargs) -> list:
 
 @functools.cache
 def fabric_run(kind: str, strategy: str) -> list:
-    return run_ranks(2, lw.fabric_worker, kind, strategy)
+    return run_ranks(2, fw.fabric_worker, kind, strategy)
 
 
 def _max_rel(a: list[float], b: list[float]) -> float:
@@ -161,7 +162,7 @@ def test_checkpoint_resume_in_new_processes(resumed, mode):
 def test_sharded_checkpoint_reshards_across_stages(tmp_path):
     """The sharded directory (zp.save_checkpoint) saved at stage 3 resumes at stage 2; Fabric round-trips it."""
     pytest.importorskip("zero_plugin.checkpoint")
-    ranks = run_ranks(2, lw.cross_stage_resume_worker, "zero3", "zero2", str(tmp_path))
+    ranks = run_ranks(2, fw.cross_stage_resume_worker, "zero3", "zero2", str(tmp_path))
     assert ranks[0]["layout"] == ["meta.pt", "zero"]
     for rank in range(2):
         full, resumed = ranks[rank]["full"], ranks[rank]["resumed"]
@@ -217,7 +218,7 @@ def test_fabric_matches_ddp(kind, strategy):
 
 
 def test_fabric_setup_module_then_setup_optimizers():
-    out = run_ranks(2, lw.fabric_inference_worker, "zero3")[0]
+    out = run_ranks(2, fw.fabric_inference_worker, "zero3")[0]
     assert out["logits_err"] <= 1e-5
     assert _max_rel(out["two_step"], out["joint"]) <= LOSS_RTOL
     for name, value in out["joint_state"].items():
@@ -227,7 +228,7 @@ def test_fabric_setup_module_then_setup_optimizers():
 @pytest.mark.parametrize("mode", ["sharded", "full"])
 def test_fabric_save_load(tmp_path, mode):
     strategy = "zero3" if mode == "sharded" else "zero3:full"
-    out = run_ranks(2, lw.fabric_worker, "llama", strategy, save=str(tmp_path / "ckpt"))[0]
+    out = run_ranks(2, fw.fabric_worker, "llama", strategy, save=str(tmp_path / "ckpt"))[0]
     assert out["is_dir"] == (mode == "sharded")
     assert out["loaded_step"] == 3 and out["remainder"] == []
     n = len(out["resumed_losses"])

@@ -110,10 +110,11 @@ def test_safetensors_export_accepts_the_lightning_directory(trained, tmp_path):
 def test_fabric_directory_consolidates_under_its_own_keys(tmp_path):
     """A ZeroFabricStrategy directory becomes Fabric's full format: the module and optimizer state under the
     keys passed to fabric.save, the other entries as saved."""
+    from tests.integrations import lightning_fabric_workers as fw
     from tests.integrations import lightning_workers as lw
 
     save = tmp_path / "fabric.ckpt"
-    run = run_ranks(2, lw.fabric_worker, "llama", "zero3", save=str(save))[0]
+    run = run_ranks(2, fw.fabric_worker, "llama", "zero3", save=str(save))[0]
     assert save.is_dir()
     _consolidate(save, tmp_path / "one.ckpt")
     saved = torch.load(tmp_path / "one.ckpt", weights_only=True)
