@@ -10,7 +10,8 @@ files on the model (``materialize.record_source``).  Everything else in ``from_p
 transformers' own: the config, ``dtype``/``torch_dtype`` (the meta parameters take it; values are
 cast on fill, so bf16 files train in fp32 and vice versa), missing keys (initialised for real, as
 eagerly), non-persistent buffers such as rotary ``inv_freq`` (recomputed by ``_init_weights``), tied
-embeddings (one meta parameter under two names), the generation config.  ``zp.setup`` then reads
+embeddings (one meta parameter under two names), the generation config, the hub-kernel choice (made
+for the device type an eager load would have used, as transformers refuses to kernelize a meta model).  ``zp.setup`` then reads
 one unit at a time from the recorded files (``stage3/engine.py``), or at stages 0-2 the whole model
 on rank 0 and broadcasts (``materialize.materialize_all``).
 
@@ -119,6 +120,7 @@ def _load_lazily(model, state_dict, checkpoint_files, load_config, expected_keys
         if name not in missing:
             param._is_hf_initialized = True  # transformers' own mark of a loaded tensor
     materialize.record_source(model, [Path(f) for f in checkpoint_files])
+    _kernelize_for_the_eager_device(model)
     from transformers.utils.loading_report import LoadStateDictInfo
 
     info = LoadStateDictInfo(
@@ -130,6 +132,15 @@ def _load_lazily(model, state_dict, checkpoint_files, load_config, expected_keys
         skipped_pp_keys=set(),
     )
     return info, None
+
+
+def _kernelize_for_the_eager_device(model) -> None:
+    """transformers >= 5.25 ``kernelize``s every model at the end of ``from_pretrained`` (``use_kernels``
+    defaults to on) for the device type of its parameters, and refuses ``meta``.  An eager load without
+    ``device_map`` leaves the parameters on the default device, so the lazy model is kernelized for that
+    same device type: the forward it runs is the one the eager load would have run."""
+    default = torch.get_default_device().type
+    model._kernels_device = "cpu" if default == "meta" else default
 
 
 def _why_not_lazy(state_dict, checkpoint_files, load_config) -> str | None:
