@@ -3,8 +3,16 @@
     python -m benchmarks.compare --size small --world-size 2
     python -m benchmarks.compare --size smoke --variants ddp zp1 zp2 --profile
 
-One invocation spawns ``world_size`` gloo ranks; inside them the variants run
-round-robin over ``--rounds`` so that machine noise hits all alike.  The report
+The variants run round-robin over ``--rounds`` so that machine noise hits all alike, each (round,
+variant) in ``world_size`` freshly spawned gloo ranks.
+
+[Note: fresh ranks per variant]
+Variants used to share one set of ranks for the whole run.  The host allocator then carried each
+variant's heap into the next: the first variant of a round ran on a fresh heap (DDP 17.7 s in round 0
+against 14.5 s in round 1 at 370M) and the others on whatever the one before left, and at 370M the
+memory DeepSpeed found already taken got the run OOM-killed.  A user runs one engine per process, so
+each variant now gets its own processes (about 5-10 s more per variant and round for the spawn and
+imports, untimed); ``--shared-ranks`` restores the old behaviour.  The report
 is printed and written to ``benchmarks/results/<size>-ws<N>.md`` (plus a PNG
 when matplotlib is installed).
 """
@@ -12,6 +20,7 @@ when matplotlib is installed).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -60,6 +69,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument(
+        "--shared-ranks",
+        action="store_true",
+        help="run every variant in the same ranks instead of fresh ones per variant ([Note: fresh ranks per variant])",
+    )
     p.add_argument("--profile", action="store_true", help="time the engine's internal phases (small overhead)")
     p.add_argument("--out", type=Path, default=None, help="report path (default benchmarks/results/<size>-ws<N>.md)")
     p.add_argument(
@@ -95,6 +109,9 @@ def _header(args: argparse.Namespace, threads: int, rss_method: str, wall: float
         "machine": f"{_cores()} cores ({platform.machine()}), gloo, {threads} torch thread(s) per rank",
         "workload": f"fp32 AdamW(lr={args.lr}), batch {args.batch} × {args.seq} tokens per rank, "
         f"{args.warmup} warm-up + {args.steps} timed steps × {args.rounds} interleaved rounds",
+        "processes": "one set of ranks for every variant (--shared-ranks)"
+        if args.shared_ranks
+        else "fresh ranks for each variant and round (no heap carried over)",
         "peak RSS method": rss_method,
         "wall time": f"{wall:.0f} s",
         "load average (1/5/15 min) before / after": f"{load_before}  /  {_load()} (> {args.world_size} means "
@@ -126,9 +143,24 @@ def _run(args: argparse.Namespace, variants: list[str]) -> dict:
             profile=args.profile,
         )
         load_before, t0 = _load(), time.perf_counter()
-        mp.spawn(worker, args=(cfg,), nprocs=args.world_size, join=True)
+        if args.shared_ranks:
+            spawns = [cfg]
+        else:  # [Note: fresh ranks per variant]
+            spawns = [
+                dataclasses.replace(
+                    cfg, variants=(name,), rounds=1, first_round=rnd, tag=f"-{rnd}-{name}", port=_free_port()
+                )
+                for rnd in range(args.rounds)
+                for name in variants
+            ]
+        for spawn in spawns:
+            mp.spawn(worker, args=(spawn,), nprocs=args.world_size, join=True)
         wall = time.perf_counter() - t0
-        dumps = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world_size)]
+        dumps = [
+            json.loads(Path(tmp, f"rank{r}{spawn.tag}.json").read_text())
+            for spawn in spawns
+            for r in range(args.world_size)
+        ]
     return {
         "variants": variants,
         "world_size": args.world_size,

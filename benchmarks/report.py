@@ -190,8 +190,9 @@ _DEFINITIONS = [
     "buffers) except its gradient-reduction bucket buffers `ipg_buckets`), after the first "
     "timed backward, before its step (untimed); largest rank, last round. ZeRO theory: 16Ψ / 8Ψ+8Ψ/N / 4Ψ+12Ψ/N / "
     "16Ψ/N. ⚠ = differs from `zp.memory_report`.",
-    "- peak RSS Δ: kernel VmHWM (reset per variant) minus VmRSS before the model was built; freed memory is "
-    "returned to the OS (gc + malloc_trim) between variants; largest rank, last round.",
+    "- peak RSS Δ: kernel VmHWM (reset per variant) minus VmRSS before the model was built, in ranks spawned "
+    "for that variant and round (see the header's processes; with shared ranks freed memory is returned to the "
+    "OS, gc + malloc_trim, between variants); largest rank, last round.",
     "- comm: logical bytes per timed step on rank 0 (ZeRO paper counting: all-reduce 2n, reduce-scatter n "
     "inputs, all-gather n outputs, broadcast n) / (4Ψ). DDP: counting wrapper around the standard Python "
     "`allreduce_hook`; ZeroRedundancyOptimizer / FSDP2: counting wrappers around `torch.distributed` "

@@ -1,6 +1,8 @@
-"""What each spawned rank runs: every variant, round-robin over rounds, measured alike.
+"""What each spawned rank runs: the variants it is given, round-robin over rounds, measured alike.
 
-Per variant and round: free memory, reset the RSS high-water mark, build a
+``benchmarks.compare`` spawns fresh ranks for every (round, variant) by default, so no variant inherits
+another's heap ([Note: fresh ranks per variant] in ``compare.py``); DDP's final parameters then reach the
+other variants of its round through ``ref-round<N>.pt`` in the run's folder.  Per variant and round: free memory, reset the RSS high-water mark, build a
 fresh model from the seed, wrap it, run warm-up then timed steps on
 pre-generated batches, and record phase times, model-state bytes (after the
 first timed backward, before its step; untimed), logical
@@ -46,6 +48,8 @@ class RunConfig:
     port: int
     out_dir: str
     profile: bool
+    first_round: int = 0  # the rounds run are first_round .. first_round + rounds - 1
+    tag: str = ""  # distinguishes the rank files of one spawn from another's in out_dir
 
 
 def worker(rank: int, cfg: RunConfig) -> None:
@@ -54,7 +58,7 @@ def worker(rank: int, cfg: RunConfig) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=cfg.world_size)
     try:
         records, skipped = [], {}
-        for rnd in range(cfg.rounds):
+        for rnd in range(cfg.first_round, cfg.first_round + cfg.rounds):
             ref = None
             for name in cfg.variants:
                 if name in skipped:
@@ -65,7 +69,9 @@ def worker(rank: int, cfg: RunConfig) -> None:
                 records.append(rec)
                 if rank == 0:
                     _progress(rec)
-        Path(cfg.out_dir, f"rank{rank}.json").write_text(json.dumps({"rss_method": RssPeak.method, "records": records}))
+        Path(cfg.out_dir, f"rank{rank}{cfg.tag}.json").write_text(
+            json.dumps({"rss_method": RssPeak.method, "records": records})
+        )
     finally:
         dist.destroy_process_group()
 
@@ -104,7 +110,9 @@ def _run_variant(name: str, rnd: int, cfg: RunConfig, rank: int, ref):
     rec["rss_delta"] = rss.stop()
     if profiler is not None:
         rec["profile"] = profiler.per_step(cfg.steps)
-    ref = _compare_to_ddp(name, variant, cfg, rec, ref)
+    ref = _compare_to_ddp(name, variant, cfg, rec, ref if ref is not None else _saved_ref(cfg, rnd))
+    if name == "ddp" and rank == 0:
+        torch.save(ref, _ref_path(cfg, rnd))  # for the variants spawned after it in this round
     variant.teardown()
     del variant, raw
     release_memory()
@@ -178,6 +186,16 @@ def _measure_state(variant) -> dict:
     if reported is not None:
         out["zp_reported_total"] = reported()
     return out
+
+
+def _ref_path(cfg: RunConfig, rnd: int) -> Path:
+    return Path(cfg.out_dir, f"ref-round{rnd}.pt")
+
+
+def _saved_ref(cfg: RunConfig, rnd: int):
+    """DDP's (final parameters, update norm) of this round when another spawn saved them; mapped, not read in."""
+    path = _ref_path(cfg, rnd)
+    return torch.load(path, mmap=True) if path.exists() else None
 
 
 def _compare_to_ddp(name: str, variant, cfg: RunConfig, rec: dict, ref):
