@@ -118,6 +118,14 @@ class Engine:
             if not slot.is_identity:
                 slot.master.grad = None
 
+    def can_step_pipelined(self, inner: torch.optim.Optimizer) -> bool:
+        """Whether :meth:`step_pipelined` may replace ``inner.step()`` + :meth:`after_step` ([Note: pipelined
+        step] in optim/pipelined_step.py); only stages 1-2 on gloo can."""
+        return False
+
+    def step_pipelined(self, inner: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
     @property
     def compute_device(self) -> torch.device:
         """Where forward and backward run; host copies issued there are waited for before a CPU step."""

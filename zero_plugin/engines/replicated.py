@@ -21,6 +21,7 @@ from ..loading.quantized import is_packed_4bit
 from ..optim.master import MasterParam
 from ..optim.offload import host_for
 from ..optim.param_sync import ParamAllGather
+from ..optim.pipelined_step import only_these, steps_in_pieces
 from ..optim.state import gather_full
 from .engine import Engine, EngineBasis
 from .flat import ShardLayout
@@ -85,6 +86,29 @@ class ReplicatedEngine(Engine):
         self.reducer.owned.clear()
         if self.param_sync is not None:
             self.param_sync.run()
+
+    def can_step_pipelined(self, inner: torch.optim.Optimizer) -> bool:
+        return (
+            self.param_sync is not None
+            and self.param_sync.pipelines
+            and not (self.config.offload or self.config.offload_params)
+            and steps_in_pieces(inner)
+            and {id(p) for g in inner.param_groups for p in g["params"]} == {id(s.master) for s in self.slots}
+        )
+
+    def step_pipelined(self, inner: torch.optim.Optimizer) -> None:
+        """``inner.step()`` and :meth:`after_step`, one bucket at a time ([Note: pipelined step])."""
+
+        def step(slots: list[MasterParam]) -> None:
+            with only_these(inner, [slot.master for slot in slots]):
+                inner.step()
+            for slot in slots:
+                slot.write_back()
+                if not slot.is_identity:
+                    slot.master.grad = None
+
+        self.param_sync.run_stepping(step)
+        self.reducer.owned.clear()  # as after_step
 
     def discard_grads(self, set_to_none: bool) -> None:
         self.reducer.zero_grad(set_to_none)  # param.grad and the reduced grads it indexes (stage 2: the shards)

@@ -3,10 +3,13 @@
 Pipeline per bucket: ``copy_in (own region) -> all_gather (async) -> wait -> copy_out``.
 At most two buckets are in flight, so copies overlap communication while buffers stay bounded.
 On gloo every rank's region is instead broadcast straight into the parameters (no buffer, no copy):
-[Note: collective layouts] in ``comm/layout.py``.
+[Note: collective layouts] in ``comm/layout.py``; there the step itself can run bucket by bucket with each
+bucket's gather in flight behind it ([Note: pipelined step] in ``pipelined_step.py``).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -43,6 +46,24 @@ class ParamAllGather:
                 self._complete(inflight.pop(0))
         for pending in inflight:
             self._complete(pending)
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether :meth:`run_stepping` applies: several ranks, gloo's in-place layout."""
+        return self.comm.world_size > 1 and self.comm.gathers_regions_in_place
+
+    @torch.no_grad()
+    def run_stepping(self, step: Callable[[list[MasterParam]], None]) -> None:
+        """``step(slots)`` for each bucket, its regions' gather in flight while the next bucket steps; returns
+        once every gather completed ([Note: pipelined step] in pipelined_step.py).  In place only."""
+        assert self.pipelines
+        pending = []
+        for bucket in self.buckets:
+            step(bucket.slots)
+            flats = [slot.param.data.view(-1) for slot in bucket.slots]
+            pending.append(comm_layout.gather_in_place(self.comm, bucket.slots, flats, tag="parameters after the step"))
+        for gather in pending:
+            gather.wait(_WHAT)
 
     def _launch(self, bucket: Bucket) -> comm_layout.BufferedGather:
         p0 = bucket.slots[0].param

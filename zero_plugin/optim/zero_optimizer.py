@@ -91,9 +91,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.engine.zero_grad(set_to_none=True)  # the skipped step's gradients are discarded
             return loss
         blocked = self.blocked is not None and self.blocked.applies(self.inner)
+        pipelined = not blocked and self.engine.can_step_pipelined(self.inner)
         self.engine.before_step(blocked=blocked)
         if blocked:
             self.blocked.step(self.inner)
+        elif pipelined:  # [Note: pipelined step]: the step and after_step, bucket by bucket
+            self.engine.step_pipelined(self.inner)
+            return loss
         elif not (self.engine.config.offload and fused_cpu_step(self.inner)):  # [Note: direct fused step]
             self.inner.step()
         self.engine.after_step()

@@ -320,8 +320,8 @@ def _replicated(sizes: _Sizes, stage: int, option: Option, topo: Topology) -> li
     if option.hierarchical:
         across = sum(sizes.replica_bytes(b, g, rb) for b in buckets)
         out.append(Phase("gradient shard all-reduce across nodes", "all_reduce", across, len(buckets), m, "inter"))
-    if sizes.in_place:  # one gather of every region (optim/param_sync.py)
-        gathered, calls = sizes.numel([i for b in buckets for i in b]) * pb, 1
+    if sizes.in_place:  # every region in place, one gather per bucket as the step goes ([Note: pipelined step])
+        gathered, calls = sizes.numel([i for b in buckets for i in b]) * pb, len(buckets)
     else:
         gathered, calls = sum(p * sizes.padded(b, p) * pb for b in buckets), len(buckets)
     out.append(Phase("parameter all-gather after the step", "all_gather", gathered, calls, p, net))
