@@ -12,7 +12,8 @@ variant's heap into the next: the first variant of a round ran on a fresh heap (
 against 14.5 s in round 1 at 370M) and the others on whatever the one before left, and at 370M the
 memory DeepSpeed found already taken got the run OOM-killed.  A user runs one engine per process, so
 each variant now gets its own processes (about 5-10 s more per variant and round for the spawn and
-imports, untimed); ``--shared-ranks`` restores the old behaviour.  The report
+imports, untimed), and a variant whose ranks die (the OOM killer) is reported as skipped, with the
+reason, instead of ending the run; ``--shared-ranks`` restores the old behaviour.  The report
 is printed and written to ``benchmarks/results/<size>-ws<N>.md`` (plus a PNG
 when matplotlib is installed).
 """
@@ -153,20 +154,41 @@ def _run(args: argparse.Namespace, variants: list[str]) -> dict:
                 for rnd in range(args.rounds)
                 for name in variants
             ]
+        dumps, died = [], {}
         for spawn in spawns:
-            mp.spawn(worker, args=(spawn,), nprocs=args.world_size, join=True)
+            if died.keys() & set(spawn.variants):
+                continue  # it died in an earlier round: it would again
+            try:
+                mp.spawn(worker, args=(spawn,), nprocs=args.world_size, join=True)
+            except mp.ProcessExitedException as exc:
+                if args.shared_ranks:
+                    raise
+                # [Note: fresh ranks per variant]: one variant's death (the OOM killer) costs only its row
+                died[spawn.variants[0]] = _death(exc)
+                print(f"[bench] {spawn.variants[0]}: {died[spawn.variants[0]]}", flush=True)
+                continue
+            dumps += [json.loads(Path(tmp, f"rank{r}{spawn.tag}.json").read_text()) for r in range(args.world_size)]
         wall = time.perf_counter() - t0
-        dumps = [
-            json.loads(Path(tmp, f"rank{r}{spawn.tag}.json").read_text())
-            for spawn in spawns
-            for r in range(args.world_size)
-        ]
+    records = [rec for d in dumps for rec in d["records"]]
+    records += [{"variant": name, "round": 0, "rank": 0, "skipped": why} for name, why in died.items()]
+    rss_method = dumps[0]["rss_method"] if dumps else "none"
     return {
         "variants": variants,
         "world_size": args.world_size,
-        "header": _header(args, threads, dumps[0]["rss_method"], wall, load_before),
-        "records": [rec for d in dumps for rec in d["records"]],
+        "header": _header(args, threads, rss_method, wall, load_before),
+        "records": records,
     }
+
+
+def _death(exc: mp.ProcessExitedException) -> str:
+    """Why a variant's ranks died, for its row of the report."""
+    signal_name = getattr(exc, "signal_name", None)
+    if signal_name == "SIGKILL":
+        return (
+            f"rank {exc.error_index} was killed (SIGKILL, most likely from the kernel's OOM killer: see `dmesg`); "
+            "the variant probably does not fit in host memory at this size"
+        )
+    return f"rank {exc.error_index} exited abnormally ({signal_name or f'exit code {exc.exit_code}'})"
 
 
 def main(argv: list[str] | None = None) -> int:
