@@ -1,8 +1,8 @@
 """Model, data, reference and rank function of ``tests/parity/test_pipelined_step.py``.
 
 Stages 1-2 on gloo step one bucket at a time with each bucket's gather in flight ([Note: pipelined step] in
-``zero_plugin/optim/pipelined_step.py``).  A float64 model with odd shapes (shards padded at 2 and 3 ranks),
-a tiny ``bucket_size_mb`` so that every parameter is a bucket of its own, a head used on rank 0 only and a
+``zero_plugin/optim/pipelined_step.py``).  ``bucket_view_workers``' float64 model (odd shapes, shards
+padded at 2 and 3 ranks), a tiny ``bucket_size_mb`` so that every parameter is a bucket of its own, a head used on rank 0 only and a
 parameter used by none, two param groups with different options; each step's parameters are compared
 with a single-process reference and, bit for bit, with the same run stepping whole (a no-op step hook on
 the optimizer turns the pipelining off).
@@ -13,32 +13,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 import zero_plugin as zp
+from tests.parity.bucket_view_workers import IN, OUT, TwoHeads  # 15 hidden units: padded shards at 2 and 3 ranks
 from zero_plugin.api import engine_of
 
-IN, HIDDEN, OUT, ROWS_PER_RANK, STEPS = 7, 13, 3, 4, 4
+ROWS_PER_RANK, STEPS = 4, 4
 OPTIMIZERS = {
     "adamw": lambda groups: torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1),
     "adam_foreach": lambda groups: torch.optim.Adam(groups, lr=0.05, foreach=True),
     "sgd_momentum": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9),
 }
-
-
-class TwoHeads(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(IN, HIDDEN)
-        self.head = nn.Linear(HIDDEN, OUT)
-        self.side = nn.Linear(HIDDEN, OUT)  # rank 0 only
-        self.spare = nn.Parameter(torch.ones(5))  # never used
-
-    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
-        h = torch.tanh(self.fc(x))
-        out = self.head(h)
-        return out + self.side(h) if use_side else out
 
 
 def _groups(model: TwoHeads) -> list[dict]:
