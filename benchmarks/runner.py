@@ -2,7 +2,9 @@
 
 ``benchmarks.compare`` spawns fresh ranks for every (round, variant) by default, so no variant inherits
 another's heap ([Note: fresh ranks per variant] in ``compare.py``); DDP's final parameters then reach the
-other variants of its round through ``ref-round<N>.pt`` in the run's folder.  Per variant and round: free memory, reset the RSS high-water mark, build a
+other variants of its round through ``ref-round<N>.pt`` in the run's folder.
+
+Per variant and round: free memory, reset the RSS high-water mark, build a
 fresh model from the seed, wrap it, run warm-up then timed steps on
 pre-generated batches, and record phase times, model-state bytes (after the
 first timed backward, before its step; untimed), logical
@@ -111,8 +113,8 @@ def _run_variant(name: str, rnd: int, cfg: RunConfig, rank: int, ref):
     if profiler is not None:
         rec["profile"] = profiler.per_step(cfg.steps)
     ref = _compare_to_ddp(name, variant, cfg, rec, ref if ref is not None else _saved_ref(cfg, rnd))
-    if name == "ddp" and rank == 0:
-        torch.save(ref, _ref_path(cfg, rnd))  # for the variants spawned after it in this round
+    if name == "ddp" and rank == 0 and cfg.variants == ("ddp",):
+        torch.save(ref, _ref_path(cfg, rnd))  # a spawn of its own: the round's other variants run in later spawns
     variant.teardown()
     del variant, raw
     release_memory()

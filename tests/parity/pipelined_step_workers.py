@@ -2,10 +2,10 @@
 
 Stages 1-2 on gloo step one bucket at a time with each bucket's gather in flight ([Note: pipelined step] in
 ``zero_plugin/optim/pipelined_step.py``).  ``bucket_view_workers``' float64 model (odd shapes, shards
-padded at 2 and 3 ranks), a tiny ``bucket_size_mb`` so that every parameter is a bucket of its own, a head used on rank 0 only and a
-parameter used by none, two param groups with different options; each step's parameters are compared
-with a single-process reference and, bit for bit, with the same run stepping whole (a no-op step hook on
-the optimizer turns the pipelining off).
+padded at 2 and 3 ranks, a head used on rank 0 only and a parameter used by none), a tiny
+``bucket_size_mb`` so that every parameter is a bucket of its own, two param groups with different
+options; each step's parameters are compared with a single-process reference and, bit for bit, with the
+same run stepping whole (a no-op step hook on the optimizer turns the pipelining off).
 """
 
 from __future__ import annotations

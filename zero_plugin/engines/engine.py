@@ -113,7 +113,12 @@ class Engine:
             self.wait_for_host_copies()
 
     def after_step(self) -> None:
-        for slot in self.slots:
+        self.write_back(self.slots)
+
+    @staticmethod
+    def write_back(slots: list[MasterParam]) -> None:
+        """After their step: each master into its parameter region, and the master's gradient let go."""
+        for slot in slots:
             slot.write_back()
             if not slot.is_identity:
                 slot.master.grad = None

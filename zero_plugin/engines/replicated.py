@@ -102,10 +102,7 @@ class ReplicatedEngine(Engine):
         def step(slots: list[MasterParam]) -> None:
             with only_these(inner, [slot.master for slot in slots]):
                 inner.step()
-            for slot in slots:
-                slot.write_back()
-                if not slot.is_identity:
-                    slot.master.grad = None
+            self.write_back(slots)
 
         self.param_sync.run_stepping(step)
         self.reducer.owned.clear()  # as after_step

@@ -11,9 +11,9 @@ transformers' own: the config, ``dtype``/``torch_dtype`` (the meta parameters ta
 cast on fill, so bf16 files train in fp32 and vice versa), missing keys (initialised for real, as
 eagerly), non-persistent buffers such as rotary ``inv_freq`` (recomputed by ``_init_weights``), tied
 embeddings (one meta parameter under two names), the generation config, the hub-kernel choice (made
-for the device type an eager load would have used, as transformers refuses to kernelize a meta model).  ``zp.setup`` then reads
-one unit at a time from the recorded files (``stage3/engine.py``), or at stages 0-2 the whole model
-on rank 0 and broadcasts (``materialize.materialize_all``).
+for the device type an eager load would have used, as transformers refuses to kernelize a meta model).
+``zp.setup`` then reads one unit at a time from the recorded files (``stage3/engine.py``), or at stages
+0-2 the whole model on rank 0 and broadcasts (``materialize.materialize_all``).
 
 What cannot stay lazy takes transformers' normal path, with one warning naming the reason and the
 cost: pickle (``.bin``) checkpoints, an explicit ``state_dict``, ``device_map``, quantization,

@@ -36,8 +36,7 @@ class ParamAllGather:
         if self.comm.world_size == 1:
             return  # the masters are the parameters' own (only) region
         if self.comm.gathers_regions_in_place:
-            flats = [slot.param.data.view(-1) for slot in self.slots]
-            comm_layout.gather_in_place(self.comm, self.slots, flats, tag="parameters after the step").wait(_WHAT)
+            self._launch_in_place(self.slots).wait(_WHAT)
             return
         inflight: list[comm_layout.BufferedGather] = []
         for bucket in self.buckets:
@@ -60,10 +59,14 @@ class ParamAllGather:
         pending = []
         for bucket in self.buckets:
             step(bucket.slots)
-            flats = [slot.param.data.view(-1) for slot in bucket.slots]
-            pending.append(comm_layout.gather_in_place(self.comm, bucket.slots, flats, tag="parameters after the step"))
+            pending.append(self._launch_in_place(bucket.slots))
         for gather in pending:
             gather.wait(_WHAT)
+
+    def _launch_in_place(self, slots: list[MasterParam]) -> comm_layout.InPlaceGather:
+        """Every rank's regions of ``slots`` broadcast straight into the parameters (gloo's layout)."""
+        flats = [slot.param.data.view(-1) for slot in slots]
+        return comm_layout.gather_in_place(self.comm, slots, flats, tag="parameters after the step")
 
     def _launch(self, bucket: Bucket) -> comm_layout.BufferedGather:
         p0 = bucket.slots[0].param
