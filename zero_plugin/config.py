@@ -1,8 +1,8 @@
 """``ZeroConfig``: the one frozen, validated configuration; ``ZeroConfig.from_env`` reads its ``ZERO_PLUGIN_*``
 variables.  The engine reads no other environment variable except one test switch,
 ``ZERO_PLUGIN_BUFFERED_COLLECTIVES`` (``collectives.regions_in_place``: the NCCL layout on gloo), and
-``LOCAL_WORLD_SIZE`` for ``shard_group_size="node"``, read here only, by
-:meth:`ZeroConfig.resolved_shard_group_size` at setup.
+``LOCAL_WORLD_SIZE`` for ``shard_group_size="node"`` and the host-memory share of ``trim_each_unit_above``, read
+here only, by :meth:`ZeroConfig.resolved_shard_group_size` and :meth:`ZeroConfig.local_processes` at setup.
 
 Values are normalised on construction (dtype names -> ``torch.dtype``, lists -> tuples) so that equal
 settings compare, hash and fingerprint equally on every rank, however they were written: the checks are in
@@ -55,12 +55,12 @@ class ZeroConfig:
     """Stage 3: parameters with numel <= this (elements) join the root unit: still sharded, but gathered once per
     step with the root instead of with their block ([Note: persistent parameters] in stage3/policy.py); >= 0.
     Default 0."""
-    linear_slice_numel: int = 1 << 23
+    linear_slice_numel: int = 1 << 22
     """Stage 3: a unit made of one frozen ``nn.Linear`` or ``nn.Embedding`` with at least twice this many weight
     elements (an untied LM head or input embedding under LoRA, a multi-billion-parameter model's MLP projections) is
     computed one row-slice of at most this many elements at a time in forward (and a linear's backward), never
     gathered whole ([Note: sliced linear units] in stage3/sliced.py); elements, >= 0, 0 = off. Default
-    2**23 (32 MiB in fp32)."""
+    2**22 (16 MiB in fp32: at 3B also the attention's q and o projections, 36 MiB each)."""
     reshard_after_forward: bool = True
     """Stage 3: free a unit's gathered params after forward; False keeps them until backward,
     trading memory for one less all-gather. Default True."""
@@ -97,7 +97,14 @@ class ZeroConfig:
     trim_host_heap: bool = True
     """Stage 3 on CPU: hand freed heap pages back to the OS once per forward, at its end (lower peak RSS;
     the pages are faulted in again, which costs some step time: [Note: heap trimming] in
-    ``engines/hostmem.py``); no effect on CUDA. Default True."""
+    ``engines/hostmem.py``), and before every unit's gather too when memory is tight (see
+    trim_each_unit_above); no effect on CUDA. Default True."""
+    trim_each_unit_above: float = 0.33
+    """Stage 3 on CPU with trim_host_heap: also trim before every unit's gather (forward and backward) when, once
+    the model is sharded, the rank's RSS exceeds this fraction of its share of the host's memory (total memory /
+    ``LOCAL_WORLD_SIZE``): a large model, whose peak then drops by the heap holes it would re-touch, at a page-fault
+    cost that its step time hides ([Note: eager trimming when memory is tight] in ``engines/hostmem.py``); >= 0,
+    0 = always, >= 1 = never. Default 0.33."""
     cpu_ram_efficient_loading: bool = False
     """Stages 0-2 under ``zero_plugin.run``: only rank 0 reads a safetensors ``from_pretrained`` checkpoint, the
     other ranks build the model on meta and receive rank 0's values in ``zp.setup`` (as Accelerate's FSDP option
@@ -161,6 +168,7 @@ class ZeroConfig:
         put("prefetch_depth", values.as_int("prefetch_depth", self.prefetch_depth, 0, 8))
         put("persistence_threshold", values.as_int("persistence_threshold", self.persistence_threshold, 0))
         put("linear_slice_numel", values.as_int("linear_slice_numel", self.linear_slice_numel, 0))
+        put("trim_each_unit_above", values.as_nonnegative_float("trim_each_unit_above", self.trim_each_unit_above))
         put("reshard_after_forward", values.as_bool("reshard_after_forward", self.reshard_after_forward))
         put("accumulate_full_grads", values.as_bool("accumulate_full_grads", self.accumulate_full_grads))
         put("unit_classes", values.as_unit_classes(self.unit_classes))
@@ -263,6 +271,13 @@ class ZeroConfig:
         """hpZ's k for a world of ``world_size`` ranks, or None when off (None, k equal to the world size,
         which gathers over the same ranks anyway, or a one-rank world); "node" as for shard_group_size."""
         return self._resolve_group_size("secondary_shard_size", world_size, environ)
+
+    @staticmethod
+    def local_processes(environ: Mapping[str, str] | None = None) -> int:
+        """Processes on this host: ``LOCAL_WORLD_SIZE`` (torchrun's), 1 when unset or not an int >= 1 (a script
+        run without a launcher)."""
+        text = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "").strip()
+        return int(text) if text.isdigit() and int(text) >= 1 else 1
 
     def _resolve_group_size(self, field: str, world_size: int, environ: Mapping[str, str] | None) -> int | None:
         """The one place "node" reads ``LOCAL_WORLD_SIZE``."""

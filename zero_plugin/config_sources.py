@@ -64,6 +64,7 @@ _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "prefetch_depth": _INT,
     "persistence_threshold": _INT,
     "linear_slice_numel": _INT,
+    "trim_each_unit_above": _FLOAT,
     "bucket_size_mb": _FLOAT,
     "timeout_s": _FLOAT,
     "loss_scale_init": _FLOAT,

@@ -50,6 +50,13 @@ def as_positive_float(field: str, value: Any, hi: float = math.inf, allowed: str
     return float(value)
 
 
+def as_nonnegative_float(field: str, value: Any) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value < 0:
+        raise error(field, "a finite number >= 0", value)
+    return float(value)
+
+
 def as_bool(field: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise error(field, "a bool (True or False)", value)

@@ -259,3 +259,59 @@ def test_trim_host_heap_switch_reaches_the_runtime(trim, monkeypatch):
     model(torch.ones(3, 4)).sum().backward()
     opt.step()
     assert bool(calls) == trim
+
+
+def test_choose_heap_trim():
+    """[Note: eager trimming when memory is tight]: before every unit's gather only when the rank holds more
+    than ``trim_each_unit_above`` of its share of the host's memory (or the bound is 0); never when off or
+    on CUDA; at the end of forward otherwise, also where the share is unknown."""
+    from zero_plugin.engines.hostmem import HeapTrim, choose_heap_trim
+
+    assert choose_heap_trim(True, True, 0.33, 0.5) is HeapTrim.EACH_UNIT
+    assert choose_heap_trim(True, True, 0.33, 0.2) is HeapTrim.FORWARD
+    assert choose_heap_trim(True, True, 0.33, None) is HeapTrim.FORWARD
+    assert choose_heap_trim(True, True, 0.0, None) is HeapTrim.EACH_UNIT
+    assert choose_heap_trim(True, True, 1.0, 0.9) is HeapTrim.FORWARD
+    assert choose_heap_trim(False, True, 0.0, 0.9) is HeapTrim.OFF
+    assert choose_heap_trim(True, False, 0.0, 0.9) is HeapTrim.OFF
+
+
+def test_local_processes_reads_local_world_size():
+    import zero_plugin as zp
+
+    assert zp.ZeroConfig.local_processes({"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert zp.ZeroConfig.local_processes({}) == 1
+    assert zp.ZeroConfig.local_processes({"LOCAL_WORLD_SIZE": "x"}) == 1
+
+
+@pytest.mark.parametrize("above", [0.0, 1.0])
+def test_trim_each_unit_reaches_the_runtime_and_leaves_the_numbers(above, monkeypatch):
+    """``trim_each_unit_above=0`` (always): the hooks trim before every unit's gather in forward and backward
+    and at the end of forward; ``1.0`` (never, this small process): at the end of forward only.  Trimming
+    frees pages, never values: loss and gradients equal those with trimming off, bit for bit."""
+    import torch
+
+    import zero_plugin as zp
+    import zero_plugin.stage3.hooks as hooks
+
+    def run(config, calls=None):
+        if calls is not None:
+            monkeypatch.setattr(hooks, "trim_host_heap", lambda *a, **k: calls.append(1) or True)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        unit_classes = (torch.nn.Linear,)
+        model, opt = zp.setup(model, opt, config.replace(unit_classes=unit_classes))
+        loss = model(torch.linspace(-1, 1, 12).view(3, 4)).square().sum()
+        loss.backward()
+        opt.step()
+        with zp.gathered_parameters(list(model.parameters()), model=model):
+            return loss.item(), [p.detach().clone() for p in model.parameters()]
+
+    calls: list = []
+    loss, params = run(zp.ZeroConfig(stage=3, trim_each_unit_above=above), calls)
+    monkeypatch.undo()
+    ref_loss, ref_params = run(zp.ZeroConfig(stage=3, trim_host_heap=False))
+    assert loss == ref_loss and all(torch.equal(p, q) for p, q in zip(params, ref_params))
+    # 3 units (root + 2 Linears): with every unit, 3 gathers in forward, 3 in backward, plus the forward's end
+    assert len(calls) == (7 if above == 0.0 else 1), calls

@@ -41,6 +41,20 @@ their storage objects: [Note: stage-3 parameter storage] in ``stage3/param.py``,
 to point an existing CPU storage at pooled memory, so this needs saved-tensor hooks that re-derive the
 views autograd saved), and jemalloc or tcmalloc (they take effect only through ``LD_PRELOAD`` before the
 process starts, which a library cannot do; a launcher such as ``zero-plugin launch`` could set it).
+[Note: eager trimming when memory is tight] At the end of forward only, a large model still re-touches
+the heap's trimmed holes through the next forward and backward: on the 3B LoRA benchmark
+(``benchmarks/results/large_model.md``, 2 ranks, decoder layers of 25 MB gathered after slicing) a
+rank's anonymous RSS rose 510 MiB through the first training forward while glibc's bytes in use rose 128
+MiB (the saved activations), and each backward added 120-170 MiB while its bytes in use fell, so the
+peak sat 300-450 MiB above the live bytes (per-layer probes of ``RssAnon`` and ``mallinfo2``). There the
+page faults of trimming before every unit's gather cost nothing measurable (a 20 s step spent on
+gathering 6 GB), while on a small model they cost 20% of the step (above). So the mode follows the
+memory at stake, measured once when the engine is built (the shards are resident then):
+``HeapTrim.EACH_UNIT`` (also before each unit's gather, in forward and backward) when the rank's RSS
+exceeds ``ZeroConfig.trim_each_unit_above`` of its share of the host's memory (MemTotal / processes on
+the host), ``HeapTrim.FORWARD`` otherwise. Measured with ``benchmarks.rss_trace`` (4 steps, together
+with 16 MiB slices): peak through training 6.95 / 7.10 GiB per rank before, 6.53 / 6.51 GiB after, train
+runtime 117 s against 112-122 s.
 ``ZeroConfig(trim_host_heap=False)`` turns trimming off.  A no-op where glibc is not the allocator
 (macOS, musl) and on CUDA devices (the caching allocator manages device memory; host buffers there are
 pinned and reused).
@@ -50,9 +64,19 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import enum
 import functools
+import os
 
-__all__ = ["trim_host_heap"]
+__all__ = ["HeapTrim", "choose_heap_trim", "host_share_used", "trim_host_heap"]
+
+
+class HeapTrim(enum.Enum):
+    """Where stage 3 hands freed heap pages back ([Note: heap trimming])."""
+
+    OFF = "off"
+    FORWARD = "forward"  # once per forward, at its end
+    EACH_UNIT = "each_unit"  # also before every unit's gather ([Note: eager trimming when memory is tight])
 
 
 @functools.cache
@@ -74,3 +98,24 @@ def trim_host_heap() -> bool:
         return False
     fn(0)
     return True
+
+
+def host_share_used(local_processes: int) -> float | None:
+    """This process's RSS over its share of the host's memory (total / ``local_processes``); None where
+    either is unknown (no ``/proc``)."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/statm", encoding="ascii") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+    return rss * max(1, local_processes) / total if total > 0 else None
+
+
+def choose_heap_trim(enabled: bool, on_cpu: bool, each_unit_above: float, share_used: float | None) -> HeapTrim:
+    """The trimming mode of a stage-3 engine ([Note: eager trimming when memory is tight])."""
+    if not (enabled and on_cpu) or _malloc_trim() is None:
+        return HeapTrim.OFF
+    if share_used is not None and share_used > each_unit_above or each_unit_above <= 0:
+        return HeapTrim.EACH_UNIT
+    return HeapTrim.FORWARD

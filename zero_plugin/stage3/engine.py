@@ -30,7 +30,7 @@ from ..comm.streams import StreamSet, streams_for
 from ..config import ZeroConfig
 from ..engines.engine import Engine, EngineBasis
 from ..engines.flat import ShardLayout
-from ..engines.hostmem import trim_host_heap
+from ..engines.hostmem import choose_heap_trim, host_share_used, trim_host_heap
 from ..loading.materialize import ParamSource, owners_of, to_real
 from ..loading.quantized import is_packed_4bit
 from ..optim.master import MasterParam, copy_changed
@@ -193,7 +193,12 @@ class Stage3Engine(Engine):
             units,
             config.prefetch_depth,
             config.reshard_after_forward,
-            trim_heap=compute_device(comm).type == "cpu" and config.trim_host_heap,
+            trim_heap=choose_heap_trim(
+                config.trim_host_heap,
+                compute_device(comm).type == "cpu",
+                config.trim_each_unit_above,
+                host_share_used(config.local_processes()),
+            ),
             accumulate_full_grads=config.accumulate_full_grads,
         )
         self.runtime.register()

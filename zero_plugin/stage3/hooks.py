@@ -66,7 +66,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
-from ..engines.hostmem import trim_host_heap
+from ..engines.hostmem import HeapTrim, trim_host_heap
 from ..engines.weak_hook import WeakHook
 from ..grads.schedule import ReductionSchedule
 from .accumulate import FullGradStore
@@ -128,11 +128,12 @@ class Stage3Runtime:
         units: list[Unit],
         prefetch_depth: int,
         reshard_after_forward: bool,
-        trim_heap: bool = False,
+        trim_heap: HeapTrim = HeapTrim.OFF,
         accumulate_full_grads: bool = False,
     ) -> None:
         self.units = units
         self.trim_heap = trim_heap  # [Note: heap trimming] in hostmem.py (CPU only)
+        self._trim_each_unit = trim_heap is HeapTrim.EACH_UNIT
         self.root = units[0]
         self.prefetch_depth = prefetch_depth
         self.reshard_after_forward = reshard_after_forward
@@ -215,6 +216,8 @@ class Stage3Runtime:
                 self.guard.entered(unit)  # [Note: collective order]: checked at the next entry
             else:
                 self.guard.settle()
+        if self._trim_each_unit:  # [Note: eager trimming when memory is tight] in hostmem.py
+            trim_host_heap()
         unit.pre_forward()
         if not in_backward:
             self._prefetch(unit, +1)
@@ -241,7 +244,7 @@ class Stage3Runtime:
                 if other.holds_gathered:
                     other.post_forward(grad, self.reshard_after_forward, self._needed_first(other))
             self.root.post_forward(grad, self.reshard_after_forward, self._needed_first(self.root))
-            if self.trim_heap:  # once per forward, not per released unit: [Note: heap trimming] in hostmem.py
+            if self.trim_heap is not HeapTrim.OFF:  # at least once per forward: [Note: heap trimming] in hostmem.py
                 trim_host_heap()
         else:
             unit.post_forward(grad, self.reshard_after_forward, self._needed_first(unit))
@@ -273,6 +276,8 @@ class Stage3Runtime:
 
     def pre_backward(self, unit: Unit) -> None:
         self._queue_final_callback()
+        if self._trim_each_unit:  # [Note: eager trimming when memory is tight] in hostmem.py
+            trim_host_heap()
         unit.pre_backward()
         self._backward_gather(unit)
         self._prefetch(unit, -1)
