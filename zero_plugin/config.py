@@ -102,9 +102,9 @@ class ZeroConfig:
     trim_each_unit_above: float = 0.33
     """Stage 3 on CPU with trim_host_heap: also trim before every unit's gather (forward and backward) when, once
     the model is sharded, the rank's RSS exceeds this fraction of its share of the host's memory (total memory /
-    ``LOCAL_WORLD_SIZE``): a large model, whose peak then drops by the heap holes it would re-touch, at a page-fault
-    cost that its step time hides ([Note: eager trimming when memory is tight] in ``engines/hostmem.py``); >= 0,
-    0 = always, >= 1 = never. Default 0.33."""
+    ``LOCAL_WORLD_SIZE``, or the ranks where that is unset): a large model, whose peak then drops by the heap holes
+    it would re-touch, at a page-fault cost that its step time hides ([Note: eager trimming when memory is tight] in
+    ``engines/hostmem.py``); >= 0, 0 = always, >= 1 = never. Default 0.33."""
     cpu_ram_efficient_loading: bool = False
     """Stages 0-2 under ``zero_plugin.run``: only rank 0 reads a safetensors ``from_pretrained`` checkpoint, the
     other ranks build the model on meta and receive rank 0's values in ``zp.setup`` (as Accelerate's FSDP option
@@ -273,11 +273,12 @@ class ZeroConfig:
         return self._resolve_group_size("secondary_shard_size", world_size, environ)
 
     @staticmethod
-    def local_processes(environ: Mapping[str, str] | None = None) -> int:
-        """Processes on this host: ``LOCAL_WORLD_SIZE`` (torchrun's), 1 when unset or not an int >= 1 (a script
-        run without a launcher)."""
+    def local_processes(environ: Mapping[str, str] | None = None, default: int = 1) -> int:
+        """Processes on this host: ``LOCAL_WORLD_SIZE`` (torchrun's, Accelerate's), else ``default`` (the engine
+        passes its ranks' count: Lightning's own launcher sets no ``LOCAL_WORLD_SIZE``, and counting every rank as
+        local errs towards trimming more, not towards a higher peak)."""
         text = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "").strip()
-        return int(text) if text.isdigit() and int(text) >= 1 else 1
+        return int(text) if text.isdigit() and int(text) >= 1 else max(1, default)
 
     def _resolve_group_size(self, field: str, world_size: int, environ: Mapping[str, str] | None) -> int | None:
         """The one place "node" reads ``LOCAL_WORLD_SIZE``."""

@@ -282,6 +282,9 @@ def test_local_processes_reads_local_world_size():
     assert zp.ZeroConfig.local_processes({"LOCAL_WORLD_SIZE": "4"}) == 4
     assert zp.ZeroConfig.local_processes({}) == 1
     assert zp.ZeroConfig.local_processes({"LOCAL_WORLD_SIZE": "x"}) == 1
+    # Lightning's launcher sets no LOCAL_WORLD_SIZE: the engine passes the world size instead
+    assert zp.ZeroConfig.local_processes({}, default=3) == 3
+    assert zp.ZeroConfig.local_processes({"LOCAL_WORLD_SIZE": "2"}, default=4) == 2
 
 
 @pytest.mark.parametrize("above", [0.0, 1.0])

@@ -197,7 +197,7 @@ class Stage3Engine(Engine):
                 config.trim_host_heap,
                 compute_device(comm).type == "cpu",
                 config.trim_each_unit_above,
-                host_share_used(config.local_processes()),
+                host_share_used(config.local_processes(default=comm.world_size)),
             ),
             accumulate_full_grads=config.accumulate_full_grads,
         )
