@@ -1,0 +1,35 @@
+"""``benchmarks/heap_budget.py`` runs under torchrun and reports what issue #21's memory reading relies on."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("variant", ["ddp", "zp"])
+def test_heap_budget_reports_each_step(variant):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port())]
+    command += ["-m", "benchmarks.heap_budget", "--variant", variant, "--size", "smoke", "--steps", "2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["variant"] == ("ddp" if variant == "ddp" else "zp3")
+        assert r["saved_activations_MiB"] > 0 or r["forward_end_heap_in_use_MiB"] > 0
+        assert r["peak_MiB"] >= r["forward_end_MiB"] - 1  # the step's peak includes the forward's end
