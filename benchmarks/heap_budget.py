@@ -6,9 +6,10 @@
 Builds a ``benchmarks.models`` model (fp32, AdamW, batch x seq random tokens per rank), wraps it as tuned DDP
 (``gradient_as_bucket_view=True``, ``broadcast_buffers=False``) or ``zp.setup`` at ``--stage``, and for each step
 prints (rank 0, one JSON line, MiB above the RSS before the model was built): the step's peak (``VmHWM``, reset
-at the step's start), the forward's peak and end RSS, the backward's end RSS, the bytes of distinct storages
+at the step's start), the RSS the step starts from (after the previous step's ``zero_grad``), the forward's peak and end RSS, the
+backward's end RSS, the bytes of distinct storages
 autograd saved in forward that are not parameters (the activations), and glibc's heap bytes in use and free at
-the end of forward (``mallinfo2``, absolute, not above the baseline).  The gap between a peak and the bytes in use is allocator slack: it tells
+the ends of forward and backward (``mallinfo2``, absolute, not above the baseline).  The gap between a peak and the bytes in use is allocator slack: it tells
 whether a peak-RSS target is reachable at all for the shape (issue #21's 0.60x DDP at ``blocks34m``).
 """
 
@@ -65,12 +66,13 @@ def main() -> None:
     for step in range(args.steps):
         ids = make_batch(vocab, args.batch, args.seq, 0, rank, step)
         saved.clear()
+        start = _status()["VmRSS"] - base
         _reset_peak()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(input_ids=ids, labels=ids).loss
         forward, heap = _status(), _heap()
         loss.backward()
-        backward = _status()
+        backward, heap_backward = _status(), _heap()
         optimizer.step()
         optimizer.zero_grad()
         row = {
@@ -82,6 +84,8 @@ def main() -> None:
             "backward_end_MiB": backward["VmRSS"] - base,
             "saved_activations_MiB": round(sum(n for n, p in saved.values() if not p) / 2**20),
             **{f"forward_end_{k}": v for k, v in heap.items()},
+            **{f"backward_end_{k}": v for k, v in heap_backward.items()},
+            "step_start_MiB": start,
         }
         if rank == 0:
             print(json.dumps(row), flush=True)
