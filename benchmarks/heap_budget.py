@@ -1,16 +1,17 @@
 """Where a step's peak RSS goes, DDP against zero_plugin: live heap bytes, saved activations, allocator slack.
 
     torchrun --nproc_per_node 2 --master_port 29611 -m benchmarks.heap_budget --variant ddp
-    torchrun --nproc_per_node 2 --master_port 29611 -m benchmarks.heap_budget --variant zp3
+    torchrun --nproc_per_node 2 --master_port 29611 -m benchmarks.heap_budget --variant zp
 
 Builds a ``benchmarks.models`` model (fp32, AdamW, batch x seq random tokens per rank), wraps it as tuned DDP
 (``gradient_as_bucket_view=True``, ``broadcast_buffers=False``) or ``zp.setup`` at ``--stage``, and for each step
 prints (rank 0, one JSON line, MiB above the RSS before the model was built): the step's peak (``VmHWM``, reset
-at the step's start), the RSS the step starts from (after the previous step's ``zero_grad``), the forward's peak and end RSS, the
-backward's end RSS, the bytes of distinct storages
-autograd saved in forward that are not parameters (the activations), and glibc's heap bytes in use and free at
-the ends of forward and backward (``mallinfo2``, absolute, not above the baseline).  The gap between a peak and the bytes in use is allocator slack: it tells
-whether a peak-RSS target is reachable at all for the shape (issue #21's 0.60x DDP at ``blocks34m``).
+at the step's start), the RSS the step starts from (after the previous step's ``zero_grad``), the forward's
+peak and end RSS, the backward's end RSS, the bytes of distinct storages autograd saved in forward that are
+not parameters (the activations), and glibc's heap bytes in use and free at the ends of forward and backward
+(``mallinfo2``, absolute, not above the baseline).  The gap between a peak and the bytes in use is allocator
+slack: it tells whether a peak-RSS target is reachable at all for the shape (issue #21's 0.60x DDP at
+``blocks34m``).
 """
 
 from __future__ import annotations
@@ -21,13 +22,9 @@ import json
 import torch
 import torch.distributed as dist
 
+from .measure import _reset_hwm
 from .models import SIZES, build_model, make_batch
 from .step_memory import _heap, _status
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := current RSS
 
 
 def main() -> None:
@@ -67,7 +64,7 @@ def main() -> None:
         ids = make_batch(vocab, args.batch, args.seq, 0, rank, step)
         saved.clear()
         start = _status()["VmRSS"] - base
-        _reset_peak()
+        _reset_hwm()  # VmHWM := current RSS
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = model(input_ids=ids, labels=ids).loss
         forward, heap = _status(), _heap()

@@ -264,7 +264,7 @@ class ZeroConfig:
         """Ranks per shard group for a world of ``world_size`` ranks, or None when the whole world is one group
         (``shard_group_size`` None or equal to the world size, stage 0, or a one-rank world: a script run
         without a launcher).  "node" is ``LOCAL_WORLD_SIZE`` (torchrun's processes per node) from ``environ``
-        (default ``os.environ``), read in :meth:`_resolve_group_size` only."""
+        (default ``os.environ``), read by ``_local_world_size`` only."""
         return self._resolve_group_size("shard_group_size", world_size, environ)
 
     def resolved_secondary_shard_size(self, world_size: int, environ: Mapping[str, str] | None = None) -> int | None:
@@ -277,23 +277,21 @@ class ZeroConfig:
         """Processes on this host: ``LOCAL_WORLD_SIZE`` (torchrun's, Accelerate's), else ``default`` (the engine
         passes its ranks' count: Lightning's own launcher sets no ``LOCAL_WORLD_SIZE``, and counting every rank as
         local errs towards trimming more, not towards a higher peak)."""
-        text = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "").strip()
-        return int(text) if text.isdigit() and int(text) >= 1 else max(1, default)
+        k, _ = _local_world_size(environ)
+        return k if k is not None else max(1, default)
 
     def _resolve_group_size(self, field: str, world_size: int, environ: Mapping[str, str] | None) -> int | None:
-        """The one place "node" reads ``LOCAL_WORLD_SIZE``."""
+        """The one place "node" resolves ``LOCAL_WORLD_SIZE``."""
         value = k = getattr(self, field)
         if k is None or self.stage == 0 or world_size == 1:
             return None
         if k == "node":
-            env = os.environ if environ is None else environ
-            text = env.get("LOCAL_WORLD_SIZE", "")
-            if not text.strip().isdigit() or int(text) < 1:
+            k, text = _local_world_size(environ)
+            if k is None:
                 raise ValueError(
                     f'ZeroConfig.{field}="node" reads LOCAL_WORLD_SIZE (the processes per node, set by '
                     f"torchrun), which must be an int >= 1; got {text!r}"
                 )
-            k = int(text)
         if world_size % k:
             raise ValueError(
                 f"ZeroConfig.{field} must divide the world size {world_size}; got {value!r}"
@@ -358,3 +356,10 @@ class ZeroConfig:
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(ZeroConfig))
+
+
+def _local_world_size(environ: Mapping[str, str] | None) -> tuple[int | None, str]:
+    """``LOCAL_WORLD_SIZE`` (default ``os.environ``) as an int >= 1 (None when unset or not one) and its text: the
+    one place it is read (:meth:`ZeroConfig.resolved_shard_group_size`, :meth:`ZeroConfig.local_processes`)."""
+    text = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "")
+    return (int(text) if text.strip().isdigit() and int(text) >= 1 else None), text

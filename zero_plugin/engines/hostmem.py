@@ -116,6 +116,6 @@ def choose_heap_trim(enabled: bool, on_cpu: bool, each_unit_above: float, share_
     """The trimming mode of a stage-3 engine ([Note: eager trimming when memory is tight])."""
     if not (enabled and on_cpu) or _malloc_trim() is None:
         return HeapTrim.OFF
-    if share_used is not None and share_used > each_unit_above or each_unit_above <= 0:
+    if each_unit_above == 0 or (share_used is not None and share_used > each_unit_above):
         return HeapTrim.EACH_UNIT
     return HeapTrim.FORWARD

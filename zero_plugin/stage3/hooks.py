@@ -133,7 +133,6 @@ class Stage3Runtime:
     ) -> None:
         self.units = units
         self.trim_heap = trim_heap  # [Note: heap trimming] in hostmem.py (CPU only)
-        self._trim_each_unit = trim_heap is HeapTrim.EACH_UNIT
         self.root = units[0]
         self.prefetch_depth = prefetch_depth
         self.reshard_after_forward = reshard_after_forward
@@ -216,7 +215,7 @@ class Stage3Runtime:
                 self.guard.entered(unit)  # [Note: collective order]: checked at the next entry
             else:
                 self.guard.settle()
-        if self._trim_each_unit:  # [Note: eager trimming when memory is tight] in hostmem.py
+        if self.trim_heap is HeapTrim.EACH_UNIT:  # [Note: eager trimming when memory is tight] in hostmem.py
             trim_host_heap()
         unit.pre_forward()
         if not in_backward:
@@ -276,7 +275,7 @@ class Stage3Runtime:
 
     def pre_backward(self, unit: Unit) -> None:
         self._queue_final_callback()
-        if self._trim_each_unit:  # [Note: eager trimming when memory is tight] in hostmem.py
+        if self.trim_heap is HeapTrim.EACH_UNIT:  # [Note: eager trimming when memory is tight] in hostmem.py
             trim_host_heap()
         unit.pre_backward()
         self._backward_gather(unit)
