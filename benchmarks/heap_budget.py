@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="ZeroConfig fields (--variant zp)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -49,7 +50,11 @@ def main() -> None:
     else:
         import zero_plugin as zp
 
-        model, optimizer = zp.setup(model, optimizer, zp.ZeroConfig(stage=args.stage))
+        model, optimizer = zp.setup(
+            model,
+            optimizer,
+            zp.ZeroConfig.from_dict({"stage": args.stage, **dict(kv.split("=", 1) for kv in args.set)}),
+        )
     saved: dict[int, tuple[int, bool]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

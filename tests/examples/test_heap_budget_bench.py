@@ -1,4 +1,5 @@
-"""``benchmarks/heap_budget.py`` runs under torchrun and reports what issue #21's memory reading relies on."""
+"""``benchmarks/heap_budget.py`` and ``benchmarks/min_step.py`` run under torchrun and report what issue #21's
+readings rely on."""
 
 from __future__ import annotations
 
@@ -33,3 +34,19 @@ def test_heap_budget_reports_each_step(variant):
         assert r["variant"] == ("ddp" if variant == "ddp" else "zp3")
         assert r["saved_activations_MiB"] > 0 or r["forward_end_heap_in_use_MiB"] > 0
         assert r["peak_MiB"] >= r["forward_end_MiB"] - 1  # the step's peak includes the forward's end
+
+
+@pytest.mark.parametrize("variant", ["ddp", "zp3"])
+def test_min_step_reports_the_fastest_step(variant):
+    """``benchmarks/min_step.py`` (the A/B probe of issue #21's step-time work) runs and reports one line."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port())]
+    command += ["-m", "benchmarks.min_step", "--variant", variant, "--size", "smoke", "--steps", "5"]
+    if variant != "ddp":
+        command += ["--set", "trim_host_heap=false"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert row["variant"] == variant
+    assert 0 < row["min_cpu_s"] <= row["p25_cpu_s"] and row["min_wall_s"] > 0
+    assert row["peak_rss_increase_MiB"] > 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DoneWork", "RowWork", "Works"]
+__all__ = ["DoneWork", "RowWork", "SumWork", "Works"]
 
 
 class DoneWork:
@@ -39,4 +39,23 @@ class Works:
         ok = True
         for w in self.works:
             ok = (w.wait() if timeout is None else w.wait(timeout=timeout)) and ok
+        return ok
+
+
+class SumWork:
+    """A reduce-scatter sent point to point ([Note: point-to-point exchange] in ``collectives.py``): once
+    the exchange completed, the peers' contributions are added into this rank's regions, peer by peer in
+    rank order (at two ranks the sum equals gloo's all-reduce bit for bit: addition commutes)."""
+
+    def __init__(self, works: list, mine: list[torch.Tensor], received: list[list[torch.Tensor]]) -> None:
+        self.works, self.mine, self.received = works, mine, received
+        self.done = False
+
+    def wait(self, timeout=None) -> bool:
+        ok = Works(self.works).wait(timeout)
+        if not self.done:
+            self.done = True
+            for row in self.received:
+                for target, contribution in zip(self.mine, row):
+                    target.add_(contribution)
         return ok

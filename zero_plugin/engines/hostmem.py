@@ -36,11 +36,10 @@ held more than two units' worth of free bytes changed neither the peak nor the s
 of unit-sized blocks for the unsharded parameters (``BufferPool``) with trimming gave no win, without
 trimming it was faster but the peak was 0.61-0.70x DDP's; ``mallopt(M_MMAP_THRESHOLD, 1 MiB)`` for the
 whole process cost DDP itself +49% CPU time (its activations are mmapped and faulted in each step too).
-Not tried: persistent per-slot storages for the gathered parameters (the unsharded tensors must keep
-their storage objects: [Note: stage-3 parameter storage] in ``stage3/param.py``, and torch gives no way
-to point an existing CPU storage at pooled memory, so this needs saved-tensor hooks that re-derive the
-views autograd saved), and jemalloc or tcmalloc (they take effect only through ``LD_PRELOAD`` before the
-process starts, which a library cannot do; a launcher such as ``zero-plugin launch`` could set it).
+Since then the gathered parameters no longer go through the heap on CPU: their memory is lent from a
+pool of resident storages ([Note: lent storage] in ``stage3/storage_pool.py``), emptied before this trim.
+Not tried: jemalloc or tcmalloc as the default (they take effect only through ``LD_PRELOAD`` before the
+process starts, which a library cannot do; ``benchmarks/results/allocators-blocks34m.md`` measures them).
 [Note: eager trimming when memory is tight] At the end of forward only, a large model still re-touches
 the heap's trimmed holes through the next forward and backward: on the 3B LoRA benchmark
 (``benchmarks/results/large_model.md``, 2 ranks, decoder layers of 25 MB gathered after slicing) a

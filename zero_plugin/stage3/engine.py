@@ -42,6 +42,7 @@ from .pool import BufferPool
 from .secondary import SecondaryShard
 from .sliced import sliceable, sliced_unit_type
 from .state_dict_hooks import StateDictHooks, gather_to_host
+from .storage_pool import StoragePool, can_lend_storage
 from .unit import Unit
 
 __all__ = ["Stage3Engine", "build_stage3_engine"]
@@ -78,6 +79,7 @@ def build_stage3_engine(
         _make_unit(i, name, module, per_unit[i], comm, config, pool, streams)
         for i, (name, module) in enumerate(modules)
     ]
+    _lend_storage(units, config, compute_device(comm))
     reduce_comm = comm.sibling("stage-3 reductions")  # [Note: reductions on their own group] in hooks.py
     for unit in units:
         unit.reduce_comm = reduce_comm
@@ -93,6 +95,21 @@ def _make_unit(index, name, module, params, comm, config, pool, streams) -> Unit
     ):  # [Note: sliced linear units]
         return sliced_unit_type(module)(*args, slice_numel=config.linear_slice_numel)
     return Unit(*args)
+
+
+def _lend_storage(units: list[Unit], config: ZeroConfig, device: torch.device) -> None:
+    """[Note: lent storage] in storage_pool.py: one pool for every unit.  What it keeps unlent is bounded by the
+    gathers in flight at once (the unit in use and its prefetches) of the largest unit, and a storage not
+    lent again within as many units' worth of lends is let go."""
+    if not can_lend_storage(device):
+        return
+    in_flight = config.prefetch_depth + 1
+    largest = max((sum(sp.layout.numel * sp.unsharded.element_size() for sp in u.params) for u in units), default=0)
+    most_params = max((len(u.params) for u in units), default=0)
+    pool = StoragePool(max_free_bytes=largest * in_flight, max_idle_lends=most_params * in_flight)
+    for unit in units:
+        for sp in unit.params:
+            sp.storage_pool = pool
 
 
 def _full_weight_numel(module: nn.Module, params: list[ShardedParam]) -> int:
@@ -201,6 +218,7 @@ class Stage3Engine(Engine):
             ),
             accumulate_full_grads=config.accumulate_full_grads,
         )
+        self.runtime.storage_pool = next((sp.storage_pool for sp in sharded.values() if sp.storage_pool), None)
         self.runtime.register()
         self.runtime.after_backward = self.after_backward
         self.state_dict_hooks = StateDictHooks(self)  # [Note: stage-3 state dicts]

@@ -72,6 +72,7 @@ from ..grads.schedule import ReductionSchedule
 from .accumulate import FullGradStore
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
+from .storage_pool import StoragePool
 from .unit import Unit
 
 __all__ = ["Stage3Runtime", "needed_first", "prefetch_span", "reduction_order"]
@@ -157,6 +158,7 @@ class Stage3Runtime:
                 unit.grad_of = self.kept.grad_of
         self._root_depth = 0
         self._handles: list = []
+        self.storage_pool: StoragePool | None = None  # [Note: lent storage] in storage_pool.py; set by the engine
 
     # -- registration -----------------------------------------------------------
     def register(self) -> None:
@@ -243,6 +245,8 @@ class Stage3Runtime:
                 if other.holds_gathered:
                     other.post_forward(grad, self.reshard_after_forward, self._needed_first(other))
             self.root.post_forward(grad, self.reshard_after_forward, self._needed_first(self.root))
+            if self.storage_pool is not None:  # the released units' memory: back to the allocator before the trim
+                self.storage_pool.clear()
             if self.trim_heap is not HeapTrim.OFF:  # at least once per forward: [Note: heap trimming] in hostmem.py
                 trim_host_heap()
         else:

@@ -9,7 +9,9 @@ kept for the whole training run*; releasing resizes that storage to 0 bytes and
 gathering resizes it back and refills it.  Autograd may have saved views of the
 unsharded tensor in forward (``weight.t()`` in ``F.linear``); keeping the storage
 object alive and refilling it before backward keeps those views valid, and
-freeing by resize keeps the memory bounded.  Writes go through ``.data`` aliases
+freeing by resize keeps the memory bounded.  On CPU the memory is lent instead of resized: swapped in
+from the engine's ``StoragePool`` and back ([Note: lent storage] in storage_pool.py), the same storage
+object either way.  Writes go through ``.data`` aliases
 so that autograd's version counters are untouched (the data is the same values).
 
 [Note: uses outside the unit]
@@ -39,6 +41,7 @@ from torch import nn
 
 from ..engines.flat import ShardLayout, copy_from_rows
 from ..optim.offload import pin, to_device
+from .storage_pool import StoragePool
 
 __all__ = ["ShardedParam", "ShardedState"]
 
@@ -61,6 +64,8 @@ class ShardedParam:
         "sharded_grad",
         "state",
         "lent",
+        "storage_pool",
+        "husk",
         "__weakref__",
     )
 
@@ -82,6 +87,9 @@ class ShardedParam:
         region = layout.local_view(full.detach().contiguous())
         self.local = pin(region.to(device=storage_device or full.device, dtype=storage_dtype, copy=True))
         self.unsharded = torch.empty(self.shape, dtype=compute_dtype, device=full.device)
+        # [Note: lent storage] in storage_pool.py: set by the engine; None = grow and shrink by resize_
+        self.storage_pool: StoragePool | None = None
+        self.husk: torch.UntypedStorage | None = None
         self._free_unsharded()
         self.sharded_grad: torch.Tensor | None = None
         self.state = ShardedState.SHARDED
@@ -93,8 +101,7 @@ class ShardedParam:
         """Fill the full tensor from gathered ``(world_size, shard_numel)`` rows and expose it; ``layout``: the
         rows' own layout when it is not the shard's (hpZ's secondary shards, stage3/secondary.py)."""
         assert self.state is ShardedState.SHARDED, f"{self.name}: to_unsharded from {self.state}"
-        storage = self.unsharded.untyped_storage()
-        storage.resize_(self.layout.numel * self.unsharded.element_size())
+        self._alloc_unsharded()
         copy_from_rows(self.unsharded.data.view(-1), rows, layout or self.layout)
         self._set_data(self.unsharded)
         self.state = ShardedState.UNSHARDED
@@ -104,7 +111,7 @@ class ShardedParam:
         return its flat view; other ranks' regions are filled by the caller's collective, then
         :meth:`expose` makes it the parameter's data."""
         assert self.state is ShardedState.SHARDED, f"{self.name}: open_unsharded from {self.state}"
-        self.unsharded.untyped_storage().resize_(self.layout.numel * self.unsharded.element_size())
+        self._alloc_unsharded()
         flat = self.unsharded.data.view(-1)
         self.layout.local_view(flat).copy_(self.local)
         return flat
@@ -137,8 +144,21 @@ class ShardedParam:
             self.param.data = torch.empty(0, dtype=other, device=self.param.device)
         self.param.data = data
 
+    def _alloc_unsharded(self) -> None:
+        storage = self.unsharded.untyped_storage()
+        nbytes = self.layout.numel * self.unsharded.element_size()
+        if self.storage_pool is None or self.husk is not None or storage.nbytes() or not nbytes:
+            storage.resize_(nbytes)
+        else:
+            self.husk = self.storage_pool.lend(storage, nbytes)
+
     def _free_unsharded(self) -> None:
-        self.unsharded.untyped_storage().resize_(0)
+        storage = self.unsharded.untyped_storage()
+        if self.husk is not None:
+            husk, self.husk = self.husk, None
+            self.storage_pool.take_back(storage, husk)
+        else:
+            storage.resize_(0)
 
     # -- data movement ----------------------------------------------------------
     def copy_local_into(self, dst: torch.Tensor) -> None:

@@ -352,7 +352,9 @@ class Unit:
             launch, extra = quantized.reduce_quantized, {"block": self.grad_block, "streams": self.streams}
         elif self.reduce_comm.gathers_regions_in_place:
             return [
-                comm_layout.reduce_in_place(self.reduce_comm, group, dtype, group[0].unsharded.device, **common)
+                comm_layout.reduce_in_place(
+                    self.reduce_comm, group, dtype, group[0].unsharded.device, **common, buffers=self.pool
+                )
                 for dtype, group in groups.items()
             ]
         else:
