@@ -352,9 +352,7 @@ class Unit:
             launch, extra = quantized.reduce_quantized, {"block": self.grad_block, "streams": self.streams}
         elif self.reduce_comm.gathers_regions_in_place:
             return [
-                comm_layout.reduce_in_place(
-                    self.reduce_comm, group, dtype, group[0].unsharded.device, **common, buffers=self.pool
-                )
+                comm_layout.reduce_in_place(self.reduce_comm, group, dtype, group[0].unsharded.device, **common)
                 for dtype, group in groups.items()
             ]
         else:
