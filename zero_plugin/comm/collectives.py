@@ -102,13 +102,11 @@ _REDUCE_SCATTER = getattr(dist, _REDUCE_SCATTER_NAME)
 _P2P_TAG = 0x5A50
 
 
-def _peer_rows(mine: list[torch.Tensor], peers: int, scratch: torch.Tensor | None) -> list[list[torch.Tensor]]:
-    """For each of ``peers`` peers, tensors shaped like ``mine`` (views of ``scratch`` when given)."""
-    total = sum(t.numel() for t in mine)
-    if scratch is None:
-        dtype = mine[0].dtype if mine else torch.float32
-        device = mine[0].device if mine else torch.device("cpu")
-        scratch = torch.empty(peers * total, dtype=dtype, device=device)
+def _peer_rows(mine: list[torch.Tensor], peers: int) -> list[list[torch.Tensor]]:
+    """For each of ``peers`` peers, tensors shaped like ``mine``: views of one fresh buffer, freed with them."""
+    if not mine:
+        return [[] for _ in range(peers)]
+    scratch = torch.empty(peers * sum(t.numel() for t in mine), dtype=mine[0].dtype, device=mine[0].device)
     rows, offset = [], 0
     for _ in range(peers):
         row = []
@@ -383,13 +381,11 @@ class Comm:
         flags: torch.Tensor | None = None,
         async_op: bool = False,
         tag: str = "",
-        scratch: torch.Tensor | None = None,
     ):
         """Reduce-scatter in place: ``regions[r]`` are rank r's regions of this rank's tensors (contiguous
         views, the same shapes on every rank); afterwards this rank's own regions hold the sums over the
-        ranks, and the other regions are unchanged ([Note: point-to-point exchange]).  ``scratch``: at least
-        ``world_size - 1`` times the elements of this rank's regions, in their dtype, where the peers'
-        contributions land (allocated when None).  Counted as a reduce-scatter of the tensors' total size;
+        ranks, and the other regions are unchanged ([Note: point-to-point exchange]); the peers' contributions
+        land in a temporary of ``world_size - 1`` times this rank's regions.  Counted as a reduce-scatter of the tensors' total size;
         ``flags`` (small, e.g. "has a gradient" per tensor) is all-reduced along and counted as an all-reduce.
         Only where :attr:`gathers_regions_in_place`."""
         assert len(regions) == self.world_size, "reduce_in_place: one list of regions per rank"
@@ -400,9 +396,8 @@ class Comm:
             self._record("all_reduce", 2 * flags.numel() * flags.element_size())
         if self.world_size == 1:
             return _DoneWork() if async_op else None
-        received = _peer_rows(mine, self.world_size - 1, scratch)
-        peers = [p for p in range(self.world_size) if p != self.rank]
-        works = self._exchange(lambda peer: regions[peer], lambda peer: received[peers.index(peer)])
+        received = _peer_rows(mine, self.world_size - 1)  # the peers in rank order, this rank left out
+        works = self._exchange(lambda peer: regions[peer], lambda peer: received[peer - (peer > self.rank)])
         if flags is not None:
             _issued("all_reduce")
             works.append(dist.all_reduce(flags, group=self.group, async_op=True))

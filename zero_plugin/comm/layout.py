@@ -173,15 +173,11 @@ class InPlaceReduce:
     grads: list[torch.Tensor]
     flags: torch.Tensor
     work: Any
-    buffers: Buffers = FRESH
-    scratch: torch.Tensor | None = None  # where the peers' contributions landed ([Note: point-to-point exchange])
     results_in_full_tensors = True  # a result is a region of a full-size temporary
     sources = None  # no side stream reads the gradients: in place is gloo's layout (BufferedReduce.sources)
 
     def complete(self, what: str, store: Store) -> None:
         self.comm.wait(self.work, what)
-        self.buffers.give(self.scratch)
-        self.scratch = None
         n = self.comm.dp_size
         regions = [member.layout.local_view(grad) for member, grad in zip(self.members, self.grads)]
         flags = _sum_across_replicas(self.comm, regions, self.flags)  # [Note: sum across replicas]
@@ -313,11 +309,10 @@ def reduce_in_place(
     release_grads: bool,
     tag: str = "",
     grad_of: Callable[[Any], torch.Tensor | None] = _param_grad,
-    buffers: Buffers = FRESH,
 ) -> InPlaceReduce:
     """Sum every member's full gradient (``grad_of(member)``, by default ``param.grad``; zeros where it has
     none) in ``dtype`` over the ranks, into this rank's region of it.  ``release_grads``: drop ``param.grad``
-    (the reduction holds the gradient until it completes); ``buffers``: where the peers' contributions land."""
+    (the reduction holds the gradient until it completes)."""
     grads, present = [], []
     for member in members:
         grad = grad_of(member)
@@ -330,11 +325,8 @@ def reduce_in_place(
             member.param.grad = None
     flags = torch.tensor(present, dtype=torch.float32)
     regions = rank_regions(grads, [m.layout for m in members], comm.world_size)
-    scratch = None
-    if comm.world_size > 1:
-        scratch = buffers.take((comm.world_size - 1) * sum(t.numel() for t in regions[comm.rank]), dtype, device)
-    work = comm.reduce_in_place(regions, flags, async_op=True, tag=tag, scratch=scratch)
-    return InPlaceReduce(comm, members, grads, flags, work, buffers, scratch)
+    work = comm.reduce_in_place(regions, flags, async_op=True, tag=tag)
+    return InPlaceReduce(comm, members, grads, flags, work)
 
 
 def reduce_buffered(
