@@ -15,6 +15,7 @@ Measured with CUDA timing events:
 
 from __future__ import annotations
 
+import gc
 import statistics
 
 import torch
@@ -147,6 +148,7 @@ def _run(use_side_streams: bool, cycles: int, steps: int = 5) -> dict:
         sum(sp.layout.padded_numel * sp.unsharded.element_size() for sp in u.trainable) for u in engine.units
     )
     del model, opt, engine
+    gc.collect()  # the engine's hooks and the model reference each other: freed by the cycle collector
     torch.cuda.empty_cache()
     return {
         "engine_streams": kind,

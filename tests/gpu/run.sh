@@ -9,6 +9,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 OUT="${OUT:-.}"
-python3 -m pip install -q --no-deps -e . 2>/dev/null || export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+# --no-build-isolation: the machine reaches no package index, so pip cannot fetch setuptools into an isolated
+# build environment (the run of 2026-12-04 fell back to PYTHONPATH, where zero_plugin.integrations, mapped
+# from ./integrations by pyproject's package-dir, does not exist).
+python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+python3 -c "import zero_plugin.integrations.hf_trainer" || { echo "zero_plugin.integrations is not importable"; exit 1; }
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
 timeout 470 python3 -m tests.gpu.check --out "$OUT/gpu_results.json" "$@"

@@ -230,3 +230,44 @@ def regulariser_worker(stage: int, where: str, steps: int = 3) -> dict:
     out["max_abs_diff"] = models.max_abs_diff(_full(model), want)
     out["moved"] = models.max_abs_diff(want, {n: p.detach() for n, p in W.build_model("mlp").named_parameters()})
     return out
+
+
+# ------------------------------------------------------------------------- host masters keep the model's dtype
+
+
+@contextlib.contextmanager
+def _separate_host_masters_every_stage():
+    """``_separate_host_masters`` for the replicated engines (stages 0-2) as well as stage 3."""
+    from zero_plugin.engines import replicated
+    from zero_plugin.optim.offload import HOST
+
+    original = replicated.host_for
+    replicated.host_for = lambda device: HOST
+    try:
+        with _separate_host_masters():
+            yield
+    finally:
+        replicated.host_for = original
+
+
+def float64_host_master_worker(stage: int) -> dict:
+    """A float64 model, no ``param_dtype``, ``offload_optimizer="cpu"`` with the masters on a host distinct
+    from the device (the GPU layout): three steps must match single-process float64 training.  The masters
+    must stay float64: an fp32 host master rounds every update to ~1e-7 (the H200 run of 2026-12-04 found
+    stage 3 doing so)."""
+    rank, world = _rank_world()
+    batches = models.make_batches("mlp", 3, world, per_rank_batch=2, seed=31)
+    ref = models.make_odd_mlp()
+    ref_opt = models.two_group_adamw(ref)
+    for batch in batches:
+        _step(ref, ref_opt, batch, shard=False)
+    want = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    with _separate_host_masters_every_stage():
+        model = models.make_odd_mlp()
+        config = zp.ZeroConfig(stage=stage, offload_optimizer="cpu")
+        model, opt = zp.setup(model, models.two_group_adamw(model), config)
+    engine = engine_of(model, "test")
+    masters = sorted({str(s.master.dtype) for s in engine.slots if s.master.numel()})
+    for batch in batches:
+        _step(model, opt, batch)
+    return {"master_dtypes": masters, "max_abs_diff": models.max_abs_diff(_full(model), want)}

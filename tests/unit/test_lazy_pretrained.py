@@ -37,7 +37,7 @@ def _filled(model) -> None:
     """Fill a lazily loaded model's meta parameters from its recorded files, in this process."""
 
     class _Rank0:
-        rank, backend = 0, "gloo"
+        rank, backend, device = 0, "gloo", torch.device("cpu")
 
     materialize.materialize_all(model, materialize.recorded_source(model), _Rank0())
 

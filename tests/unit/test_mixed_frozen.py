@@ -169,3 +169,13 @@ def test_a_custom_unit_policy_decides_alone():
     policy = lambda module, name: type(module).__name__ == "LlamaDecoderLayer"  # noqa: E731
     units, _ = assign_units(_untied_llama_with_big_vocab(), zp.ZeroConfig(stage=3, unit_policy=policy))
     assert [n for n, _ in units] == ["<root>", "model.layers.0", "model.layers.1"]
+
+
+# -- offloaded masters keep a float64 model's precision -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])  # offload needs a sharded optimizer
+def test_float64_model_offloaded_to_a_separate_host_keeps_float64_masters(stage):
+    for r in run_ranks(2, MW.float64_host_master_worker, stage):
+        assert r["master_dtypes"] == ["torch.float64"], r
+        assert r["max_abs_diff"] <= F64, r

@@ -123,6 +123,15 @@ def regions_in_place(backend: str) -> bool:
     return backend == "gloo" and os.environ.get("ZERO_PLUGIN_BUFFERED_COLLECTIVES", "0") != "1"
 
 
+def backend_uses_cuda(backend: str) -> bool:
+    """Whether a group on ``backend`` moves CUDA tensors: NCCL, alone or in a composite backend such as
+    ``"cpu:gloo,cuda:nccl"``; torch's ``"fake"`` group (it moves nothing, and its users measure the memory of
+    the job it stands in for) on a machine with CUDA."""
+    if "nccl" in backend:
+        return True
+    return backend == "fake" and torch.cuda.is_available()
+
+
 class Comm:
     """Collectives over one process group.  ``group=None`` means the default group.
 
@@ -151,6 +160,14 @@ class Comm:
             self.rank, self.world_size, self.backend = 0, 1, "none"
         self._in_place = regions_in_place(self.backend)  # [Note: in-place region gather]
         self._control: Any = None  # [Note: control channel]
+
+    @property
+    def device(self) -> torch.device:
+        """Where this group's collectives run, and so where stage 3 gathers and computes: the current CUDA
+        device where the backend moves CUDA tensors (``backend_uses_cuda``), else the CPU."""
+        if backend_uses_cuda(self.backend):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     # -- hierarchical groups --------------------------------------------------
     @property

@@ -244,7 +244,7 @@ def materialize_all(model: nn.Module, source: ParamSource | None, comm) -> None:
             "param_source= so it can be materialised"
         )
     # Stages 0-2 compute on the device: NCCL broadcasts there (the CPU under gloo).
-    device = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else None
+    device = comm.device if comm.device.type == "cuda" else None
     fulls = [torch.empty(p.shape, dtype=p.dtype, device=device) for p in meta]
     if comm.rank == 0:
         source.fill([(m, a, n, f) for (m, a, n), f in zip(owners_of(model, meta), fulls)])

@@ -21,8 +21,8 @@ __all__ = ["clip_owned_grads"]
 def clip_owned_grads(engine, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     grads = engine.owned_grads()
     device = grads[0].device if grads else torch.device("cpu")
-    if engine.comm.backend == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())  # NCCL reduces CUDA tensors only
+    if engine.comm.device.type == "cuda" and device.type != "cuda":
+        device = engine.comm.device  # NCCL reduces CUDA tensors only
     norm_type = float(norm_type)
     if math.isinf(norm_type):
         local = max((g.detach().abs().max().float() for g in grads if g.numel()), default=torch.tensor(0.0))

@@ -80,8 +80,8 @@ class GradGuard:
             return not math.isfinite(norm)
         grads = self.engine.owned_grads()
         device = grads[0].device if grads else torch.device("cpu")
-        if self.engine.comm.backend == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())  # NCCL reduces CUDA tensors only
+        if self.engine.comm.device.type == "cuda":
+            device = self.engine.comm.device  # NCCL reduces CUDA tensors only
         flag = torch.zeros(1, dtype=torch.float32, device=device)
         sums = [g.sum(dtype=torch.float32) for g in grads if g.numel()]
         if sums and not math.isfinite(float(torch.stack(sums).sum())):

@@ -152,18 +152,19 @@ def _full_tensors(
 
 
 def _master_for(sp: ShardedParam, name: str, config: ZeroConfig) -> MasterParam:
-    """The shard itself, or (offload to a host distinct from the device) an fp32 copy on the host."""
+    """The shard itself, or (offload to a host distinct from the device) a copy on the host: in
+    ``master_dtype`` under ``param_dtype``, else in the shard's own dtype (a float64 model keeps float64
+    masters, as at stages 0-2)."""
     master_device = host_for(sp.local.device) if config.offload else None
     if master_device is None and (config.param_dtype is None or sp.local.dtype == config.master_dtype):
         return MasterParam(name, sp.param, sp.layout, sp.param, None)
-    return MasterParam(name, sp.param, sp.layout, sp.local, config.master_dtype, master_device=master_device)
+    master_dtype = config.master_dtype if config.param_dtype is not None else None
+    return MasterParam(name, sp.param, sp.layout, sp.local, master_dtype, master_device=master_device)
 
 
 def compute_device(comm: Comm) -> torch.device:
-    """Where units are gathered and computed: the current CUDA device under NCCL, else the CPU."""
-    if comm.backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where units are gathered and computed: the group's device (``Comm.device``)."""
+    return comm.device
 
 
 @torch.no_grad()
