@@ -33,7 +33,9 @@ from tests.parity import uneven_workers as W
 TOL = 1e-10
 STAGES = (0, 1, 2, 3)
 WORLD_SIZES = (2, 3)
-LAYOUTS = {"in_place": False, "buffered": True}
+# "deferred": the buffered layout with the host reads of gather tags and has-gradient flags left pending
+# until forced, as on CUDA ([Note: deferred host reads] in zero_plugin/comm/host_reads.py)
+LAYOUTS = {"in_place": False, "buffered": True, "deferred": "deferred"}
 # Generous: a parity call takes a few seconds; anything longer is a hang the harness turns into a failure.
 CALL_TIMEOUT_S = 120
 # Below W.COLLECTIVE_TIMEOUT_S: a divergence must be reported, not run into zero_plugin's hang timeout.
@@ -105,7 +107,8 @@ def _discard_pool(world_size: int) -> None:
 
 
 # Stage 0 all-reduces a flat bucket in either layout (zero_plugin/planner/replay.py), so it runs once.
-STAGE_LAYOUTS = [(0, "in_place")] + [(stage, layout) for stage in STAGES[1:] for layout in LAYOUTS]
+STAGE_LAYOUTS = [(0, "in_place")] + [(stage, lay) for stage in STAGES[1:] for lay in ("in_place", "buffered")]
+STAGE_LAYOUTS.append((3, "deferred"))  # only stage 3 defers its host reads
 BUCKETED = [(s, lay) for s, lay in STAGE_LAYOUTS if s < 3]
 
 
@@ -168,6 +171,7 @@ DIVERGENCE_CASES = [
     (1, True, "in_place"),
     (1, True, "buffered"),
     (2, False, "in_place"),
+    (1, False, "deferred"),
 ]
 DIVERGENCE_IDS = [f"blocks.{a}-{'larger' if big else 'same-size'}-{lay}" for a, big, lay in DIVERGENCE_CASES]
 

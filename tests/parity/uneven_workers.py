@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zero_plugin as zp
-from tests.unit.memory_comm_workers import collectives_layout
+from tests.unit.memory_comm_workers import collectives_layout, deferred_reads
 
 WIDTH, OUT = 15, 7  # odd widths: every parameter is padded for 2 and 3 ranks
 N_BLOCKS, STEPS, ROWS_PER_RANK = 3, 3, 3
@@ -184,11 +184,12 @@ def _train(
     )
     with collectives_layout(buffered):
         model, opt = zp.setup(model, build_optimizer(model, opt_name), config)
-    for step, (x, y) in enumerate(make_data(world)):
-        out = model(rank_slice(x, rank), block_modes(case, rank, world, step))
-        F.mse_loss(out, rank_slice(y, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    with deferred_reads(buffered):
+        for step, (x, y) in enumerate(make_data(world)):
+            out = model(rank_slice(x, rank), block_modes(case, rank, world, step))
+            F.mse_loss(out, rank_slice(y, rank)).backward()
+            opt.step()
+            opt.zero_grad()
     full = zp.full_state_dict(model, rank0_only=False)
     return {n: full[n] for n, _ in model.named_parameters()}
 
@@ -219,10 +220,11 @@ def divergence_worker(absent: int, larger: bool, buffered: bool, absent_rank: in
     config = zp.ZeroConfig(stage=3, timeout_s=COLLECTIVE_TIMEOUT_S)
     with collectives_layout(buffered):
         model, opt = zp.setup(model, build_optimizer(model, "adamw"), config)
-    for step, (x, y) in enumerate(make_data(world)[:3]):
-        modes = ["full"] * N_BLOCKS
-        if step >= 1 and rank == absent_rank:
-            modes[absent] = "absent"
-        F.mse_loss(model(rank_slice(x, rank), tuple(modes)), rank_slice(y, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    with deferred_reads(buffered):
+        for step, (x, y) in enumerate(make_data(world)[:3]):
+            modes = ["full"] * N_BLOCKS
+            if step >= 1 and rank == absent_rank:
+                modes[absent] = "absent"
+            F.mse_loss(model(rank_slice(x, rank), tuple(modes)), rank_slice(y, rank)).backward()
+            opt.step()
+            opt.zero_grad()

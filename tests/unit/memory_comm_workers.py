@@ -267,9 +267,10 @@ class _CollectiveSpy:
 
 
 @contextlib.contextmanager
-def collectives_layout(buffered: bool):
+def collectives_layout(buffered: bool | str):
     """[Note: in-place region gather] in zero_plugin/comm/collectives.py: gloo gathers and reduces in place
-    unless ZERO_PLUGIN_BUFFERED_COLLECTIVES=1 selects the rank-major buffered layout NCCL uses."""
+    unless ZERO_PLUGIN_BUFFERED_COLLECTIVES=1 selects the rank-major buffered layout NCCL uses.
+    ``"deferred"``: the buffered layout (callers also defer host reads: ``deferred_reads``)."""
     previous = os.environ.get("ZERO_PLUGIN_BUFFERED_COLLECTIVES")
     os.environ["ZERO_PLUGIN_BUFFERED_COLLECTIVES"] = "1" if buffered else "0"
     try:
@@ -279,6 +280,14 @@ def collectives_layout(buffered: bool):
             os.environ.pop("ZERO_PLUGIN_BUFFERED_COLLECTIVES")
         else:
             os.environ["ZERO_PLUGIN_BUFFERED_COLLECTIVES"] = previous
+
+
+def deferred_reads(buffered: bool | str):
+    """``buffered == "deferred"``: CPU reads of gather tags and has-gradient flags stay pending until forced,
+    as on CUDA ([Note: deferred host reads] in zero_plugin/comm/host_reads.py)."""
+    from zero_plugin.comm.host_reads import deferred_on_cpu
+
+    return deferred_on_cpu() if buffered == "deferred" else contextlib.nullcontext()
 
 
 def spy_worker(stage: int, mixed: bool, bypass: bool = False, buffered: bool = False) -> dict:

@@ -43,13 +43,16 @@ rank of the world.  Without a replica group nothing is issued and the divisor is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
 from ..engines.flat import ShardLayout, copy_padded_rows
 from .collectives import Comm
 from .streams import NO_STREAMS, StreamSet
+
+if TYPE_CHECKING:
+    from ..grads.presence import DeferredPresence
 
 __all__ = [
     "Buffers",
@@ -205,10 +208,12 @@ class BufferedReduce:
     sources: list | None
     results_in_full_tensors = False  # a result is a view of the shard-sized output
 
-    def complete(self, what: str, store: Store) -> None:
+    def complete(self, what: str, store: Store, presence: DeferredPresence | None = None) -> None:
+        """``presence``: store every member's result and hand the flags over ([Note: deferred has-gradient
+        flags] in ``grads/presence.py``) instead of reading them here."""
         with self.streams.reduce():  # waiting here makes the reduce stream (not compute) wait for NCCL
             self.comm.wait(self.work, what)
-            _average_flagged(self, self.output, store, lambda layout: layout.local_numel)
+            _average_flagged(self, self.output, store, lambda layout: layout.local_numel, presence)
             reduced = self.streams.record()
         self.streams.wait(reduced)  # [Note: side streams]: only now may the memory be reused
         self.sources = None
@@ -233,13 +238,22 @@ class FlatAllReduce:
 
 
 def _average_flagged(
-    record: BufferedReduce | FlatAllReduce, flat: torch.Tensor, store: Store, numel: Callable[[ShardLayout], int]
+    record: BufferedReduce | FlatAllReduce,
+    flat: torch.Tensor,
+    store: Store,
+    numel: Callable[[ShardLayout], int],
+    presence: DeferredPresence | None = None,
 ) -> None:
     """A completed reduction's ``flat`` result, the summed flags after ``record.width``: average, and store
-    ``numel(layout)`` elements at its offset for each member that some rank had a gradient for."""
+    ``numel(layout)`` elements at its offset for each member that some rank had a gradient for (for every
+    member, the flags handed to ``presence``, when given)."""
     if record.comm.replica is not None:  # [Note: sum across replicas]
         _replica_all_reduce(record.comm, flat)
-    present = flat[record.width :].tolist()
+    if presence is not None:
+        presence.add(record.members, flat[record.width :])
+        present = [1.0] * len(record.members)
+    else:
+        present = flat[record.width :].tolist()
     flat.div_(record.comm.dp_size)
     for member, off, has_grad in zip(record.members, record.offsets, present):
         if has_grad:
@@ -290,8 +304,8 @@ def gather_buffered(
     inp = buffers.take(width + extra, dtype, device)
     for member, off in zip(members, offsets):
         fill(member, inp[off : off + member.layout.shard_numel])
-    if extra:
-        inp[width:] = torch.tensor(trailer, dtype=dtype)
+    for j, value in enumerate(trailer):  # scalar fills: no copy from pageable host memory (a host stall on CUDA)
+        inp[width + j] = value
     out = buffers.take(comm.world_size * (width + extra), dtype, device)
     work = comm.all_gather(out, inp, async_op=True, tag=tag)
     return BufferedGather(comm, members, offsets, width, extra, inp, out, work, buffers)

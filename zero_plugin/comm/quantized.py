@@ -111,8 +111,8 @@ def gather_quantized(
     body = quantize.packed_numel(width, block)
     inp = torch.zeros(body + _aligned(len(trailer)), dtype=torch.uint8, device=device)
     quantize.quantize_into(inp[:body], row, block)
-    if trailer:
-        inp[body : body + len(trailer)] = torch.tensor(trailer, dtype=torch.uint8)
+    for j, value in enumerate(trailer):  # scalar fills: no pageable host copy ([Note: deferred host reads])
+        inp[body + j] = value
     out = torch.empty(comm.world_size * inp.numel(), dtype=torch.uint8, device=device)
     work = comm.all_gather(out, inp, async_op=True, tag=tag)
     return QuantizedGather(comm, members, offsets, width, len(trailer), block, dtype, inp, out, work)

@@ -293,6 +293,7 @@ class Stage3Engine(Engine):
         opened = [u for u in units if u.state is ShardedState.SHARDED]
         for u in opened:
             u.unshard(exact=True)  # the shards' own values, also under qwZ / hpZ (ZeRO++)
+            u.tag_checks.flush()  # the user reads (and may edit) them now: [Note: gather tag] in unit.py
         # [Note: gathered edits] in optim/master.py: each rank's region as gathered, to find edited elements.
         before = (
             {id(sp): sp.layout.local_view(sp.param.data.reshape(-1)).clone() for u in units for sp in u.params}

@@ -68,11 +68,13 @@ from torch.utils import _pytree as pytree
 
 from ..engines.hostmem import HeapTrim, trim_host_heap
 from ..engines.weak_hook import WeakHook
+from ..grads.presence import DeferredPresence
 from ..grads.schedule import ReductionSchedule
 from .accumulate import FullGradStore
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .storage_pool import StoragePool
+from .tag_check import TagChecks
 from .unit import Unit
 
 __all__ = ["Stage3Runtime", "needed_first", "prefetch_span", "reduction_order"]
@@ -140,8 +142,14 @@ class Stage3Runtime:
         self.forward_order: list[Unit] = []
         self._recording: list[Unit] = []
         self.guard = OrderGuard(self.root.comm, units)  # [Note: collective order]
+        # [Note: deferred host reads] in comm/host_reads.py: gather tags and has-gradient flags read on the
+        # host once per forward / backward, not after every collective
+        self.tag_checks = TagChecks()
+        self.presence = DeferredPresence()
         for unit in units:
             unit.guard = self.guard
+            unit.tag_checks = self.tag_checks
+            unit.presence = self.presence
         self.schedule = ReductionSchedule(self._launch_reduce, self._complete_reduce, _MAX_INFLIGHT_REDUCES)
         self.schedule.start(self._reduce_order())
         self._backward_order: list[Unit] = []  # [Note: backward gather order]
@@ -209,6 +217,7 @@ class Stage3Runtime:
         in_backward = _in_backward()
         if not in_backward:
             if unit is self.root:
+                self.tag_checks.flush()  # the last forward's gathers: landed long ago, no wait in practice
                 self._recording = self.guard.recording = []
                 self._outputs_need_grad = set()
             elif unit not in self._recording:
@@ -356,6 +365,9 @@ class Stage3Runtime:
         self._backward_gather(None)  # gathers this rank's backward did not reach, as its peers' did
         late, self._late = self._late, []
         self.schedule.end_backward(late, self.guard)
+        self.tag_checks.flush()  # before any gradient is final: [Note: gather tag] in unit.py
+        for sp in self.presence.resolve():  # [Note: deferred has-gradient flags] in grads/presence.py
+            sp.sharded_grad = None
         self.after_backward()
         self._backward_cursor = 0
         for unit in self.units:

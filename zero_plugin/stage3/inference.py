@@ -93,6 +93,7 @@ class InferenceEngine(Stage3Engine):
         full: dict[int, torch.Tensor] = {}
         for unit in self.units:
             unit.unshard()
+            unit.tag_checks.flush()  # [Note: gather tag] in unit.py
             for sp in unit.params:
                 full[id(sp)] = sp.param.data.clone()
             unit.reshard()

@@ -27,7 +27,10 @@ root unit is never released by a reduction: only in the final callback.
 [Note: gather tag]
 In the buffered layout every all-gather also carries its unit's index (``_TAG`` trailing elements per
 rank), a second line of defence behind [Note: collective order] (``order.py``) that costs nothing extra on
-the wire: a rank that receives another unit's index raises instead of computing on mixed weights.
+the wire: a rank that receives another unit's index raises before any gradient computed on mixed weights
+is final.  The tags are read on the host without stalling it (``tag_check.py``, [Note: deferred host
+reads] in ``comm/host_reads.py``): on the CPU at once, on CUDA when their copy lands, at the latest at the
+end of backward.
 """
 
 from __future__ import annotations
@@ -41,10 +44,12 @@ from ..comm import layout as comm_layout
 from ..comm import quantized
 from ..comm.collectives import Comm
 from ..comm.streams import NO_STREAMS, StreamSet
+from ..grads.presence import DeferredPresence
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .pool import BufferPool
 from .secondary import SecondaryShard
+from .tag_check import TagChecks, tag_of
 
 __all__ = ["Unit", "TrainingState", "released_after_forward", "released_at_reduce"]
 
@@ -110,6 +115,10 @@ class Unit:
         self._inputs_hooked = False  # a post-backward hook sits on this forward's inputs
         self._gather: list[comm_layout.InPlaceGather | comm_layout.BufferedGather] = []
         self.guard: OrderGuard | None = None  # set by the runtime: [Note: collective order]
+        # [Note: gather tag] checks in flight, shared by the runtime's units; and the runtime's collector of
+        # has-gradient flags ([Note: deferred has-gradient flags] in grads/presence.py), None: read at once
+        self.tag_checks = TagChecks()
+        self.presence: DeferredPresence | None = None
         # What a reduction sends for a parameter: its param.grad, or with kept gradients the runtime's
         # FullGradStore.grad_of ([Note: deferred reduction] in accumulate.py)
         self.grad_of = _param_grad
@@ -308,23 +317,14 @@ class Unit:
             p.release()
 
     def _tag(self) -> tuple[int, int]:
-        # Exact in every float dtype (values <= 129), unique per unit index.
-        return (self.index // 128 + 1, self.index % 128 + 1)
+        return tag_of(self.index)
 
     def _check_tags(self, tags: torch.Tensor) -> None:
-        """[Note: gather tag]: every rank's trailing elements must be this unit's index."""
+        """[Note: gather tag]: every rank's trailing elements must be this unit's index; checked without
+        stalling the host (``tag_check.py``)."""
         if self.comm.backend == "fake":
             return  # torch's fake process group (memory planning) moves no data
-        expected = torch.tensor(self._tag(), dtype=tags.dtype, device=tags.device)
-        bad = [r for r in range(tags.shape[0]) if not torch.equal(tags[r], expected)]
-        if bad:
-            got = [int((tags[r, 0].item() - 1) * 128 + tags[r, 1].item() - 1) for r in bad]
-            raise RuntimeError(
-                f"zero_plugin stage 3: collective order diverged. This rank gathered unit {self.index} "
-                f"({self.name!r}) while rank(s) {bad} gathered unit(s) {got} at the same point. Every rank must "
-                "run the same blocks in the same order (a conditional branch that skips a block on some ranks?). "
-                "Run the block on every rank (e.g. multiply its output by 0) or exclude it from sharding."
-            )
+        self.tag_checks.add(self.index, self.name, tags)
 
     def reshard(self) -> None:
         if self._gather:
@@ -365,7 +365,16 @@ class Unit:
 
     @torch.no_grad()
     def complete_reduce(self, pending: comm_layout.InPlaceReduce | comm_layout.BufferedReduce) -> None:
-        pending.complete(f"reduce-scatter of unit {self.name!r}", ShardedParam.accumulate_grad)
+        presence = self.presence if isinstance(pending, comm_layout.BufferedReduce) else None
+        if presence is None:
+            pending.complete(f"reduce-scatter of unit {self.name!r}", ShardedParam.accumulate_grad)
+            return
+
+        def store(sp: ShardedParam, reduced: torch.Tensor) -> None:
+            presence.note(sp, had_grad=sp.sharded_grad is not None)
+            sp.accumulate_grad(reduced)
+
+        pending.complete(f"reduce-scatter of unit {self.name!r}", store, presence)
 
 
 def _param_grad(sp: ShardedParam) -> torch.Tensor | None:
