@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import zero_plugin as zp
 from tests.parity.uneven_workers import OUT, ROWS_PER_RANK, WIDTH, build_model, rank_slice
-from tests.unit.memory_comm_workers import collectives_layout
+from tests.unit.memory_comm_workers import collectives_layout, deferred_reads
 from zero_plugin.comm.collectives import Comm
 
 STEPS, ACCUM, MAX_NORM = 3, 3, 0.3
@@ -91,7 +91,7 @@ def count_reductions():
             setattr(Comm, name, fn)
 
 
-def train_worker(config: dict, buffered: bool) -> dict:
+def train_worker(config: dict, buffered: bool | str) -> dict:
     """Train ``STEPS`` steps of ``ACCUM`` micro-batches (all but the last under ``zp.no_sync``), clip, step.
     Returns the full parameters, the clip norms and each step's reductions by unit."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -100,7 +100,7 @@ def train_worker(config: dict, buffered: bool) -> dict:
         model, opt = zp.setup(model, _optimizer(model), zp.ZeroConfig(stage=3, **config))
     data, norms, reductions = make_data(world), [], []
     for step in range(STEPS):
-        with count_reductions() as seen:
+        with count_reductions() as seen, deferred_reads(buffered):
             for micro in range(ACCUM):
                 x, y = data[step * ACCUM + micro]
                 sync = contextlib.nullcontext() if micro == ACCUM - 1 else zp.no_sync(model)

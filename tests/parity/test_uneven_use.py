@@ -108,7 +108,7 @@ def _discard_pool(world_size: int) -> None:
 
 # Stage 0 all-reduces a flat bucket in either layout (zero_plugin/planner/replay.py), so it runs once.
 STAGE_LAYOUTS = [(0, "in_place")] + [(stage, lay) for stage in STAGES[1:] for lay in ("in_place", "buffered")]
-STAGE_LAYOUTS.append((3, "deferred"))  # only stage 3 defers its host reads
+STAGE_LAYOUTS += [(1, "deferred"), (2, "deferred"), (3, "deferred")]  # stage 0 reads its flags at completion
 BUCKETED = [(s, lay) for s, lay in STAGE_LAYOUTS if s < 3]
 
 

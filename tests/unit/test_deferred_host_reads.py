@@ -11,7 +11,7 @@ from torch import nn
 import zero_plugin as zp
 from zero_plugin.comm.host_reads import HostRead, deferred_on_cpu
 from zero_plugin.engines.engine import engine_of
-from zero_plugin.grads.presence import DeferredPresence
+from zero_plugin.grads.presence import DeferredPresence, DeferredStores
 from zero_plugin.stage3.tag_check import TagChecks, tag_of
 
 
@@ -60,6 +60,30 @@ def test_presence_drops_only_what_no_rank_had_and_nothing_held_before():
     presence.note(d, had_grad=False)
     assert presence.resolve() == [b]
     assert presence.resolve() == []  # forgotten
+
+
+def test_deferred_stores_store_local_gradients_at_once_and_the_rest_by_the_summed_flags():
+    """Stages 1-2: a member this rank had a gradient for is stored at completion; the others wait for the
+    summed flags, as copies (the reduction's buffer may be reused meanwhile)."""
+    stored = []
+    deferred = DeferredStores()
+    results = [torch.full((2,), float(i)) for i in range(4)]
+    with deferred_on_cpu():
+        # flags summed over ranks: m0 had one here; m1 on another rank only; m2 and m3 on no rank
+        deferred.take(
+            ["m0", "m1", "m2"],
+            torch.tensor([1.0, 1.0, 0.0]),
+            results[:3],
+            lambda m, r: stored.append((m, r)),
+            [True, False, False],
+        )
+        deferred.take(["m3"], torch.tensor([0.0]), results[3:], lambda m, r: stored.append((m, r)), [False])
+    assert [m for m, _ in stored] == ["m0"]
+    results[1].fill_(-1.0)  # the buffer reused before the end of backward
+    deferred.run()
+    assert [m for m, _ in stored] == ["m0", "m1"] and stored[1][1].tolist() == [1.0, 1.0]
+    deferred.run()  # nothing left
+    assert len(stored) == 2
 
 
 class _Chain(nn.Module):

@@ -52,7 +52,9 @@ from .collectives import Comm
 from .streams import NO_STREAMS, StreamSet
 
 if TYPE_CHECKING:
-    from ..grads.presence import DeferredPresence
+    from ..grads.presence import DeferredPresence, DeferredStores
+
+    Deferral = DeferredPresence | DeferredStores
 
 __all__ = [
     "Buffers",
@@ -206,11 +208,12 @@ class BufferedReduce:
     # The full gradients a side stream may still read: referenced until the compute stream waited for it,
     # or the allocator could hand their memory to new work ([Note: side streams]); None without side streams.
     sources: list | None
+    local: list[bool] | None = None  # whether this rank had each member's gradient (its own flags)
     results_in_full_tensors = False  # a result is a view of the shard-sized output
 
-    def complete(self, what: str, store: Store, presence: DeferredPresence | None = None) -> None:
-        """``presence``: store every member's result and hand the flags over ([Note: deferred has-gradient
-        flags] in ``grads/presence.py``) instead of reading them here."""
+    def complete(self, what: str, store: Store, presence: Deferral | None = None) -> None:
+        """``presence``: hand the flags, results and ``store`` over ([Note: deferred has-gradient flags] in
+        ``grads/presence.py``) instead of reading the flags here."""
         with self.streams.reduce():  # waiting here makes the reduce stream (not compute) wait for NCCL
             self.comm.wait(self.work, what)
             _average_flagged(self, self.output, store, lambda layout: layout.local_numel, presence)
@@ -231,10 +234,11 @@ class FlatAllReduce:
     width: int
     buffer: torch.Tensor
     work: Any
+    local: list[bool] | None = None  # whether this rank had each member's gradient (its own flags)
 
-    def complete(self, what: str, store: Store) -> None:
+    def complete(self, what: str, store: Store, presence: Deferral | None = None) -> None:
         self.comm.wait(self.work, what)
-        _average_flagged(self, self.buffer, store, lambda layout: layout.numel)
+        _average_flagged(self, self.buffer, store, lambda layout: layout.numel, presence)
 
 
 def _average_flagged(
@@ -242,18 +246,19 @@ def _average_flagged(
     flat: torch.Tensor,
     store: Store,
     numel: Callable[[ShardLayout], int],
-    presence: DeferredPresence | None = None,
+    presence: Deferral | None = None,
 ) -> None:
     """A completed reduction's ``flat`` result, the summed flags after ``record.width``: average, and store
-    ``numel(layout)`` elements at its offset for each member that some rank had a gradient for (for every
-    member, the flags handed to ``presence``, when given)."""
+    ``numel(layout)`` elements at its offset for each member that some rank had a gradient for; with
+    ``presence``, hand it the flags, the results and ``store`` (it stores now or later)."""
     if record.comm.replica is not None:  # [Note: sum across replicas]
         _replica_all_reduce(record.comm, flat)
-    if presence is not None:
-        presence.add(record.members, flat[record.width :])
-        present = [1.0] * len(record.members)
-    else:
-        present = flat[record.width :].tolist()
+    if presence is not None:  # [Note: deferred has-gradient flags] in grads/presence.py
+        flat.div_(record.comm.dp_size)  # a summed flag stays non-zero exactly where it was
+        results = [flat[off : off + numel(m.layout)] for m, off in zip(record.members, record.offsets)]
+        presence.take(record.members, flat[record.width :], results, store, record.local)
+        return
+    present = flat[record.width :].tolist()
     flat.div_(record.comm.dp_size)
     for member, off, has_grad in zip(record.members, record.offsets, present):
         if has_grad:
@@ -362,19 +367,21 @@ def reduce_buffered(
     k = len(members)
     buf = buffers.take(n * (width + k), dtype, device).view(n, width + k)
     sources = [] if streams.overlaps else None
+    local = []
     for i, (member, off) in enumerate(zip(members, offsets)):
         grad = grad_of(member)
         copy_padded_rows(
             buf[:, off : off + member.layout.shard_numel], None if grad is None else grad.reshape(-1), member.layout
         )
         buf[:, width + i] = float(grad is not None)  # [Note: unused parameters] in grads/reducer.py
+        local.append(grad is not None)
         if grad is not None and sources is not None:
             sources.append(grad)
         if release_grads:
             member.param.grad = None
     out = buffers.take(width + k, dtype, buf.device)
     work = comm.reduce_scatter(out, buf.view(-1), async_op=True, tag=tag)
-    return BufferedReduce(comm, members, offsets, width, buf, out, work, buffers, streams, sources)
+    return BufferedReduce(comm, members, offsets, width, buf, out, work, buffers, streams, sources, local)
 
 
 def all_reduce_flat(comm: Comm, members: list, dtype: torch.dtype, device: torch.device) -> FlatAllReduce:
@@ -382,18 +389,22 @@ def all_reduce_flat(comm: Comm, members: list, dtype: torch.dtype, device: torch
     offsets, width = packed_offsets(m.layout.numel for m in members)
     k = len(members)
     buf = torch.empty(width + k, dtype=dtype, device=device)
+    local = []
     for i, (member, off) in enumerate(zip(members, offsets)):
         dst = buf[off : off + member.layout.numel]
         grad = member.param.grad
         dst.copy_(grad.view(-1)) if grad is not None else dst.zero_()
         buf[width + i] = float(grad is not None)
-    return FlatAllReduce(comm, members, offsets, width, buf, comm.all_reduce(buf, async_op=True))
+        local.append(grad is not None)
+    return FlatAllReduce(comm, members, offsets, width, buf, comm.all_reduce(buf, async_op=True), local)
 
 
-def all_reduce_filled(comm: Comm, members: list, buffer: torch.Tensor, width: int) -> FlatAllReduce:
+def all_reduce_filled(
+    comm: Comm, members: list, buffer: torch.Tensor, width: int, local: list[bool] | None = None
+) -> FlatAllReduce:
     """Stage 0 with a buffer the caller filled already in :func:`all_reduce_flat`'s layout (members whole
     at their packed offsets, then the flags): the all-reduce alone ([Note: gradients as bucket views] in
     ``grads/views.py``)."""
     offsets, packed = packed_offsets(m.layout.numel for m in members)
     assert packed == width and buffer.numel() == width + len(members), "all_reduce_filled: layout mismatch"
-    return FlatAllReduce(comm, members, offsets, width, buffer, comm.all_reduce(buffer, async_op=True))
+    return FlatAllReduce(comm, members, offsets, width, buffer, comm.all_reduce(buffer, async_op=True), local)

@@ -33,6 +33,7 @@ gradients are reduced alone, and the two averages are added.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -43,6 +44,7 @@ from ..comm.collectives import Comm
 from ..engines.weak_hook import WeakHook
 from ..optim.master import MasterParam
 from .bucket import Bucket, plan_buckets
+from .presence import DeferredStores
 from .schedule import LateFlags, ReductionSchedule
 from .views import BucketViews, store_view
 
@@ -76,6 +78,9 @@ class GradReducer:
             self._late_agreement = LateFlags(comm)
         self._late: list[Bucket] = []
         self.after_backward = lambda: None  # the engine's: [Note: per-step state] in zero_plugin/engines/engine.py
+        # [Note: deferred has-gradient flags] in presence.py: stages 1-2's buffered completions store what
+        # needs the summed flags at the end of backward (no host stall per bucket on CUDA)
+        self.deferral = DeferredStores()
 
     # -- hooks --------------------------------------------------------------
     def register(self, root: nn.Module) -> None:
@@ -137,6 +142,7 @@ class GradReducer:
         else:
             self.schedule.flush()
             self.schedule.finish()
+        self.deferral.run()
         for bucket in self.buckets:
             bucket.reset()
         self.after_backward()
@@ -195,8 +201,8 @@ class AllReduceReducer(GradReducer):
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> comm_layout.FlatAllReduce:
         if id(bucket) in self._viewed:
-            buf = self.views.fill(bucket)
-            return comm_layout.all_reduce_filled(self.comm, bucket.slots, buf, bucket.width)
+            buf, local = self.views.fill(bucket)
+            return comm_layout.all_reduce_filled(self.comm, bucket.slots, buf, bucket.width, local)
         return comm_layout.all_reduce_flat(
             self.comm, bucket.slots, self._buffer_dtype(bucket), bucket.slots[0].param.device
         )
@@ -210,6 +216,8 @@ class AllReduceReducer(GradReducer):
 
     @torch.no_grad()
     def _complete(self, bucket: Bucket, pending: comm_layout.FlatAllReduce) -> None:
+        # Flags read here, not deferred: this store overwrites param.grad, so storing a late re-reduction
+        # before an earlier deferred one would keep the stale value ([Note: deferred has-gradient flags]).
         pending.complete("gradient reduction", self._store_view if id(bucket) in self._viewed else self._store)
 
     def _store_view(self, slot: MasterParam, reduced: torch.Tensor) -> None:
@@ -280,7 +288,11 @@ class ReduceScatterReducer(GradReducer):
     @torch.no_grad()
     def _complete(self, bucket: Bucket, pending: comm_layout.InPlaceReduce | comm_layout.BufferedReduce) -> None:
         temporary = pending.results_in_full_tensors
-        pending.complete("gradient reduction", lambda slot, reduced: self._store(slot, reduced, temporary))
+        store = functools.partial(self._store, region_of_temporary=temporary)
+        if isinstance(pending, comm_layout.BufferedReduce):
+            pending.complete("gradient reduction", store, self.deferral)
+        else:  # in place (gloo): the flags are a host tensor already
+            pending.complete("gradient reduction", store)
 
     def _store(self, slot: MasterParam, reduced: torch.Tensor, region_of_temporary: bool = False) -> None:
         """Keep this rank's averaged region: in ``param.grad`` (stage 1, same dtype), else a view of the
