@@ -11,7 +11,7 @@ from torch import nn
 import zero_plugin as zp
 from zero_plugin.comm.host_reads import HostRead, deferred_on_cpu
 from zero_plugin.engines.engine import engine_of
-from zero_plugin.grads.presence import DeferredPresence, DeferredStores
+from zero_plugin.grads.presence import DeferredStores
 from zero_plugin.stage3.tag_check import TagChecks, tag_of
 
 
@@ -47,24 +47,10 @@ def test_tag_checks_deferred_raise_at_flush_not_before():
             checks.flush()
 
 
-def test_presence_drops_only_what_no_rank_had_and_nothing_held_before():
-    a, b, c, d = object(), object(), object(), object()
-    presence = DeferredPresence()
-    with deferred_on_cpu():
-        presence.add([a, b], torch.tensor([2.0, 0.0]))
-        presence.add([c, d], torch.tensor([0.0, 1.0]))
-    presence.note(a, had_grad=False)
-    presence.note(b, had_grad=False)  # no rank had one, none before: dropped
-    presence.note(c, had_grad=True)  # no rank had one, but accumulated before: kept
-    presence.note(c, had_grad=False)  # a later note in the same backward does not count
-    presence.note(d, had_grad=False)
-    assert presence.resolve() == [b]
-    assert presence.resolve() == []  # forgotten
-
-
 def test_deferred_stores_store_local_gradients_at_once_and_the_rest_by_the_summed_flags():
-    """Stages 1-2: a member this rank had a gradient for is stored at completion; the others wait for the
-    summed flags, as copies (the reduction's buffer may be reused meanwhile)."""
+    """Stages 1-3: a member this rank had a gradient for is stored at completion; the others wait for the
+    summed flags, as copies (the reduction's buffer may be reused meanwhile); one no rank had a gradient
+    for is never stored."""
     stored = []
     deferred = DeferredStores()
     results = [torch.full((2,), float(i)) for i in range(4)]

@@ -52,9 +52,7 @@ from .collectives import Comm
 from .streams import NO_STREAMS, StreamSet
 
 if TYPE_CHECKING:
-    from ..grads.presence import DeferredPresence, DeferredStores
-
-    Deferral = DeferredPresence | DeferredStores
+    from ..grads.presence import DeferredStores
 
 __all__ = [
     "Buffers",
@@ -211,12 +209,12 @@ class BufferedReduce:
     local: list[bool] | None = None  # whether this rank had each member's gradient (its own flags)
     results_in_full_tensors = False  # a result is a view of the shard-sized output
 
-    def complete(self, what: str, store: Store, presence: Deferral | None = None) -> None:
-        """``presence``: hand the flags, results and ``store`` over ([Note: deferred has-gradient flags] in
+    def complete(self, what: str, store: Store, deferred: DeferredStores | None = None) -> None:
+        """``deferred``: hand the flags, results and ``store`` over ([Note: deferred has-gradient flags] in
         ``grads/presence.py``) instead of reading the flags here."""
         with self.streams.reduce():  # waiting here makes the reduce stream (not compute) wait for NCCL
             self.comm.wait(self.work, what)
-            _average_flagged(self, self.output, store, lambda layout: layout.local_numel, presence)
+            _average_flagged(self, self.output, store, lambda layout: layout.local_numel, deferred)
             reduced = self.streams.record()
         self.streams.wait(reduced)  # [Note: side streams]: only now may the memory be reused
         self.sources = None
@@ -234,11 +232,10 @@ class FlatAllReduce:
     width: int
     buffer: torch.Tensor
     work: Any
-    local: list[bool] | None = None  # whether this rank had each member's gradient (its own flags)
 
-    def complete(self, what: str, store: Store, presence: Deferral | None = None) -> None:
+    def complete(self, what: str, store: Store) -> None:
         self.comm.wait(self.work, what)
-        _average_flagged(self, self.buffer, store, lambda layout: layout.numel, presence)
+        _average_flagged(self, self.buffer, store, lambda layout: layout.numel)
 
 
 def _average_flagged(
@@ -246,17 +243,17 @@ def _average_flagged(
     flat: torch.Tensor,
     store: Store,
     numel: Callable[[ShardLayout], int],
-    presence: Deferral | None = None,
+    deferred: DeferredStores | None = None,
 ) -> None:
     """A completed reduction's ``flat`` result, the summed flags after ``record.width``: average, and store
     ``numel(layout)`` elements at its offset for each member that some rank had a gradient for; with
-    ``presence``, hand it the flags, the results and ``store`` (it stores now or later)."""
+    ``deferred``, hand it the flags, the results and ``store`` (it stores now or later)."""
     if record.comm.replica is not None:  # [Note: sum across replicas]
         _replica_all_reduce(record.comm, flat)
-    if presence is not None:  # [Note: deferred has-gradient flags] in grads/presence.py
+    if deferred is not None:  # [Note: deferred has-gradient flags] in grads/presence.py
         flat.div_(record.comm.dp_size)  # a summed flag stays non-zero exactly where it was
         results = [flat[off : off + numel(m.layout)] for m, off in zip(record.members, record.offsets)]
-        presence.take(record.members, flat[record.width :], results, store, record.local)
+        deferred.take(record.members, flat[record.width :], results, store, record.local)
         return
     present = flat[record.width :].tolist()
     flat.div_(record.comm.dp_size)
@@ -389,22 +386,18 @@ def all_reduce_flat(comm: Comm, members: list, dtype: torch.dtype, device: torch
     offsets, width = packed_offsets(m.layout.numel for m in members)
     k = len(members)
     buf = torch.empty(width + k, dtype=dtype, device=device)
-    local = []
     for i, (member, off) in enumerate(zip(members, offsets)):
         dst = buf[off : off + member.layout.numel]
         grad = member.param.grad
         dst.copy_(grad.view(-1)) if grad is not None else dst.zero_()
         buf[width + i] = float(grad is not None)
-        local.append(grad is not None)
-    return FlatAllReduce(comm, members, offsets, width, buf, comm.all_reduce(buf, async_op=True), local)
+    return FlatAllReduce(comm, members, offsets, width, buf, comm.all_reduce(buf, async_op=True))
 
 
-def all_reduce_filled(
-    comm: Comm, members: list, buffer: torch.Tensor, width: int, local: list[bool] | None = None
-) -> FlatAllReduce:
+def all_reduce_filled(comm: Comm, members: list, buffer: torch.Tensor, width: int) -> FlatAllReduce:
     """Stage 0 with a buffer the caller filled already in :func:`all_reduce_flat`'s layout (members whole
     at their packed offsets, then the flags): the all-reduce alone ([Note: gradients as bucket views] in
     ``grads/views.py``)."""
     offsets, packed = packed_offsets(m.layout.numel for m in members)
     assert packed == width and buffer.numel() == width + len(members), "all_reduce_filled: layout mismatch"
-    return FlatAllReduce(comm, members, offsets, width, buffer, comm.all_reduce(buffer, async_op=True), local)
+    return FlatAllReduce(comm, members, offsets, width, buffer, comm.all_reduce(buffer, async_op=True))

@@ -80,7 +80,7 @@ class GradReducer:
         self.after_backward = lambda: None  # the engine's: [Note: per-step state] in zero_plugin/engines/engine.py
         # [Note: deferred has-gradient flags] in presence.py: stages 1-2's buffered completions store what
         # needs the summed flags at the end of backward (no host stall per bucket on CUDA)
-        self.deferral = DeferredStores()
+        self.deferred = DeferredStores()
 
     # -- hooks --------------------------------------------------------------
     def register(self, root: nn.Module) -> None:
@@ -142,7 +142,7 @@ class GradReducer:
         else:
             self.schedule.flush()
             self.schedule.finish()
-        self.deferral.run()
+        self.deferred.run()
         for bucket in self.buckets:
             bucket.reset()
         self.after_backward()
@@ -201,8 +201,8 @@ class AllReduceReducer(GradReducer):
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> comm_layout.FlatAllReduce:
         if id(bucket) in self._viewed:
-            buf, local = self.views.fill(bucket)
-            return comm_layout.all_reduce_filled(self.comm, bucket.slots, buf, bucket.width, local)
+            buf = self.views.fill(bucket)
+            return comm_layout.all_reduce_filled(self.comm, bucket.slots, buf, bucket.width)
         return comm_layout.all_reduce_flat(
             self.comm, bucket.slots, self._buffer_dtype(bucket), bucket.slots[0].param.device
         )
@@ -290,7 +290,7 @@ class ReduceScatterReducer(GradReducer):
         temporary = pending.results_in_full_tensors
         store = functools.partial(self._store, region_of_temporary=temporary)
         if isinstance(pending, comm_layout.BufferedReduce):
-            pending.complete("gradient reduction", store, self.deferral)
+            pending.complete("gradient reduction", store, self.deferred)
         else:  # in place (gloo): the flags are a host tensor already
             pending.complete("gradient reduction", store)
 

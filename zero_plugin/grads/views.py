@@ -70,23 +70,20 @@ class BucketViews:
                 slot.param.grad = view
 
     @torch.no_grad()
-    def fill(self, bucket: Bucket) -> tuple[torch.Tensor, list[bool]]:
+    def fill(self, bucket: Bucket) -> torch.Tensor:
         """Copy-in where still needed: every gradient into its view (``param.grad`` becomes the view),
-        zeros where this rank has none, then the flags; the filled buffer and whether each slot had a
-        gradient here."""
+        zeros where this rank has none, then the flags; the filled buffer."""
         buf = self.buffer(bucket)
-        local = []
         for i, (slot, off) in enumerate(zip(bucket.slots, self.offsets(bucket))):
             view = _view(buf, slot, off)
             grad = slot.param.grad
-            local.append(grad is not None)
             buf[bucket.width + i] = float(grad is not None)  # a scalar fill: no pageable copy on CUDA
             if grad is None:
                 view.zero_()
             elif not _is(grad, view):
                 view.copy_(grad)
                 slot.param.grad = view
-        return buf, local
+        return buf
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self._buffers.values())

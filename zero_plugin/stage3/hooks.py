@@ -68,7 +68,7 @@ from torch.utils import _pytree as pytree
 
 from ..engines.hostmem import HeapTrim, trim_host_heap
 from ..engines.weak_hook import WeakHook
-from ..grads.presence import DeferredPresence
+from ..grads.presence import DeferredStores
 from ..grads.schedule import ReductionSchedule
 from .accumulate import FullGradStore
 from .order import OrderGuard
@@ -145,11 +145,11 @@ class Stage3Runtime:
         # [Note: deferred host reads] in comm/host_reads.py: gather tags and has-gradient flags read on the
         # host once per forward / backward, not after every collective
         self.tag_checks = TagChecks()
-        self.presence = DeferredPresence()
+        self.deferred = DeferredStores()
         for unit in units:
             unit.guard = self.guard
             unit.tag_checks = self.tag_checks
-            unit.presence = self.presence
+            unit.deferred = self.deferred
         self.schedule = ReductionSchedule(self._launch_reduce, self._complete_reduce, _MAX_INFLIGHT_REDUCES)
         self.schedule.start(self._reduce_order())
         self._backward_order: list[Unit] = []  # [Note: backward gather order]
@@ -366,8 +366,7 @@ class Stage3Runtime:
         late, self._late = self._late, []
         self.schedule.end_backward(late, self.guard)
         self.tag_checks.flush()  # before any gradient is final: [Note: gather tag] in unit.py
-        for sp in self.presence.resolve():  # [Note: deferred has-gradient flags] in grads/presence.py
-            sp.sharded_grad = None
+        self.deferred.run()  # [Note: deferred has-gradient flags] in grads/presence.py
         self.after_backward()
         self._backward_cursor = 0
         for unit in self.units:

@@ -44,7 +44,7 @@ from ..comm import layout as comm_layout
 from ..comm import quantized
 from ..comm.collectives import Comm
 from ..comm.streams import NO_STREAMS, StreamSet
-from ..grads.presence import DeferredPresence
+from ..grads.presence import DeferredStores
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .pool import BufferPool
@@ -115,10 +115,10 @@ class Unit:
         self._inputs_hooked = False  # a post-backward hook sits on this forward's inputs
         self._gather: list[comm_layout.InPlaceGather | comm_layout.BufferedGather] = []
         self.guard: OrderGuard | None = None  # set by the runtime: [Note: collective order]
-        # [Note: gather tag] checks in flight, shared by the runtime's units; and the runtime's collector of
-        # has-gradient flags ([Note: deferred has-gradient flags] in grads/presence.py), None: read at once
+        # [Note: gather tag] checks in flight, shared by the runtime's units; and the runtime's stores that wait
+        # for the has-gradient flags ([Note: deferred has-gradient flags] in grads/presence.py), None: read at once
         self.tag_checks = TagChecks()
-        self.presence: DeferredPresence | None = None
+        self.deferred: DeferredStores | None = None
         # What a reduction sends for a parameter: its param.grad, or with kept gradients the runtime's
         # FullGradStore.grad_of ([Note: deferred reduction] in accumulate.py)
         self.grad_of = _param_grad
@@ -365,16 +365,11 @@ class Unit:
 
     @torch.no_grad()
     def complete_reduce(self, pending: comm_layout.InPlaceReduce | comm_layout.BufferedReduce) -> None:
-        presence = self.presence if isinstance(pending, comm_layout.BufferedReduce) else None
-        if presence is None:
-            pending.complete(f"reduce-scatter of unit {self.name!r}", ShardedParam.accumulate_grad)
-            return
-
-        def store(sp: ShardedParam, reduced: torch.Tensor) -> None:
-            presence.note(sp, had_grad=sp.sharded_grad is not None)
-            sp.accumulate_grad(reduced)
-
-        pending.complete(f"reduce-scatter of unit {self.name!r}", store, presence)
+        what = f"reduce-scatter of unit {self.name!r}"
+        if isinstance(pending, comm_layout.BufferedReduce):
+            pending.complete(what, ShardedParam.accumulate_grad, self.deferred)
+        else:  # in place (gloo): the flags are a host tensor already
+            pending.complete(what, ShardedParam.accumulate_grad)
 
 
 def _param_grad(sp: ShardedParam) -> torch.Tensor | None:
