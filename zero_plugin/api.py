@@ -63,7 +63,7 @@ def setup(
     comm = Comm(group, timeout_s=config.timeout_s, debug=config.debug_collectives)
     trainable = validate.trainable_parameters(model, optimizer) if optimizer is not None else []
     validate.check_ranks_agree(model, config, comm)
-    quantized.prepare_quantized(model, comm, _compute_device(comm) if config.stage == 3 else None)
+    quantized.prepare_quantized(model, comm, comm.device if config.stage == 3 else None)
     source = materialize.as_source(param_source)
     if source is None and materialize.has_meta_params(model):
         source = materialize.recorded_source(model)  # [Note: recorded sources] in materialize.py
@@ -128,12 +128,6 @@ def _agreed_shard_group_size(comm: Comm, config: ZeroConfig) -> int | None:
         detail = next((s for s in seen if isinstance(s, str)), f"the ranks resolved {seen}")
         raise ValueError(f'ZeroConfig.shard_group_size="node" must give one group size on every rank: {detail}')
     return seen[0]
-
-
-def _compute_device(comm: Comm) -> torch.device:
-    from .stage3.engine import compute_device
-
-    return compute_device(comm)
 
 
 def _release_evaluation_only(model: nn.Module) -> None:

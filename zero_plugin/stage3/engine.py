@@ -63,7 +63,7 @@ def build_stage3_engine(
     sharded: dict[int, ShardedParam] = {}
     per_unit: list[list[ShardedParam]] = [[] for _ in modules]
     all_params = list(model.parameters())
-    trim = compute_device(comm).type == "cpu" and config.trim_host_heap
+    trim = comm.device.type == "cpu" and config.trim_host_heap
     for index in range(len(modules)):  # one unit at a time: never the whole model unsharded
         params = [p for p in all_params if owner[id(p)] == index]
         for p, full in zip(params, _full_tensors(model, params, param_source, comm)):
@@ -74,12 +74,12 @@ def build_stage3_engine(
             trim_host_heap()
     _broadcast_buffers(model, comm)
     pool = BufferPool()  # one for all units: [Note: buffer reuse]
-    streams = streams_for(compute_device(comm))  # [Note: side streams] in ``streams.py``; no-op on CPU
+    streams = streams_for(comm.device)  # [Note: side streams] in ``streams.py``; no-op on CPU
     units = [
         _make_unit(i, name, module, per_unit[i], comm, config, pool, streams)
         for i, (name, module) in enumerate(modules)
     ]
-    _lend_storage(units, config, compute_device(comm))
+    _lend_storage(units, config, comm.device)
     reduce_comm = comm.sibling("stage-3 reductions")  # [Note: reductions on their own group] in hooks.py
     for unit in units:
         unit.reduce_comm = reduce_comm
@@ -162,16 +162,11 @@ def _master_for(sp: ShardedParam, name: str, config: ZeroConfig) -> MasterParam:
     return MasterParam(name, sp.param, sp.layout, sp.local, master_dtype, master_device=master_device)
 
 
-def compute_device(comm: Comm) -> torch.device:
-    """Where units are gathered and computed: the group's device (``Comm.device``)."""
-    return comm.device
-
-
 @torch.no_grad()
 def _shard_one(
     p: nn.Parameter, name: str, full: torch.Tensor, comm: Comm, config: ZeroConfig, trains: bool
 ) -> ShardedParam:
-    device = compute_device(comm)
+    device = comm.device
     full = full.to(device).contiguous()
     comm.world.broadcast(full, src=0)  # every rank starts from rank 0's values (DDP semantics), replicas too
     floating = p.dtype.is_floating_point and not is_packed_4bit(
@@ -213,7 +208,7 @@ class Stage3Engine(Engine):
             config.reshard_after_forward,
             trim_heap=choose_heap_trim(
                 config.trim_host_heap,
-                compute_device(comm).type == "cpu",
+                comm.device.type == "cpu",
                 config.trim_each_unit_above,
                 host_share_used(config.local_processes(default=comm.world_size)),
             ),
@@ -228,7 +223,7 @@ class Stage3Engine(Engine):
 
     @property
     def compute_device(self) -> torch.device:
-        return compute_device(self.comm)
+        return self.comm.device  # where units are gathered and computed
 
     def set_streams(self, streams: StreamSet) -> None:
         """Replace every unit's side streams, between steps ([Note: side streams] in streams.py): tests
