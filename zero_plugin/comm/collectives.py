@@ -65,7 +65,6 @@ bytes of each (intra- and inter-group traffic; control traffic in neither); ``to
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from datetime import timedelta
 from typing import Any
@@ -76,6 +75,7 @@ import torch.distributed as dist
 # The counters, the group cache and the work handles live in their own modules; Comm's methods use them
 # under these module-private names.  comm_stats, reset_comm_stats, physical_calls and release_groups are
 # re-exported for code that imports them from here.
+from .backends import backend_uses_cuda, regions_in_place
 from .groups import SAME_RANKS as _SAME_RANKS
 from .groups import release_groups
 from .groups import release_groups_at_exit as _release_groups_at_exit
@@ -87,7 +87,15 @@ from .works import RowWork as _RowWork
 from .works import SumWork as _SumWork
 from .works import Works as _Works
 
-__all__ = ["Comm", "comm_stats", "physical_calls", "regions_in_place", "release_groups", "reset_comm_stats"]
+__all__ = [
+    "Comm",
+    "backend_uses_cuda",
+    "comm_stats",
+    "physical_calls",
+    "regions_in_place",
+    "release_groups",
+    "reset_comm_stats",
+]
 
 
 # torch >= 2.13 renamed the tensor collectives; older releases only have the old names.
@@ -115,21 +123,6 @@ def _peer_rows(mine: list[torch.Tensor], peers: int) -> list[list[torch.Tensor]]
             offset += t.numel()
         rows.append(row)
     return rows
-
-
-def regions_in_place(backend: str) -> bool:
-    """Whether ``Comm`` on ``backend`` gathers and reduces regions in place ([Note: in-place region
-    gather]): gloo, unless ZERO_PLUGIN_BUFFERED_COLLECTIVES=1."""
-    return backend == "gloo" and os.environ.get("ZERO_PLUGIN_BUFFERED_COLLECTIVES", "0") != "1"
-
-
-def backend_uses_cuda(backend: str) -> bool:
-    """Whether a group on ``backend`` moves CUDA tensors: NCCL, alone or in a composite backend such as
-    ``"cpu:gloo,cuda:nccl"``; torch's ``"fake"`` group (it moves nothing, and its users measure the memory of
-    the job it stands in for) on a machine with CUDA."""
-    if "nccl" in backend:
-        return True
-    return backend == "fake" and torch.cuda.is_available()
 
 
 class Comm:
