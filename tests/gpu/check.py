@@ -163,25 +163,31 @@ def part_13b_lora() -> dict:
     }
 
 
-def part_speed_vs_fsdp2(steps: int = 10) -> dict:
+def speed_variant(name: str, build):
+    """The model and optimizer ``part_speed_vs_fsdp2`` times: ``build()`` in bf16 on the device, under torch
+    FSDP2 (``"fsdp2"``, one group per decoder layer) or zero_plugin stage 3 (``"zp3"``)."""
     from torch.distributed.fsdp import fully_shard
 
     import zero_plugin as zp
 
+    torch.manual_seed(0)
+    model = build().cuda().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    if name == "fsdp2":
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model, opt
+    return zp.setup(model, opt, zp.ZeroConfig(stage=3))
+
+
+def part_speed_vs_fsdp2(steps: int = 10) -> dict:
     _nccl_world1()
     cfg, build = _llama(2048, 16, 5504, 16)
     ids = torch.randint(0, 32000, (4, 512), device="cuda")
     result = {}
     for name in ("fsdp2", "zp3", "fsdp2", "zp3"):
-        torch.manual_seed(0)
-        model = build().cuda().to(torch.bfloat16)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        if name == "fsdp2":
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
-        else:
-            model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3))
+        model, opt = speed_variant(name, build)
         times = []
         for i in range(steps + 2):
             torch.cuda.synchronize()

@@ -68,6 +68,17 @@ def _step(model, opt, x) -> None:
     opt.zero_grad()
 
 
+def _profiled_step(model, opt, x, warmup: int, path: str):
+    """``warmup`` steps, then one profiled step; the profile and its exported trace events."""
+    for _ in range(warmup):
+        _step(model, opt, x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _step(model, opt, x)
+        torch.cuda.synchronize()
+    return prof, _export(prof, path)
+
+
 def trace_overlap(out_dir: str) -> None:
     import zero_plugin as zp
     from tests.gpu import overlap as O
@@ -84,46 +95,23 @@ def trace_overlap(out_dir: str) -> None:
     O._slow_collectives(engine.comm, cycles, {})
     x = torch.randn(O.ROWS, O.HIDDEN, device="cuda")
 
-    for _ in range(2):
-        _step(model, opt, x)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _step(model, opt, x)
-        torch.cuda.synchronize()
+    _, events = _profiled_step(model, opt, x, warmup=2, path=os.path.join(out_dir, "trace_overlap"))
     print("== overlap: one stage-3 step, side streams, 1 ms stand-in sleep before each collective")
-    _timeline(_export(prof, os.path.join(out_dir, "trace_overlap")))
+    _timeline(events)
     del model, opt, engine
     gc.collect()
     torch.cuda.empty_cache()
 
 
 def trace_speed(out_dir: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    import zero_plugin as zp
-    from tests.gpu.check import _llama, _nccl_world1
+    from tests.gpu.check import _llama, _nccl_world1, speed_variant
 
     _nccl_world1()
     cfg, build = _llama(2048, 16, 5504, 16)
     ids = torch.randint(0, 32000, (4, 512), device="cuda")
     for name in ("zp3", "fsdp2"):
-        torch.manual_seed(0)
-        model = build().cuda().to(torch.bfloat16)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        if name == "fsdp2":
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
-        else:
-            model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3))
-
-        for _ in range(3):
-            _step(model, opt, ids)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            _step(model, opt, ids)
-            torch.cuda.synchronize()
-        events = _export(prof, os.path.join(out_dir, f"trace_speed_{name}"))
+        model, opt = speed_variant(name, build)
+        prof, events = _profiled_step(model, opt, ids, warmup=3, path=os.path.join(out_dir, f"trace_speed_{name}"))
         span = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
         gpu_busy = sum(e["dur"] for e in span) / 1e3
         wall = (max(e["ts"] + e["dur"] for e in span) - min(e["ts"] for e in span)) / 1e3 if span else 0.0
