@@ -241,19 +241,6 @@ def build_model(args: argparse.Namespace, tokenizer):
     return model
 
 
-def to_device(model, device: torch.device):
-    """``model.to(device)``; a model still on the meta device (``from_pretrained`` under ``zero-plugin launch
-    --stage 3`` loads lazily) moves only its buffers: ``zp.setup`` reads each parameter and places its shard
-    on the device, one unit at a time (``Module.to`` cannot copy a meta tensor)."""
-    if not any(p.is_meta for p in model.parameters()):
-        return model.to(device)
-    for module in model.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None:
-                module._buffers[name] = buffer.to(device)
-    return model
-
-
 def add_lora(model, args: argparse.Namespace):
     """PEFT LoRA on every linear layer (``--train_embeddings``: plus embeddings and output layer)."""
     from peft import LoraConfig, get_peft_model

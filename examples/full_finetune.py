@@ -84,7 +84,7 @@ def main() -> None:
         drop_last=True,
         collate_fn=common.Collator(tokenizer.pad_token_id),
     )
-    model = common.to_device(common.build_model(args, tokenizer), device)
+    model = common.build_model(args, tokenizer).to(device)
     trainable, total = common.count_parameters(model)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]  # norms: no weight decay

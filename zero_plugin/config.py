@@ -108,8 +108,14 @@ class ZeroConfig:
     cpu_ram_efficient_loading: bool = False
     """Stages 0-2 under ``zero_plugin.run``: only rank 0 reads a safetensors ``from_pretrained`` checkpoint, the
     other ranks build the model on meta and receive rank 0's values in ``zp.setup`` (as Accelerate's FSDP option
-    of that name), so N processes neither read the disk at once nor hold N copies before setup.  Stage 3 always
-    loads lazily, one unit at a time, whatever this says. Default False."""
+    of that name), so N processes neither read the disk at once nor hold N copies before setup.  Stage 3 loads
+    lazily on every rank, one unit at a time, whatever this says (unless lazy_loading is False). Default False."""
+    lazy_loading: bool = True
+    """Under ``zero_plugin.run``: a safetensors ``from_pretrained`` builds the model on meta wherever ``zp.setup``
+    reads the weights itself (every rank at stage 3; ranks other than 0 with cpu_ram_efficient_loading), so no
+    process holds a full copy ([Note: lazy from_pretrained] in ``loading/lazy_pretrained.py``). False: every
+    process loads the whole model eagerly, as without zero_plugin (for scripts that need the weights before
+    ``prepare``, e.g. to run the model). Default True."""
     debug_collectives: bool = False
     """Record each rank's collective sequence for divergence reports. Default False."""
     timeout_s: float = 600.0
@@ -185,6 +191,7 @@ class ZeroConfig:
         )
         put("trim_host_heap", values.as_bool("trim_host_heap", self.trim_host_heap))
         put("cpu_ram_efficient_loading", values.as_bool("cpu_ram_efficient_loading", self.cpu_ram_efficient_loading))
+        put("lazy_loading", values.as_bool("lazy_loading", self.lazy_loading))
         put("debug_collectives", values.as_bool("debug_collectives", self.debug_collectives))
         put("timeout_s", values.as_positive_float("timeout_s", self.timeout_s))
         put("check_ranks", values.as_bool("check_ranks", self.check_ranks))

@@ -75,6 +75,7 @@ _TEXT_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "trim_host_heap": _BOOL,
     "debug_collectives": _BOOL,
     "cpu_ram_efficient_loading": _BOOL,
+    "lazy_loading": _BOOL,
     "check_ranks": _BOOL,
     "state_dict_rank0_only": _BOOL,
     "offload_optimizer": (

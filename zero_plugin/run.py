@@ -33,10 +33,12 @@ and the group destroyed.  Skipping finalisation loses nothing the handlers and f
 * once ``transformers.trainer`` is imported: its ``Accelerator`` name and six ``Trainer``
   checkpoint methods (``zero_plugin/integrations/hf_trainer.py``, ``install``);
 * once Lightning is imported: the zero strategy names are registered (nothing is patched);
-* at stage 3 (every rank), or at stages 0-2 with ``cpu_ram_efficient_loading`` (ranks other than 0):
-  once ``transformers.modeling_utils`` is imported, ``PreTrainedModel._load_pretrained_model``, so
-  that a safetensors ``from_pretrained`` builds on meta and records its files (anything else loads
-  as usual, with one warning); once ``peft.tuners.tuners_utils`` is imported,
+* at stage 3 (every rank), or at stages 0-2 with ``cpu_ram_efficient_loading`` (ranks other than 0),
+  unless ``lazy_loading`` is off: once ``transformers.modeling_utils`` is imported,
+  ``PreTrainedModel._load_pretrained_model``, so that a safetensors ``from_pretrained`` builds on meta
+  and records its files (anything else loads as usual, with one warning), and ``PreTrainedModel._apply`` /
+  ``_resize_token_embeddings`` for the edits scripts make before setup
+  (``zero_plugin/loading/lazy_edits.py``); once ``peft.tuners.tuners_utils`` is imported,
   ``BaseTunerLayer._move_adapter_to_device_of_base_layer``, so that adapters created on a meta base
   keep their initial values (``zero_plugin/loading/lazy_pretrained.py``, both Notes there).
 """
@@ -89,8 +91,9 @@ def install() -> None:
 
 def _loads_lazily(config: ZeroConfig, rank: int) -> bool:
     """Stage 3 shards anyway: every rank builds on meta.  Stages 0-2 hold full parameters, so only
-    ``cpu_ram_efficient_loading`` (rank 0 reads, zp.setup broadcasts) spares the other ranks' reads."""
-    return config.stage == 3 or (config.cpu_ram_efficient_loading and rank != 0)
+    ``cpu_ram_efficient_loading`` (rank 0 reads, zp.setup broadcasts) spares the other ranks' reads.
+    ``lazy_loading=False`` turns both off."""
+    return config.lazy_loading and (config.stage == 3 or (config.cpu_ram_efficient_loading and rank != 0))
 
 
 def _lightning_registrar(package: str) -> Callable[[], None]:

@@ -7,6 +7,7 @@ the same seed, and the same training losses at stage 3 (and at stage 2 with ``cp
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -167,3 +168,66 @@ def test_frozen_lazy_model_prepared_alone(tmp_path, stage):
         AcceleratorState._reset_state(True)
     for n, p in eager.state_dict().items():
         assert not state[n].is_meta and torch.equal(p, state[n]), n
+
+
+# -- [Note: edits before setup] (zero_plugin/loading/lazy_edits.py); end to end in test_lazy_edits.py -----------
+def _edited(path: str, lazy: bool, edit) -> torch.nn.Module:
+    """Load (lazily or not) and apply ``edit`` while the lazy loading is installed, then fill from the files."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with LW.lazy_loading() if lazy else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        edit(model)
+        if lazy:
+            assert any(p.is_meta for p in model.parameters())
+            _filled(model)
+    return model
+
+
+def _move_cast_switch(model) -> None:
+    model.to("cpu").to(torch.bfloat16)
+    model.float().eval().train()
+
+
+def _resize(model) -> None:
+    model.resize_token_embeddings(model.config.vocab_size + 5)
+
+
+@pytest.mark.parametrize("edit", [_move_cast_switch, _resize])
+@pytest.mark.parametrize("tie", [True, False])
+def test_edits_before_setup_give_the_eager_values(tmp_path, edit, tie):
+    path = _save(tmp_path, tie=tie)
+    eager, lazy = _edited(path, False, edit), _edited(path, True, edit)
+    for (n, p), (n2, p2) in zip(eager.named_parameters(), lazy.named_parameters(), strict=True):
+        assert n == n2 and p.dtype == p2.dtype and torch.equal(p, p2), n
+    assert (lazy.lm_head.weight is lazy.model.embed_tokens.weight) == tie
+
+
+def test_resize_draws_as_eagerly(tmp_path):
+    """The lazy resize consumes the global RNG as the eager one: the next draw is the same."""
+    path = _save(tmp_path, tie=False)
+    draws = []
+    for lazy in (False, True):
+        _edited(path, lazy, _resize)
+        draws.append(torch.rand(4))
+    assert torch.equal(*draws)
+
+
+def test_forward_before_setup_names_the_switch(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = _save(tmp_path)
+    with LW.lazy_loading():
+        model = AutoModelForCausalLM.from_pretrained(path)
+        with pytest.raises(RuntimeError, match="loaded lazily.*ZERO_PLUGIN_LAZY_LOADING=false"):
+            model(input_ids=torch.arange(4)[None])
+        assert materialize.load_in_full(model)
+        model(input_ids=torch.arange(4)[None])  # loaded in full: the refusal is gone with the record
+
+
+def test_lazy_loading_switch():
+    assert not _loads_lazily(ZeroConfig(stage=3, lazy_loading=False), rank=0)
+    assert not _loads_lazily(ZeroConfig(stage=2, cpu_ram_efficient_loading=True, lazy_loading=False), rank=1)
+    env = {"ZERO_PLUGIN_STAGE": "3", "ZERO_PLUGIN_LAZY_LOADING": "false"}
+    assert ZeroConfig.from_env(env).lazy_loading is False and ZeroConfig().lazy_loading is True

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import materialize
+from . import lazy_edits, materialize
 
 __all__ = ["install", "install_transformers", "install_peft", "uninstall", "LazyLoadFallbackWarning"]
 
@@ -61,12 +61,14 @@ def install() -> None:
 
 
 def install_transformers() -> None:
-    """Replace ``PreTrainedModel._load_pretrained_model``: see [Note: lazy from_pretrained]."""
+    """Replace ``PreTrainedModel._load_pretrained_model``: see [Note: lazy from_pretrained]; and what a lazily
+    loaded model needs for the edits scripts make before setup ([Note: edits before setup] in lazy_edits.py)."""
     from transformers.modeling_utils import PreTrainedModel
 
     if "load" not in _ORIGINALS:
         _ORIGINALS["load"] = PreTrainedModel.__dict__["_load_pretrained_model"]
         PreTrainedModel._load_pretrained_model = staticmethod(_load_lazily)
+    lazy_edits.install()
 
 
 def install_peft() -> None:
@@ -87,6 +89,7 @@ def uninstall() -> None:
         from transformers.modeling_utils import PreTrainedModel
 
         PreTrainedModel._load_pretrained_model = _ORIGINALS.pop("load")
+        lazy_edits.uninstall()
     if "move" in _ORIGINALS:
         from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 
@@ -119,7 +122,7 @@ def _load_lazily(model, state_dict, checkpoint_files, load_config, expected_keys
     for name, param in model.named_parameters():
         if name not in missing:
             param._is_hf_initialized = True  # transformers' own mark of a loaded tensor
-    materialize.record_source(model, [Path(f) for f in checkpoint_files])
+    materialize.record_source(model, [Path(f) for f in checkpoint_files], lazy_edits.refuse_forward(model))
     _kernelize_for_the_eager_device(model)
     from transformers.utils.loading_report import LoadStateDictInfo
 

@@ -70,7 +70,7 @@ class _SafetensorsSource(ParamSource):
         self.prefix_map = prefix_map or _candidate_keys
 
     def fill(self, owners) -> None:
-        for _, _, name, full in owners:
+        for module, attr, name, full in owners:
             key = next((k for k in self.prefix_map(name) if k in self.where), None)
             if key is None:
                 raise KeyError(
@@ -83,7 +83,20 @@ class _SafetensorsSource(ParamSource):
                     f"zero_plugin: {key!r} in {entry.path} has shape {entry.shape}, "
                     f"the model expects {tuple(full.shape)}"
                 )
-            tensor_file.read_into(entry, full)  # [Note: reading without a second copy]
+            casts = _CASTS.get(module, {}).get(attr)
+            if casts is None:
+                tensor_file.read_into(entry, full)  # [Note: reading without a second copy]
+            else:
+                _read_through_casts(entry, full, casts)
+
+
+def _read_through_casts(entry: tensor_file.TensorEntry, full: torch.Tensor, casts: list[torch.dtype]) -> None:
+    """[Note: casts on meta]: read as loaded (``casts[0]``), then round through each later dtype, as eagerly."""
+    value = torch.empty(full.shape, dtype=casts[0])
+    tensor_file.read_into(entry, value)
+    for dtype in casts[1:]:
+        value = value.to(dtype)
+    full.copy_(value)
 
 
 class _InitFnSource(ParamSource):
@@ -173,13 +186,41 @@ def pretrained_on_meta(name_or_path: str | os.PathLike, **config_kwargs) -> tupl
 
 # [Note: recorded sources] ``lazy_pretrained`` records, per module it built on meta, the files its
 # parameters live in; ``zp.setup(model)`` without ``param_source`` finds them on ``model`` or on a module
-# inside it (a PEFT or task wrapper), and maps the wrapper's names back to the module's own.
+# inside it (a PEFT or task wrapper), and maps the wrapper's names back to the module's own.  A record ends
+# when the module is set up or loaded in full; ``on_release`` then runs (the lazy model's own hooks go).
 _RECORDED: weakref.WeakKeyDictionary[nn.Module, list[Path]] = weakref.WeakKeyDictionary()
+_ON_RELEASE: weakref.WeakKeyDictionary[nn.Module, Callable[[], None]] = weakref.WeakKeyDictionary()
+
+# [Note: casts on meta] ``.half()`` / ``.to(dtype)`` of a meta parameter changes only its dtype: the eager
+# model would have rounded its loaded values through every dtype on the way.  The dtypes a meta parameter
+# passed through (the one it was loaded in first) are kept here and replayed on the values read for it, so
+# ``model.to(torch.bfloat16).float()`` before setup trains on the same bf16-rounded weights as eagerly.
+# Keyed by owning module and attribute: a parameter takes no weak reference (``to_real`` swaps it).
+_CASTS: weakref.WeakKeyDictionary[nn.Module, dict[str, list[torch.dtype]]] = weakref.WeakKeyDictionary()
 
 
-def record_source(module: nn.Module, files: list[Path]) -> None:
+def record_source(module: nn.Module, files: list[Path], on_release: Callable[[], None] | None = None) -> None:
     """Remember that ``module``'s meta parameters are in the safetensors ``files``."""
     _RECORDED[module] = list(files)
+    if on_release is not None:
+        _ON_RELEASE[module] = on_release
+
+
+def is_recorded(module: nn.Module) -> bool:
+    """``module`` itself was loaded lazily and is neither set up nor loaded in full yet."""
+    return module in _RECORDED
+
+
+def note_cast(module: nn.Module, attr: str, old: torch.dtype, new: torch.dtype) -> None:
+    """The meta parameter ``module.<attr>`` was cast from ``old`` to ``new`` ([Note: casts on meta])."""
+    _CASTS.setdefault(module, {}).setdefault(attr, [old]).append(new)
+
+
+def _release(module: nn.Module) -> None:
+    _RECORDED.pop(module, None)
+    release = _ON_RELEASE.pop(module, None)
+    if release is not None:
+        release()
 
 
 _SET_UP = [False]
@@ -199,7 +240,7 @@ def note_set_up(model: nn.Module) -> None:
     """``zp.setup`` consumed ``model``'s recorded files (if any); see ``lazy_pretrained._why_not_lazy``."""
     _SET_UP[0] = True
     for module in model.modules():
-        _RECORDED.pop(module, None)
+        _release(module)
 
 
 def any_set_up() -> bool:
@@ -256,7 +297,18 @@ def materialize_all(model: nn.Module, source: ParamSource | None, comm) -> None:
 def load_in_full(model: nn.Module) -> bool:
     """Fill the meta parameters of a lazily loaded model from its recorded files, in this process alone
     (a model nothing will shard, e.g. a frozen one prepared for evaluation); True when it filled any."""
-    meta = [p for p in model.parameters() if p.is_meta]
+    filled = load_params(model, list(model.parameters()))
+    if filled:
+        for module in model.modules():
+            _release(module)
+    return filled
+
+
+@torch.no_grad()
+def load_params(model: nn.Module, params: list[nn.Parameter]) -> bool:
+    """Fill those of ``params`` still on meta from ``model``'s recorded files, in this process alone (the
+    embedding a vocabulary resize is about to read); True when it filled any."""
+    meta = list({id(p): p for p in params if p.is_meta}.values())
     source = recorded_source(model)
     if not meta or source is None:
         return False
