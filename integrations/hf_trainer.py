@@ -116,11 +116,11 @@ def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
 def _stub_message(output_dir: str) -> str:
     name = os.path.basename(os.path.normpath(output_dir))
     return (
-        f"NOT AN OPTIMIZER STATE: {name} was written by zero_plugin; its optimizer state is sharded in "
-        f"{name}/{CHECKPOINT_SUBDIR}/ and this optimizer.pt is a stub. Resume it under `zero-plugin launch` "
-        f"(any stage, any number of processes). Without zero_plugin: `zero-plugin consolidate "
-        f"{name}/{CHECKPOINT_SUBDIR} OUT --format hf` writes the weights alone; delete this optimizer.pt to "
-        f"go on with a fresh optimizer and learning-rate schedule"
+        f"NOT AN OPTIMIZER STATE: resume {name} under `zero-plugin launch` (any stage, any number of processes): "
+        f"zero_plugin wrote it, its optimizer state is sharded in {name}/{CHECKPOINT_SUBDIR}/ and this "
+        f"optimizer.pt is a stub. Without zero_plugin: `zero-plugin consolidate {name}/{CHECKPOINT_SUBDIR} OUT "
+        f"--format hf` writes the weights alone; delete this optimizer.pt to go on with a fresh optimizer and "
+        f"learning-rate schedule"
     )
 
 
