@@ -96,6 +96,42 @@ def planner_llama_config(tied: bool = False):
     )
 
 
+REAL_VOCAB, REAL_HIDDEN = 4096, 256  # an LM head of 2^20 elements: a stage-3 unit of its own when untied
+
+
+def real_llama_config(tie: bool = False, layers: int = 2, vocab: int = REAL_VOCAB):
+    """A Llama config of real proportions at small depth: vocabulary 4096 x hidden 256, so an untied
+    ``lm_head`` (and ``embed_tokens``) holds 2^20 elements and is a stage-3 leaf unit ([Note: leaf units] in
+    zero_plugin/stage3/policy.py), as a 32k x 4096 head is; GQA (8 heads, 2 key/value heads), head_dim 32.
+    ``vocab``: a tokenizer's real size, padded to a multiple of 64 by the caller if it wants."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=REAL_HIDDEN,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        use_cache=False,
+        attn_implementation="eager",
+    )
+
+
+def make_real_llama(seed: int = 0, tie: bool = False, dtype: torch.dtype = torch.float32, layers: int = 2):
+    """A randomly initialised ``LlamaForCausalLM`` on ``real_llama_config`` (no download)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(real_llama_config(tie, layers)).to(dtype)
+    if (model.lm_head.weight is model.model.embed_tokens.weight) != tie:
+        raise AssertionError(f"tie_word_embeddings={tie} but lm_head tied={not tie}")
+    return model
+
+
 def make_tiny_llama(seed: int = 0, tie: bool = True, dtype: torch.dtype = torch.float32, layers: int = 2):
     """A randomly initialised ``LlamaForCausalLM`` (no download)."""
     from transformers import LlamaForCausalLM

@@ -71,6 +71,7 @@ from ..engines.weak_hook import WeakHook
 from ..grads.presence import DeferredStores
 from ..grads.schedule import ReductionSchedule
 from .accumulate import FullGradStore
+from .direct_reads import DirectReads, output_embedding_backbones, watch_reads
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .storage_pool import StoragePool
@@ -165,6 +166,8 @@ class Stage3Runtime:
             for unit in units:
                 unit.grad_of = self.kept.grad_of
         self._root_depth = 0
+        self.direct_reads = DirectReads()  # [Note: direct reads of the output embedding] in direct_reads.py
+        self._armed: Unit | None = None  # a sliced head whose backbone returned, read whole if read directly
         self._handles: list = []
         self.storage_pool: StoragePool | None = None  # [Note: lent storage] in storage_pool.py; set by the engine
 
@@ -185,6 +188,14 @@ class Stage3Runtime:
                 self._handles.append(
                     sp.param.register_post_accumulate_grad_hook(WeakHook(self.post_accumulate, unit, sp))
                 )
+        self._register_direct_reads()
+
+    def _register_direct_reads(self) -> None:
+        """[Note: direct reads of the output embedding] in direct_reads.py: the backbone's end enters the head."""
+        for backbone, unit in output_embedding_backbones(self.root.module, self.units):
+            self._handles.append(backbone.register_forward_hook(functools.partial(self.pre_direct_read, unit)))
+            if unit.gathers_on_read:
+                self._handles.append(watch_reads(unit.module, functools.partial(self._read_armed, unit)))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -207,14 +218,17 @@ class Stage3Runtime:
     def _root_post(self, module, args, output):
         self._root_depth = max(0, self._root_depth - 1)
         if self._root_depth == 0:
+            self._armed = None  # a read after the forward returned is not covered (direct_reads.py)
             return self.post_forward(self.root, module, args, output)
         if torch.is_grad_enabled():
             self._hook_outputs(self.root, output)
         return None
 
     # -- forward ------------------------------------------------------------------
-    def pre_forward(self, unit: Unit, module, args, kwargs):
+    def pre_forward(self, unit: Unit, module, args, kwargs, hook_inputs: bool = True):
         in_backward = _in_backward()
+        if unit is self._armed:
+            self._armed = None  # its own forward came: computed as usual ([Note: direct reads of the output embedding])
         if not in_backward:
             if unit is self.root:
                 self.tag_checks.flush()  # the last forward's gathers: landed long ago, no wait in practice
@@ -231,9 +245,35 @@ class Stage3Runtime:
         unit.pre_forward()
         if not in_backward:
             self._prefetch(unit, +1)
-        if unit is not self.root and torch.is_grad_enabled():
+        if hook_inputs and unit is not self.root and torch.is_grad_enabled():
             args, kwargs = self._hook_inputs(unit, args, kwargs)
         return args, kwargs
+
+    def pre_direct_read(self, unit: Unit, module, args, output):
+        """The backbone feeding the output embedding ``unit`` returned: the head is entered as if its forward
+        began, for a loss that reads its weight directly ([Note: direct reads of the output embedding])."""
+        if _in_backward():
+            return None  # the backbone recomputed (activation checkpointing): the head is gathered still
+        if unit.gathers_on_read:
+            self._armed = unit  # gathered whole at the read, if one comes before the head's own forward
+        else:
+            self.pre_forward(unit, module, (), {}, hook_inputs=False)
+        if not torch.is_grad_enabled():
+            return output
+        self.direct_reads.open(unit)
+        (output,), _ = self._hook_inputs(unit, (output,), {}, functools.partial(self._direct_read_done, unit))
+        return output
+
+    def _read_armed(self, unit: Unit) -> None:
+        """The weight of a sliced head was read after its backbone's forward and before its own."""
+        if self._armed is unit:
+            self._armed = None
+            self.pre_forward(unit, unit.module, (), {}, hook_inputs=False)
+            unit.pre_direct_read()
+
+    def _direct_read_done(self, unit: Unit) -> None:
+        if self.direct_reads.close(unit):
+            self.post_backward(unit)
 
     def post_forward(self, unit: Unit, module, args, output):
         grad = torch.is_grad_enabled()
@@ -263,14 +303,17 @@ class Stage3Runtime:
         return None
 
     def _needed_first(self, unit: Unit) -> bool:
-        return needed_first(self.forward_order, unit, self.root)
+        return needed_first(self.forward_order, unit, self.root) or self.direct_reads.is_open(unit)
 
-    def _hook_inputs(self, unit: Unit, args, kwargs):
+    def _hook_inputs(self, unit: Unit, args, kwargs, done: Callable[[], None] | None = None):
+        """Wrap the inputs that need grad in ``_PostBackward``, whose backward calls ``done`` (default: the unit's
+        post-backward)."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         picks = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not picks:
             return args, kwargs
-        outs = _PostBackward.apply(functools.partial(self.post_backward, unit), *[leaves[i] for i in picks])
+        done = done or functools.partial(self.post_backward, unit)
+        outs = _PostBackward.apply(done, *[leaves[i] for i in picks])
         for i, t in zip(picks, outs):
             leaves[i] = t
         unit.hooked_inputs()
@@ -369,6 +412,7 @@ class Stage3Runtime:
         self.deferred.run()  # [Note: deferred has-gradient flags] in grads/presence.py
         self.after_backward()
         self._backward_cursor = 0
+        self.direct_reads.clear()
         for unit in self.units:
             unit.end_backward()
 

@@ -48,6 +48,7 @@ class InferenceRuntime(Stage3Runtime):
                 m.register_forward_pre_hook(functools.partial(self.pre_forward, unit), with_kwargs=True)
             )
             self._handles.append(m.register_forward_hook(functools.partial(self.post_forward, unit)))
+        self._register_direct_reads()
 
     def _root_pre(self, module, args, kwargs):
         if self._root_depth == 0:

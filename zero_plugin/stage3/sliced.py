@@ -103,6 +103,13 @@ class SlicedUnit(Unit):
     def prefetch(self) -> None:
         pass
 
+    gathers_on_read = True
+
+    def pre_direct_read(self) -> None:
+        """A loss reads the weight itself ([Note: direct reads of the output embedding] in
+        ``direct_reads.py``): gathered whole, released like any unit."""
+        self.unshard()
+
     def ensure_unsharded(self, checked: bool = True) -> None:
         if self._gather:  # an explicit unshard(async_op=True) in flight
             self.wait_unshard()

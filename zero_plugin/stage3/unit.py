@@ -143,6 +143,13 @@ class Unit:
     def pre_forward(self) -> None:
         self.ensure_unsharded()
 
+    gathers_on_read = False  # sliced units: gathered whole only when a loss reads the weight directly
+
+    def pre_direct_read(self) -> None:
+        """Entered for a read of its weights outside its forward: gathered ([Note: direct reads of the output
+        embedding] in ``direct_reads.py``)."""
+        self.ensure_unsharded()
+
     def post_forward(self, grad: bool, reshard_after_forward: bool, needed_first: bool) -> bool:
         """After a forward outside backward; ``grad``: a backward may follow, ``needed_first``: it needs
         this unit first.  True when released."""
