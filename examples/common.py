@@ -429,18 +429,29 @@ def print_report(
     seconds: float,
     saved: str | os.PathLike,
     steps: int | None = None,
+    log_every: int | None = None,
 ) -> None:
     """The end-of-run summary: memory table, communication per optimizer step, first and last loss.
 
-    ``steps``: optimizer steps, when ``history`` has one entry per micro-batch instead.
+    ``steps``: optimizer steps, when ``history`` has one entry per micro-batch instead.  ``log_every``: the
+    logging interval, named when nothing was logged (a Trainer logs the loss only every ``logging_steps``).
     """
     steps = len(history) if steps is None else steps
     if reports:
         print("\n" + memory_table(reports))
     if comm:
         print(comm_table(comm, steps))
-    losses = [h["loss"] for h in history]
-    print(f"\nloss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps, {seconds:.1f} s; saved {saved}")
+    print(f"\n{loss_summary(history, steps, log_every)}, {seconds:.1f} s; saved {saved}")
+
+
+def loss_summary(history: Sequence[dict], steps: int, log_every: int | None = None) -> str:
+    """``loss A -> B in N steps``, or why there is no loss to show."""
+    losses = [h["loss"] for h in history if "loss" in h]
+    if losses:
+        return f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps"
+    if log_every is not None and steps < log_every:
+        return f"no loss logged: --max_steps {steps} below --log_every {log_every}"
+    return f"no loss logged in {steps} steps"
 
 
 def write_json(path: str | os.PathLike, data: dict) -> None:

@@ -154,7 +154,9 @@ def main() -> None:
         common.print_samples(f"Adapter reloaded from {adapter_dir} onto a fresh base model:", reloaded)
         steps = trainer.state.global_step - (resumed_step(args.resume) or 0)
         logged = [h for h in trainer.state.log_history if "loss" in h]
-        common.print_report(logged, report.reports, report.comm, result.metrics["train_runtime"], adapter_dir, steps)
+        common.print_report(
+            logged, report.reports, report.comm, result.metrics["train_runtime"], adapter_dir, steps, args.log_every
+        )
         common.write_json(
             os.path.join(args.output_dir, "metrics.json"),
             {
