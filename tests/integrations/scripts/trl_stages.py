@@ -1,0 +1,87 @@
+"""TRL's ``SFTTrainer`` and ``DPOTrainer`` (LoRA, TRL's fused LM head) one after the other in one launch, on
+real-shaped random-init Llamas (no zero_plugin in it): SFT on an untied head of 4096 x 256 = 2^20 elements (a
+stage-3 unit of its own), DPO on a tied one with a separate reference model.  Rank 0 writes
+OUT/result.json (each trainer's log history) and OUT/<trainer>/adapter_model.safetensors (``save_model``).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from peft import LoraConfig
+from transformers import LlamaForCausalLM, set_seed
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl_common import trl_args
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+from dpo_trl import preferences, tokenizer  # noqa: E402
+
+from tests.models import real_llama_config  # noqa: E402
+
+
+def llama(tok, tie: bool, seed: int) -> LlamaForCausalLM:
+    set_seed(seed)
+    config = real_llama_config(tie=tie)
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = tok.pad_token_id, tok.eos_token_id, None
+    return LlamaForCausalLM(config)
+
+
+def texts(rows: int) -> list[dict]:
+    """Plain-text rows for SFT: the preference rows' prompt and chosen continuation."""
+    data = preferences(rows, seed=2)
+    return [{"text": p + c} for p, c in zip(data["prompt"], data["chosen"])]
+
+
+def lora(targets) -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
+
+
+def sft(tok, out: str, steps: int) -> SFTTrainer:
+    from datasets import Dataset
+
+    config = SFTConfig(**trl_args(os.path.join(out, "sft"), steps), packing=False, dataset_text_field="text")
+    return SFTTrainer(
+        model=llama(tok, tie=False, seed=0),
+        args=config,
+        train_dataset=Dataset.from_list(texts(16)),
+        processing_class=tok,
+        peft_config=lora("all-linear"),
+    )
+
+
+def dpo(tok, out: str, steps: int) -> DPOTrainer:
+    config = DPOConfig(**trl_args(os.path.join(out, "dpo"), steps), beta=0.1)
+    return DPOTrainer(
+        model=llama(tok, tie=True, seed=0),
+        ref_model=llama(tok, tie=True, seed=1),
+        args=config,
+        train_dataset=preferences(16, seed=1),
+        processing_class=tok,
+        peft_config=lora(["q_proj", "v_proj"]),
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max_steps", type=int, default=3)
+    args = ap.parse_args()
+    tok = tokenizer()
+    result = {}
+    for name, build in (("sft", sft), ("dpo", dpo)):
+        trainer = build(tok, args.out, args.max_steps)
+        trainer.train()
+        trainer.save_model(os.path.join(args.out, name))
+        result[name] = trainer.state.log_history
+        result["world_size"] = trainer.args.world_size
+        result["accelerator_class"] = type(trainer.accelerator).__module__
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(os.path.join(args.out, "result.json"), "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

@@ -1,0 +1,84 @@
+"""TRL's trainers, unchanged, at stages 1, 2, 3 and 3 + offload against their DDP run (issue 37): one launch per
+setting (``scripts/trl_stages.py``: ``SFTTrainer`` then ``DPOTrainer``, LoRA, TRL's fused LM head, gradient
+checkpointing on as TRL defaults), 2 CPU processes, same seed, real-shaped Llamas (vocab 4096 x hidden 256: the
+SFT model's untied head is a stage-3 unit of its own, the DPO model's tied head is in the root unit).  Losses,
+DPO rewards and grad norms step for step, and the saved adapters.  Before stage 3 read the head outside its
+forward ([Note: direct reads of the output embedding] in zero_plugin/stage3/direct_reads.py) its SFT run failed
+at step 1 with ``RuntimeError: mat2 must be a matrix``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integrations.test_trl_dpo import LAUNCHES, TWO, ZERO_LAUNCH
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "trl_stages.py"
+STEPS = 3
+SETTINGS = {
+    "ddp": LAUNCHES["ddp"],
+    "stage1": ([*ZERO_LAUNCH, "launch", "--stage", "1", *TWO], {}),
+    "stage2": ([*ZERO_LAUNCH, "launch", "--stage", "2", *TWO], {}),
+    "stage3": ([*ZERO_LAUNCH, "launch", "--stage", "3", *TWO], {}),
+    "stage3_offload": ([*ZERO_LAUNCH, "launch", "--stage", "3", "--offload", "cpu", *TWO], {}),
+}
+DPO_KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
+
+
+def _launch(name: str, out: Path) -> subprocess.CompletedProcess:
+    cmd, env = SETTINGS[name]
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(
+        [*cmd, str(SCRIPT), "--out", str(out), "--max_steps", str(STEPS)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trl_stages")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # 2 ranks each: one launch at a time on 2 cores
+        futures = {name: pool.submit(_launch, name, root / name) for name in SETTINGS}
+        done = {name: f.result() for name, f in futures.items()}
+    for name, proc in done.items():
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return root
+
+
+def _steps(root: Path, name: str, trainer: str) -> list[dict]:
+    info = json.loads((root / name / "result.json").read_text())
+    assert info["world_size"] == 2
+    return [h for h in info[trainer] if "loss" in h]
+
+
+def _adapter(root: Path, name: str, trainer: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(root / name / trainer / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if s != "ddp"])
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_trl_trainer_equals_ddp(runs, setting, trainer):
+    want, got = _steps(runs, "ddp", trainer), _steps(runs, setting, trainer)
+    assert len(want) == len(got) == STEPS
+    keys = DPO_KEYS if trainer == "dpo" else ("loss", "grad_norm", "entropy", "mean_token_accuracy")
+    for step, (w, g) in enumerate(zip(want, got)):
+        for key in keys:
+            assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (trainer, setting, step, key, w, g)
+    assert want[0]["loss"] != want[-1]["loss"]
+    ref, adapter = _adapter(runs, "ddp", trainer), _adapter(runs, setting, trainer)
+    assert adapter.keys() == ref.keys() and len(ref) > 0
+    for name, value in ref.items():
+        diff = (adapter[name] - value).abs().max().item()
+        assert diff <= 1e-5 * max(1.0, value.abs().max().item()), (trainer, setting, name, diff)
