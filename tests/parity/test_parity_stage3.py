@@ -12,6 +12,10 @@ rank 0 equals the reference parameters (``{}`` elsewhere); the ranks' shards,
 concatenated in rank order, are exactly the flattened full parameters (no
 padding kept, every element owned once); no unit stays gathered after training.
 
+A forward with grad that never gets a backward (issue #38) must leave the model as the same forward under
+``torch.no_grad()`` would: the step, the loads and later training after it, bit for bit, fp32 and bf16
+([Note: pending forward] in zero_plugin/stage3/hooks.py).
+
 Tolerances (see ``tests/parity/test_parity_stages012.py`` for the reasoning):
 OddMLP float64: parameters 1e-10 absolute, loss and clip norm 1e-10 relative.
 Tiny Llama / LoRA fp32: update-norm error ||θ - θ_ref|| / ||θ_ref - θ0|| <= 1e-3,
@@ -28,6 +32,7 @@ import torch
 
 from tests import models
 from tests.harness import run_ranks
+from tests.parity import pending_forward_workers
 from tests.parity import stage3_workers as workers
 
 STEPS, ACCUM, GLOBAL_ROWS = 10, 2, 12
@@ -152,3 +157,30 @@ def test_reference_clip_bites_on_some_steps():
     for base in MAX_NORM:
         norms = reference(base)["clip_norms"]
         assert any(n > MAX_NORM[base] for n in norms) and any(n < MAX_NORM[base] for n in norms), (base, norms)
+
+
+PENDING_CASES = [
+    ("step", None),
+    ("step", "bf16"),
+    ("load_checkpoint", None),
+    ("load_checkpoint", "bf16"),
+    ("gathered_edit", None),
+    ("load_state_dict", "bf16"),
+]
+
+
+@pytest.mark.parametrize("sequence,param_dtype", PENDING_CASES, ids=[f"{s}-{d or 'fp32'}" for s, d in PENDING_CASES])
+def test_forward_without_backward_as_under_no_grad(sequence, param_dtype, tmp_path):
+    """Issue #38: the root and last units stay gathered after a forward with grad until its backward; with
+    none coming, the step assigned shard gradients to full-size parameters and load_checkpoint refused."""
+    ops = pending_forward_workers.SEQUENCES[sequence]
+    common = ("llama", global_batches("llama"), ops)
+    got = run_ranks(
+        2, pending_forward_workers.sequence_worker, *common, True, str(tmp_path / "g"), param_dtype=param_dtype
+    )
+    want = run_ranks(
+        2, pending_forward_workers.sequence_worker, *common, False, str(tmp_path / "n"), param_dtype=param_dtype
+    )
+    for rank in range(2):
+        pending_forward_workers.assert_same_records(got[rank], want[rank], f"{sequence} rank {rank}")
+        assert want[rank][-1] == ("gathered", []), want[rank][-1]

@@ -7,7 +7,9 @@
   (sum over source ranks of scale / 2, over N) of the exact average, measured against each rank's own
   unsharded gradients; a quantizer with half the scale breaks that bound.
 * hpZ (``secondary_shard_size``): bit-identical to plain stage 3 at every step (lossless), with the backward
-  gathers inside the node: counted under ``secondary_group``.
+  gathers inside the node: counted under ``secondary_group``; also after a forward that got no backward followed
+  by a write to the shards (a load, a step, a gathered edit: [Note: pending forward] in zero_plugin/stage3/hooks.py),
+  in every later forward and backward.
 * Bytes: ``comm_stats`` equals the formula from the launched records (int8 + scales + tag).
 * Training: OddMLP (float64) with qwZ + qgZ (+ hpZ at 4 ranks) ends within 2% of the unquantized loss.
   The tiny Llama full and LoRA fine-tunes are in ``test_zeropp_finetune.py``.
@@ -23,7 +25,7 @@ import torch
 import zero_plugin as zp
 from tests import models
 from tests.harness import run_ranks
-from tests.parity import zeropp_workers
+from tests.parity import pending_forward_workers, zeropp_workers
 
 STEPS, ROWS = 4, 8
 BLOCK = 64  # small, so OddMLP's rows span several blocks and pad the last one
@@ -94,6 +96,27 @@ def test_hpz_bit_identical_to_plain_stage3(k, buffered):
             for name in want:
                 assert torch.equal(got[name], want[name]), f"rank {rank} step {step} {name}"
     assert not _same(plain[0]["params"][-1], plain[0]["params"][0]), "training moved nothing"
+
+
+@pytest.mark.parametrize("sequence", list(pending_forward_workers.SEQUENCES))
+def test_hpz_after_a_forward_without_backward_bit_identical_to_plain(sequence, tmp_path):
+    """Issue #38: a forward under autograd that gets no backward keeps its secondary shards; a write to the
+    shards (load, step, gathered edit, checkpoint load) before the next forward must not leave them to serve
+    the old weights.  Every loss, shard gradient and shard as plain stage 3's, bit for bit."""
+    ops = pending_forward_workers.SEQUENCES[sequence]
+    plain = run_ranks(4, pending_forward_workers.sequence_worker, "mlp", batches(), ops, ckpt_dir=str(tmp_path / "p"))
+    hpz = run_ranks(
+        4,
+        pending_forward_workers.sequence_worker,
+        "mlp",
+        batches(),
+        ops,
+        ckpt_dir=str(tmp_path / "h"),
+        secondary_shard_size=2,
+    )
+    for rank in range(4):
+        pending_forward_workers.assert_same_records(hpz[rank], plain[rank], f"{sequence} rank {rank}")
+        assert plain[rank][-1] == ("gathered", []), plain[rank][-1]
 
 
 @pytest.mark.parametrize("buffered", [False, True], ids=["in_place", "buffered"])

@@ -142,6 +142,11 @@ class Engine:
         if self.config.offload or self.config.offload_params:
             synchronize_copies(self.compute_device)
 
+    def forget_forward(self) -> None:
+        """Before a write to the weights outside forward and backward (a checkpoint load): let go of what the
+        last forward kept for a backward that did not come.  Stages 0-2 keep nothing; stage 3: [Note: pending
+        forward] in stage3/hooks.py."""
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard every gradient of this step, wherever the stage keeps it, and the step's cached state."""
         self.discard_grads(set_to_none)

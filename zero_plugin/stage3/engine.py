@@ -217,6 +217,10 @@ class Stage3Engine(Engine):
         self.runtime.storage_pool = next((sp.storage_pool for sp in sharded.values() if sp.storage_pool), None)
         self.runtime.register()
         self.runtime.after_backward = self.after_backward
+        # [Note: pending forward] in hooks.py, while zp.gathered_parameters blocks are open: forgetting waits
+        # for the outermost block's exit (its units are in use)
+        self._open_blocks = 0
+        self._forget_at_exit = False
         self.state_dict_hooks = StateDictHooks(self)  # [Note: stage-3 state dicts]
         self.state_dict_hooks.register()
         _mark_for_synced_generate(model, comm)
@@ -245,6 +249,7 @@ class Stage3Engine(Engine):
 
     def before_step(self, blocked: bool = False) -> None:
         self._check_reduced("optimizer.step()")
+        self.forget_forward()  # units kept gathered for a backward that did not come: [Note: pending forward]
         for slot in self.slots:
             grad = self.sharded[id(slot.param)].sharded_grad
             if slot.is_identity:
@@ -278,6 +283,15 @@ class Stage3Engine(Engine):
         # ZeroConfig.accumulate_full_grads keep the full gradients until the synced backward.
         return self.runtime
 
+    def forget_forward(self) -> None:
+        """Before the step or a write to the shards: [Note: pending forward] in hooks.py.  Inside a
+        ``zp.gathered_parameters`` block, at its (outermost) exit instead: the block's units are in use."""
+        if self._open_blocks:
+            self._forget_at_exit = True
+            return
+        self._forget_at_exit = False
+        self.runtime.forget_forward()
+
     # -- gathering ----------------------------------------------------------------
     @contextlib.contextmanager
     def gathered(self, params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
@@ -296,6 +310,7 @@ class Stage3Engine(Engine):
             else {}
         )
         saved = _keep_saved_values([sp.param for u in opened for sp in u.params])
+        self._open_blocks += 1
         try:
             with saved:
                 yield
@@ -308,6 +323,9 @@ class Stage3Engine(Engine):
                             self._take_edits(sp, before[id(sp)])
             for u in opened:
                 u.reshard()
+            self._open_blocks -= 1
+            if modifier_rank is not None or self._forget_at_exit:  # edits are writes: [Note: pending forward]
+                self.forget_forward()
 
     def _take_edits(self, sp: ShardedParam, before: torch.Tensor) -> None:
         """The edited elements of this rank's region into the shard and, if separate, the master."""
@@ -363,6 +381,7 @@ class Stage3Engine(Engine):
                 )
         if strict and missing:
             raise ValueError(f"zp.load_full_state_dict: missing keys {missing[:5]}; pass strict=False to skip them")
+        self.forget_forward()  # a write to the shards: [Note: pending forward] in hooks.py
         masters = {id(s.param): s for s in self.slots if not s.is_identity}
         for sp in self.sharded.values():
             key = next((n for n in names[id(sp.param)] if n in state_dict), None)

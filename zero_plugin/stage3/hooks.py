@@ -18,6 +18,8 @@ Backward: output grad hook (pre_backward) -> Unit.pre_backward, unshard again in
                                              gradient stay without); reshard once its grads were reduced
           final callback (finalize_backward) -> reduce units whose turn did not come, in order,
                                                 wait for every reduction, Unit.end_backward for every unit
+No backward: the next forward, step or write to the shards -> forget_forward -> Unit.forget_forward for
+                                                              every unit ([Note: pending forward])
 
 [Note: reductions on their own group]
 Backward issues gathers (where outputs got gradients) and reductions (in the rank-agreed order, [Note:
@@ -45,6 +47,27 @@ The last unit of the recorded forward order (an LM head) is the first one backwa
 after forward and gathering it again right away would only add a gather; it stays unsharded, as the root
 does, until its gradients are reduced.
 
+[Note: pending forward]
+A forward with grad ends keeping what the backward expected next needs first: the root and the last unit
+stay gathered ([Note: root unit], [Note: last unit kept]) and, with hpZ, every unit it released keeps its
+secondary shard, a copy of that forward's weights ([Note: secondary shards] in ``secondary.py``); the
+backward's final callback lets go of it all.  A forward that gets no backward (an evaluation without
+``torch.no_grad()``, a skipped micro-batch) would leave that behind: the step would hand 1-D shard gradients
+to full-size parameters, ``zp.load_checkpoint`` would find units gathered, and after a write to the shards
+the secondary shards would serve the old weights to every later gather.  Autograd does not say when a graph
+is dropped, so ``Phase`` tracks it and it is resolved lazily: from the end of a forward with grad
+(``PENDING``) to the first backward hook (``BACKWARD``) the kept state is the forward's; the next forward,
+the optimizer step and every write to the shards (a module's ``load_state_dict``, ``zp.load_full_state_dict``,
+``zp.load_checkpoint``, the exit of ``zp.gathered_parameters`` with a ``modifier_rank``) call
+``forget_forward`` first, which releases every unit and drops its secondary shard (``Unit.forget_forward``):
+what the forward under ``torch.no_grad()`` would have left, bit for bit afterwards
+(``tests/parity/test_parity_stage3.py``, ``test_zeropp.py``).  So outside a forward a secondary shard exists
+only in ``PENDING`` and ``BACKWARD``, and never across a write to the shards.  A backward of that forward
+that does come later still runs: the root is gathered again by its output hook, the other units in the
+agreed backward order and an LM head read directly at the root's pre-backward (``_regather_direct_reads``),
+from the primary shards, so it computes on the weights as written, as plain stage 3 does; what it loses is hpZ's intra-node gathers (and two forwards before one backward gather the root and
+last unit once more).  Forgetting moves no collective: every rank forgets at the same point of its program.
+
 [Note: backward gather order]
 Backward reaches a unit only where its output got a gradient, so a rank that ignored a block's output
 (legal, as under DDP) would skip that block's gather while its peers gather it, and the gathers would pair
@@ -60,6 +83,7 @@ list order and nothing extra happens.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 from typing import Any, Callable, Iterator
 
@@ -78,7 +102,7 @@ from .storage_pool import StoragePool
 from .tag_check import TagChecks
 from .unit import Unit
 
-__all__ = ["Stage3Runtime", "needed_first", "prefetch_span", "reduction_order"]
+__all__ = ["Phase", "Stage3Runtime", "needed_first", "prefetch_span", "reduction_order"]
 
 _MAX_INFLIGHT_REDUCES = 2
 
@@ -106,6 +130,21 @@ def reduction_order(forward_order: list, units: list, root, trainable: Callable[
     ran = [u for u in reversed(forward_order) if trainable(u) and u != root]
     rest = [u for u in units if trainable(u) and u != root and u not in ran]
     return ran + rest + ([root] if trainable(root) else [])
+
+
+class Phase(enum.Enum):
+    """Whose the state kept between forwards and backwards is ([Note: pending forward])."""
+
+    IDLE = "idle"  # nothing kept: every unit released (outside zp.gathered_parameters), no secondary shard
+    PENDING = "pending"  # a forward with grad ended; what its backward needs first is kept for it
+    BACKWARD = "backward"  # a backward reached the hooks; its final callback returns to IDLE
+
+
+_PHASES = {
+    Phase.IDLE: {Phase.PENDING, Phase.BACKWARD},
+    Phase.PENDING: {Phase.IDLE, Phase.BACKWARD},
+    Phase.BACKWARD: {Phase.IDLE},
+}
 
 
 def _in_backward() -> bool:
@@ -159,6 +198,7 @@ class Stage3Runtime:
         self._late: list[Unit] = []
         self.after_backward = lambda: None  # the engine's: [Note: per-step state] in engine.py
         self._callback_queued = False
+        self.phase = Phase.IDLE  # [Note: pending forward]
         self.require_sync = True  # False inside zp.no_sync
         # [Note: deferred reduction] in accumulate.py: under no_sync, full gradients kept instead of reduced
         self.kept = FullGradStore() if accumulate_full_grads else None
@@ -231,6 +271,7 @@ class Stage3Runtime:
             self._armed = None  # its own forward came: computed as usual ([Note: direct reads of the output embedding])
         if not in_backward:
             if unit is self.root:
+                self.forget_forward()  # [Note: pending forward]: the last forward got no backward
                 self.tag_checks.flush()  # the last forward's gathers: landed long ago, no wait in practice
                 self._recording = self.guard.recording = []
                 self._outputs_need_grad = set()
@@ -294,6 +335,7 @@ class Stage3Runtime:
                 if other.holds_gathered:
                     other.post_forward(grad, self.reshard_after_forward, self._needed_first(other))
             self.root.post_forward(grad, self.reshard_after_forward, self._needed_first(self.root))
+            self._end_forward(grad)
             if self.storage_pool is not None:  # the released units' memory: back to the allocator before the trim
                 self.storage_pool.clear()
             if self.trim_heap is not HeapTrim.OFF:  # at least once per forward: [Note: heap trimming] in hostmem.py
@@ -301,6 +343,28 @@ class Stage3Runtime:
         else:
             unit.post_forward(grad, self.reshard_after_forward, self._needed_first(unit))
         return None
+
+    def _end_forward(self, grad: bool) -> None:
+        """[Note: pending forward]: a forward with grad keeps state for its backward.  Only from IDLE (the
+        forward began by forgetting any earlier one); in BACKWARD a backward ran inside this forward or the
+        last one never reached its final callback (autograd drops it when a backward raises), and the state
+        stays that backward's."""
+        if grad and self.phase is Phase.IDLE:
+            self._to_phase(Phase.PENDING)
+
+    def forget_forward(self) -> None:
+        """[Note: pending forward]: the last forward with grad got no backward before this point (the next
+        forward, the step, a write to the shards); release what it kept, as a forward under no_grad would
+        have.  Nothing to do in IDLE, and nothing may be let go during a backward."""
+        if self.phase is not Phase.PENDING:
+            return
+        for unit in self.units:
+            unit.forget_forward()
+        self._to_phase(Phase.IDLE)
+
+    def _to_phase(self, phase: Phase) -> None:
+        assert phase in _PHASES[self.phase], f"stage-3 runtime: {self.phase.value} -> {phase.value} is not a transition"
+        self.phase = phase
 
     def _needed_first(self, unit: Unit) -> bool:
         return needed_first(self.forward_order, unit, self.root) or self.direct_reads.is_open(unit)
@@ -334,8 +398,19 @@ class Stage3Runtime:
         if self.trim_heap is HeapTrim.EACH_UNIT:  # [Note: eager trimming when memory is tight] in hostmem.py
             trim_host_heap()
         unit.pre_backward()
+        if unit is self.root:
+            self._regather_direct_reads()
         self._backward_gather(unit)
         self._prefetch(unit, -1)
+
+    def _regather_direct_reads(self) -> None:
+        """A head with an open direct read was kept gathered into backward; if its forward was forgotten
+        since (a write to the shards before this backward: [Note: pending forward]), the read's backward
+        needs it again.  Gathered at the root's pre-backward, before any kernel's backward runs; otherwise a
+        no-op ([Note: direct reads of the output embedding] in direct_reads.py)."""
+        for unit in self.units:
+            if self.direct_reads.is_open(unit):
+                unit.ensure_unsharded()
 
     def _backward_gather(self, unit: Unit | None) -> None:
         """Gather ``unit`` and every unit before it in the agreed backward list (``None``: the end of
@@ -400,6 +475,7 @@ class Stage3Runtime:
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            self._to_phase(Phase.BACKWARD)  # [Note: pending forward]: the kept state is this backward's now
             torch.autograd.Variable._execution_engine.queue_callback(self.finalize_backward)
 
     @torch.no_grad()
@@ -415,6 +491,7 @@ class Stage3Runtime:
         self.direct_reads.clear()
         for unit in self.units:
             unit.end_backward()
+        self._to_phase(Phase.IDLE)
 
     def drain(self) -> None:
         self.schedule.drain()

@@ -10,8 +10,10 @@ the world, so backward moves no inter-node bytes and computes on exactly the val
 lossless (``tests/parity/test_zeropp.py`` holds it bit-identical to plain stage 3).  The final callback
 drops the regions (``Unit.end_backward``).  Cost: Ψ/k elements in the compute dtype per rank, for every
 unit released between its forward and its backward (``memory_report``'s ``secondary`` entry).  The
-regions are a copy of the weights of one forward: edits of the shards between that forward and its
-backward (an optimizer step, ``gathered_parameters(modifier_rank=...)``) are not seen by the backward.
+regions are a copy of the weights of one forward, valid only until the shards are written: when that
+forward gets no backward, the next forward, the step and every write to the shards (a load, a gathered edit)
+drop them first (``Unit.forget_forward``, [Note: pending forward] in ``hooks.py``), so no later gather
+reads old weights from them, and a backward still to come gathers the written shards, as plain stage 3.
 """
 
 from __future__ import annotations

@@ -216,6 +216,8 @@ class StateDictHooks:
     ) -> None:
         if not self._enter(self._load, module):
             return
+        if len(self._load.stack) == 1:  # the call's first module: a write to the shards, [Note: pending forward]
+            self.engine.forget_forward()
         for name, p in module._parameters.items():
             sp = self.engine.sharded.get(id(p)) if p is not None else None
             key = prefix + name

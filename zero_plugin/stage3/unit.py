@@ -19,7 +19,9 @@ The runtime's hooks (``hooks.py``) tell a unit where the step is; the unit decid
     at once if its reduction was launched already (or it trains nothing), else ready for its reduction,
     whose launch (``launch_reduce``) releases it; before its backward ran it stays gathered, except
     where no post-backward hook sits on its inputs (nothing would report that backward ran);
-  * ``end_backward`` (the final callback): released, back to IDLE.
+  * ``end_backward`` (the final callback): released, back to IDLE;
+  * ``forget_forward`` (no backward came for the last forward before the next use: [Note: pending forward]
+    in ``hooks.py``): released, hpZ's secondary shard dropped, as after a forward under ``torch.no_grad()``.
 ``TrainingState`` moves only forward within one backward (``_LEGAL``, asserted); a unit entered twice in
 one forward sees ``pre_backward`` and ``post_backward`` twice, which leave a later state as it is.  The
 root unit is never released by a reduction: only in the final callback.
@@ -212,6 +214,18 @@ class Unit:
         self._reduced = False
         self._inputs_hooked = False
         self.training_state = TrainingState.IDLE
+
+    def forget_forward(self) -> None:
+        """The last forward's backward did not come before the next use of the weights ([Note: pending
+        forward] in hooks.py): let go of what that forward kept for it.  A backward that still comes
+        gathers the primary shards again, as after any release."""
+        assert self.training_state is TrainingState.IDLE, (
+            f"unit {self.name!r}: forward forgotten in {self.training_state.value}"
+        )
+        self.reshard()
+        if self.secondary is not None:
+            self.secondary.drop()
+        self._inputs_hooked = False
 
     def _to(self, state: TrainingState) -> None:
         assert state in _LEGAL[self.training_state], (
