@@ -5,7 +5,8 @@ usage, schedule of micro-batches / no_sync / clip / step / zero_grad, stage, wor
 layout, offload, precision, optimizer) and ``check.run_spec`` runs it on a reused worker pool and compares
 with ``reference.py``. A failure prints the spec as JSON; replay it with ``python -m tests.fuzz.replay``.
 
-* CI: ``test_fuzz_ci``, a fixed (derandomized) set of ``CI_EXAMPLES`` specs, no shrinking.
+* CI: ``test_fuzz_ci``, the regression corpus (``regressions.py``) then a fixed (derandomized) set of
+  ``CI_EXAMPLES`` specs, no shrinking.
 * Long: ``pytest tests/fuzz -m fuzz`` runs ``test_fuzz_long`` with fresh random specs and shrinking;
   ``ZERO_PLUGIN_FUZZ_EXAMPLES`` sets how many (default 500). See README.md.
 """
@@ -15,10 +16,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import HealthCheck, Phase, example, given, note, settings
 
 from tests.fuzz.check import compare, run_ranks_for, run_spec
 from tests.fuzz.reference import reference
+from tests.fuzz.regressions import REGRESSIONS
 from tests.fuzz.spec import from_json, specs, to_json
 
 CI_EXAMPLES = 40
@@ -26,7 +28,15 @@ LONG_EXAMPLES = int(os.environ.get("ZERO_PLUGIN_FUZZ_EXAMPLES", "500"))
 _COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+def _regressions_first(test):
+    """Every spec of ``regressions.REGRESSIONS`` as an explicit example (run before the drawn ones)."""
+    for spec in reversed(list(REGRESSIONS.values())):
+        test = example(spec=spec)(test)
+    return test
+
+
 @settings(max_examples=CI_EXAMPLES, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate], **_COMMON)
+@_regressions_first
 @given(spec=specs())
 def test_fuzz_ci(spec):
     note(f"SPEC {to_json(spec)}")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from zero_plugin.optim.cpu_step import fused_cpu_step
+from zero_plugin.optim.offload import use_fast_cpu_kernels
 
 
 def _pair(cls, **hyper):
@@ -114,3 +115,23 @@ def test_offloaded_engine_steps_through_it(monkeypatch):
         opt.zero_grad()
     for a, b in zip(ref_model.parameters(), model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_fast_kernels_step_a_parameter_whose_first_gradient_comes_late(momentum):
+    """torch's fused SGD needs a momentum buffer for every parameter with a gradient once any has one (a
+    parameter first used at step 2 raised ``TypeError: expected Tensor as element 1 in argument 2, but got
+    NoneType``, found by the fuzzer with offload and SGD); the switch must leave such an optimizer on a
+    kernel that steps it as the user's own would."""
+    params = [torch.nn.Parameter(torch.ones(3, dtype=torch.float64)) for _ in range(2)]
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    fast = torch.optim.SGD(params, lr=0.1, momentum=momentum, dampening=0.1)
+    use_fast_cpu_kernels(fast)
+    plain = torch.optim.SGD(ref, lr=0.1, momentum=momentum, dampening=0.1)
+    for step in range(3):
+        for ps, opt in ((params, fast), (ref, plain)):
+            for i, p in enumerate(ps):
+                p.grad = None if (i == 1 and step == 0) else torch.full_like(p, float(step + i + 1))
+            opt.step()
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-15)

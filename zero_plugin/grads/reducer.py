@@ -22,12 +22,21 @@ Stage composition (see ``zero_plugin/engines/stages.py``):
     goes to a shard-sized gradient and ``param.grad`` is freed (ZeRO-2).
 
 [Note: reduced regions and later backwards] Reduced gradients are kept in ``reduce_dtype`` (fp32
-reductions of bf16 parameters stay fp32, as at stage 3).  Stage 1 keeps full gradients: after a reduction ``param.grad`` holds the average only in
-this rank's region, and the sum (in place) or this rank's own gradient (buffered) elsewhere, which
-differs between ranks.  A second synced backward before the step (accumulation without ``no_sync``,
-``backward(retain_graph=True)`` twice) must not add to that and reduce it again: a pre-accumulation
-hook detaches the reduced ``param.grad`` first (the owned average stays in ``owned``), the new
-gradients are reduced alone, and the two averages are added.
+reductions of bf16 parameters stay fp32, as at stage 3).  Stage 1 keeps full gradients: after a reduction
+``param.grad`` holds the average only in this rank's region, and the sum (in place) or this rank's own
+gradient (buffered, or a reduction in another dtype) elsewhere, which differs between ranks.  Whatever a
+reduction took in must never be reduced again before the step, and whatever accumulated since must be:
+  * ``consumed`` remembers, per parameter, the ``param.grad`` tensor a reduction of this step took in (or
+    wrote the average into);
+  * a pre-accumulation hook (any backward, synced or under ``no_sync``) detaches ``param.grad`` only when it
+    is that tensor, so gradients accumulated under ``no_sync`` since the last reduction are kept and
+    reduced by the next synced backward;
+  * a bucket launched while a member's ``param.grad`` is still that tensor (the rank did not use the
+    parameter in this backward) reduces it as absent (flag 0, zeros), and the tensor is put back at the
+    end of backward if no rank had a new gradient for it.
+The new average is added to the earlier one (``owned``).  Found by the differential fuzzer: a ``no_sync``
+micro-batch between two synced ones was dropped, and a parameter unused on a rank in a second synced
+backward had its first average reduced again.
 """
 
 from __future__ import annotations
@@ -251,6 +260,10 @@ class ReduceScatterReducer(GradReducer):
         self.supports_late = not keep_full_grad
         super().__init__(*args, **kwargs)
         self.keep_full_grad = keep_full_grad
+        # stage 1, [Note: reduced regions and later backwards]: id(param) -> the param.grad a reduction of
+        # this step took in; (param, that grad) set aside while a backward reduces the parameter as absent
+        self._consumed: dict[int, torch.Tensor] = {}
+        self._set_aside: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def register(self, root: nn.Module) -> None:
         super().register(root)
@@ -259,14 +272,16 @@ class ReduceScatterReducer(GradReducer):
                 self._handles.append(slot.param.register_hook(WeakHook(self._before_accumulate, slot.param)))
 
     def _before_accumulate(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        if id(param) in self.owned and param.grad is not None:  # [Note: reduced regions and later backwards]
-            param.grad = None
+        if param.grad is not None and param.grad is self._consumed.get(id(param)):
+            param.grad = None  # [Note: reduced regions and later backwards]
         return grad
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> comm_layout.InPlaceReduce | comm_layout.BufferedReduce:
         """The full gradients are let go at once (ZeRO-2: the reduction holds them until it completes), or
         kept (ZeRO-1); in place on gloo, each rank then keeps its own region ([Note: collective layouts] in ``comm/layout.py``)."""
+        if self.keep_full_grad:
+            self._set_aside_consumed(bucket)
         launch = comm_layout.reduce_in_place if self.comm.gathers_regions_in_place else comm_layout.reduce_buffered
         return launch(
             self.comm,
@@ -275,6 +290,30 @@ class ReduceScatterReducer(GradReducer):
             bucket.slots[0].param.device,
             release_grads=not self.keep_full_grad,
         )
+
+    def _set_aside_consumed(self, bucket: Bucket) -> None:
+        """Stage 1: a member whose ``param.grad`` an earlier reduction of this step took in is reduced as
+        absent; what is fresh is marked as taken ([Note: reduced regions and later backwards])."""
+        for slot in bucket.slots:
+            p = slot.param
+            if p.grad is None:
+                continue
+            if p.grad is self._consumed.get(id(p)):
+                self._set_aside[id(p)] = (p, p.grad)
+                p.grad = None
+            else:
+                self._consumed[id(p)] = p.grad
+
+    def finish(self) -> None:
+        super().finish()
+        for p, grad in self._set_aside.values():  # no rank had a new gradient: the earlier one stands
+            if p.grad is None:
+                p.grad = grad
+        self._set_aside.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._consumed.clear()
+        super().zero_grad(set_to_none)
 
     def _late_gradient(self, bucket: Bucket, index: int) -> None:
         if self.keep_full_grad:
@@ -303,6 +342,7 @@ class ReduceScatterReducer(GradReducer):
         if self.keep_full_grad and reduced.dtype == p.dtype:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+                self._consumed[id(p)] = p.grad  # holds a reduction's result: never reduced again
             region = slot.layout.local_view(p.grad)
             if region.data_ptr() != reduced.data_ptr():  # reduced in place into p.grad: already there
                 region.copy_(reduced)

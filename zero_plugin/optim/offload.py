@@ -43,7 +43,7 @@ def pin(t: torch.Tensor) -> torch.Tensor:
 
 def use_fast_cpu_kernels(optimizer: torch.optim.Optimizer) -> bool:
     """Switch a known optimizer to torch's fused CPU kernel (about 5x the for-loop kernel here)."""
-    if not isinstance(optimizer, _FUSED_CPU):
+    if not isinstance(optimizer, _FUSED_CPU) or _sgd_with_momentum(optimizer):
         return False
     for group in optimizer.param_groups:
         tensors = group["params"]
@@ -55,6 +55,13 @@ def use_fast_cpu_kernels(optimizer: torch.optim.Optimizer) -> bool:
         if "differentiable" in group:
             group["differentiable"] = False
     return True
+
+
+def _sgd_with_momentum(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's fused SGD (2.13) passes the momentum buffers as one list and fails with a TypeError when some
+    parameter with a gradient has none yet while others have one: a parameter first used after the first
+    step, as under uneven use or unfreezing.  Such an optimizer keeps the kernel the user chose."""
+    return isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups)
 
 
 def to_host(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

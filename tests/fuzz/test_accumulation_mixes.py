@@ -1,0 +1,80 @@
+"""Accumulation windows that mix synced and ``zp.no_sync`` micro-batches, one parameter unused on some rank,
+against single-process float64 training (issue 42: stage 1 was silently wrong on these).
+
+Stage 1 keeps full gradients, whose regions outside this rank's own hold values a reduction already took in
+([Note: reduced regions and later backwards] in zero_plugin/grads/reducer.py).  On main 9410fdc:
+  * ``sync-nosync-sync``: the ``no_sync`` micro-batch's gradient was dropped by the next synced backward;
+  * ``sync-sync-unused``: a block rank 1 skips in the second synced backward had its first average reduced
+    again (1e-3 relative off the float64 update at world size 2, a third of the update at world size 3).
+Each named schedule runs at stages 1 and 2 (stage 2 as the control: it was right), both collective layouts,
+with and without offload, through the fuzzer's worker pools and comparison (``check.run_spec``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fuzz.check import run_spec
+from tests.fuzz.model import SKIP, USE
+
+ALL = [USE, USE]
+SKIP_FIRST = [SKIP, USE]
+
+
+def _micro(sync: bool, scale: float, usage_per_rank: list[list[int]]) -> list:
+    return ["micro", {"sync": sync, "scale": scale, "usage": usage_per_rank}]
+
+
+def _window(syncs: list[bool], usages: list[list[list[int]]]) -> list:
+    return [_micro(s, 1.0 / len(syncs), u) for s, u in zip(syncs, usages)]
+
+
+def _schedules(world_size: int) -> dict[str, list]:
+    even = [ALL] * world_size
+    rank1_skips = [ALL, SKIP_FIRST] + [ALL] * (world_size - 2)
+    step = [["step"], ["zero_grad", "optimizer"]]
+    return {
+        "sync-nosync-sync": _window([True, False, True], [even] * 3) + step,
+        "sync-sync-unused": _window([True, True], [even, rank1_skips]) + step,
+        "nosync-sync-sync-unused": _window([False, True, True], [even, rank1_skips, even]) + [["clip", 0.05]] + step,
+        "sync-nosync-unused-sync": _window([True, False, True], [even, rank1_skips, even])
+        + step
+        + _window([True, False, True], [rank1_skips, even, rank1_skips])
+        + step,
+    }
+
+
+NAMES = list(_schedules(2))
+
+
+def _spec(stage: int, world_size: int, name: str, buffered: bool, offload: bool) -> dict:
+    return {
+        "seed": 7,
+        "world_size": world_size,
+        "stage": stage,
+        "buffered": buffered,
+        "offload": offload,
+        "precision": "fp64",
+        "bucket_size_mb": 25.0,
+        "stage3": {"prefetch_depth": 1, "reshard_after_forward": True, "persistence_threshold": 0},
+        "optimizer": {"kind": "adamw", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.1, "two_groups": False},
+        "model": {
+            "d_in": 3,
+            "widths": [5, 5],
+            "d_out": 2,
+            "bias": True,
+            "batch": 2,
+            "tie_to": [None, None],
+            "frozen": [],
+        },
+        "schedule": _schedules(world_size)[name],
+    }
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
+@pytest.mark.parametrize("buffered", [False, True], ids=["in_place", "buffered"])
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("name", NAMES)
+def test_mixed_accumulation_matches_single_process(name, stage, world_size, buffered, offload):
+    run_spec(_spec(stage, world_size, name, buffered, offload))
