@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint demo bench fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -20,6 +20,17 @@ setup: $(STAMP)
 # The lint runs first: a lint error fails `make test` (and so CI) before the suite starts.
 test: lint
 	$(VPY) -m pytest -q tests
+
+# The long differential fuzz (tests/fuzz/README.md): FUZZ_EXAMPLES fresh specs from a fresh seed (printed,
+# so a failure can be drawn again with `python -m tests.fuzz.explore --seed SEED`), every failure signature
+# minimised; exit status 1 if any spec failed.  Run it after every change that touches numerics.
+FUZZ_EXAMPLES ?= 1000
+ifndef FUZZ_SEED
+FUZZ_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+endif
+fuzz: $(STAMP)
+	@echo "fuzz seed $(FUZZ_SEED), $(FUZZ_EXAMPLES) specs"
+	$(VPY) -m tests.fuzz.explore --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED) --minimize --out fuzz-$(FUZZ_SEED).jsonl
 
 # ruff's configuration is in pyproject.toml ([tool.ruff]).  Both checks always run and the target fails if
 # either does; the format check names the files (`ruff format --diff` shows the changes).

@@ -107,6 +107,8 @@ def compare(spec: dict, results: list[dict], ref: dict) -> list[str]:
         want = [row[r] for row in like["losses"]]
         problems += _close_list(f"loss of rank {r}", res["losses"], want, rel)
         problems += _close_list(f"clip norm on rank {r}", res["norms"], like["norms"], rel)
+        want = [row[r] for row in like["forwards"]]
+        problems += _close_list(f"forward without backward on rank {r}", res["forwards"], want, rel)
     if fp64:
         problems += _params_fp64(full, ref)
     else:

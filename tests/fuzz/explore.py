@@ -88,6 +88,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-model-zero-grad", action="store_true", help="zero grads through the optimizer only")
     parser.add_argument("--no-drop", action="store_true", help="every accumulation ends in a step")
     parser.add_argument("--one-sync", action="store_true", help="only the last micro-batch of a step is synced")
+    parser.add_argument("--no-forwards", action="store_true", help="no forward without backward")
+    parser.add_argument("--no-writes", action="store_true", help="no weight writes between steps")
     args = parser.parse_args(argv)
     narrow = {
         k: v
@@ -99,6 +101,8 @@ def main(argv: list[str]) -> int:
     narrow.update({"zero_grad": ("optimizer",)} if args.no_model_zero_grad else {})
     narrow.update({"drop_steps": False} if args.no_drop else {})
     narrow.update({"multi_sync": False} if args.one_sync else {})
+    narrow.update({"forwards": False} if args.no_forwards else {})
+    narrow.update({"writes": False} if args.no_writes else {})
     start = time.monotonic()
     out = open(args.out, "a") if args.out else None
     try:
@@ -116,7 +120,7 @@ def main(argv: list[str]) -> int:
         close_pools()
         if out is not None:
             out.close()
-    return 0
+    return 1 if found else 0
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def _schedule_edits(spec: dict) -> Iterator[dict]:
         def drop_rank(s):
             s["world_size"] -= 1
             for op in s["schedule"]:
-                if op[0] == "micro":
+                if op[0] in ("micro", "forward"):
                     op[1]["usage"].pop()
 
         yield _edit(spec, drop_rank)
@@ -127,7 +127,7 @@ def _drop_block(s: dict, b: int) -> None:
 
     m["frozen"] = [n for n in map(rename, m["frozen"]) if n is not None]
     for op in s["schedule"]:
-        if op[0] == "micro":
+        if op[0] in ("micro", "forward"):
             for row in op[1]["usage"]:
                 row.pop(b)
 
@@ -153,5 +153,7 @@ def _config_edits(spec: dict) -> Iterator[dict]:
     for key, value in {"prefetch_depth": 1, "reshard_after_forward": True, "persistence_threshold": 0}.items():
         if spec["stage3"][key] != value:
             yield _edit(spec, lambda s, key=key, value=value: s["stage3"].__setitem__(key, value))
-    if spec["stage"] > 0:  # a lower stage allows every usage pattern a higher one does
+    if spec["stage3"].get("secondary_shard_size") is not None:
+        yield _edit(spec, lambda s: s["stage3"].update(secondary_shard_size=None))
+    elif spec["stage"] > 0:  # a lower stage allows every usage pattern a higher one does
         yield _edit(spec, lambda s: s.update(stage=s["stage"] - 1, offload=s["offload"] and s["stage"] > 1))

@@ -11,6 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Batches of ``forward`` ops (no backward) are numbered from here, apart from the micro-batches'.
+FORWARD_BATCHES = 10_000
+
 # Usage of one block in one rank's forward of one micro-batch.
 SKIP, DISCARD, USE = 0, 1, 2
 """SKIP: the block is not called; DISCARD: called, its output thrown away (its weights get no gradient on
@@ -116,3 +119,15 @@ def batch(spec: dict, micro: int, rank: int, dtype: torch.dtype) -> tuple[torch.
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out.to(y.dtype), y)
+
+
+def written(index: int, value: torch.Tensor, seed: int) -> torch.Tensor:
+    """A ``write`` op's new value of the ``index``-th trainable parameter (in ``named_parameters`` order):
+    half the current value plus seeded noise, computed in the value's dtype."""
+    g = torch.Generator().manual_seed(seed * 1000 + index)
+    return 0.5 * value + 0.1 * torch.randn(value.shape, generator=g, dtype=torch.float64).to(value.dtype)
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    """Names of the trainable parameters, tied ones once (``named_parameters`` order)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]

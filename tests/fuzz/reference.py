@@ -11,7 +11,7 @@ import copy
 
 import torch
 
-from tests.fuzz.model import batch, build_model, build_optimizer, loss_fn
+from tests.fuzz.model import FORWARD_BATCHES, batch, build_model, build_optimizer, loss_fn, trainable_names, written
 
 
 def reference(spec: dict) -> dict:
@@ -21,9 +21,13 @@ def reference(spec: dict) -> dict:
     opt = build_optimizer(spec, model)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainable = [p for p in model.parameters() if p.requires_grad]
-    losses, norms, micro = [], [], 0
+    losses, norms, forwards, micro = [], [], [], 0
     for op in spec["schedule"]:
-        if op[0] == "micro":
+        if op[0] == "forward":
+            forwards.append(_forward(spec, model, op, len(forwards), n, torch.float64))
+        elif op[0] == "write":
+            _write(model, op[1])
+        elif op[0] == "micro":
             per_rank = []
             for r in range(n):
                 x, y = batch(spec, micro, r, torch.float64)
@@ -34,7 +38,25 @@ def reference(spec: dict) -> dict:
         else:
             _optimizer_op(op, opt, trainable, norms)
     final = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "norms": norms, "initial": initial, "final": final}
+    return {"losses": losses, "norms": norms, "forwards": forwards, "initial": initial, "final": final}
+
+
+@torch.no_grad()
+def _forward(spec: dict, model: torch.nn.Module, op: list, index: int, n: int, dtype: torch.dtype) -> list[float]:
+    """A ``forward`` op's loss on each rank's batch (autograd does not change it); a bf16 ``model`` gets bf16
+    inputs and float32 targets, as the micro-batches of :func:`reference_bf16`."""
+    out = []
+    for r in range(n):
+        x, y = batch(spec, FORWARD_BATCHES + index, r, torch.float64 if dtype == torch.float64 else torch.float32)
+        out.append(loss_fn(model(x.to(dtype), op[1]["usage"][r]), y).item())
+    return out
+
+
+@torch.no_grad()
+def _write(model: torch.nn.Module, how: dict) -> None:
+    params = dict(model.named_parameters())
+    for i, name in enumerate(trainable_names(model)):
+        params[name].copy_(written(i, params[name], how["seed"]))
 
 
 def reference_bf16(spec: dict) -> dict:
@@ -50,13 +72,22 @@ def reference_bf16(spec: dict) -> dict:
     opt = build_optimizer(spec, master)
     pairs = [(m, w) for m, w in zip(master.parameters(), work.parameters()) if m.requires_grad]
     trainable = [m for m, _ in pairs]
-    losses, norms, micro = [], [], 0
+    losses, norms, forwards, micro = [], [], [], 0
+
+    def refresh():
+        with torch.no_grad():
+            for m, w in zip(master.parameters(), work.parameters()):
+                w.copy_(m)
+
     for op in spec["schedule"]:
-        if op[0] == "micro":
+        if op[0] == "forward":
+            refresh()
+            forwards.append(_forward(spec, work, op, len(forwards), n, torch.bfloat16))
+        elif op[0] == "write":
+            _write(master, op[1])
+        elif op[0] == "micro":
             losses.append([])
-            with torch.no_grad():
-                for m, w in zip(master.parameters(), work.parameters()):
-                    w.copy_(m)
+            refresh()
             for r in range(n):
                 work.zero_grad()
                 x, y = batch(spec, micro, r, torch.float32)
@@ -71,7 +102,7 @@ def reference_bf16(spec: dict) -> dict:
         else:
             _optimizer_op(op, opt, trainable, norms)
     final = {k: v.detach().to(torch.float64).clone() for k, v in master.state_dict().items()}
-    return {"losses": losses, "norms": norms, "final": final}
+    return {"losses": losses, "norms": norms, "forwards": forwards, "final": final}
 
 
 def _optimizer_op(op: list, opt: torch.optim.Optimizer, trainable: list, norms: list) -> None:

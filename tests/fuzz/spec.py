@@ -5,19 +5,24 @@ A spec holds everything a run depends on::
     {"seed": 3, "world_size": 2, "stage": 1, "buffered": false, "offload": false,
      "precision": "fp64" | "bf16" | "bf16_reduce_fp32",
      "bucket_size_mb": 25.0 | 0.0001,                      # stages 0-2: one bucket or one per parameter
-     "stage3": {"prefetch_depth": 1, "reshard_after_forward": true, "persistence_threshold": 0},
+     "stage3": {"prefetch_depth": 1, "reshard_after_forward": true, "persistence_threshold": 0,
+                "secondary_shard_size": null | k},              # hpZ (stage 3), k divides world_size
      "optimizer": {"kind": "sgd" | "adamw", "lr": .., "momentum": .., "weight_decay": .., "two_groups": ..},
      "model": {"d_in": 3, "widths": [5, 7], "d_out": 2, "bias": true, "batch": 2,
                "tie_to": [null, 0],                        # block j's mix.weight is block tie_to[j]'s
                "frozen": ["blocks.0.fc.weight"]},
      "schedule": [["micro", {"sync": false, "scale": 0.5, "usage": [[2, 1], [2, 0]]}],   # per rank, per block
                   ["micro", {"sync": true, "scale": 0.5, "usage": [[2, 2], [2, 2]]}],
-                  ["clip", 0.05], ["step"], ["zero_grad", "optimizer" | "model"]]}
+                  ["clip", 0.05], ["forward", {"usage": [[2, 2], [2, 2]]}], ["step"],
+                  ["zero_grad", "optimizer" | "model"], ["write", {"how": "load" | "gathered", "seed": 3}]]}
 
 Usage values are ``model.SKIP`` (0), ``DISCARD`` (1), ``USE`` (2). At stage 3 every rank calls the same
 blocks in each micro-batch (a block not called on some rank is an error there, not a training pattern), so
 only USE/DISCARD differ between ranks. The micro-batch before a clip or a step is synced (outside
-``no_sync``). Every step is followed by a zero_grad.
+``no_sync``). Every step is followed by a zero_grad.  A ``forward`` is a forward with autograd on whose
+output gets no backward (its loss is compared, issue 38); it may come before a window's first micro-batch,
+before the step and after the zero_grad.  A ``write`` changes the trainable weights after a zero_grad
+(``model.write_weights``), so the next forward must see the new values (hpZ's secondary shards included).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from tests.fuzz.model import DISCARD, SKIP, USE, FuzzModel, tie_roots
 
 PRECISIONS = ("fp64", "bf16", "bf16_reduce_fp32")
 TINY_BUCKET_MB = 1e-4  # ~100 bytes: every parameter in its own bucket
+# How a "write" op changes the trainable weights between steps: the module's load_state_dict with full
+# tensors, or an edit on rank 0 inside zp.gathered_parameters(modifier_rank=0) (model.write_weights).
+WRITES = ("load", "gathered")
 
 
 @st.composite
@@ -43,6 +51,8 @@ def specs(
     zero_grad=("optimizer", "optimizer", "model"),
     drop_steps=True,
     multi_sync=True,
+    forwards=True,
+    writes=True,
 ) -> dict:
     """Every dimension by default; the keyword arguments narrow the draw (``explore.py`` uses them to look
     past a known bug that would otherwise fail most specs first)."""
@@ -61,11 +71,14 @@ def specs(
             "prefetch_depth": draw(st.integers(0, 2)),
             "reshard_after_forward": draw(st.booleans()),
             "persistence_threshold": draw(st.sampled_from([0, 8])),
+            "secondary_shard_size": draw(_secondary(stage, world_size)),
         },
         "optimizer": draw(_optimizers()),
         "model": model,
         "schedule": draw(
-            _schedules(stage, world_size, len(model["widths"]), uneven, zero_grad, drop_steps, multi_sync)
+            _schedules(
+                stage, world_size, len(model["widths"]), uneven, zero_grad, drop_steps, multi_sync, forwards, writes
+            )
         ),
     }
 
@@ -98,6 +111,12 @@ def _shape_only(m: dict) -> FuzzModel:
         if i is not None:
             model.blocks[j].mix.weight = model.blocks[i].mix.weight
     return model
+
+
+def _secondary(stage: int, world_size: int):
+    """hpZ's k (a divisor of the world size above 1) on some stage-3 specs, else None."""
+    sizes = [k for k in range(2, world_size + 1) if world_size % k == 0] if stage == 3 else []
+    return st.sampled_from([None, *sizes]) if sizes else st.none()
 
 
 def _optimizers():
@@ -135,11 +154,26 @@ def _usage(draw, stage: int, world_size: int, depth: int, uneven: bool) -> list[
 
 @st.composite
 def _schedules(
-    draw, stage: int, world_size: int, depth: int, uneven, zero_grad, drop_steps: bool, multi_sync: bool
+    draw,
+    stage: int,
+    world_size: int,
+    depth: int,
+    uneven,
+    zero_grad,
+    drop_steps: bool,
+    multi_sync: bool,
+    forwards: bool,
+    writes: bool,
 ) -> list:
     uneven = draw(st.sampled_from(uneven))
     schedule: list = []
+
+    def maybe_forward():  # a forward with autograd on whose output gets no backward (an evaluation pass)
+        if forwards and draw(st.integers(0, 3)) == 0:
+            schedule.append(["forward", {"usage": draw(_usage(stage, world_size, depth, uneven))}])
+
     for _ in range(draw(st.integers(1, 3))):
+        maybe_forward()
         k = draw(st.integers(1, 3))
         for i in range(k):
             sync = i == k - 1 or (multi_sync and draw(st.booleans()))
@@ -148,9 +182,14 @@ def _schedules(
         if draw(st.booleans()):
             schedule.append(["clip", draw(st.sampled_from([0.05, 1.0, 100.0]))])
         if not drop_steps or draw(st.integers(0, 5)) > 0:
+            maybe_forward()
             schedule.append(["step"])
         # else: the accumulated (maybe clipped) gradients are dropped by the zero_grad below
         schedule.append(["zero_grad", draw(st.sampled_from(zero_grad))])
+        maybe_forward()
+        if writes and draw(st.integers(0, 3)) == 0:
+            how = draw(st.sampled_from(WRITES))
+            schedule.append(["write", {"how": how, "seed": draw(st.integers(0, 99))}])
     return schedule
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import zero_plugin as zp
-from tests.fuzz.model import batch, build_model, build_optimizer, loss_fn
+from tests.fuzz.model import FORWARD_BATCHES, batch, build_model, build_optimizer, loss_fn, trainable_names, written
 from tests.unit.memory_comm_workers import collectives_layout
 
 TIMEOUT_S = 15.0  # a collective mismatch fails in seconds instead of the default ten minutes
@@ -34,6 +34,7 @@ def make_config(spec: dict) -> zp.ZeroConfig:
         prefetch_depth=s3["prefetch_depth"],
         reshard_after_forward=s3["reshard_after_forward"],
         persistence_threshold=s3["persistence_threshold"],
+        secondary_shard_size=s3.get("secondary_shard_size"),
         unit_classes=("FuzzBlock",),
         timeout_s=TIMEOUT_S,
         debug_collectives=True,
@@ -52,9 +53,14 @@ def _run(spec: dict) -> dict:
     dtype, _ = precision(spec)
     model = build_model(spec, dtype)
     model, opt = zp.setup(model, build_optimizer(spec, model), make_config(spec))
-    losses, norms, micro = [], [], 0
+    losses, norms, forwards, micro = [], [], [], 0
     for op in spec["schedule"]:
-        if op[0] == "micro":
+        if op[0] == "forward":  # autograd on, no backward (issue 38)
+            x, y = batch(spec, FORWARD_BATCHES + len(forwards), rank, dtype)
+            forwards.append(loss_fn(model(x, op[1]["usage"][rank]), y).item())
+        elif op[0] == "write":
+            _write(model, op[1], rank)
+        elif op[0] == "micro":
             x, y = batch(spec, micro, rank, dtype)
             ctx = contextlib.nullcontext() if op[1]["sync"] else zp.no_sync(model)
             with ctx:
@@ -71,4 +77,19 @@ def _run(spec: dict) -> dict:
         else:
             raise ValueError(f"unknown schedule op {op!r}")
     full = zp.full_state_dict(model, rank0_only=False)
-    return {"losses": losses, "norms": norms, "full": full}
+    return {"losses": losses, "norms": norms, "forwards": forwards, "full": full}
+
+
+def _write(model, how: dict, rank: int) -> None:
+    """New trainable weights (``model.written``): through the module's ``load_state_dict`` with full tensors
+    read by ``zp.full_state_dict``, or edited on rank 0 inside ``zp.gathered_parameters(modifier_rank=0)``."""
+    names = trainable_names(model)
+    if how["how"] == "load":
+        full = zp.full_state_dict(model, rank0_only=False)
+        model.load_state_dict({n: written(i, full[n], how["seed"]) for i, n in enumerate(names)}, strict=False)
+        return
+    params = dict(model.named_parameters())
+    with zp.gathered_parameters(model, modifier_rank=0), torch.no_grad():
+        if rank == 0:
+            for i, n in enumerate(names):
+                params[n].copy_(written(i, params[n], how["seed"]))

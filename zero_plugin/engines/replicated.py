@@ -72,12 +72,37 @@ class ReplicatedEngine(Engine):
         super().__init__(basis)
         self.reducer = reducer
         self.param_sync = param_sync
+        # [Note: writes to parameters behind separate masters]: the version of each such parameter when its
+        # master last agreed with it
+        self._versions = {id(s): s.param._version for s in self.slots if s.separate}
         self.grads_sharded = reducer.sharded
         reducer.register(basis.model)
         reducer.after_backward = self.after_backward
 
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
         return self.reducer.owned_grad(slot)
+
+    # [Note: writes to parameters behind separate masters]
+    # With fp32 masters of lower-precision parameters (or masters on the host), the optimizer steps the
+    # master and writes it back into the parameter, so a write to the parameter itself between steps
+    # (``model.load_state_dict``, an in-place edit under ``torch.no_grad()``) would be overwritten by the
+    # next write-back: the model silently trained on from the old weights.  Our own writes go through
+    # ``.data`` views and leave the parameter's autograd version counter alone; a user's write bumps it.  So
+    # before a step (and before masters are read whole) each such parameter whose version moved hands its
+    # master the elements that differ from the master rounded to the parameter's dtype, as a gathered edit
+    # does ([Note: gathered edits] in optim/master.py): untouched elements keep the master's precision.
+    # Writes through ``param.data`` are not seen (autograd does not count them either).
+    @torch.no_grad()
+    def take_param_writes(self) -> None:
+        for slot in self.slots:
+            version = slot.param._version
+            if slot.separate and version != self._versions[id(slot)]:
+                slot.take_edits(slot.master.to(device=slot.local.device, dtype=slot.local.dtype))
+                self._versions[id(slot)] = version
+
+    def before_step(self, blocked: bool = False) -> None:
+        self.take_param_writes()
+        super().before_step(blocked)
 
     def after_step(self) -> None:
         super().after_step()
@@ -133,6 +158,7 @@ class ReplicatedEngine(Engine):
     @torch.no_grad()
     def full_state_dict(self, rank0_only: bool = True, trainable_only: bool = False) -> dict:
         """Full tensors; with mixed precision the trained parameters come from their fp32 masters."""
+        self.take_param_writes()
         masters = {
             id(s.param): gather_full(self.comm, s.master.detach().reshape(-1), s.layout, tuple(s.param.shape))
             for s in self.slots
