@@ -14,6 +14,9 @@ from tests.fuzz.spec import from_json
 #   offload + SGD with momentum: torch's fused SGD raised TypeError when a parameter's first gradient came
 #     after the first step ([Note: reduced regions and later backwards] in zero_plugin/grads/reducer.py;
 #     ``_sgd_with_momentum`` in zero_plugin/optim/offload.py).
+# issue 42, found by the extended draw (forwards without backward, weight writes): stages 0-2 with bf16
+#   parameters trained on from the old weights after model.load_state_dict ([Note: writes to parameters
+#   behind separate masters] in zero_plugin/engines/replicated.py).
 REGRESSIONS: dict[str, dict] = {
     "stage1-sync-nosync-sync": from_json(
         '{"bucket_size_mb":25.0,"buffered":false,"model":{"batch":1,"bias":true,"d_in":3,"d_out":2,"frozen":['
@@ -52,5 +55,16 @@ REGRESSIONS: dict[str, dict] = {
         'e":1.0,"sync":true,"usage":[[2,2],[0,0]]}],["clip",100.0],["step"],["zero_grad","model"]],"seed":271'
         ',"stage":1,"stage3":{"persistence_threshold":8,"prefetch_depth":0,"reshard_after_forward":true},"wor'
         'ld_size":2}'
+    ),
+    "stages0-2-bf16-load-state-dict-between-steps": from_json(
+        '{"bucket_size_mb":25.0,"buffered":false,"model":{"batch":2,"bias":true,"d_in":3,"d_out":2,"frozen":['
+        '],"tie_to":[null,null],"widths":[5,5]},"offload":false,"optimizer":{"kind":"adamw","lr":0.05,"moment'
+        'um":0.0,"two_groups":false,"weight_decay":0.0},"precision":"bf16","schedule":[["micro",{"scale":1.0,'
+        '"sync":true,"usage":[[2,2],[2,2]]}],["step"],["zero_grad","optimizer"],["forward",{"usage":[[2,2],[2'
+        ',2]]}],["write",{"how":"load","seed":3}],["forward",{"usage":[[2,2],[2,2]]}],["micro",{"scale":1.0,"'
+        'sync":true,"usage":[[2,2],[2,2]]}],["forward",{"usage":[[2,2],[2,2]]}],["step"],["zero_grad","optimi'
+        'zer"],["forward",{"usage":[[2,2],[2,2]]}],["micro",{"scale":1.0,"sync":true,"usage":[[2,2],[2,2]]}],'
+        '["step"],["zero_grad","model"]],"seed":1,"stage":1,"stage3":{"persistence_threshold":0,"prefetch_dep'
+        'th":1,"reshard_after_forward":true,"secondary_shard_size":null},"world_size":2}'
     ),
 }
