@@ -19,7 +19,7 @@ setup: $(STAMP)
 
 # The lint runs first: a lint error fails `make test` (and so CI) before the suite starts.
 test: lint
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q --durations=30 tests
 
 # The long differential fuzz (tests/fuzz/README.md): FUZZ_EXAMPLES fresh specs from a fresh seed (printed,
 # so a failure can be drawn again with `python -m tests.fuzz.explore --seed SEED`), every failure signature
@@ -45,6 +45,8 @@ demo: $(STAMP)
 		--num_machines 1 --mixed_precision no --dynamo_backend no --main_process_port 0 \
 		examples/lora_finetune_accelerate.py --output_dir out/demo
 
+# host_ops: the host work (ops, copies, hooks, CPU ms) zero_plugin adds per step against FSDP2 and DDP at 8
+# fake ranks in one process (issue #39), a few minutes; writes benchmarks/results/host_ops.md.
 # DeepSpeed must be built against the torch already installed (no build isolation, no CUDA ops),
 # otherwise pip pulls a multi-GB CUDA torch into its build environment.
 bench: $(STAMP)
@@ -52,6 +54,7 @@ bench: $(STAMP)
 	$(VPY) -m pip install -q -e '.[bench]'
 	$(VPY) -m benchmarks.compare --size blocks34m --world-size 2
 	$(VPY) -m benchmarks.compare --size small --world-size 2
+	$(VPY) -m benchmarks.host_ops
 
 clean:
 	rm -rf $(VENV) build *.egg-info
