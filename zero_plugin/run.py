@@ -32,6 +32,8 @@ and the group destroyed.  Skipping finalisation loses nothing the handlers and f
 * ``accelerate.Accelerator`` and ``accelerate.accelerator.Accelerator`` -> zero_plugin's subclass;
 * once ``transformers.trainer`` is imported: its ``Accelerator`` name and six ``Trainer``
   checkpoint methods (``zero_plugin/integrations/hf_trainer.py``, ``install``);
+* once ``trl.generation.vllm_generation`` is imported: ``VLLMGeneration._iter_named_params``, the weights
+  GRPO / RLOO push to vLLM, gathered one unit at a time at stage 3 (``zero_plugin/integrations/trl_vllm.py``);
 * once Lightning is imported: the zero strategy names are registered (nothing is patched);
 * at stage 3 (every rank), or at stages 0-2 with ``cpu_ram_efficient_loading`` (ranks other than 0),
   unless ``lazy_loading`` is off: once ``transformers.modeling_utils`` is imported,
@@ -73,13 +75,14 @@ def install() -> None:
     import accelerate
     import accelerate.accelerator
 
-    from .integrations import hf_trainer
+    from .integrations import hf_trainer, trl_vllm
     from .integrations.accelerate_plugin import Accelerator
     from .loading import lazy_pretrained
 
     accelerate.Accelerator = Accelerator
     accelerate.accelerator.Accelerator = Accelerator
     _after_import("transformers.trainer", hf_trainer.install)
+    _after_import("trl.generation.vllm_generation", trl_vllm.install)
     if _loads_lazily(ZeroConfig.from_env(), int(os.environ.get("RANK", "0"))):
         _after_import("transformers.modeling_utils", lazy_pretrained.install_transformers)
         _after_import("peft.tuners.tuners_utils", lazy_pretrained.install_peft)
