@@ -15,14 +15,17 @@
   3. A 13B-parameter Llama-shaped model (random init, materialised unit by unit from the meta device)
      fine-tuned with LoRA under a 24 GiB cap (set_per_process_memory_fraction), stage 3 with parameter
      and optimizer offload, bf16 compute: at least 2 steps.
-  4. Step time of stage 3 against torch FSDP2 (fully_shard) on the same ~1B model, world size 1.
-Each part is independent: a failure is recorded in the JSON and the next part runs.
+  4. Step time of stage 3 against torch FSDP2 (fully_shard, optimizer built after it) on the same ~1B model
+     (tests/gpu/speed.py): the main figure at 8 ranks under the fake process group on the one GPU (at world
+     size 1 FSDP2 issues no collective), world size 1 over NCCL beside it; both variants must train (FSDP2's
+     parameters get gradients and change) or the part fails.
+Each part is independent: a failure is recorded in the JSON and the next part runs; the exit status is 1
+when any part raised or reported ``ok: false``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import time
@@ -75,18 +78,9 @@ def part_parity() -> dict:
 
 
 def _llama(hidden: int, layers: int, inter: int, heads: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.gpu.speed import llama_builder
 
-    cfg = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=512,
-    )
-    return cfg, (lambda: LlamaForCausalLM(cfg))
+    return llama_builder(hidden, layers, inter, heads)
 
 
 def part_fake_pg_memory() -> dict:
@@ -163,47 +157,31 @@ def part_13b_lora() -> dict:
     }
 
 
-def speed_variant(name: str, build):
-    """The model and optimizer ``part_speed_vs_fsdp2`` times: ``build()`` in bf16 on the device, under torch
-    FSDP2 (``"fsdp2"``, one group per decoder layer) or zero_plugin stage 3 (``"zp3"``)."""
-    from torch.distributed.fsdp import fully_shard
-
-    import zero_plugin as zp
-
-    torch.manual_seed(0)
-    model = build().cuda().to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    if name == "fsdp2":
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        return model, opt
-    return zp.setup(model, opt, zp.ZeroConfig(stage=3))
-
-
 def part_speed_vs_fsdp2(steps: int = 10) -> dict:
+    """Stage 3 against FSDP2 on the ~1B Llama, bf16, 4 x 512 tokens (``tests/gpu/speed.py``).  The main
+    figure is 8 ranks under the fake process group on this one GPU (a process of its own): at world size 1
+    FSDP2 issues no collective, so the NCCL world-size-1 ratio beside it compares unlike paths."""
+    import subprocess
+    import sys
+
+    from tests.gpu.speed import compare
+
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.speed", "--world", "8", "--steps", str(steps)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    fake = json.loads(res.stdout.split("RESULT", 1)[1]) if "RESULT" in res.stdout else {"error": res.stderr[-3000:]}
     _nccl_world1()
-    cfg, build = _llama(2048, 16, 5504, 16)
-    ids = torch.randint(0, 32000, (4, 512), device="cuda")
-    result = {}
-    for name in ("fsdp2", "zp3", "fsdp2", "zp3"):
-        model, opt = speed_variant(name, build)
-        times = []
-        for i in range(steps + 2):
-            torch.cuda.synchronize()
-            t = time.time()
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            torch.cuda.synchronize()
-            if i >= 2:
-                times.append(time.time() - t)
-        result.setdefault(name, []).append(sorted(times)[len(times) // 2])
-        del model, opt
-        gc.collect()  # zero_plugin's engine and the model reference each other: freed by the cycle collector
-        torch.cuda.empty_cache()
-    result["zp3_over_fsdp2"] = min(result["zp3"]) / min(result["fsdp2"])
-    return result
+    _, build = _llama(2048, 16, 5504, 16)
+    world1 = compare(build, torch.randint(0, 32000, (4, 512), device="cuda"), steps)
+    return {
+        "zp3_over_fsdp2": fake.get("zp3_over_fsdp2"),  # the main figure: 8 fake ranks
+        "fake_world8": fake,
+        "nccl_world1": world1,
+        "ok": bool(fake.get("ok")) and world1["ok"],
+    }
 
 
 def part_lazy_load() -> dict:
@@ -267,6 +245,14 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2, default=str)
         print(name, json.dumps(results[name], default=str)[:800], flush=True)
+    failed = [name for name in args.parts if _failed(results[name])]
+    print("failed parts:", failed or "none", flush=True)
+    raise SystemExit(1 if failed else 0)  # run.sh's exit status says whether every part passed
+
+
+def _failed(result) -> bool:
+    """A part failed when it raised or reports ``ok: false``; parts without ``ok`` only measure."""
+    return isinstance(result, dict) and ("error" in result or result.get("ok") is False)
 
 
 if __name__ == "__main__":

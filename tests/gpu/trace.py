@@ -86,17 +86,19 @@ def trace_overlap(out_dir: str) -> None:
     from zero_plugin.engines.engine import engine_of
 
     _nccl_world1()
-    cycles = int(O.SLEEP_MS * O._cycles_per_ms())
+    sleep_ms = 0.2  # about half of the host-bound model's host time per collective (overlap.py picks it per run)
+    cycles = int(sleep_ms * O._cycles_per_ms())
     torch.manual_seed(0)
     model = O.Chain().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model, opt = zp.setup(model, opt, zp.ZeroConfig(stage=3, prefetch_depth=1))
     engine = engine_of(model, "trace")
-    O._slow_collectives(engine.comm, cycles, {})
+    stand_in = O._StandIn(cycles, stall=False)
+    O.patch_collectives(engine, stand_in.before, stand_in.after)
     x = torch.randn(O.ROWS, O.HIDDEN, device="cuda")
 
     _, events = _profiled_step(model, opt, x, warmup=2, path=os.path.join(out_dir, "trace_overlap"))
-    print("== overlap: one stage-3 step, side streams, 1 ms stand-in sleep before each collective")
+    print(f"== overlap: one stage-3 step, side streams, {sleep_ms} ms stand-in sleep before each collective")
     _timeline(events)
     del model, opt, engine
     gc.collect()
@@ -104,13 +106,14 @@ def trace_overlap(out_dir: str) -> None:
 
 
 def trace_speed(out_dir: str) -> None:
-    from tests.gpu.check import _llama, _nccl_world1, speed_variant
+    from tests.gpu.check import _llama, _nccl_world1
+    from tests.gpu.speed import speed_variant
 
     _nccl_world1()
     cfg, build = _llama(2048, 16, 5504, 16)
     ids = torch.randint(0, 32000, (4, 512), device="cuda")
     for name in ("zp3", "fsdp2"):
-        model, opt = speed_variant(name, build)
+        model, opt = speed_variant(name, build, "cuda")
         prof, events = _profiled_step(model, opt, ids, warmup=3, path=os.path.join(out_dir, f"trace_speed_{name}"))
         span = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
         gpu_busy = sum(e["dur"] for e in span) / 1e3
