@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import deepspeed_reader
 from . import format as fmt
 from .format import CheckpointError
 from .load import Reader
@@ -80,8 +81,12 @@ def consolidate(
         raise ValueError(f"consolidate: format must be one of {FORMATS}; got {format!r}")
     if max_shard_bytes < 1:
         raise ValueError(f"consolidate: max_shard_bytes must be positive; got {max_shard_bytes!r}")
+    deepspeed = deepspeed_reader.find_tag_dir(os.path.abspath(os.fspath(checkpoint)))
     if format == "lightning":
         from .lightning_file import consolidate_lightning
+
+        if deepspeed is not None:
+            raise ValueError("consolidate: a DeepSpeed checkpoint exports as --format safetensors or hf")
 
         if dtype is not None:
             raise ValueError(
@@ -90,15 +95,16 @@ def consolidate(
             )
         return consolidate_lightning(checkpoint, out, verify=verify, weights_only=weights_only)
     checkpoint, out = _zero_part(os.path.abspath(os.fspath(checkpoint))), os.path.abspath(os.fspath(out))
-    index = read_checked_index(checkpoint, verify=verify)
+    source = deepspeed_reader.open_checkpoint(deepspeed) if deepspeed is not None else None
+    index = source.index if source is not None else read_checked_index(checkpoint, verify=verify)
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         raise CheckpointError(f"consolidate: {out} already exists and is not an empty folder; choose a new one")
-    export = _checked_export(index.get("export"), checkpoint)
+    export = _checked_export(source.export if source is not None else index.get("export"), checkpoint)
     tmp = f"{out}.tmp-{uuid.uuid4().hex}"
     os.makedirs(tmp)
     try:
         with contextlib.ExitStack() as stack:
-            reader = Reader(checkpoint, index["files"], stack)
+            reader = source if source is not None else Reader(checkpoint, index["files"], stack)
             written = _write(reader, index, export, tmp, format, dtype, max_shard_bytes)
         if os.path.isdir(out):
             os.rmdir(out)  # the empty folder the user named
@@ -179,6 +185,13 @@ def _all_tensors(index: dict, dtype, rename: Callable[[str], str]) -> list[_Tens
                     rename(name), f"{kind}/{name}", stored if keep else _cast_to(stored, dtype), tuple(entry["shape"])
                 )
             )
+    for alias, name in index.get("aliases", {}).items():  # tied names DeepSpeed records (our index has none)
+        entry = index["params"][name]
+        out.append(
+            _Tensor(
+                rename(alias), f"p/{name}", _cast_to(fmt.dtype_from_name(entry["dtype"]), dtype), tuple(entry["shape"])
+            )
+        )
     return out
 
 

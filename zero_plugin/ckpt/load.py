@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from . import deepspeed_reader
 from . import format as fmt
 from .format import CheckpointError
 from .index import match_model, match_optimizer
@@ -50,6 +51,9 @@ def load(
     written before it was saved have none: the scaler is left as it is) ([Note: scaler state] in ``loss_scale.py``)."""
     world = engine.comm.world  # every rank loads (replicas too) and fails together: [Note: one saved copy]
     path = os.path.abspath(os.fspath(path))
+    tag_dir = on_every_rank(world, lambda: deepspeed_reader.find_tag_dir(path))
+    if tag_dir is not None:
+        return _load_deepspeed(tag_dir, engine, inner, guard)
     files = on_every_rank(world, lambda: _manifest(engine, path))
     if verify:
         mine = _files_to_verify(sorted(files), world.rank, world.world_size)
@@ -61,6 +65,27 @@ def load(
         plan = on_every_rank(world, lambda: _plan(reader, index, engine, views, inner))
         on_every_rank(world, lambda: _read_in(plan, reader, inner, guard))
     return plan.extra
+
+
+def _load_deepspeed(tag_dir: str, engine: Any, inner, guard) -> Any:
+    """A DeepSpeed ZeRO checkpoint ([Note: DeepSpeed checkpoint layout] in ``deepspeed_reader.py``): it has no
+    manifest or hashes to check; its files are read as weights only, then matched, planned and read in as ours."""
+    world = engine.comm.world
+    source = on_every_rank(world, lambda: _open_deepspeed(tag_dir, engine, inner))
+    views = param_views(engine)
+    on_every_rank(world, lambda: _match(source.index, views, engine, inner, tag_dir))
+    plan = on_every_rank(world, lambda: _plan(source, source.index, engine, views, inner))
+    on_every_rank(world, lambda: _read_in(plan, source, inner, guard))
+    return plan.extra
+
+
+def _open_deepspeed(tag_dir: str, engine, inner):
+    engine.forget_forward()  # as _manifest does
+    check_loadable(engine)
+    source = deepspeed_reader.open_checkpoint(tag_dir)
+    if inner is not None:
+        deepspeed_reader.fit_optimizer(source, inner)
+    return source
 
 
 def _files_to_verify(names: list[str], rank: int, world: int) -> list[str]:
@@ -80,10 +105,14 @@ def _manifest(engine, path: str) -> dict[str, dict]:
 
 def _index(path: str, files: dict, views: list[ParamView], engine, inner) -> dict:
     index = read_index(path, files)
+    _match(index, views, engine, inner, path)
+    return index
+
+
+def _match(index: dict, views: list[ParamView], engine, inner, path: str) -> None:
     match_model(index, views, persistent_buffers(engine.model), path)
     if inner is not None:
         match_optimizer(index, engine, inner, path)
-    return index
 
 
 # -- reading -------------------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""Rank-side functions of ``tests/unit/test_deepspeed_checkpoint.py``: resume a DeepSpeed fixture here."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+import zero_plugin as zp
+from tests.fixtures.deepspeed import tiny_model as tm
+from tests.unit.checkpoint_workers import _rank_world, full_optimizer_state, full_params
+from zero_plugin.checkpoint import CheckpointError
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "deepspeed")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def fixture(ds_stage: int) -> tuple[str, dict, dict, dict]:
+    """The checkpoint folder of a DeepSpeed stage, its expected.json, the state at the save, after the resume."""
+    root = os.path.join(FIXTURES, f"stage{ds_stage}")
+    with open(os.path.join(root, "expected.json")) as f:
+        expected = json.load(f)
+    saved = load_file(os.path.join(root, "saved_state.safetensors"))
+    resumed = load_file(os.path.join(root, "resumed_state.safetensors"))
+    return os.path.join(root, "ckpt"), expected, saved, resumed
+
+
+def build(zp_stage: int, offload: bool, seed: int = 1):
+    model = tm.build_model(seed)
+    config = zp.ZeroConfig(stage=zp_stage, offload_optimizer="cpu" if offload else "none")
+    return zp.setup(model, tm.build_optimizer(model), config)
+
+
+def _state(model, opt) -> dict[str, torch.Tensor]:
+    """Full weights and Adam moments, keyed as in the fixtures' state files, and the step counts."""
+    params, optim = full_params(model), full_optimizer_state(model, opt)
+    out = {f"w/{n}": params[n] for n in optim["state"]}
+    for name, entry in optim["state"].items():
+        for key in MOMENTS:
+            out[f"{key}/{name}"] = entry[key].reshape(params[name].shape)
+    steps = {float(entry["step"]) for entry in optim["state"].values()}
+    return out, steps
+
+
+def _compare(ours: dict, theirs: dict, exact: bool, what: str) -> None:
+    assert ours.keys() == theirs.keys(), f"{what}: keys {sorted(ours)} != {sorted(theirs)}"
+    for key, value in theirs.items():
+        if exact:
+            assert torch.equal(ours[key], value), f"{what}: {key} differs by {(ours[key] - value).abs().max()}"
+        else:
+            torch.testing.assert_close(ours[key], value, rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{what}: {k}: {m}")
+
+
+def _mean_loss(model, step: int) -> float:
+    rank, world = _rank_world()
+    loss = model(tm.batch(step, rank, world))
+    total = loss.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return loss, total.item() / world
+
+
+def resume(ds_stage: int, zp_stage: int, offload: bool) -> dict:
+    """Load a DeepSpeed fixture, check the state against DeepSpeed's at the save, train as DeepSpeed's own
+    resumed run did and check the losses and the state after it."""
+    ckpt, expected, saved, resumed = fixture(ds_stage)
+    what = f"DeepSpeed stage {ds_stage} -> zero_plugin stage {zp_stage}{' + offload' if offload else ''}"
+    model, opt = build(zp_stage, offload)
+    extra = zp.load_checkpoint(ckpt, model, opt)
+    state, steps = _state(model, opt)
+    _compare(state, saved, exact=True, what=f"{what}, after loading")
+    assert steps == {expected["saved_step"]}, f"{what}: step counts {steps}"
+    losses = []
+    for step in range(tm.TRAIN_STEPS, tm.TRAIN_STEPS + tm.RESUMED_STEPS):
+        loss, mean = _mean_loss(model, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(mean)
+    torch.testing.assert_close(losses, expected["resumed_losses"], rtol=1e-5, atol=0, msg=lambda m: f"{what}: {m}")
+    state, steps = _state(model, opt)
+    _compare(state, resumed, exact=False, what=f"{what}, after the resumed steps")
+    assert steps == {expected["resumed_step"]}, f"{what}: step counts {steps}"
+    return extra
+
+
+def resume_all(configs: list[tuple[int, int, bool]]) -> list:
+    return [resume(*config) for config in configs]
+
+
+def load_error(ckpt: str, marker: str) -> str:
+    """The error ``zp.load_checkpoint`` raises on ``ckpt`` (which must fail); the marker must not appear."""
+    model, opt = build(1, False)
+    try:
+        zp.load_checkpoint(ckpt, model, opt)
+    except CheckpointError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError(f"zp.load_checkpoint({ckpt!r}) did not fail")
+    assert not os.path.exists(marker), "the planted payload ran"
+    return message
+
+
+def sgd_load_error(ckpt: str) -> str:
+    """Adam state from DeepSpeed into an SGD: refused before anything changes."""
+    model = tm.build_model(1)
+    model, opt = zp.setup(model, torch.optim.SGD(tm.param_groups(model), lr=0.1), zp.ZeroConfig(stage=1))
+    try:
+        zp.load_checkpoint(ckpt, model, opt)
+    except CheckpointError as exc:
+        return str(exc)
+    raise AssertionError("an SGD took DeepSpeed's Adam state")
