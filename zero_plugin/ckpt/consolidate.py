@@ -39,13 +39,15 @@ import torch
 
 from . import deepspeed_reader
 from . import format as fmt
+from .dcp_reader import find_layout
+from .dcp_source import consolidate_dcp
 from .format import CheckpointError
 from .load import Reader
 from .verify import read_checked_index
 
 __all__ = ["FORMATS", "consolidate"]
 
-FORMATS = ("safetensors", "hf", "lightning")
+FORMATS = ("safetensors", "hf", "lightning", "dcp")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 _ST_METADATA = {"format": "pt"}  # transformers refuses safetensors weights without it
 
@@ -81,6 +83,12 @@ def consolidate(
         raise ValueError(f"consolidate: format must be one of {FORMATS}; got {format!r}")
     if max_shard_bytes < 1:
         raise ValueError(f"consolidate: max_shard_bytes must be positive; got {max_shard_bytes!r}")
+    if format == "dcp":  # ours to FSDP2 ([Note: DCP export] in dcp_export.py)
+        from .dcp_export import export_dcp
+
+        return export_dcp(checkpoint, out, verify=verify)
+    if (dcp := find_layout(os.fspath(checkpoint))) is not None:  # FSDP / torch DCP, read as ours
+        return consolidate_dcp(dcp, os.fspath(out), format=format, dtype=dtype, max_shard_bytes=max_shard_bytes)
     deepspeed = deepspeed_reader.find_tag_dir(os.path.abspath(os.fspath(checkpoint)))
     if format == "lightning":
         from .lightning_file import consolidate_lightning

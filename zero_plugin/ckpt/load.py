@@ -33,6 +33,8 @@ from safetensors import safe_open
 
 from . import deepspeed_reader
 from . import format as fmt
+from .dcp_reader import find_layout
+from .dcp_source import load_dcp
 from .format import CheckpointError
 from .index import match_model, match_optimizer
 from .regions import ParamView, check_loadable, copy_param_in, load_range, param_views, persistent_buffers
@@ -51,6 +53,8 @@ def load(
     written before it was saved have none: the scaler is left as it is) ([Note: scaler state] in ``loss_scale.py``)."""
     world = engine.comm.world  # every rank loads (replicas too) and fails together: [Note: one saved copy]
     path = os.path.abspath(os.fspath(path))
+    if (dcp := on_every_rank(world, lambda: find_layout(path))) is not None:  # FSDP / torch DCP
+        return load_dcp(dcp, engine, inner, guard)
     tag_dir = on_every_rank(world, lambda: deepspeed_reader.find_tag_dir(path))
     if tag_dir is not None:
         return _load_deepspeed(tag_dir, engine, inner, guard)

@@ -22,13 +22,17 @@ def _add_consolidate(sub) -> None:
         "weights, or for a PEFT model only the adapter (adapter_model.safetensors + "
         "adapter_config.json). --format lightning turns a sharded Lightning/Fabric "
         "checkpoint directory (ZeroStrategy's epoch=N.ckpt/) into the one file that "
-        "LightningModule.load_from_checkpoint and other strategies read.",
+        "LightningModule.load_from_checkpoint and other strategies read. --format dcp writes a "
+        "torch.distributed.checkpoint folder that FSDP2 resumes from (zero_plugin/ckpt/dcp_export.py). "
+        "CHECKPOINT may also be an FSDP / DCP folder (dcp.save, or Accelerate's pytorch_model_fsdp_0/ + "
+        "optimizer_0/), exported as safetensors or hf.",
     )
     p.add_argument(
-        "checkpoint", help="folder written by zp.save_checkpoint, or a sharded Lightning checkpoint directory"
+        "checkpoint",
+        help="folder written by zp.save_checkpoint, a sharded Lightning checkpoint directory, or an FSDP / DCP folder",
     )
     p.add_argument("out", help="new folder to create (must not exist, or be empty); --format lightning: new file")
-    p.add_argument("--format", choices=["safetensors", "hf", "lightning"], default="safetensors")
+    p.add_argument("--format", choices=["safetensors", "hf", "lightning", "dcp"], default="safetensors")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point tensors")
     p.add_argument(
         "--max-shard-size",
