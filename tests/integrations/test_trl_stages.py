@@ -1,8 +1,9 @@
 """TRL's trainers, unchanged, at stages 1, 2, 3 and 3 + offload against their DDP run (issue 37): one launch per
-setting (``scripts/trl_stages.py``: ``SFTTrainer`` then ``DPOTrainer``, LoRA, TRL's fused LM head, gradient
-checkpointing on as TRL defaults), 2 CPU processes, same seed, real-shaped Llamas (vocab 4096 x hidden 256: the
-SFT model's untied head is a stage-3 unit of its own, the DPO model's tied head is in the root unit).  Losses,
-DPO rewards and grad norms step for step, and the saved adapters.  Before stage 3 read the head outside its
+setting (``scripts/trl_stages.py``: ``SFTTrainer``, ``DPOTrainer``, then ``GRPOTrainer`` generating in the trainer;
+LoRA, TRL's fused LM head, gradient checkpointing on as TRL defaults), 2 CPU processes, same seed, real-shaped
+Llamas (vocab 4096 x hidden 256: the SFT and GRPO models' untied heads are stage-3 units of their own, the DPO
+model's tied head is in the root unit).  Losses, DPO and GRPO rewards (GRPO's: equal only if the sampled
+completions are) and grad norms step for step, and the saved adapters.  Before stage 3 read the head outside its
 forward ([Note: direct reads of the output embedding] in zero_plugin/stage3/direct_reads.py) its SFT run failed
 at step 1 with ``RuntimeError: mat2 must be a matrix``.
 """
@@ -29,7 +30,11 @@ SETTINGS = {
     "stage3": ([*ZERO_LAUNCH, "launch", "--stage", "3", *TWO], {}),
     "stage3_offload": ([*ZERO_LAUNCH, "launch", "--stage", "3", "--offload", "cpu", *TWO], {}),
 }
-DPO_KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
+KEYS = {
+    "sft": ("loss", "grad_norm", "entropy", "mean_token_accuracy"),
+    "dpo": ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen"),
+    "grpo": ("loss", "grad_norm", "reward", "reward_std", "entropy"),
+}
 
 
 def _launch(name: str, out: Path) -> subprocess.CompletedProcess:
@@ -58,6 +63,8 @@ def runs(tmp_path_factory):
 def _steps(root: Path, name: str, trainer: str) -> list[dict]:
     info = json.loads((root / name / "result.json").read_text())
     assert info["world_size"] == 2
+    # zero_plugin.run patched TRL's vLLM weight sync (integrations/trl_vllm.py) in every launch it ran
+    assert info["vllm_sync"].startswith("zero_plugin" if name != "ddp" else "trl"), info["vllm_sync"]
     return [h for h in info[trainer] if "loss" in h]
 
 
@@ -68,15 +75,14 @@ def _adapter(root: Path, name: str, trainer: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("setting", [s for s in SETTINGS if s != "ddp"])
-@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+@pytest.mark.parametrize("trainer", list(KEYS))
 def test_trl_trainer_equals_ddp(runs, setting, trainer):
     want, got = _steps(runs, "ddp", trainer), _steps(runs, setting, trainer)
     assert len(want) == len(got) == STEPS
-    keys = DPO_KEYS if trainer == "dpo" else ("loss", "grad_norm", "entropy", "mean_token_accuracy")
     for step, (w, g) in enumerate(zip(want, got)):
-        for key in keys:
+        for key in KEYS[trainer]:
             assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (trainer, setting, step, key, w, g)
-    assert want[0]["loss"] != want[-1]["loss"]
+    assert [want[0][k] for k in KEYS[trainer]] != [want[-1][k] for k in KEYS[trainer]]
     ref, adapter = _adapter(runs, "ddp", trainer), _adapter(runs, setting, trainer)
     assert adapter.keys() == ref.keys() and len(ref) > 0
     for name, value in ref.items():

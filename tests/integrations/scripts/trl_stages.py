@@ -1,18 +1,22 @@
-"""TRL's ``SFTTrainer`` and ``DPOTrainer`` (LoRA, TRL's fused LM head) one after the other in one launch, on
-real-shaped random-init Llamas (no zero_plugin in it): SFT on an untied head of 4096 x 256 = 2^20 elements (a
-stage-3 unit of its own), DPO on a tied one with a separate reference model.  Rank 0 writes
-OUT/result.json (each trainer's log history) and OUT/<trainer>/adapter_model.safetensors (``save_model``).
+"""TRL's ``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer`` (LoRA, TRL's fused LM head) one after the other in
+one launch, on real-shaped random-init Llamas (no zero_plugin in it): SFT on an untied head of 4096 x 256 = 2^20
+elements (a stage-3 unit of its own), DPO on a tied one with a separate reference model, GRPO on an untied one
+generating in the trainer (``model.generate``, no vLLM) and scored by a tiny reward function.  Rank 0 writes
+OUT/result.json (each trainer's log history and seconds) and OUT/<trainer>/adapter_model.safetensors
+(``save_model``).
 """
 
 import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 from peft import LoraConfig
 from transformers import LlamaForCausalLM, set_seed
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trl.generation.vllm_generation import VLLMGeneration
 from trl_common import trl_args
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
@@ -63,6 +67,25 @@ def dpo(tok, out: str, steps: int) -> DPOTrainer:
     )
 
 
+def even_tokens(completions, completion_ids, **kwargs) -> list[float]:
+    """GRPO's reward: the share of even token ids (ids, not text: the random model samples from its 4096 ids,
+    most of them outside the tokenizer's vocabulary), so that the sampled completions of a prompt differ."""
+    return [sum(i % 2 == 0 for i in ids) / max(1, len(ids)) for ids in completion_ids]
+
+
+def grpo(tok, out: str, steps: int) -> GRPOTrainer:
+    settings = {k: v for k, v in trl_args(os.path.join(out, "grpo"), steps).items() if k != "max_length"}
+    config = GRPOConfig(**settings, num_generations=2, max_completion_length=6, beta=0.0)
+    return GRPOTrainer(
+        model=llama(tok, tie=False, seed=0),
+        reward_funcs=even_tokens,
+        args=config,
+        train_dataset=preferences(16, seed=3).select_columns(["prompt"]),
+        processing_class=tok,
+        peft_config=lora(["q_proj", "v_proj"]),
+    )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -70,13 +93,17 @@ def main():
     args = ap.parse_args()
     tok = tokenizer()
     result = {}
-    for name, build in (("sft", sft), ("dpo", dpo)):
+    for name, build in (("sft", sft), ("dpo", dpo), ("grpo", grpo)):
+        start = time.perf_counter()
         trainer = build(tok, args.out, args.max_steps)
         trainer.train()
         trainer.save_model(os.path.join(args.out, name))
         result[name] = trainer.state.log_history
+        result[f"{name}_seconds"] = time.perf_counter() - start
         result["world_size"] = trainer.args.world_size
         result["accelerator_class"] = type(trainer.accelerator).__module__
+    # what GRPO / RLOO push to vLLM with: zero_plugin.run's patch (integrations/trl_vllm.py) or TRL's own
+    result["vllm_sync"] = VLLMGeneration._iter_named_params.__module__
     if int(os.environ.get("RANK", "0")) == 0:
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
