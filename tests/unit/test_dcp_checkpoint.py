@@ -66,7 +66,7 @@ def test_metadata_pointing_outside_the_folder_is_refused(tmp_path):
     with open(path, "rb") as f:
         data = f.read()
     with open(path, "wb") as f:  # same length, so the pickle stays valid
-        f.write(data.replace(b"__0_0.distcp", b"../0_0.distcp"))
+        f.write(data.replace(b"__0_0.distcp", b"../_0.distcp"))
     with pytest.raises(CheckpointError, match="is outside the folder"):
         consolidate(ckpt, str(tmp_path / "out"))
 
@@ -77,7 +77,7 @@ def test_metadata_pointing_outside_the_folder_is_refused(tmp_path):
     [
         (1, [("mlp", 3, False), ("llama", 1, False)]),
         (2, [("mlp", 1, False), ("mlp", 2, True), ("llama", 3, False)]),
-        (3, [("mlp", 3, True), ("mlp", 2, False), ("llama", 2, False)]),
+        (3, [("mlp", 3, True), ("llama", 2, False)]),
     ],
 )
 def test_resume_fsdp2_checkpoint_continues_as_fsdp2(world, configs):
@@ -127,10 +127,12 @@ def _assert_bit_equal(ours: dict, theirs: dict) -> None:
 
 
 def test_consolidate_dcp_equals_dcp_to_torch_save(tmp_path):
-    _cli(MLP, str(tmp_path / "mlp"))
+    from zero_plugin.ckpt.consolidate import consolidate
+
+    consolidate(MLP, str(tmp_path / "mlp"))
     _assert_bit_equal(load_file(str(tmp_path / "mlp" / "model.safetensors")), _dcp_to_torch_save(MLP, tmp_path))
     theirs = _dcp_to_torch_save(os.path.join(LLAMA, "pytorch_model_fsdp_0"), tmp_path)
-    _cli(LLAMA, str(tmp_path / "llama"))
+    consolidate(LLAMA, str(tmp_path / "llama"))
     _assert_bit_equal(load_file(str(tmp_path / "llama" / "model.safetensors")), theirs)
     _cli(LLAMA, str(tmp_path / "hf"), "--format", "hf")
     from transformers import AutoModelForCausalLM
