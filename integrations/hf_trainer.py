@@ -9,7 +9,9 @@ are the Trainer methods that assume every rank holds the full model or optimizer
   (for a PEFT model only the trainable adapter weights are gathered: adapter files stay small).
 * ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: the optimizer state is
   saved with ``common.save_sharded`` into ``checkpoint-N/zero_plugin/`` and loaded back on resume
-  (a plain DDP checkpoint's ``optimizer.pt`` also loads: it is a full state dict).  ``optimizer.pt``
+  (a plain DDP checkpoint's ``optimizer.pt`` also loads: it is a full state dict; a checkpoint the Trainer
+  wrote under DeepSpeed ZeRO, ``global_stepN/`` + ``latest``, loads weights and optimizer state from
+  DeepSpeed's files, ``_load_from_checkpoint`` leaving the weights to that).  ``optimizer.pt``
   is a stub that a plain Trainer fails to load with a message naming the fix ([Note: optimizer stub]).
 * ``_load_best_model`` (``load_best_model_at_end``): every rank loads the best checkpoint's weights
   from its ``zero_plugin/`` folder with ``zp.load_checkpoint`` (model only).
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 import zero_plugin as zp
+from zero_plugin.ckpt.deepspeed_reader import find_tag_dir
 from zero_plugin.ckpt.rng import capture_rng, restore_rng
 
 from . import common
@@ -133,6 +136,9 @@ def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
     sharded = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
     if os.path.isdir(sharded):
         common.load_sharded(sharded, model, self.optimizer)
+    elif find_tag_dir(checkpoint) is not None:  # written under DeepSpeed: weights and optimizer state from its files
+        extra = common.load_sharded(checkpoint, model, self.optimizer)
+        _load_deepspeed_scheduler(self, checkpoint, extra)
     elif is_stub(os.path.join(checkpoint, OPTIMIZER_NAME)):
         raise FileNotFoundError(
             f"zero_plugin: {checkpoint!r} was written by zero_plugin but its optimizer state "
@@ -150,6 +156,17 @@ def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
 
 
+def _load_deepspeed_scheduler(self, checkpoint: str, extra: dict) -> None:
+    """The Trainer writes ``scheduler.pt`` beside DeepSpeed's files unless DeepSpeed ran the schedule itself
+    (``"scheduler"`` in its config): then the state is in DeepSpeed's record."""
+    from transformers.trainer import SCHEDULER_NAME
+
+    if not os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+        state = extra.get("deepspeed", {}).get("lr_scheduler")
+        if state:
+            self.lr_scheduler.load_state_dict(state)
+
+
 def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
     target = model if model is not None else self.model
     if _uses_zero(self) and common.is_set_up(target):
@@ -157,6 +174,10 @@ def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | 
             "zero_plugin: resume_from_checkpoint on a Trainer whose model is already sharded (a second "
             "train() call) is not supported; resume in a fresh Trainer/process"
         )
+    if _uses_zero(self) and find_tag_dir(resume_from_checkpoint) is not None:
+        # A checkpoint written under DeepSpeed: at ZeRO-3 it has no weights file, and at any stage its fp32
+        # master weights are in DeepSpeed's files, which _load_optimizer_and_scheduler reads once set up.
+        return None
     return _ORIGINALS["_load_from_checkpoint"](self, resume_from_checkpoint, model)
 
 
