@@ -65,6 +65,7 @@ __all__ = [
     "BufferedReduce",
     "FlatAllReduce",
     "gather_in_place",
+    "each",
     "gather_buffered",
     "reduce_in_place",
     "reduce_buffered",
@@ -73,6 +74,7 @@ __all__ = [
 ]
 
 Store = Callable[[Any, torch.Tensor], None]  # (member, its averaged result)
+Fill = Callable[[list, list[torch.Tensor]], None]  # (members, this rank's padded chunk of each) for a gather
 
 
 class Buffers(Protocol):
@@ -289,23 +291,33 @@ def gather_in_place(comm: Comm, members: list, flats: Sequence[torch.Tensor], ta
     return InPlaceGather(comm, members, comm.gather_regions(regions, async_op=True, tag=tag))
 
 
+def each(fill: Callable[[Any, torch.Tensor], None]) -> Fill:
+    """A :data:`Fill` that writes one member's chunk at a time with ``fill(member, chunk)``."""
+
+    def fill_each(members: list, chunks: list[torch.Tensor]) -> None:
+        for member, chunk in zip(members, chunks):
+            fill(member, chunk)
+
+    return fill_each
+
+
 def gather_buffered(
     comm: Comm,
     members: list,
     dtype: torch.dtype,
     device: torch.device,
-    fill: Callable[[Any, torch.Tensor], None],
+    fill: Fill,
     buffers: Buffers = FRESH,
     trailer: tuple = (),
     tag: str = "",
 ) -> BufferedGather:
-    """``fill(member, chunk)`` writes this rank's padded chunk (``shard_numel`` long) of ``member``;
-    ``trailer``: values appended to this rank's input (exact in ``dtype``)."""
+    """``fill(members, chunks)`` writes this rank's padded chunk (``shard_numel`` long) of each member, all at
+    once where it can (stage 3: one batched copy per unit, ``ShardedParam.copy_locals_into``), else one by one
+    (:func:`each`); ``trailer``: values appended to this rank's input (exact in ``dtype``)."""
     offsets, width = packed_offsets(m.layout.shard_numel for m in members)
     extra = len(trailer)
     inp = buffers.take(width + extra, dtype, device)
-    for member, off in zip(members, offsets):
-        fill(member, inp[off : off + member.layout.shard_numel])
+    fill(members, [inp[off : off + m.layout.shard_numel] for m, off in zip(members, offsets)])
     for j, value in enumerate(trailer):  # scalar fills: no copy from pageable host memory (a host stall on CUDA)
         inp[width + j] = value
     out = buffers.take(comm.world_size * (width + extra), dtype, device)

@@ -70,7 +70,9 @@ class ParamAllGather:
 
     def _launch(self, bucket: Bucket) -> comm_layout.BufferedGather:
         p0 = bucket.slots[0].param
-        return comm_layout.gather_buffered(self.comm, bucket.slots, p0.dtype, p0.device, _fill_own_chunk)
+        return comm_layout.gather_buffered(
+            self.comm, bucket.slots, p0.dtype, p0.device, comm_layout.each(_fill_own_chunk)
+        )
 
     def _complete(self, pending: comm_layout.BufferedGather) -> None:
         rows = pending.wait(_WHAT)

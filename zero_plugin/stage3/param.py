@@ -168,6 +168,26 @@ class ShardedParam:
         if self.local.numel() < dst.numel():
             dst[self.local.numel() :].zero_()
 
+    @staticmethod
+    def copy_locals_into(members: list[ShardedParam], chunks: list[torch.Tensor]) -> None:
+        """Copy-in for a unit's all-gather, batched: the local shards into their chunks in one foreach copy
+        (cast to the compute dtype), the padding after them zeroed in one more; shards on the host
+        (offload_params) one by one, without blocking (:meth:`copy_local_into`)."""
+        dsts, srcs, tails = [], [], []
+        for sp, chunk in zip(members, chunks):
+            if sp.local.device != chunk.device:
+                sp.copy_local_into(chunk)
+                continue
+            n = sp.local.numel()
+            dsts.append(chunk[:n])
+            srcs.append(sp.local)
+            if n < chunk.numel():
+                tails.append(chunk[n:])
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        if tails:
+            torch._foreach_zero_(tails)
+
     @torch.no_grad()
     def write_full_into_local(self, full: torch.Tensor) -> None:
         """Take this rank's region of an edited full tensor (load, gathered edit)."""

@@ -84,7 +84,13 @@ class SecondaryShard:
             by_dtype.setdefault(m.sp.unsharded.dtype, []).append(m)
         return [
             comm_layout.gather_buffered(
-                self.comm, group, dtype, group[0].sp.unsharded.device, SecondaryMember.fill, trailer=trailer, tag=tag
+                self.comm,
+                group,
+                dtype,
+                group[0].sp.unsharded.device,
+                comm_layout.each(SecondaryMember.fill),
+                trailer=trailer,
+                tag=tag,
             )
             for dtype, group in by_dtype.items()
         ]

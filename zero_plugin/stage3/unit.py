@@ -293,7 +293,7 @@ class Unit:
                         group,
                         dtype,
                         group[0].unsharded.device,
-                        ShardedParam.copy_local_into,
+                        ShardedParam.copy_locals_into,
                         self.pool,
                         trailer=self._tag(),
                         tag=self.name,
