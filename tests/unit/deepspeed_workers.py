@@ -18,9 +18,10 @@ FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def fixture(ds_stage: int) -> tuple[str, dict, dict, dict]:
-    """The checkpoint folder of a DeepSpeed stage, its expected.json, the state at the save, after the resume."""
-    root = os.path.join(FIXTURES, f"stage{ds_stage}")
+def fixture(variant: int | str) -> tuple[str, dict, dict, dict]:
+    """The checkpoint folder of a DeepSpeed stage (``1`` or ``"1_bf16"``), its expected.json, the state at the
+    save and after DeepSpeed's resumed run."""
+    root = os.path.join(FIXTURES, f"stage{variant}")
     with open(os.path.join(root, "expected.json")) as f:
         expected = json.load(f)
     saved = load_file(os.path.join(root, "saved_state.safetensors"))
@@ -28,9 +29,9 @@ def fixture(ds_stage: int) -> tuple[str, dict, dict, dict]:
     return os.path.join(root, "ckpt"), expected, saved, resumed
 
 
-def build(zp_stage: int, offload: bool, seed: int = 1):
+def build(zp_stage: int, offload: bool, seed: int = 1, param_dtype: str | None = None):
     model = tm.build_model(seed)
-    config = zp.ZeroConfig(stage=zp_stage, offload_optimizer="cpu" if offload else "none")
+    config = zp.ZeroConfig(stage=zp_stage, offload_optimizer="cpu" if offload else "none", param_dtype=param_dtype)
     return zp.setup(model, tm.build_optimizer(model), config)
 
 
@@ -63,12 +64,14 @@ def _mean_loss(model, step: int) -> float:
     return loss, total.item() / world
 
 
-def resume(ds_stage: int, zp_stage: int, offload: bool) -> dict:
+def resume(variant: int | str, zp_stage: int, offload: bool) -> dict:
     """Load a DeepSpeed fixture, check the state against DeepSpeed's at the save, train as DeepSpeed's own
-    resumed run did and check the losses and the state after it."""
-    ckpt, expected, saved, resumed = fixture(ds_stage)
-    what = f"DeepSpeed stage {ds_stage} -> zero_plugin stage {zp_stage}{' + offload' if offload else ''}"
-    model, opt = build(zp_stage, offload)
+    resumed run did and check the losses and the state after it.  A bf16 run is resumed in bf16 with fp32
+    masters: the masters and Adam state load exactly, the losses agree to bf16's resolution (8 bits)."""
+    ckpt, expected, saved, resumed = fixture(variant)
+    bf16 = str(variant).endswith("_bf16")
+    what = f"DeepSpeed stage {variant} -> zero_plugin stage {zp_stage}{' + offload' if offload else ''}"
+    model, opt = build(zp_stage, offload, param_dtype="bf16" if bf16 else None)
     extra = zp.load_checkpoint(ckpt, model, opt)
     state, steps = _state(model, opt)
     _compare(state, saved, exact=True, what=f"{what}, after loading")
@@ -80,9 +83,11 @@ def resume(ds_stage: int, zp_stage: int, offload: bool) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(mean)
-    torch.testing.assert_close(losses, expected["resumed_losses"], rtol=1e-5, atol=0, msg=lambda m: f"{what}: {m}")
+    rtol = 2**-7 if bf16 else 1e-5
+    torch.testing.assert_close(losses, expected["resumed_losses"], rtol=rtol, atol=0, msg=lambda m: f"{what}: {m}")
     state, steps = _state(model, opt)
-    _compare(state, resumed, exact=False, what=f"{what}, after the resumed steps")
+    if not bf16:  # bf16 forward passes differ in rounding from DeepSpeed's, and Adam amplifies it
+        _compare(state, resumed, exact=False, what=f"{what}, after the resumed steps")
     assert steps == {expected["resumed_step"]}, f"{what}: step counts {steps}"
     return extra
 

@@ -23,6 +23,7 @@ from zero_plugin.ckpt.format import CheckpointError
 from zero_plugin.launch.cli import main as cli
 
 STAGES = (1, 2, 3)
+VARIANTS = [1, 2, 3, "1_bf16", "2_bf16", "3_bf16"]  # fixtures: stage, and bf16 runs (fp32 masters)
 TAG = "global_step2"
 
 
@@ -92,10 +93,10 @@ def test_latest_naming_a_folder_outside_the_checkpoint_is_refused(tmp_path):
 
 # -- (3) offline export --------------------------------------------------------------------------------------
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
+    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16) if t.is_floating_point() else t
 
 
-@pytest.mark.parametrize("ds_stage", STAGES)
+@pytest.mark.parametrize("ds_stage", VARIANTS)
 def test_consolidate_equals_deepspeeds_zero_to_fp32_bit_for_bit(tmp_path, ds_stage, capsys):
     ckpt = w.fixture(ds_stage)[0]
     out = os.path.join(tmp_path, "out")
@@ -126,6 +127,7 @@ def test_consolidate_hf_without_a_transformers_config_says_what_to_use(tmp_path)
 
 # -- (4) resume ----------------------------------------------------------------------------------------------
 CONFIGS = [(ds, zs, False) for ds in STAGES for zs in (1, 2, 3)] + [(1, 3, True), (2, 2, True), (3, 3, True)]
+CONFIGS += [("1_bf16", 3, False), ("2_bf16", 1, False), ("3_bf16", 2, True)]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
