@@ -120,6 +120,22 @@ def test_consolidate_reads_the_tag_folder_too(tmp_path):
     assert all(torch.equal(ours[k], again[k]) for k in ours) and ours.keys() == again.keys()
 
 
+def test_consolidate_hf_trainer_folder_to_a_from_pretrained_folder(tmp_path):
+    """The HF Trainer's checkpoint-N/ under DeepSpeed ZeRO-3 (no weights file in it) to a folder that
+    from_pretrained loads, with DeepSpeed's own zero_to_fp32 weights bit for bit."""
+    from transformers import LlamaForCausalLM
+
+    root = os.path.join(w.FIXTURES, "hf_trainer")
+    out = os.path.join(tmp_path, "out")
+    consolidate(os.path.join(root, "checkpoint-2"), out, format="hf")
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    theirs = load_file(os.path.join(root, "zero_to_fp32.safetensors"))
+    loaded = LlamaForCausalLM.from_pretrained(out).state_dict()
+    assert loaded.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert torch.equal(_bits(loaded[key]), _bits(value)), key
+
+
 def test_consolidate_hf_without_a_transformers_config_says_what_to_use(tmp_path):
     with pytest.raises(CheckpointError, match="--format safetensors"):
         consolidate(w.fixture(2)[0], os.path.join(tmp_path, "out"), format="hf")
