@@ -326,14 +326,15 @@ class Accelerator(_AccelerateAccelerator):
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
-        """Inverse of :meth:`save_state`; collective.  Reshards when ``zp.load_checkpoint`` is available."""
+        """Inverse of :meth:`save_state`; collective.  Reshards when ``zp.load_checkpoint`` is available.  Also
+        reads a ``save_state`` directory written under DeepSpeed ZeRO (:func:`_sharded_folder`)."""
         pairs = self._zero_pairs()
         if not pairs:
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
 
         def load_zero(models: list, in_dir: str) -> None:
             for i, (model, optimizer) in enumerate(pairs):
-                common.load_sharded(os.path.join(in_dir, f"zero_plugin_{i}"), model, optimizer)
+                common.load_sharded(_sharded_folder(in_dir, i), model, optimizer)
 
         with self._zero_objects_hidden(pairs), _hook(self.register_load_state_pre_hook(load_zero)):
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
@@ -431,3 +432,12 @@ def _hook(handle) -> Iterator[None]:
         yield
     finally:
         handle.remove()
+
+
+def _sharded_folder(in_dir: str, i: int) -> str:
+    """The folder of the ``i``-th model's state in a ``save_state`` directory: ours (``zero_plugin_<i>/``), or
+    what Accelerate's ``save_state`` wrote under DeepSpeed (``pytorch_model/``, ``pytorch_model_<i>/``), which
+    ``zp.load_checkpoint`` reads as well."""
+    ours = os.path.join(in_dir, f"zero_plugin_{i}")
+    deepspeed = os.path.join(in_dir, "pytorch_model" if i == 0 else f"pytorch_model_{i}")
+    return deepspeed if not os.path.isdir(ours) and os.path.isdir(deepspeed) else ours

@@ -118,3 +118,37 @@ def sgd_load_error(ckpt: str) -> str:
     except CheckpointError as exc:
         return str(exc)
     raise AssertionError("an SGD took DeepSpeed's Adam state")
+
+
+def load_model_only(variant: int | str, zp_stage: int) -> None:
+    """``zp.load_checkpoint(path, model)``: the fp32 masters of a DeepSpeed checkpoint, no optimizer state."""
+    ckpt, _expected, saved, _resumed = fixture(variant)
+    model, opt = build(zp_stage, False)
+    zp.load_checkpoint(ckpt, model)
+    params = full_params(model)
+    for key, value in saved.items():
+        if key.startswith("w/"):
+            assert torch.equal(params[key[2:]], value), key
+    assert not opt.inner.state, "the optimizer took state from a model-only load"
+
+
+def accelerate_resume(state_dir: str, zp_stage: int) -> tuple[list[float], list[float]]:
+    """``accelerator.load_state`` of what Accelerate's ``save_state`` wrote under DeepSpeed, in zero_plugin's
+    Accelerator (the loop of ``make_accelerate_ckpt.py``); the losses and learning rates of the next steps."""
+    from accelerate.state import AcceleratorState
+    from zero_plugin.integrations.accelerate import Accelerator
+
+    from tests.fixtures.deepspeed import make_accelerate_ckpt as fx
+
+    rank, world = _rank_world()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True, zero_plugin=zp.ZeroConfig(stage=zp_stage))
+    model = tm.build_model(1)
+    optimizer = tm.build_optimizer(model)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, fx.schedule(optimizer))
+    accelerator.load_state(state_dir)
+    steps = range(tm.TRAIN_STEPS, tm.TRAIN_STEPS + tm.RESUMED_STEPS)
+    result = fx.train(accelerator, model, optimizer, scheduler, steps)
+    AcceleratorState._reset_state(True)
+    return result

@@ -9,6 +9,7 @@ DeepSpeed is not needed to run these tests.
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import shutil
 
@@ -154,6 +155,23 @@ def test_resume_matches_deepspeeds_own_resumed_run(world):
         for extra in extras:
             assert extra["deepspeed"]["global_steps"] == 2
             assert extra["deepspeed"]["client_state"] == {"data_step": 2}
+
+
+@pytest.mark.parametrize("zp_stage", [1, 3])
+def test_accelerate_load_state_of_a_deepspeed_save_state(zp_stage):
+    """Accelerate's save_state under DeepSpeed ZeRO-2 (pytorch_model/ + latest, scheduler.bin, RNG files),
+    loaded by zero_plugin's Accelerator: the next losses and learning rates equal DeepSpeed's resumed run's."""
+    root = os.path.join(w.FIXTURES, "accelerate")
+    with open(os.path.join(root, "expected.json")) as f:
+        expected = json.load(f)
+    for losses, lrs in run_ranks(2, w.accelerate_resume, os.path.join(root, "state"), zp_stage, timeout=120):
+        torch.testing.assert_close(losses, expected["resumed_losses"], rtol=1e-5, atol=0)
+        assert lrs == expected["resumed_lrs"]
+
+
+def test_model_only_load_takes_the_fp32_masters():
+    for ds, zs in [(1, 3), (3, 1), ("2_bf16", 2)]:
+        run_ranks(2, w.load_model_only, ds, zs, timeout=120)
 
 
 def test_resume_into_another_optimizer_kind_is_refused(tmp_path):
