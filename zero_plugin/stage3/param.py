@@ -106,6 +106,40 @@ class ShardedParam:
         self._set_data(self.unsharded)
         self.state = ShardedState.UNSHARDED
 
+    @staticmethod
+    def all_to_unsharded(
+        params: list[ShardedParam], layouts: list[ShardLayout], rows: torch.Tensor, trailer: int
+    ) -> torch.Tensor:
+        """Copy-out of a unit's all-gather, batched: ``rows`` is ``(world_size, width + trailer)``, the params'
+        padded chunks side by side (in order, ``shard_numel`` of their ``layouts`` each: the shard's, or hpZ's
+        secondary one), then ``trailer`` columns; every param's full tensor is filled and exposed.  One
+        ``split_with_sizes_copy`` of the whole rows (the trailer into a small tensor of its own) straight into
+        the full tensors when no param is padded (FSDP2's copy-out), else one foreach copy of the valid spans.
+        Returns the trailer columns."""
+        for sp in params:
+            assert sp.state is ShardedState.SHARDED, f"{sp.name}: to_unsharded from {sp.state}"
+            sp._alloc_unsharded()
+        n, width = rows.shape[0], rows.shape[1] - trailer
+        trailing = rows[:, width:]
+        sizes = [layout.shard_numel for layout in layouts]
+        if all(layout.numel == layout.padded_numel for layout in layouts):
+            outs = [sp.unsharded.data.view(n, size) for sp, size in zip(params, sizes)]
+            if trailer:
+                trailing = torch.empty(n, trailer, dtype=rows.dtype, device=rows.device)
+                outs, sizes = outs + [trailing], sizes + [trailer]
+            torch.split_with_sizes_copy(rows, sizes, dim=1, out=outs)
+        else:
+            dsts, srcs, offset = [], [], 0
+            for sp, layout in zip(params, layouts):
+                columns = rows[:, offset : offset + layout.shard_numel]
+                _valid_spans(sp.unsharded.data.view(-1), columns, layout, dsts, srcs)
+                offset += layout.shard_numel
+            torch._foreach_copy_(dsts, srcs)
+        for sp in params:
+            sp._set_data(sp.unsharded)
+            sp.state = ShardedState.UNSHARDED
+        return trailing
+
     def open_unsharded(self) -> torch.Tensor:
         """In-place gather, first half: allocate the full tensor, write this rank's region into it and
         return its flat view; other ranks' regions are filled by the caller's collective, then
@@ -202,3 +236,16 @@ class ShardedParam:
             )
         else:  # accumulation on the host reads the copy at once: a blocking copy
             self.sharded_grad.add_(reduced.to(device=self.local.device, dtype=self.local.dtype))
+
+
+def _valid_spans(flat: torch.Tensor, columns: torch.Tensor, layout: ShardLayout, dsts: list, srcs: list) -> None:
+    """The (destination, source) pairs that copy ``columns`` (``(world_size, shard_numel)``, padded) into a full
+    flat tensor: the whole rows, then the valid prefix of the partial one (``copy_from_rows``' spans)."""
+    s = layout.shard_numel
+    full_rows, rem = divmod(layout.numel, s)
+    if full_rows:
+        dsts.append(flat[: full_rows * s].view(full_rows, s))
+        srcs.append(columns[:full_rows])
+    if rem:
+        dsts.append(flat[full_rows * s :])
+        srcs.append(columns[full_rows, :rem])

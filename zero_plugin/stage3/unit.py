@@ -329,9 +329,9 @@ class Unit:
         with self.streams.gather():
             for p in pending:
                 rows = p.wait(f"all-gather of unit {self.name!r}")
-                self._check_tags(p.trailing(rows))
-                for sp, columns in p.columns(rows):
-                    sp.to_unsharded(columns)
+                params = [getattr(m, "sp", m) for m in p.members]  # hpZ's members wrap the ShardedParam
+                layouts = [m.layout for m in p.members]
+                self._check_tags(ShardedParam.all_to_unsharded(params, layouts, rows, p.trailer))
             copied = self.streams.record()
         self.streams.wait(copied)
         for p in pending:
