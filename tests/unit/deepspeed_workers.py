@@ -29,8 +29,11 @@ def fixture(variant: int | str) -> tuple[str, dict, dict, dict]:
     return os.path.join(root, "ckpt"), expected, saved, resumed
 
 
-def build(zp_stage: int, offload: bool, seed: int = 1, param_dtype: str | None = None):
+def build(zp_stage: int, offload: bool, seed: int = 1, param_dtype: str | None = None, writer_base: bool = False):
+    """``writer_base``: the frozen parameter as the writer had it (a pretrained base a PEFT checkpoint leaves out)."""
     model = tm.build_model(seed)
+    if writer_base:
+        model.pos.data.copy_(tm.build_model(0).pos)
     config = zp.ZeroConfig(stage=zp_stage, offload_optimizer="cpu" if offload else "none", param_dtype=param_dtype)
     return zp.setup(model, tm.build_optimizer(model), config)
 
@@ -69,10 +72,13 @@ def resume(variant: int | str, zp_stage: int, offload: bool) -> dict:
     resumed run did and check the losses and the state after it.  A bf16 run is resumed in bf16 with fp32
     masters: the masters and Adam state load exactly, the losses agree to bf16's resolution (8 bits)."""
     ckpt, expected, saved, resumed = fixture(variant)
-    bf16 = str(variant).endswith("_bf16")
+    bf16, no_frozen = str(variant).endswith("_bf16"), str(variant).endswith("_no_frozen")
     what = f"DeepSpeed stage {variant} -> zero_plugin stage {zp_stage}{' + offload' if offload else ''}"
-    model, opt = build(zp_stage, offload, param_dtype="bf16" if bf16 else None)
+    model, opt = build(zp_stage, offload, param_dtype="bf16" if bf16 else None, writer_base=no_frozen)
+    base = full_params(model)["pos"]
     extra = zp.load_checkpoint(ckpt, model, opt)
+    if no_frozen:
+        assert torch.equal(full_params(model)["pos"], base), f"{what}: the frozen base changed"
     state, steps = _state(model, opt)
     _compare(state, saved, exact=True, what=f"{what}, after loading")
     assert steps == {expected["saved_step"]}, f"{what}: step counts {steps}"

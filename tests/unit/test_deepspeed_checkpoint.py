@@ -145,6 +145,7 @@ def test_consolidate_hf_without_a_transformers_config_says_what_to_use(tmp_path)
 # -- (4) resume ----------------------------------------------------------------------------------------------
 CONFIGS = [(ds, zs, False) for ds in STAGES for zs in (1, 2, 3)] + [(1, 3, True), (2, 2, True), (3, 3, True)]
 CONFIGS += [("1_bf16", 3, False), ("2_bf16", 1, False), ("3_bf16", 2, True)]
+CONFIGS += [("2_no_frozen", 3, False), ("3_no_frozen", 1, True)]  # saved without the frozen base (PEFT)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

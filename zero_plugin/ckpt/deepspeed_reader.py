@@ -478,6 +478,13 @@ def _hf_export(folder: str) -> dict:
     return {"hf_config": config} if isinstance(config, dict) else {}
 
 
+def stored_views(source: DeepSpeedSource, views: list) -> list:
+    """The parameters to load: all but frozen ones the checkpoint does not hold.  DeepSpeed's
+    ``exclude_frozen_parameters=True`` (the HF Trainer saves PEFT models so) leaves the frozen base out: it
+    stays as the model has it, as in DeepSpeed's own non-strict load; a trainable one missing is still refused."""
+    return [v for v in views if v.name in source.index["params"] or v.slot is not None]
+
+
 def fit_optimizer(source: DeepSpeedSource, inner: torch.optim.Optimizer) -> None:
     """DeepSpeed records no optimizer class: refuse Adam state for an optimizer without ``betas``, and keep each
     live group's own hyper-parameters where DeepSpeed's optimizer had none (FusedAdam's groups lack torch's

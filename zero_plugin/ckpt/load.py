@@ -76,7 +76,7 @@ def _load_deepspeed(tag_dir: str, engine: Any, inner, guard) -> Any:
     manifest or hashes to check; its files are read as weights only, then matched, planned and read in as ours."""
     world = engine.comm.world
     source = on_every_rank(world, lambda: _open_deepspeed(tag_dir, engine, inner))
-    views = param_views(engine)
+    views = deepspeed_reader.stored_views(source, param_views(engine))
     on_every_rank(world, lambda: _match(source.index, views, engine, inner, tag_dir))
     plan = on_every_rank(world, lambda: _plan(source, source.index, engine, views, inner))
     on_every_rank(world, lambda: _read_in(plan, source, inner, guard))
