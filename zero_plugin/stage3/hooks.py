@@ -100,7 +100,7 @@ from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .storage_pool import StoragePool
 from .tag_check import TagChecks
-from .unit import Unit
+from .unit import TrainingState, Unit
 
 __all__ = ["Phase", "Stage3Runtime", "needed_first", "prefetch_span", "reduction_order"]
 
@@ -194,6 +194,7 @@ class Stage3Runtime:
         self.schedule.start(self._reduce_order())
         self._backward_order: list[Unit] = []  # [Note: backward gather order]
         self._backward_cursor = 0
+        self._passed_cursor = 0  # [Note: units the backward passed]: schedule.order[:cursor] were looked at
         self._outputs_need_grad: set[Unit] = set()
         self._late: list[Unit] = []
         self.after_backward = lambda: None  # the engine's: [Note: per-step state] in engine.py
@@ -328,7 +329,7 @@ class Stage3Runtime:
                 needed = self.guard.end_of_forward(self.forward_order, self._outputs_need_grad)
                 self.schedule.start(self._reduce_order())
                 self._backward_order = [u for u in reversed(self.forward_order) if u in needed]
-                self._backward_cursor = 0
+                self._backward_cursor = self._passed_cursor = 0
             else:
                 self.guard.settle()  # [Note: collective order]: every entry of this forward compared
             for other in self.units[1:]:
@@ -400,8 +401,30 @@ class Stage3Runtime:
         unit.pre_backward()
         if unit is self.root:
             self._regather_direct_reads()
+        else:
+            self._reduce_units_passed(unit)
         self._backward_gather(unit)
         self._prefetch(unit, -1)
+
+    # [Note: units the backward passed]
+    # A unit whose outputs this rank computed but did not use (DDP allows it) gets no backward here, so its
+    # reduction would wait for the end of backward while its peers' goes out in its turn ([Note: rank-agreed
+    # reduction order] in grads/schedule.py).  The peers then block on it once _MAX_INFLIGHT_REDUCES more are
+    # in flight, before issuing the backward gathers this rank waits for: a deadlock (found by the fuzzer: the
+    # last of four blocks discarded on one of two ranks).  So when a unit's backward starts, every unit before
+    # it in the reduction order that this backward never reached (IDLE) is ready now, its missing gradients
+    # zeros, as at the end of backward.  In a chain of blocks nothing reaches it later; where something does
+    # (a block reused further back in the forward), its gradient is a late one, reduced again at the end of
+    # backward and added, so the result is the same.  The root's pre-backward opens the backward: excluded.
+    def _reduce_units_passed(self, unit: Unit) -> None:
+        order = self.schedule.order
+        position = next((i for i, item in enumerate(order) if item is unit), None)
+        if position is None:  # a unit that trains nothing: not in the order, says nothing about the others
+            return
+        for earlier in order[self._passed_cursor : position]:
+            if earlier.training_state is TrainingState.IDLE and not earlier.reduce_launched:
+                self.schedule.mark_ready(earlier)
+        self._passed_cursor = max(self._passed_cursor, position)
 
     def _regather_direct_reads(self) -> None:
         """A head with an open direct read was kept gathered into backward; if its forward was forgotten
@@ -487,7 +510,7 @@ class Stage3Runtime:
         self.tag_checks.flush()  # before any gradient is final: [Note: gather tag] in unit.py
         self.deferred.run()  # [Note: deferred has-gradient flags] in grads/presence.py
         self.after_backward()
-        self._backward_cursor = 0
+        self._backward_cursor = self._passed_cursor = 0
         self.direct_reads.clear()
         for unit in self.units:
             unit.end_backward()

@@ -1,0 +1,55 @@
+"""Stage 3 with blocks whose output one rank computes and does not use, late in a deep forward (issue 42's fresh
+seeds): the rank that used them reduced them in their turn and blocked on that reduction once two more were in
+flight, before issuing the backward gathers the other rank was waiting for; both hung until the collective
+timeout (on main 9410fdc, from four blocks with the last one discarded on one of two ranks).
+[Note: units the backward passed] in zero_plugin/stage3/hooks.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fuzz.check import run_spec
+from tests.fuzz.model import DISCARD, USE
+
+
+def _spec(depth: int, discard_on: list[tuple[int, int]], world_size: int, buffered: bool) -> dict:
+    usage = [[USE] * depth for _ in range(world_size)]
+    for rank, block in discard_on:
+        usage[rank][block] = DISCARD
+    micro = ["micro", {"scale": 1.0, "sync": True, "usage": usage}]
+    return {
+        "seed": 44,
+        "world_size": world_size,
+        "stage": 3,
+        "buffered": buffered,
+        "offload": False,
+        "precision": "fp64",
+        "bucket_size_mb": 25.0,
+        "stage3": {"prefetch_depth": 0, "reshard_after_forward": True, "persistence_threshold": 0},
+        "optimizer": {"kind": "adamw", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.0, "two_groups": False},
+        "model": {
+            "d_in": 2,
+            "widths": [3] * depth,
+            "d_out": 2,
+            "bias": True,
+            "batch": 2,
+            "tie_to": [None] * depth,
+            "frozen": [],
+        },
+        "schedule": [micro, ["step"], ["zero_grad", "optimizer"], micro, ["step"], ["zero_grad", "optimizer"]],
+    }
+
+
+# (depth, [(rank, discarded block)], world size)
+CASES = [
+    (4, [(0, 3)], 2),  # the fuzzer's find
+    (5, [(1, 4), (1, 3)], 2),
+    (4, [(0, 3), (2, 2)], 3),
+]
+
+
+@pytest.mark.parametrize("buffered", [False, True], ids=["in_place", "buffered"])
+@pytest.mark.parametrize("depth,discard_on,world_size", CASES)
+def test_discarded_late_blocks_train_as_single_process(depth, discard_on, world_size, buffered):
+    run_spec(_spec(depth, discard_on, world_size, buffered))
