@@ -53,10 +53,16 @@ def _forward(spec: dict, model: torch.nn.Module, op: list, index: int, n: int, d
 
 
 @torch.no_grad()
-def _write(model: torch.nn.Module, how: dict) -> None:
+def _write(model: torch.nn.Module, how: dict, param_dtype: torch.dtype | None = None) -> None:
+    """A ``write`` op on the reference's weights; with ``param_dtype`` (the bf16 emulation's masters) a
+    gathered edit is computed on the parameters as the ranks hold them, in ``param_dtype``."""
     params = dict(model.named_parameters())
     for i, name in enumerate(trainable_names(model)):
-        params[name].copy_(written(i, params[name], how["seed"]))
+        p = params[name]
+        if param_dtype is not None and how["how"] == "gathered":
+            p.copy_(written(i, p.to(param_dtype), how["seed"]))
+        else:
+            p.copy_(written(i, p, how["seed"]))
 
 
 def reference_bf16(spec: dict) -> dict:
@@ -84,7 +90,7 @@ def reference_bf16(spec: dict) -> dict:
             refresh()
             forwards.append(_forward(spec, work, op, len(forwards), n, torch.bfloat16))
         elif op[0] == "write":
-            _write(master, op[1])
+            _write(master, op[1], torch.bfloat16)
         elif op[0] == "micro":
             losses.append([])
             refresh()
