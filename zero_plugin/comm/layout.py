@@ -375,22 +375,45 @@ def reduce_buffered(
     offsets, width = packed_offsets(m.layout.shard_numel for m in members)
     k = len(members)
     buf = buffers.take(n * (width + k), dtype, device).view(n, width + k)
-    sources = [] if streams.overlaps else None
-    local = []
-    for i, (member, off) in enumerate(zip(members, offsets)):
-        grad = grad_of(member)
-        copy_padded_rows(
-            buf[:, off : off + member.layout.shard_numel], None if grad is None else grad.reshape(-1), member.layout
-        )
-        buf[:, width + i] = float(grad is not None)  # [Note: unused parameters] in grads/reducer.py
-        local.append(grad is not None)
-        if grad is not None and sources is not None:
-            sources.append(grad)
-        if release_grads:
+    grads = [grad_of(member) for member in members]
+    _copy_in_rows(buf, members, offsets, width, grads)
+    local = [grad is not None for grad in grads]
+    sources = [grad for grad in grads if grad is not None] if streams.overlaps else None
+    if release_grads:
+        for member in members:
             member.param.grad = None
     out = buffers.take(width + k, dtype, buf.device)
     work = comm.reduce_scatter(out, buf.view(-1), async_op=True, tag=tag)
     return BufferedReduce(comm, members, offsets, width, buf, out, work, buffers, streams, sources, local)
+
+
+def _copy_in_rows(
+    buf: torch.Tensor, members: list, offsets: list[int], width: int, grads: list[torch.Tensor | None]
+) -> None:
+    """Reduction copy-in: each member's gradient (zeros where it has none) padded into its columns of the
+    rank-major rows ``buf``, then the has-gradient flags ([Note: unused parameters] in grads/reducer.py).
+    When the gradients share a dtype and none is empty (``_chunk_cat`` refuses those), one ``_chunk_cat``
+    writes it all, as FSDP2's copy-in does: each input split into ``world_size`` chunks of ``shard_numel``,
+    zero-padded, row r the r-th chunks side by side; the flags go in as one more input of ``world_size x k``
+    elements, one row of k each.  Otherwise one copy per member."""
+    n, k = buf.shape[0], len(members)
+    present = [grad for grad in grads if grad is not None]
+    dtype = present[0].dtype if present else buf.dtype
+    if any(grad.dtype != dtype for grad in present) or not all(m.layout.numel for m in members):
+        for i, (member, off, grad) in enumerate(zip(members, offsets, grads)):
+            columns = buf[:, off : off + member.layout.shard_numel]
+            copy_padded_rows(columns, None if grad is None else grad.reshape(-1), member.layout)
+            buf[:, width + i] = float(grad is not None)
+        return
+    flats = [
+        grad.reshape(-1) if grad is not None else torch.zeros(m.layout.numel, dtype=dtype, device=buf.device)
+        for m, grad in zip(members, grads)
+    ]
+    flags = torch.ones(n, k, dtype=dtype, device=buf.device)  # a fill on the device: no host-to-device copy
+    for i, grad in enumerate(grads):
+        if grad is None:
+            flags[:, i] = 0.0
+    torch._chunk_cat(flats + [flags.view(-1)], dim=0, num_chunks=n, out=buf)
 
 
 def all_reduce_flat(comm: Comm, members: list, dtype: torch.dtype, device: torch.device) -> FlatAllReduce:

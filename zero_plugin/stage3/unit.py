@@ -4,6 +4,11 @@ Pipelines (one collective per dtype present in the unit), in the layouts of [Not
 in ``zero_plugin/comm/layout.py``:
   unshard:      copy_in (local shards) -> all_gather (async) -> [wait] -> copy_out (to_unsharded)
   reduce_grads: copy_in (full grads, padded) -> reduce_scatter (async) -> [wait] -> accumulate shard grads
+In the buffered layout each copy is one op per unit and dtype, not one per parameter (issue #39: on a GPU
+the step is host-bound, so ops per step are step time): the gather's copy-in one ``_foreach_copy_``
+(``ShardedParam.copy_locals_into``), its copy-out one ``split_with_sizes_copy`` into the full tensors
+(``ShardedParam.all_to_unsharded``), the reduction's copy-in one ``_chunk_cat`` with the has-gradient flags
+(``comm/layout.py``), as FSDP2 does.
 In the buffered layout (NCCL) each pipeline runs on a side stream ([Note: side streams] in
 ``zero_plugin/comm/streams.py``); the compute stream waits for it only before the result is used, and buffers
 go back to the pool (and full gradients are let go) only after that wait.
