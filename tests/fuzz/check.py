@@ -64,6 +64,9 @@ def run_spec(spec: dict) -> None:
     try:
         results = run_ranks_for(spec)
     except RankError as exc:
+        # a rank that failed mid-collective leaves its process group unusable (later specs would fail with
+        # "Application timeout caused pair closure"): the next spec of this world size gets fresh workers
+        _POOLS.pop(spec["world_size"]).close(force=True)
         raise FuzzFailure(spec, "rank error: " + _error_line(exc), str(exc)) from None
     ref = reference(spec)
     if spec["precision"] != "fp64":
