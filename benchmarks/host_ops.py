@@ -12,7 +12,9 @@ issues.  Per step and variant:
     allocation, not a composite that did nothing (``aten::to`` of a tensor already in place); minus the
     plain model's own (the same model and optimizer without any framework, same per-rank batch).  An
     approximation of the kernel launches on a GPU (a composite such as ``aten::zeros`` counts once);
-  * copies / fills: every ``aten::copy_`` / ``aten::fill_`` (nested ones included), minus the plain model's;
+  * copies / fills: every ``aten::copy_`` / ``aten::fill_`` (and ``zero_``), nested ones included, minus the
+    plain model's.  On the CPU a foreach op or ``split_with_sizes_copy`` runs one nested ``copy_`` per
+    tensor, where CUDA runs one kernel for the list: on a GPU the ops column is the closer count;
   * collectives: ``c10d::`` ops issued (each one NCCL launch on a GPU);
   * hooks: Python callables the autograd engine or ``Module.__call__`` runs besides the forwards themselves
     (module hooks, tensor and post-accumulate-grad hooks, autograd Function backwards, engine callbacks),
