@@ -308,18 +308,21 @@ def gather_buffered(
     device: torch.device,
     fill: Fill,
     buffers: Buffers = FRESH,
-    trailer: tuple = (),
+    trailer: tuple | torch.Tensor = (),
     tag: str = "",
 ) -> BufferedGather:
     """``fill(members, chunks)`` writes this rank's padded chunk (``shard_numel`` long) of each member, all at
     once where it can (stage 3: one batched copy per unit, ``ShardedParam.copy_locals_into``), else one by one
-    (:func:`each`); ``trailer``: values appended to this rank's input (exact in ``dtype``)."""
+    (:func:`each`); ``trailer``: values appended to this rank's input (exact in ``dtype``), or a tensor of
+    them in ``dtype`` on ``device`` (one copy)."""
     offsets, width = packed_offsets(m.layout.shard_numel for m in members)
     extra = len(trailer)
     inp = buffers.take(width + extra, dtype, device)
     fill(members, [inp[off : off + m.layout.shard_numel] for m, off in zip(members, offsets)])
-    for j, value in enumerate(trailer):  # scalar fills: no copy from pageable host memory (a host stall on CUDA)
-        inp[width + j] = value
+    if isinstance(trailer, torch.Tensor):
+        inp[width:].copy_(trailer)
+    for j, value in enumerate(() if isinstance(trailer, torch.Tensor) else trailer):
+        inp[width + j] = value  # scalar fills: no copy from pageable host memory (a host stall on CUDA)
     out = buffers.take(comm.world_size * (width + extra), dtype, device)
     work = comm.all_gather(out, inp, async_op=True, tag=tag)
     return BufferedGather(comm, members, offsets, width, extra, inp, out, work, buffers)

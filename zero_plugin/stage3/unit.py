@@ -125,6 +125,7 @@ class Unit:
         # [Note: gather tag] checks in flight, shared by the runtime's units; and the runtime's stores that wait
         # for the has-gradient flags ([Note: deferred has-gradient flags] in grads/presence.py), None: read at once
         self.tag_checks = TagChecks()
+        self._tags: dict[torch.dtype, torch.Tensor] = {}  # [Note: gather tag] per dtype, for the buffered layout
         self.deferred: DeferredStores | None = None
         # What a reduction sends for a parameter: its param.grad, or with kept gradients the runtime's
         # FullGradStore.grad_of ([Note: deferred reduction] in accumulate.py)
@@ -300,7 +301,7 @@ class Unit:
                         group[0].unsharded.device,
                         ShardedParam.copy_locals_into,
                         self.pool,
-                        trailer=self._tag(),
+                        trailer=self._tag_on(dtype, group[0].unsharded.device),
                         tag=self.name,
                     )
                 )
@@ -344,6 +345,17 @@ class Unit:
 
     def _tag(self) -> tuple[int, int]:
         return tag_of(self.index)
+
+    def _tag_on(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The tag as a tensor kept per dtype: one copy per gather instead of a fill per value, written once
+        by scalar fills (no copy from pageable host memory, [Note: deferred host reads])."""
+        tag = self._tags.get(dtype)
+        if tag is None or tag.device != device:
+            tag = torch.empty(_TAG, dtype=dtype, device=device)
+            for j, value in enumerate(self._tag()):
+                tag[j] = value
+            self._tags[dtype] = tag
+        return tag
 
     def _check_tags(self, tags: torch.Tensor) -> None:
         """[Note: gather tag]: every rank's trailing elements must be this unit's index; checked without
