@@ -6,7 +6,7 @@ elements (vocabulary 4096 x hidden 256, 2 layers): at stage 3 a leaf unit, slice
 examples).  Each run must exit 0, print its end-of-run report (saying plainly when no loss was logged), and
 reload what it saved (the script's own reload on rank 0 answers as the trained model did).
 
-One launch per example and stage, two at a time: Accelerate and Trainer through ``zero-plugin launch
+One launch per example and stage (``RUNS``), two at a time: Accelerate and Trainer through ``zero-plugin launch
 --stage S``, the full fine-tune through torchrun with ``ZERO_PLUGIN_STAGE``, Lightning with
 ``--strategy zero1..zero3`` (``ddp`` for stage 0).  ``test_examples.py`` covers the default model and more
 steps.
@@ -33,6 +33,10 @@ ZERO_LAUNCH = [str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.la
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
 EXAMPLE_NAMES = ("finetune_trainer", "lora_finetune_accelerate", "full_finetune", "lora_finetune_lightning")
 STAGES = (0, 1, 2, 3)
+# CI time (the suite stays under 25 minutes): the Trainer example, the issue's command, at every stage; the
+# others at the two ends, stage 0 (the replicated path every stage 1-2 shares its launch and report with) and
+# stage 3.  All 16 passed when this file was written (issue 43's note).
+RUNS = [("finetune_trainer", s) for s in STAGES] + [(e, s) for e in EXAMPLE_NAMES[1:] for s in (0, 3)]
 SHORT = ("--max_steps", "1", "--batch_size", "2", "--max_length", "48", "--max_new_tokens", "2")
 TIMEOUT_S = 600
 
@@ -101,12 +105,11 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("examples_short")
     _real_shaped_model(tmp / "model", tmp / "cache")
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {(e, s): pool.submit(_run, tmp, e, s) for s in STAGES for e in EXAMPLE_NAMES}
+        futures = {(e, s): pool.submit(_run, tmp, e, s) for e, s in RUNS}
     return {key: f.result() for key, f in futures.items()}
 
 
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("example", EXAMPLE_NAMES)
+@pytest.mark.parametrize("example,stage", RUNS, ids=[f"{e}-stage{s}" for e, s in RUNS])
 def test_one_step_on_a_real_shaped_model(runs, example, stage):
     code, output, out = runs[(example, stage)]
     assert code == 0, f"{example} at stage {stage} exited {code}:\n{output[-6000:]}"
