@@ -97,7 +97,7 @@ def _model_edits(spec: dict) -> Iterator[dict]:
         yield _edit(spec, lambda s, name=name: s["model"]["frozen"].remove(name))
     for b, w in enumerate(m["widths"]):
         if m["tie_to"][b] is None:
-            for smaller in sorted({1, w - 1}):
+            for smaller in sorted({1, max(1, w - 1)}):
                 if smaller < w:
                     yield _edit(spec, lambda s, b=b, v=smaller: _set_width(s, b, v))
     for key in ("d_in", "d_out", "batch"):

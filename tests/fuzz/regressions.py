@@ -18,7 +18,8 @@ from tests.fuzz.spec import from_json
 #   parameters trained on from the old weights after model.load_state_dict ([Note: writes to parameters
 #   behind separate masters] in zero_plugin/engines/replicated.py).
 # issue 42, fresh seed 90210: stage 3 hung when one rank discarded the last of four blocks ([Note: units the
-#   backward passed] in zero_plugin/stage3/hooks.py).
+#   backward passed] in zero_plugin/stage3/hooks.py); seed 271828: the same when one of three ranks used no
+#   block's output (its reductions waited behind its end-of-backward gathers).
 REGRESSIONS: dict[str, dict] = {
     "stage1-sync-nosync-sync": from_json(
         '{"bucket_size_mb":25.0,"buffered":false,"model":{"batch":1,"bias":true,"d_in":3,"d_out":2,"frozen":['
@@ -76,5 +77,13 @@ REGRESSIONS: dict[str, dict] = {
         'scale":1.0,"sync":true,"usage":[[2,2,2,1],[2,2,2,2]]}]],"seed":44,"stage":3,"stage3":{"persistence_t'
         'hreshold":0,"prefetch_depth":0,"reshard_after_forward":true,"secondary_shard_size":null},"world_size'
         '":2}'
+    ),
+    "stage3-one-rank-uses-no-block-hang": from_json(
+        '{"bucket_size_mb":25.0,"buffered":false,"model":{"batch":3,"bias":true,"d_in":5,"d_out":2,"frozen":['
+        '],"tie_to":[null,null,0,null],"widths":[6,5,6,8]},"offload":false,"optimizer":{"kind":"adamw","lr":0'
+        '.05,"momentum":0.0,"two_groups":false,"weight_decay":0.1},"precision":"fp64","schedule":[["micro",{"'
+        'scale":1.0,"sync":true,"usage":[[1,2,2,2],[2,2,2,1],[1,1,1,1]]}],["step"],["zero_grad","optimizer"]]'
+        ',"seed":397,"stage":3,"stage3":{"persistence_threshold":0,"prefetch_depth":0,"reshard_after_forward"'
+        ':true,"secondary_shard_size":null},"world_size":3}'
     ),
 }

@@ -1,7 +1,8 @@
 """Stage 3 with blocks whose output one rank computes and does not use, late in a deep forward (issue 42's fresh
 seeds): the rank that used them reduced them in their turn and blocked on that reduction once two more were in
 flight, before issuing the backward gathers the other rank was waiting for; both hung until the collective
-timeout (on main 9410fdc, from four blocks with the last one discarded on one of two ranks).
+timeout (on main 9410fdc, from four blocks with the last one discarded on one of two ranks; and where one rank
+used no block at all, its reductions waited behind the gathers it makes at the end of backward).
 [Note: units the backward passed] in zero_plugin/stage3/hooks.py.
 """
 
@@ -46,6 +47,8 @@ CASES = [
     (4, [(0, 3)], 2),  # the fuzzer's find
     (5, [(1, 4), (1, 3)], 2),
     (4, [(0, 3), (2, 2)], 3),
+    # one rank uses no block at all (seed 271828): its backward reaches none, so it gathers them all at the end
+    (4, [(0, 0), (1, 3), (2, 0), (2, 1), (2, 2), (2, 3)], 3),
 ]
 
 

@@ -413,9 +413,21 @@ class Stage3Runtime:
     # in flight, before issuing the backward gathers this rank waits for: a deadlock (found by the fuzzer: the
     # last of four blocks discarded on one of two ranks).  So when a unit's backward starts, every unit before
     # it in the reduction order that this backward never reached (IDLE) is ready now, its missing gradients
-    # zeros, as at the end of backward.  In a chain of blocks nothing reaches it later; where something does
+    # zeros, as at the end of backward; and a rank whose backward reached none of them (it used no block's
+    # output, seed 271828) issues them in the same steps while it gathers what its peers gathered
+    # (``_gather_the_rest``).  In a chain of blocks nothing reaches it later; where something does
     # (a block reused further back in the forward), its gradient is a late one, reduced again at the end of
     # backward and added, so the result is the same.  The root's pre-backward opens the backward: excluded.
+    def _gather_the_rest(self) -> None:
+        """End of backward: the units of the agreed backward list this rank's backward did not reach are
+        gathered as its peers gathered them, each after the reductions its peers issued before that gather
+        ([Note: units the backward passed]: a rank that used none of them must not hold its reductions back
+        behind these gathers while its peers wait for the reductions)."""
+        for unit in self._backward_order[self._backward_cursor :]:
+            self._reduce_units_passed(unit)
+            self._backward_gather(unit)
+        self._backward_gather(None)
+
     def _reduce_units_passed(self, unit: Unit) -> None:
         order = self.schedule.order
         position = next((i for i, item in enumerate(order) if item is unit), None)
@@ -504,7 +516,7 @@ class Stage3Runtime:
     @torch.no_grad()
     def finalize_backward(self) -> None:
         self._callback_queued = False
-        self._backward_gather(None)  # gathers this rank's backward did not reach, as its peers' did
+        self._gather_the_rest()
         late, self._late = self._late, []
         self.schedule.end_backward(late, self.guard)
         self.tag_checks.flush()  # before any gradient is final: [Note: gather tag] in unit.py
