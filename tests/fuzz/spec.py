@@ -193,6 +193,37 @@ def _schedules(
     return schedule
 
 
+def written_spec(schedule: list, world_size: int, stage: int, depth: int = 2, **fields) -> dict:
+    """A spec written by hand (the focused tests pin the schedules the fuzzer found): an fp64 AdamW run of
+    ``depth`` untied blocks of width 5, in-place layout, no offload; ``fields`` replace top-level keys, and
+    ``secondary_shard_size`` / ``prefetch_depth`` the stage-3 ones."""
+    stage3 = {"prefetch_depth": 1, "reshard_after_forward": True, "persistence_threshold": 0}
+    stage3.update({k: fields.pop(k) for k in ("secondary_shard_size", "prefetch_depth") if k in fields})
+    spec = {
+        "seed": 7,
+        "world_size": world_size,
+        "stage": stage,
+        "buffered": False,
+        "offload": False,
+        "precision": "fp64",
+        "bucket_size_mb": 25.0,
+        "stage3": stage3,
+        "optimizer": {"kind": "adamw", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.1, "two_groups": False},
+        "model": {
+            "d_in": 3,
+            "widths": [5] * depth,
+            "d_out": 2,
+            "bias": True,
+            "batch": 2,
+            "tie_to": [None] * depth,
+            "frozen": [],
+        },
+        "schedule": schedule,
+    }
+    spec.update(fields)
+    return spec
+
+
 def to_json(spec: dict) -> str:
     return json.dumps(spec, sort_keys=True, separators=(",", ":"))
 

@@ -16,6 +16,7 @@ import pytest
 
 from tests.fuzz.check import run_spec
 from tests.fuzz.model import SKIP, USE
+from tests.fuzz.spec import written_spec
 
 ALL = [USE, USE]
 SKIP_FIRST = [SKIP, USE]
@@ -48,27 +49,7 @@ NAMES = list(_schedules(2))
 
 
 def _spec(stage: int, world_size: int, name: str, buffered: bool, offload: bool) -> dict:
-    return {
-        "seed": 7,
-        "world_size": world_size,
-        "stage": stage,
-        "buffered": buffered,
-        "offload": offload,
-        "precision": "fp64",
-        "bucket_size_mb": 25.0,
-        "stage3": {"prefetch_depth": 1, "reshard_after_forward": True, "persistence_threshold": 0},
-        "optimizer": {"kind": "adamw", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.1, "two_groups": False},
-        "model": {
-            "d_in": 3,
-            "widths": [5, 5],
-            "d_out": 2,
-            "bias": True,
-            "batch": 2,
-            "tie_to": [None, None],
-            "frozen": [],
-        },
-        "schedule": _schedules(world_size)[name],
-    }
+    return written_spec(_schedules(world_size)[name], world_size, stage, buffered=buffered, offload=offload)
 
 
 # (stage, world size, buffered, offload): stage 1 in both layouts at 2 and 3 ranks (offload once), stage 2 once

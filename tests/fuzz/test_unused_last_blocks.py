@@ -12,6 +12,7 @@ import pytest
 
 from tests.fuzz.check import run_spec
 from tests.fuzz.model import DISCARD, USE
+from tests.fuzz.spec import written_spec
 
 
 def _spec(depth: int, discard_on: list[tuple[int, int]], world_size: int, buffered: bool) -> dict:
@@ -19,27 +20,8 @@ def _spec(depth: int, discard_on: list[tuple[int, int]], world_size: int, buffer
     for rank, block in discard_on:
         usage[rank][block] = DISCARD
     micro = ["micro", {"scale": 1.0, "sync": True, "usage": usage}]
-    return {
-        "seed": 44,
-        "world_size": world_size,
-        "stage": 3,
-        "buffered": buffered,
-        "offload": False,
-        "precision": "fp64",
-        "bucket_size_mb": 25.0,
-        "stage3": {"prefetch_depth": 0, "reshard_after_forward": True, "persistence_threshold": 0},
-        "optimizer": {"kind": "adamw", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.0, "two_groups": False},
-        "model": {
-            "d_in": 2,
-            "widths": [3] * depth,
-            "d_out": 2,
-            "bias": True,
-            "batch": 2,
-            "tie_to": [None] * depth,
-            "frozen": [],
-        },
-        "schedule": [micro, ["step"], ["zero_grad", "optimizer"], micro, ["step"], ["zero_grad", "optimizer"]],
-    }
+    schedule = [micro, ["step"], ["zero_grad", "optimizer"], micro, ["step"], ["zero_grad", "optimizer"]]
+    return written_spec(schedule, world_size, 3, depth, buffered=buffered, prefetch_depth=0, seed=44)
 
 
 # (depth, [(rank, discarded block)], world size)

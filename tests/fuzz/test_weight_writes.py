@@ -17,6 +17,7 @@ import pytest
 
 from tests.fuzz.check import run_spec
 from tests.fuzz.model import USE
+from tests.fuzz.spec import written_spec
 
 
 def _spec(stage: int, world_size: int, how: str, precision: str, hpz: int | None) -> dict:
@@ -25,32 +26,7 @@ def _spec(stage: int, world_size: int, how: str, precision: str, hpz: int | None
     forward = ["forward", {"usage": usage}]
     schedule = [micro, ["step"], ["zero_grad", "optimizer"], forward, ["write", {"how": how, "seed": 3}], forward]
     schedule += [micro, forward, ["step"], ["zero_grad", "optimizer"], forward, micro, ["step"], ["zero_grad", "model"]]
-    return {
-        "seed": 1,
-        "world_size": world_size,
-        "stage": stage,
-        "buffered": False,
-        "offload": False,
-        "precision": precision,
-        "bucket_size_mb": 25.0,
-        "stage3": {
-            "prefetch_depth": 1,
-            "reshard_after_forward": True,
-            "persistence_threshold": 0,
-            "secondary_shard_size": hpz,
-        },
-        "optimizer": {"kind": "adamw", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.0, "two_groups": False},
-        "model": {
-            "d_in": 3,
-            "widths": [5, 5],
-            "d_out": 2,
-            "bias": True,
-            "batch": 2,
-            "tie_to": [None, None],
-            "frozen": [],
-        },
-        "schedule": schedule,
-    }
+    return written_spec(schedule, world_size, stage, precision=precision, secondary_shard_size=hpz, seed=1)
 
 
 CASES = [(stage, 2, None) for stage in (0, 1, 2, 3)] + [(3, 2, 2), (3, 4, 2)]
