@@ -89,6 +89,10 @@ class ReductionSchedule(Generic[T]):
         self._position = {id(item): i for i, item in enumerate(self.order)}
         self._ready.clear()
 
+    def position(self, item: T) -> int | None:
+        """``item``'s place in the agreed order (None: not in it)."""
+        return self._position.get(id(item))
+
     def mark_ready(self, item: T) -> None:
         """``item``'s gradients are final on this rank: issue it and every ready item after it, if its
         turn came."""

@@ -430,7 +430,7 @@ class Stage3Runtime:
 
     def _reduce_units_passed(self, unit: Unit) -> None:
         order = self.schedule.order
-        position = next((i for i, item in enumerate(order) if item is unit), None)
+        position = self.schedule.position(unit)
         if position is None:  # a unit that trains nothing: not in the order, says nothing about the others
             return
         for earlier in order[self._passed_cursor : position]:
