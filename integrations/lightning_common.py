@@ -23,6 +23,19 @@ writes that file (:data:`LOAD_HINT`, logged at the first sharded save).
 
 A full checkpoint is one file in Lightning's usual format (full ``state_dict`` and the
 consolidated optimizer state), written by rank 0 and loadable without zero_plugin.
+
+[Note: checkpoints of Lightning's other strategies]
+``Trainer.fit(ckpt_path=...)`` under a ZeRO strategy also resumes what Lightning's own sharded strategies save,
+at any stage and world size here (:func:`load_foreign`):
+
+    DeepSpeedStrategy       <path>/latest ("checkpoint") + <path>/checkpoint/*_model_states.pt, *_optim_states.pt;
+                            Lightning's state (loops, callbacks, lr_schedulers, ...) is DeepSpeed's client_state
+    FSDPStrategy (sharded), a DCP folder: model.* (FSDPStrategy) or state_dict.* (ModelParallelStrategy) and
+    ModelParallelStrategy   optimizer_0.*, with Lightning's state in <path>/meta.pt
+
+``zp.load_checkpoint`` reads the weights and optimizer state (``ckpt/deepspeed_reader.py``, ``ckpt/dcp_source.py``);
+the rest goes back to Lightning as the checkpoint dict, so loops, callbacks and LR schedulers resume as the writer
+left them.
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ import torch
 from torch import nn
 
 import zero_plugin as zp
-from zero_plugin.ckpt import lightning_file
+from zero_plugin.ckpt import dcp_reader, deepspeed_reader, lightning_file, regions
 from zero_plugin.engines.engine import Engine, engine_of
 from zero_plugin.loading import materialize
 from zero_plugin.loading.meta_init import ModuleInitSource, check_initialisable, has_meta_buffers, safetensors_under
@@ -71,6 +84,8 @@ __all__ = [
     "save_sharded",
     "load_sharded",
     "load_full",
+    "foreign_layout",
+    "load_foreign",
     "move_to_device",
     "register_presets",
     "builds_on_meta",
@@ -430,7 +445,7 @@ def save_sharded(
     inner = None if optimizer is None else zero_optimizer_of(optimizer)
     zp.save_checkpoint(str(path / SHARDS_DIR), module, inner)
     if is_rank0:
-        record = {**meta.get(RECORD, {}), "aliases": lightning_file.tied_aliases(module)}
+        record = {**meta.get(RECORD, {}), "aliases": regions.tied_aliases(module)}
         write({**meta, RECORD: record}, path / META_FILE)
     barrier()
 
@@ -448,6 +463,52 @@ def load_sharded(path: Path, module: nn.Module, optimizer: Any | None) -> None:
     """Collective: restore the model (and optimizer) regions from ``<path>/zero``, at any stage and world size."""
     inner = None if optimizer is None else zero_optimizer_of(optimizer)
     zp.load_checkpoint(str(path / SHARDS_DIR), module, inner)
+
+
+def foreign_layout(path: Path) -> str | None:
+    """``"deepspeed"`` or ``"dcp"`` when ``path`` is a checkpoint of Lightning's DeepSpeed or FSDP /
+    ModelParallel strategy ([Note: checkpoints of Lightning's other strategies]); None otherwise (ours, a file)."""
+    if deepspeed_reader.find_tag_dir(os.fspath(path)) is not None:
+        return "deepspeed"
+    if dcp_reader.find_layout(os.fspath(path)) is not None:
+        return "dcp"
+    return None
+
+
+def load_foreign(
+    path: Path, kind: str, module: nn.Module, optimizer: Any | None, read_meta: Callable[[Path], dict]
+) -> dict:
+    """Collective: load a DeepSpeed or DCP checkpoint that Lightning wrote into the set-up module (and optimizer);
+    returns the rest of Lightning's checkpoint (``read_meta(file)`` reads a DCP folder's ``meta.pt``)."""
+    if kind == "dcp" and not (path / META_FILE).is_file():
+        raise FileNotFoundError(
+            f"zero_plugin: {path} is a torch.distributed.checkpoint folder without Lightning's {META_FILE}: not a "
+            "checkpoint Lightning saved, so there is no trainer state to resume. Load its weights (and optimizer "
+            "state) with zp.load_checkpoint(path, model, optimizer) in the LightningModule's on_fit_start, and call "
+            "fit without ckpt_path"
+        )
+    if kind == "deepspeed" and "loops" not in deepspeed_reader.client_state_keys(
+        deepspeed_reader.find_tag_dir(os.fspath(path))
+    ):
+        raise ValueError(
+            f"zero_plugin: the DeepSpeed checkpoint {path} was not saved by Lightning (its client_state has no "
+            "'loops'), so there is no trainer state to resume. Call fit without ckpt_path and load it with "
+            "zp.load_checkpoint(path, module, optimizer) in on_fit_start -- into the submodule it was saved from, "
+            "when its names lack the LightningModule's attribute prefix"
+        )
+    inner = None if optimizer is None else zero_optimizer_of(optimizer)
+    extra = zp.load_checkpoint(os.fspath(path), module, inner)
+    if kind == "dcp":
+        return read_meta(path / META_FILE)
+    record = extra["deepspeed"]
+    client = record["client_state"]
+    if record["unreadable"]:
+        warnings.warn(
+            f"zero_plugin: the DeepSpeed checkpoint {path} holds client_state entries that are not plain values "
+            f"and were not read: {record['unreadable']}",
+            stacklevel=2,
+        )
+    return dict(client)
 
 
 def load_full(

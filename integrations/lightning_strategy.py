@@ -336,6 +336,9 @@ class _ZeroStrategy(ZeroProcesses):
         path = Path(self.broadcast(str(checkpoint_path)))
         fitting = module._trainer is not None and module.trainer.state.fn == self._lightning.TrainerFn.FITTING
         optimizer = self.optimizers[0] if fitting and self.optimizers else None
+        if (kind := common.foreign_layout(path)) is not None:  # [Note: checkpoints of Lightning's other strategies]
+            read_meta = lambda file: self.checkpoint_io.load_checkpoint(file, weights_only=weights_only)  # noqa: E731
+            return common.load_foreign(path, kind, module, optimizer, read_meta)
         if common.is_sharded_checkpoint(path):
             common.load_sharded(path, module, optimizer)
             meta = self.checkpoint_io.load_checkpoint(path / common.META_FILE, weights_only=weights_only)

@@ -37,15 +37,14 @@ from typing import Any, Callable
 
 import torch
 
-from . import deepspeed_reader
+from . import dcp_source, deepspeed_reader
 from . import format as fmt
-from .dcp_reader import find_layout
-from .dcp_source import consolidate_dcp
+from .dcp_reader import DcpLayout, find_layout
 from .format import CheckpointError
 from .load import Reader
 from .verify import read_checked_index
 
-__all__ = ["FORMATS", "consolidate"]
+__all__ = ["FORMATS", "consolidate", "assemble", "full_tensor", "write_new_folder"]
 
 FORMATS = ("safetensors", "hf", "lightning", "dcp")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
@@ -88,7 +87,7 @@ def consolidate(
 
         return export_dcp(checkpoint, out, verify=verify)
     if (dcp := find_layout(os.fspath(checkpoint))) is not None:  # FSDP / torch DCP, read as ours
-        return consolidate_dcp(dcp, os.fspath(out), format=format, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        return _consolidate_dcp(dcp, os.fspath(out), format=format, dtype=dtype, max_shard_bytes=max_shard_bytes)
     deepspeed = deepspeed_reader.find_tag_dir(os.path.abspath(os.fspath(checkpoint)))
     if format == "lightning":
         from .lightning_file import consolidate_lightning
@@ -105,15 +104,41 @@ def consolidate(
     checkpoint, out = _zero_part(os.path.abspath(os.fspath(checkpoint))), os.path.abspath(os.fspath(out))
     source = deepspeed_reader.open_checkpoint(deepspeed) if deepspeed is not None else None
     index = source.index if source is not None else read_checked_index(checkpoint, verify=verify)
+    export = _checked_export(source.export if source is not None else index.get("export"), checkpoint)
+
+    def write(tmp: str) -> list[str]:
+        with contextlib.ExitStack() as stack:
+            reader = source if source is not None else Reader(checkpoint, index["files"], stack)
+            return _write(reader, index, export, tmp, format, dtype, max_shard_bytes)
+
+    return write_new_folder(out, write)
+
+
+def _consolidate_dcp(layout: DcpLayout, out: str, *, format: str, dtype, max_shard_bytes: int) -> list[str]:
+    """A DCP checkpoint to safetensors or a ``save_pretrained`` folder ([Note: DCP as a zero_plugin index])."""
+    if format not in ("safetensors", "hf"):
+        raise ValueError(f"consolidate: a DCP checkpoint exports as --format safetensors or hf; got {format!r}")
+    source = dcp_source.open_checkpoint(layout)
+    if format == "hf" and "hf_config" not in source.export:
+        raise CheckpointError(
+            f"consolidate --format hf: no config.json in {layout.root} (DCP records no model config); copy the "
+            "model's config.json there, or use --format safetensors"
+        )
+    return write_new_folder(
+        out, lambda tmp: _write(source, source.index, source.export, tmp, format, dtype, max_shard_bytes)
+    )
+
+
+def write_new_folder(out: str, write: Callable[[str], list[str]]) -> list[str]:
+    """``write(tmp)`` into ``out.tmp-<id>``, renamed to ``out`` (new, or an empty folder) once complete;
+    returns the paths of the files ``write`` names."""
+    out = os.path.abspath(out)
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         raise CheckpointError(f"consolidate: {out} already exists and is not an empty folder; choose a new one")
-    export = _checked_export(source.export if source is not None else index.get("export"), checkpoint)
     tmp = f"{out}.tmp-{uuid.uuid4().hex}"
     os.makedirs(tmp)
     try:
-        with contextlib.ExitStack() as stack:
-            reader = source if source is not None else Reader(checkpoint, index["files"], stack)
-            written = _write(reader, index, export, tmp, format, dtype, max_shard_bytes)
+        written = write(tmp)
         if os.path.isdir(out):
             os.rmdir(out)  # the empty folder the user named
         os.rename(tmp, out)

@@ -26,8 +26,7 @@ import os
 
 import torch
 
-from .consolidate import assemble, full_tensor
-from .dcp_source import write_new_folder
+from .consolidate import assemble, full_tensor, write_new_folder
 from .format import CheckpointError, dtype_from_name
 from .load import Reader
 from .tree import decode

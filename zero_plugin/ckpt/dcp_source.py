@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import uuid
 from typing import Any
 
 import torch
@@ -27,9 +25,13 @@ from .dcp_reader import Chunk, DcpFolder, DcpLayout
 from .format import CheckpointError
 from .tree import encode
 
-__all__ = ["DcpSource", "open_checkpoint", "fit_optimizer", "load_dcp", "consolidate_dcp"]
+__all__ = ["DcpSource", "open_checkpoint", "fit_optimizer"]
 
-_OPTIM_PREFIXES = ("optim", "optimizer")  # get_state_dict's tutorials / torchtitan, and Accelerate
+# The model's and the optimizer's top-level keys: torch's tutorials / torchtitan ("model", "optim"), Accelerate
+# ("optimizer"), Lightning's FSDPStrategy ("model", "optimizer_0") and ModelParallelStrategy ("state_dict",
+# "optimizer_0"); the first one present is read.
+_MODEL_PREFIXES = ("model", "state_dict")
+_OPTIM_PREFIXES = ("optim", "optimizer", "optimizer_0")
 _FSDP1_FLAT = ("_flat_param", "_fsdp_wrapped_module")
 
 
@@ -37,7 +39,11 @@ class DcpSource:
     """A DCP checkpoint as a zero_plugin index whose pieces are read from the chunks on demand
     ([Note: DCP as a zero_plugin index])."""
 
-    def __init__(self, layout: DcpLayout, buffer_names: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, layout: DcpLayout, buffer_names: frozenset[str] = frozenset(), tied: dict[str, str] | None = None
+    ) -> None:
+        """``tied``: the loading model's ``{second name: first name}`` of tied parameters ([Note: tied names
+        in DCP]); none when exporting."""
         self.layout, self.directory = layout, layout.root
         self.model = DcpFolder(layout.model_dir)
         self.optim = None
@@ -45,25 +51,28 @@ class DcpSource:
             self.optim = self.model if layout.optim_dir == layout.model_dir else DcpFolder(layout.optim_dir)
         self.pieces: dict[tuple[int, str], tuple[DcpFolder, str, Chunk, torch.dtype]] = {}
         self.small: dict[str, torch.Tensor] = {}
-        params, buffers = self._model_entries(buffer_names)
+        self.tied = dict(tied or {})
+        params, buffers, aliases = self._model_entries(buffer_names)
         optimizer = self._optimizer_index(params) if self.optim is not None else None
         width = max([len(e["shards"]) for e in params.values()] + [1])
         self.files = [f"chunk {i}" for i in range(width)]
         self.index = {"world_size": width, "files": self.files, "params": params, "buffers": buffers,
-                      "optimizer": optimizer, "extra": None}  # fmt: skip
+                      "optimizer": optimizer, "extra": None, "aliases": aliases}  # fmt: skip
         self.export = _hf_export(layout.root)
 
     # -- the index ------------------------------------------------------------------------------
-    def _model_entries(self, buffer_names) -> tuple[dict, dict]:
-        names = {path[1]: key for path, key in self.model.paths.items() if len(path) == 2 and path[0] == "model"}
+    def _model_entries(self, buffer_names) -> tuple[dict, dict, dict]:
+        names = _entries_under(self.model, _MODEL_PREFIXES)
         if not names:
             tops = sorted({str(path[0]) for path in self.model.paths})
             raise CheckpointError(
-                f"DCP checkpoint {self.model.folder} has no 'model' entry (its top-level keys: {tops}); zero_plugin "
-                "reads dcp.save({'model': ..., 'optim': ...}) as the torch tutorials save it, and Accelerate's "
-                "pytorch_model_fsdp_0/ + optimizer_0/"
+                f"DCP checkpoint {self.model.folder} has no model entry (looked for {list(_MODEL_PREFIXES)}; its "
+                f"top-level keys: {tops}); zero_plugin reads dcp.save({{'model': ..., 'optim': ...}}) as the torch "
+                "tutorials save it, Accelerate's pytorch_model_fsdp_0/ + optimizer_0/, and the sharded checkpoint "
+                "folders of Lightning's FSDPStrategy and ModelParallelStrategy"
             )
         _refuse_flat(self.model.folder, names)
+        names, aliases = _fold_tied(names, self.tied)
         params, buffers = {}, {}
         for name, key in names.items():
             if key not in self.model.tensors:
@@ -73,7 +82,7 @@ class DcpSource:
                 buffers[name] = {"shape": entry["shape"], "dtype": entry["dtype"]}
             else:
                 params[name] = self._tensor_entry(self.model, key, f"p/{name}")
-        return params, buffers
+        return params, buffers, aliases
 
     def _tensor_entry(self, folder: DcpFolder, key: str, ours: str) -> dict:
         md = folder.tensors[key]
@@ -101,7 +110,8 @@ class DcpSource:
         groups: dict[int, dict] = {}
         for path, key in paths.items():
             if len(path) == 4 and path[:2] == (prefix, "state"):
-                state.setdefault(path[2], {})[path[3]] = self._state_entry(params, path[2], path[3], key)
+                name = self._first_name(path[2], params)
+                state.setdefault(name, {})[path[3]] = self._state_entry(params, name, path[3], key)
             elif len(path) == 4 and path[:2] == (prefix, "param_groups"):
                 groups.setdefault(int(path[2]), {})[path[3]] = self.optim.read_value(key)
         out_groups = []
@@ -110,8 +120,13 @@ class DcpSource:
             names = groups[g].get("params")
             if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
                 raise CheckpointError(f"DCP checkpoint {self.optim.folder}: param group {g} names no parameters")
+            names = [self._first_name(n, params) for n in names]
             out_groups.append({"hyper": self.encode(hyper, f"optimizer param group {g}"), "param_names": names})
         return {"class": None, "param_groups": out_groups, "state": state}
+
+    def _first_name(self, name: str, params: dict) -> str:
+        """A tied parameter's optimizer state may be keyed by its second name ([Note: tied names in DCP])."""
+        return self.tied[name] if name not in params and self.tied.get(name) in params else name
 
     def _state_entry(self, params: dict, name: str, state_key: str, key: str) -> dict:
         if key not in self.optim.tensors:
@@ -197,6 +212,33 @@ def _flat_range(folder: DcpFolder, key: str, shape: tuple, chunk: Chunk) -> tupl
     return chunk.offsets[0] * rest, (chunk.offsets[0] + chunk.sizes[0]) * rest
 
 
+def _entries_under(folder: DcpFolder, prefixes: tuple[str, ...]) -> dict[str, Any]:
+    """``{name: DCP key}`` of the entries ``(prefix, name)`` under the first of ``prefixes`` the folder has."""
+    for prefix in prefixes:
+        names = {path[1]: key for path, key in folder.paths.items() if len(path) == 2 and path[0] == prefix}
+        if names:
+            return names
+    return {}
+
+
+def _fold_tied(names: dict[str, Any], tied: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """[Note: tied names in DCP]
+    A module's ``state_dict()`` -- and so FSDP2's ``get_model_state_dict`` -- holds a tied parameter under every
+    name (an embedding tied to the LM head is saved twice), while the model here has one parameter under its first
+    name (``named_parameters()``).  Saved twice: the first name is loaded, the second kept as an alias (what an
+    export writes).  Saved once, under the second name only (a writer that dropped duplicates the other way): it
+    is read as the first name.  Without a model (an export) every saved name is written as it is."""
+    names, aliases = dict(names), {}
+    for second, first in tied.items():
+        if second in names:
+            if first in names:
+                aliases[second] = first
+                del names[second]
+            else:
+                names[first] = names.pop(second)
+    return names, aliases
+
+
 def _refuse_flat(folder: str, names: dict) -> None:
     flat = sorted(n for n in names if any(part in n for part in _FSDP1_FLAT))
     if flat:
@@ -216,14 +258,17 @@ def _hf_export(root: str) -> dict:
     return {"hf_config": config} if isinstance(config, dict) else {}
 
 
-def open_checkpoint(layout: DcpLayout, buffer_names=frozenset(), *, optimizer: bool = False) -> DcpSource:
+def open_checkpoint(
+    layout: DcpLayout, buffer_names=frozenset(), *, optimizer: bool = False, tied: dict[str, str] | None = None
+) -> DcpSource:
+    """The checkpoint at ``layout`` as an index; ``optimizer``: its optimizer state is required."""
     if optimizer and layout.optim_dir is None:
         raise CheckpointError(
             f"zp.load_checkpoint: {layout.model_dir} is Accelerate's FSDP model folder and holds no optimizer "
             f"state; its optimizer state is the DCP folder optimizer_0 beside it (missing in {layout.root}). "
             "Load the model alone (optimizer=None), or pass the folder that holds both"
         )
-    return DcpSource(layout, frozenset(buffer_names))
+    return DcpSource(layout, frozenset(buffer_names), tied)
 
 
 def fit_optimizer(source: DcpSource, inner: torch.optim.Optimizer) -> None:
@@ -237,66 +282,3 @@ def fit_optimizer(source: DcpSource, inner: torch.optim.Optimizer) -> None:
                 f"{type(inner).__name__} needs. Load it into the optimizer it was saved from, or load the model "
                 "alone (optimizer=None) and start this optimizer fresh"
             )
-
-
-# -- the two verbs ---------------------------------------------------------------------------
-def load_dcp(layout: DcpLayout, engine: Any, inner, guard: Any) -> dict:
-    """``zp.load_checkpoint`` of a DCP checkpoint: opened, matched, planned and read in as ours."""
-    from .index import match_model, match_optimizer
-    from .load import _plan, _read_in  # one plan and read-in for every source: [Note: DCP as a zero_plugin index]
-    from .regions import check_loadable, param_views, persistent_buffers
-    from .sync import on_every_rank
-
-    world = engine.comm.world
-
-    def open_and_match():
-        engine.forget_forward()  # as load._manifest does
-        check_loadable(engine)
-        buffers = persistent_buffers(engine.model)
-        source = open_checkpoint(layout, {n for n, _ in buffers}, optimizer=inner is not None)
-        match_model(source.index, param_views(engine), buffers, source.directory)
-        if inner is not None:
-            match_optimizer(source.index, engine, inner, source.directory)
-            fit_optimizer(source, inner)
-        return source
-
-    source = on_every_rank(world, open_and_match)
-    views = param_views(engine)
-    plan = on_every_rank(world, lambda: _plan(source, source.index, engine, views, inner))
-    on_every_rank(world, lambda: _read_in(plan, source, inner, guard))
-    return plan.extra
-
-
-def consolidate_dcp(layout: DcpLayout, out: str, *, format: str, dtype, max_shard_bytes: int) -> list[str]:
-    """``zero-plugin consolidate`` of a DCP checkpoint to safetensors or a ``save_pretrained`` folder."""
-    from .consolidate import _write
-
-    if format not in ("safetensors", "hf"):
-        raise ValueError(f"consolidate: a DCP checkpoint exports as --format safetensors or hf; got {format!r}")
-    source = open_checkpoint(layout)
-    if format == "hf" and "hf_config" not in source.export:
-        raise CheckpointError(
-            f"consolidate --format hf: no config.json in {layout.root} (DCP records no model config); copy the "
-            "model's config.json there, or use --format safetensors"
-        )
-    return write_new_folder(
-        out, lambda tmp: _write(source, source.index, source.export, tmp, format, dtype, max_shard_bytes)
-    )
-
-
-def write_new_folder(out: str, write) -> list[str]:
-    """``write(tmp)`` into ``out.tmp-<id>``, renamed to ``out`` (new, or an empty folder) once complete."""
-    out = os.path.abspath(out)
-    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
-        raise CheckpointError(f"consolidate: {out} already exists and is not an empty folder; choose a new one")
-    tmp = f"{out}.tmp-{uuid.uuid4().hex}"
-    os.makedirs(tmp)
-    try:
-        written = write(tmp)
-        if os.path.isdir(out):
-            os.rmdir(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return [os.path.join(out, name) for name in written]

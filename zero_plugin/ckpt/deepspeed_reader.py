@@ -51,7 +51,7 @@ import torch
 from .format import CheckpointError, dtype_name
 from .tree import encode
 
-__all__ = ["DeepSpeedSource", "find_tag_dir", "open_checkpoint", "safe_load"]
+__all__ = ["DeepSpeedSource", "find_tag_dir", "open_checkpoint", "client_state_keys", "safe_load"]
 
 _LATEST = "latest"
 _TAG = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -283,6 +283,13 @@ def open_checkpoint(tag_dir: str) -> DeepSpeedSource:
         ) from exc
     source.export = _hf_export(os.path.dirname(tag_dir))
     return source
+
+
+def client_state_keys(tag_dir: str) -> list[str]:
+    """The keys of the ``client_state`` the checkpoint was saved with (Lightning's ``loops``, ``lr_schedulers``
+    ...), from the first model-states file alone (memory-mapped)."""
+    model = safe_load(_layout(tag_dir).model[0])
+    return sorted(str(k) for k in model if k not in _DS_KEYS) if isinstance(model, dict) else []
 
 
 def _optimizer_record(loaded: Any, path: str) -> dict:

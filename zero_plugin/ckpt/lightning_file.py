@@ -35,7 +35,6 @@ import uuid
 from typing import Any
 
 import torch
-from torch import nn
 
 from . import format as fmt
 from .consolidate import assemble, full_tensor
@@ -44,7 +43,7 @@ from .load import Reader
 from .tree import decode
 from .verify import read_checked_index
 
-__all__ = ["META_FILE", "SHARDS_DIR", "RECORD", "is_lightning_checkpoint", "tied_aliases", "consolidate_lightning"]
+__all__ = ["META_FILE", "SHARDS_DIR", "RECORD", "is_lightning_checkpoint", "consolidate_lightning"]
 
 META_FILE = "meta.pt"
 SHARDS_DIR = "zero"
@@ -56,14 +55,6 @@ RECORD = "zero_plugin"
 def is_lightning_checkpoint(path: str | os.PathLike) -> bool:
     """A complete sharded Lightning/Fabric checkpoint directory (``meta.pt`` is written last)."""
     return os.path.isfile(os.path.join(path, META_FILE)) and os.path.isdir(os.path.join(path, SHARDS_DIR))
-
-
-def tied_aliases(module: nn.Module) -> dict[str, str]:
-    """``{name: saved name}`` for every second name of a tied parameter: ``zp.save_checkpoint`` stores each
-    parameter once (under its first name) while ``module.state_dict()`` -- and so a strict
-    ``load_state_dict`` -- has every name."""
-    saved = {id(p): name for name, p in module.named_parameters()}
-    return {name: saved[id(p)] for name, p in module.named_parameters(remove_duplicate=False) if saved[id(p)] != name}
 
 
 def consolidate_lightning(

@@ -31,13 +31,20 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from . import deepspeed_reader
+from . import dcp_source, deepspeed_reader
 from . import format as fmt
-from .dcp_reader import find_layout
-from .dcp_source import load_dcp
+from .dcp_reader import DcpLayout, find_layout
 from .format import CheckpointError
 from .index import match_model, match_optimizer
-from .regions import ParamView, check_loadable, copy_param_in, load_range, param_views, persistent_buffers
+from .regions import (
+    ParamView,
+    check_loadable,
+    copy_param_in,
+    load_range,
+    param_views,
+    persistent_buffers,
+    tied_aliases,
+)
 from .rng import restore_rng
 from .sync import on_every_rank
 from .tree import decode
@@ -54,7 +61,7 @@ def load(
     world = engine.comm.world  # every rank loads (replicas too) and fails together: [Note: one saved copy]
     path = os.path.abspath(os.fspath(path))
     if (dcp := on_every_rank(world, lambda: find_layout(path))) is not None:  # FSDP / torch DCP
-        return load_dcp(dcp, engine, inner, guard)
+        return _load_dcp(dcp, engine, inner, guard)
     tag_dir = on_every_rank(world, lambda: deepspeed_reader.find_tag_dir(path))
     if tag_dir is not None:
         return _load_deepspeed(tag_dir, engine, inner, guard)
@@ -78,6 +85,31 @@ def _load_deepspeed(tag_dir: str, engine: Any, inner, guard) -> Any:
     source = on_every_rank(world, lambda: _open_deepspeed(tag_dir, engine, inner))
     views = deepspeed_reader.stored_views(source, param_views(engine))
     on_every_rank(world, lambda: _match(source.index, views, engine, inner, tag_dir))
+    plan = on_every_rank(world, lambda: _plan(source, source.index, engine, views, inner))
+    on_every_rank(world, lambda: _read_in(plan, source, inner, guard))
+    return plan.extra
+
+
+def _load_dcp(layout: DcpLayout, engine: Any, inner, guard: Any) -> dict:
+    """A DCP checkpoint ([Note: DCP as a zero_plugin index] in ``dcp_source.py``): opened as an index, then
+    matched, planned and read in as ours."""
+    world = engine.comm.world
+
+    def open_and_match():
+        engine.forget_forward()  # as _manifest does
+        check_loadable(engine)
+        buffers = persistent_buffers(engine.model)
+        source = dcp_source.open_checkpoint(
+            layout, {n for n, _ in buffers}, optimizer=inner is not None, tied=tied_aliases(engine.model)
+        )
+        match_model(source.index, param_views(engine), buffers, source.directory)
+        if inner is not None:
+            match_optimizer(source.index, engine, inner, source.directory)
+            dcp_source.fit_optimizer(source, inner)
+        return source
+
+    source = on_every_rank(world, open_and_match)
+    views = param_views(engine)
     plan = on_every_rank(world, lambda: _plan(source, source.index, engine, views, inner))
     on_every_rank(world, lambda: _read_in(plan, source, inner, guard))
     return plan.extra

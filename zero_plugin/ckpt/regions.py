@@ -34,6 +34,7 @@ __all__ = [
     "ParamView",
     "param_views",
     "persistent_buffers",
+    "tied_aliases",
     "region_to_save",
     "state_region_to_save",
     "load_range",
@@ -87,6 +88,14 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     with raw_state_dict(model):
         entries = model.state_dict(keep_vars=True)
     return [(k, v) for k, v in entries.items() if isinstance(v, torch.Tensor) and id(v) not in param_ids]
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """``{name: saved name}`` for every second name of a tied parameter: ``zp.save_checkpoint`` stores each
+    parameter once (under its first name) while ``module.state_dict()`` -- and so a strict
+    ``load_state_dict`` -- has every name."""
+    saved = {id(p): name for name, p in module.named_parameters()}
+    return {name: saved[id(p)] for name, p in module.named_parameters(remove_duplicate=False) if saved[id(p)] != name}
 
 
 def region_to_save(view: ParamView, layout: ShardLayout) -> torch.Tensor:
