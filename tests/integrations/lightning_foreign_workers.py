@@ -35,9 +35,7 @@ def resume_worker(cases: list[tuple[str, str]]) -> list[dict]:
     with lightning_ranks(), tempfile.TemporaryDirectory() as root:
         for fixture, strategy in cases:
             trainer, module = _fit(strategy, checkpoint(fixture), root)
-            out.append(
-                {"losses": mk.global_mean(module.losses), "lrs": module.lrs, "global_step": trainer.global_step}
-            )
+            out.append({"losses": mk.global_mean(module.losses), "lrs": module.lrs, "global_step": trainer.global_step})
     return out
 
 

@@ -158,3 +158,30 @@ def accelerate_resume(state_dir: str, zp_stage: int) -> tuple[list[float], list[
     result = fx.train(accelerator, model, optimizer, scheduler, steps)
     AcceleratorState._reset_state(True)
     return result
+
+
+def resume_fp16(variant: str, zp_stage: int, offload: bool) -> dict:
+    """An fp16 run with DeepSpeed's dynamic loss scaler, resumed here in fp16 with fp32 masters and the same growth
+    interval: masters and Adam state load exactly, the loss scale is DeepSpeed's at the save and, after the two
+    resumed steps (where DeepSpeed grew it), DeepSpeed's again; the losses agree to fp16's resolution."""
+    ckpt, expected, saved, _ = fixture(variant)
+    scaler = expected["loss_scaler"]
+    model = tm.build_model(1)
+    config = zp.ZeroConfig(
+        stage=zp_stage, offload_optimizer="cpu" if offload else "none", param_dtype="fp16",
+        loss_scale_growth_interval=scaler["saved"]["scale_window"],
+    )  # fmt: skip
+    model, opt = zp.setup(model, tm.build_optimizer(model), config)
+    zp.load_checkpoint(ckpt, model, opt)
+    state, steps = _state(model, opt)
+    _compare(state, saved, exact=True, what=f"{variant} -> stage {zp_stage}, after loading")
+    out = {"scale_at_load": opt.guard.scale, "losses": []}
+    for step in range(tm.TRAIN_STEPS, tm.TRAIN_STEPS + tm.RESUMED_STEPS):
+        loss, mean = _mean_loss(model, step)
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(mean)
+    out["scale_after"], out["skipped"] = opt.guard.scale, opt.guard.skipped_steps
+    out["steps"] = _state(model, opt)[1]
+    return out

@@ -24,7 +24,16 @@ from zero_plugin.ckpt.format import CheckpointError
 from zero_plugin.launch.cli import main as cli
 
 STAGES = (1, 2, 3)
-VARIANTS = [1, 2, 3, "1_bf16", "2_bf16", "3_bf16"]  # fixtures: stage, and bf16 runs (fp32 masters)
+VARIANTS = [
+    1,
+    2,
+    3,
+    "1_bf16",
+    "2_bf16",
+    "3_bf16",
+    "2_fp16",
+    "3_fp16",
+]  # fixtures: stage; bf16 and fp16 runs (fp32 masters)
 TAG = "global_step2"
 
 
@@ -216,3 +225,26 @@ def test_a_missing_rank_file_is_named(tmp_path):
     os.remove(os.path.join(ckpt, TAG, "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
     with pytest.raises(CheckpointError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt"):
         consolidate(ckpt, os.path.join(tmp_path, "out"))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp16_resume_keeps_deepspeeds_loss_scale_and_its_growth_schedule(world):
+    """DeepSpeed fp16 (dynamic scaler: scale 16 at the save, grown to 32 at the first resumed step, window 2):
+    the scale loads, grows on DeepSpeed's step, masters and Adam state load bit for bit, and the next two losses
+    equal DeepSpeed's resumed run's to fp16 rounding ([Note: DeepSpeed's loss scaler] in deepspeed_reader.py)."""
+    configs = [("2_fp16", 1, False), ("3_fp16", 3, False), ("2_fp16", 2, True)]
+    results = run_ranks(world, _resume_fp16_all, configs, timeout=240)[0]
+    for (variant, _, _), got in zip(configs, results):
+        expected = w.fixture(variant)[1]
+        scaler = expected["loss_scaler"]
+        assert got["scale_at_load"] == scaler["saved"]["cur_scale"], (variant, got)
+        assert got["scale_after"] == scaler["resumed"]["cur_scale"] and got["skipped"] == 0, (variant, got)
+        assert got["steps"] == {expected["resumed_step"]}, (variant, got)
+        # the first loss is the loaded weights' own; the second follows an fp16 step whose gradients round unlike
+        # DeepSpeed's (another reduction order), which Adam amplifies: as for bf16, within 2**-7
+        torch.testing.assert_close(got["losses"][0], expected["resumed_losses"][0], rtol=2**-10, atol=0)
+        torch.testing.assert_close(got["losses"], expected["resumed_losses"], rtol=2**-7, atol=0)
+
+
+def _resume_fp16_all(configs):
+    return [w.resume_fp16(*config) for config in configs]

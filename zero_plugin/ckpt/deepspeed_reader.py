@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ..optim.loss_scale import scaler_state_problem
 from .format import CheckpointError, dtype_name
 from .tree import encode
 
@@ -324,6 +325,7 @@ def _describe(source: DeepSpeedSource, models: list[dict], optims: list[dict], t
     _frozen(source, models, stage, world)
     _buffers_and_aliases(source, model)
     source.index["optimizer"] = _optimizer_index(source, model["param_shapes"], bases[0], state_keys)
+    source.index["optimizer"]["grad_guard"] = _grad_guard(optims[0], model, source.files[0])
     source.index["extra"] = _extra(source, model)
 
 
@@ -452,6 +454,31 @@ def _optimizer_index(source: DeepSpeedSource, param_shapes: list, base: dict, st
         hyper = {k: v for k, v in group.items() if k != "params"}
         groups.append({"param_names": names, "hyper": source.encode(hyper, f"optimizer param group {g}")})
     return {"class": None, "param_groups": groups, "state": state_keys}
+
+
+def _grad_guard(optim: dict, model: dict, path: str) -> dict:
+    """[Note: DeepSpeed's loss scaler]
+    The optimizer files hold DeepSpeed's loss scaler (``loss_scaler``: ``cur_scale``; dynamic: ``cur_iter``,
+    ``last_overflow_iter``, ``scale_window``), the model file ``skipped_steps``; they become the record of
+    [Note: scaler state] (``optim/loss_scale.py``), so a resumed fp16 run keeps DeepSpeed's scale.  DeepSpeed grows
+    the scale at the update where ``cur_iter - last_overflow_iter - 1`` is a positive multiple of the window, we
+    after every ``loss_scale_growth_interval``-th clean step: ``clean_steps = cur_iter - last_overflow_iter - 2``
+    puts our next growth on DeepSpeed's when the two intervals are equal (set ``loss_scale_growth_interval`` to
+    DeepSpeed's ``loss_scale_window``).  Saved right after an overflow (or before any step) DeepSpeed waits one
+    step longer than the window, which the count cannot say: there we grow one step earlier.  DeepSpeed's
+    hysteresis (overflows tolerated before backing off) has no counterpart here."""
+    attrs = vars(optim["loss_scaler"]) if isinstance(optim.get("loss_scaler"), _Record) else {}
+    dynamic = bool(attrs.get("dynamic", False))
+    clean = int(attrs.get("cur_iter", 0)) - int(attrs.get("last_overflow_iter", -1)) - 2 if dynamic else 0
+    record = {
+        "dynamic": dynamic,
+        "scale": float(attrs.get("cur_scale", 1.0)),
+        "clean_steps": max(clean, 0),
+        "skipped_steps": int(model.get("skipped_steps") or 0),
+    }
+    if (problem := scaler_state_problem(record)) is not None:
+        raise CheckpointError(f"{path}: DeepSpeed's loss scaler record is damaged: {problem}")
+    return record
 
 
 def _extra(source: DeepSpeedSource, model: dict) -> dict:
