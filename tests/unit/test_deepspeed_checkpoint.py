@@ -248,3 +248,24 @@ def test_fp16_resume_keeps_deepspeeds_loss_scale_and_its_growth_schedule(world):
 
 def _resume_fp16_all(configs):
     return [w.resume_fp16(*config) for config in configs]
+
+
+@pytest.mark.parametrize("where", ["converted folder", "root with latest_universal"])
+def test_a_universal_checkpoint_is_named_with_what_to_do(tmp_path, where):
+    """ds_to_universal.py's output (``<tag>_universal/``: the model-states files copied, ``zero/<param>/fp32.pt``,
+    ``exp_avg.pt`` ...; ``latest_universal`` beside it) is refused naming the layout and the ZeRO checkpoint to pass."""
+    root = os.path.join(tmp_path, "run")
+    os.makedirs(os.path.join(root, "global_step2_universal", "zero", "embed.weight"))
+    shutil.copy(os.path.join(w.fixture(2)[0], TAG, "mp_rank_00_model_states.pt"), f"{root}/global_step2_universal")
+    for name in ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"):
+        torch.save(
+            {"param": torch.zeros(11, 6)}, os.path.join(root, "global_step2_universal", "zero", "embed.weight", name)
+        )
+    with open(os.path.join(root, "latest_universal"), "w") as f:
+        f.write("global_step2_universal")
+    target = os.path.join(root, "global_step2_universal") if where == "converted folder" else root
+    with pytest.raises(CheckpointError) as info:
+        consolidate(target, os.path.join(tmp_path, "out"))
+    message = str(info.value)
+    assert "universal checkpoint" in message and "zero_pp_rank_*_optim_states.pt" in message, message
+    assert "load_universal" in message and target in message, message

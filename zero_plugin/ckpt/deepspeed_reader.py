@@ -62,6 +62,7 @@ _OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_stat
 _PIPELINE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
 _EXPERT = re.compile(r"^((layer_\d+_)?expert_\d+_mp_rank_\d+_model_states|expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
 _NVME = "offloaded_tensors"
+_LATEST_UNIVERSAL, _UNIVERSAL_PARAMS = "latest_universal", "zero"  # what ds_to_universal.py writes
 _EXPORT_WEIGHTS = (
     "export the weights with DeepSpeed's own zero_to_fp32.py, load them into the model before zp.setup and "
     "start the optimizer fresh"
@@ -130,6 +131,8 @@ def find_tag_dir(path: str) -> str | None:
     if not os.path.isdir(path):
         return None
     latest = os.path.join(path, _LATEST)
+    if not os.path.isfile(latest) and os.path.isfile(os.path.join(path, _LATEST_UNIVERSAL)):
+        raise _universal(path)
     if os.path.isfile(latest):
         with open(latest, encoding="utf-8", errors="replace") as f:
             tag = f.read().strip()
@@ -151,9 +154,22 @@ class _Files:
     optim: list[str]  # one per rank, in rank order
 
 
+def _universal(path: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is a DeepSpeed universal checkpoint (ds_to_universal.py's layout: {_LATEST_UNIVERSAL}, "
+        f"{_UNIVERSAL_PARAMS}/<parameter>/fp32.pt, exp_avg.pt ...), which zero_plugin does not read. Pass the ZeRO "
+        "checkpoint it was converted from (the global_stepN/ folder with zero_pp_rank_*_optim_states.pt files, or "
+        "the folder whose 'latest' names it): zero_plugin reshards that to any stage and world size itself. Without "
+        'it, load the universal checkpoint under DeepSpeed ("checkpoint": {"load_universal": true}) with data '
+        "parallelism only and save it again"
+    )
+
+
 def _layout(tag_dir: str) -> _Files:
     """The checkpoint's files by role; layouts this reader does not handle are refused by name, before any read."""
     names = sorted(os.listdir(tag_dir))
+    if os.path.isdir(os.path.join(tag_dir, _UNIVERSAL_PARAMS)) and not any(_OPTIM.match(n) for n in names):
+        raise _universal(tag_dir)
     _refuse_unsupported(tag_dir, names)
     model12 = [n for n in names if _MODEL_12.match(n)]
     model3 = _by_rank(tag_dir, [n for n in names if _MODEL_3.match(n)], _MODEL_3, 1)
