@@ -20,6 +20,9 @@ from tests.fuzz.spec import from_json
 # issue 42, fresh seed 90210: stage 3 hung when one rank discarded the last of four blocks ([Note: units the
 #   backward passed] in zero_plugin/stage3/hooks.py); seed 271828: the same when one of three ranks used no
 #   block's output (its reductions waited behind its end-of-backward gathers).
+# issue 42, fresh seeds 77777 and 300301 (minimised): stage 3 hung when a rank's backward passed three blocks
+#   before reaching one: it marked them ready at once and blocked on the first reduction before gathering the
+#   second, which its peer gathered before reducing the first (the walk in ``Stage3Runtime._catch_up``).
 REGRESSIONS: dict[str, dict] = {
     "stage1-sync-nosync-sync": from_json(
         '{"bucket_size_mb":25.0,"buffered":false,"model":{"batch":1,"bias":true,"d_in":3,"d_out":2,"frozen":['
@@ -85,5 +88,13 @@ REGRESSIONS: dict[str, dict] = {
         'scale":1.0,"sync":true,"usage":[[1,2,2,2],[2,2,2,1],[1,1,1,1]]}],["step"],["zero_grad","optimizer"]]'
         ',"seed":397,"stage":3,"stage3":{"persistence_threshold":0,"prefetch_depth":0,"reshard_after_forward"'
         ':true,"secondary_shard_size":null},"world_size":3}'
+    ),
+    "stage3-three-blocks-passed-before-backward-hang": from_json(
+        '{"bucket_size_mb":25.0,"buffered":true,"model":{"batch":2,"bias":false,"d_in":3,"d_out":4,"frozen":['
+        '],"tie_to":[null,null,null,null],"widths":[6,3,3,6]},"offload":false,"optimizer":{"kind":"adamw","lr'
+        '":0.01,"momentum":0.0,"two_groups":true,"weight_decay":0.0},"precision":"fp64","schedule":[["micro",'
+        '{"scale":1.0,"sync":true,"usage":[[2,2,2,2],[2,1,1,1]]}],["step"],["zero_grad","optimizer"]],"seed":'
+        '3660,"stage":3,"stage3":{"persistence_threshold":0,"prefetch_depth":0,"reshard_after_forward":true,"'
+        'secondary_shard_size":null},"world_size":2}'
     ),
 }

@@ -2,7 +2,8 @@
 seeds): the rank that used them reduced them in their turn and blocked on that reduction once two more were in
 flight, before issuing the backward gathers the other rank was waiting for; both hung until the collective
 timeout (on main 9410fdc, from four blocks with the last one discarded on one of two ranks; and where one rank
-used no block at all, its reductions waited behind the gathers it makes at the end of backward).
+used no block at all, its reductions waited behind the gathers it makes at the end of backward; and where one
+rank passed three blocks before its backward reached one, it marked all three ready before gathering them).
 [Note: units the backward passed] in zero_plugin/stage3/hooks.py.
 """
 
@@ -31,6 +32,11 @@ CASES = [
     (4, [(0, 3), (2, 2)], 3),
     # one rank uses no block at all (seed 271828): its backward reaches none, so it gathers them all at the end
     (4, [(0, 0), (1, 3), (2, 0), (2, 1), (2, 2), (2, 3)], 3),
+    # three blocks in a row passed before the backward reaches one (seed 77777, and 300301 at 4 ranks): the rank
+    # marked all three ready at once and blocked on the first reduction before gathering the second, which its
+    # peer gathers before reducing the first ([Note: units the backward passed]: the walk interleaves them)
+    (4, [(1, 1), (1, 2), (1, 3)], 2),
+    (5, [(0, 1), (0, 2), (0, 3), (2, 4)], 3),
 ]
 
 

@@ -401,9 +401,9 @@ class Stage3Runtime:
         unit.pre_backward()
         if unit is self.root:
             self._regather_direct_reads()
+            self._backward_gather(unit)
         else:
-            self._reduce_units_passed(unit)
-        self._backward_gather(unit)
+            self._catch_up(unit)
         self._prefetch(unit, -1)
 
     # [Note: units the backward passed]
@@ -415,9 +415,26 @@ class Stage3Runtime:
     # it in the reduction order that this backward never reached (IDLE) is ready now, its missing gradients
     # zeros, as at the end of backward; and a rank whose backward reached none of them (it used no block's
     # output, seed 271828) issues them in the same steps while it gathers what its peers gathered
-    # (``_gather_the_rest``).  In a chain of blocks nothing reaches it later; where something does
+    # (``_gather_the_rest``).  Gathers and these reductions interleave as on a peer whose backward reached
+    # every unit: ``_catch_up`` walks the agreed backward list up to the unit, gathering each skipped unit
+    # after the units passed before it are ready (marking three passed units ready at once and gathering
+    # them only then blocked this rank on the first reduction, which its peer issues after a gather this
+    # rank had not issued: seeds 77777 and 300301).  In a chain of blocks nothing reaches it later; where something does
     # (a block reused further back in the forward), its gradient is a late one, reduced again at the end of
     # backward and added, so the result is the same.  The root's pre-backward opens the backward: excluded.
+    def _catch_up(self, unit: Unit) -> None:
+        """Gather ``unit`` for its backward, after walking the agreed backward list up to it as the peers
+        walked it: each unit this backward skipped is gathered, and the units passed before it are ready,
+        in the same steps as on a rank whose backward reached every one of them ([Note: units the backward
+        passed])."""
+        order = self._backward_order
+        if unit in order[self._backward_cursor :]:
+            for listed in order[self._backward_cursor : order.index(unit)]:
+                self._reduce_units_passed(listed)
+                self._backward_gather(listed)
+        self._reduce_units_passed(unit)
+        self._backward_gather(unit)
+
     def _gather_the_rest(self) -> None:
         """End of backward: the units of the agreed backward list this rank's backward did not reach are
         gathered as its peers gathered them, each after the reductions its peers issued before that gather
