@@ -144,3 +144,43 @@ def export_to_fsdp2(root: str, stage: int) -> None:
     torch.testing.assert_close(their_losses, our_losses, rtol=1e-5, atol=0)
     compare(theirs, ours, exact=False, what=f"FSDP2 resumed from our stage-{stage} checkpoint")
     assert step == tm.TRAIN_STEPS + tm.RESUMED_STEPS, step
+
+
+def export_memory(root: str, layers: int, width: int) -> dict:
+    """Save a ``layers`` x (``width`` x ``width``) model with AdamW state, export it as DCP and count the bytes of
+    the tensors the export assembles that are alive at once (each one's storage, until it is freed)."""
+    import weakref
+
+    from zero_plugin.ckpt import dcp_export
+    from zero_plugin.ckpt.consolidate import consolidate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    model, opt = zp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zp.ZeroConfig(stage=3))
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    zp.save_checkpoint(os.path.join(root, "zp"), model, opt)
+    count = {"live": 0, "peak": 0, "assembled": 0}
+
+    def freed(nbytes: int) -> None:
+        count["live"] -= nbytes
+
+    def counted(fn):
+        def assemble(*args, **kwargs):
+            tensor = fn(*args, **kwargs)
+            storage = tensor.untyped_storage()
+            count["live"] += storage.nbytes()
+            count["assembled"] += storage.nbytes()
+            count["peak"] = max(count["peak"], count["live"])
+            weakref.finalize(storage, freed, storage.nbytes())  # when the last tensor over it is gone
+            return tensor
+
+        return assemble
+
+    saved = dcp_export.full_tensor, dcp_export.assemble
+    dcp_export.full_tensor, dcp_export.assemble = counted(saved[0]), counted(saved[1])
+    try:
+        consolidate(os.path.join(root, "zp"), os.path.join(root, "dcp"), format="dcp")
+    finally:
+        dcp_export.full_tensor, dcp_export.assemble = saved
+    return count

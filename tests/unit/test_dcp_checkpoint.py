@@ -153,3 +153,15 @@ def test_consolidate_hf_without_a_config_says_so(tmp_path):
 @pytest.mark.parametrize("stage", [3])
 def test_export_dcp_fsdp2_resumes_as_we_continue(tmp_path, stage):
     run_ranks(2, w.export_to_fsdp2, str(tmp_path), stage)
+
+
+def test_export_dcp_holds_about_one_tensor_at_a_time(tmp_path):
+    """[Note: DCP export]: of the 8 weights and their 16 Adam moments (1 MiB each, 24 MiB in all) the export
+    assembles, at most two are alive at once (the one being written, and its successor's while DCP's writer lets go
+    of the first); before, the whole state was assembled before DCP saw it."""
+    layers, width = 8, 512
+    count = run_ranks(1, w.export_memory, str(tmp_path), layers, width)[0]
+    one = width * width * 4
+    assert count["assembled"] == 3 * layers * one, count
+    assert count["peak"] <= 2 * one, count
+    assert count["live"] == 0, count
