@@ -184,3 +184,24 @@ def export_memory(root: str, layers: int, width: int) -> dict:
     finally:
         dcp_export.full_tensor, dcp_export.assemble = saved
     return count
+
+
+def load_tied_saved_once(root: str) -> None:
+    """A DCP checkpoint of a model with a tied embedding / head saved under the second name only ([Note: tied names
+    in DCP]): the model here, built with another seed, gets every weight and buffer of the writer's."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.fixtures.deepspeed import tiny_model as ds_tm
+
+    path = os.path.join(root, "tied_once")
+    writer = ds_tm.build_model(0).state_dict()
+    if dist.get_rank() == 0:
+        once = {k: v for k, v in writer.items() if k != "embed.weight"}  # head.weight is the same tensor
+        dcp.save({"model": once}, checkpoint_id=path, no_dist=True)
+    dist.barrier()
+    model = ds_tm.build_model(1)
+    model, _ = zp.setup(model, ds_tm.build_optimizer(model), zp.ZeroConfig(stage=3))
+    zp.load_checkpoint(path, model)
+    loaded = zp.full_state_dict(model, rank0_only=False)
+    for name, value in writer.items():
+        assert torch.equal(loaded[name], value), name

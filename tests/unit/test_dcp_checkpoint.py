@@ -104,12 +104,12 @@ def test_fsdp1_flat_parameters_are_refused_with_what_to_do(tmp_path):
 
 
 # -- (4) offline: equal to DCP's own dcp_to_torch_save -----------------------------------------
-def _dcp_to_torch_save(dcp_dir: str, tmp_path) -> dict:
+def _dcp_to_torch_save(dcp_dir: str, tmp_path, key: str = "model") -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = str(tmp_path / f"{os.path.basename(dcp_dir)}.pt")
     dcp_to_torch_save(dcp_dir, out)
-    return torch.load(out, weights_only=False)["model"]
+    return torch.load(out, weights_only=False)[key]
 
 
 def _cli(*args: str) -> None:
@@ -165,3 +165,19 @@ def test_export_dcp_holds_about_one_tensor_at_a_time(tmp_path):
     assert count["assembled"] == 3 * layers * one, count
     assert count["peak"] <= 2 * one, count
     assert count["live"] == 0, count
+
+
+def test_tied_weights_saved_twice_export_both_names_and_saved_once_load(tmp_path):
+    """FSDP2's get_model_state_dict saves a tied embedding / head under both names (Lightning's ModelParallelStrategy
+    fixture): the export writes both, bit-equal to dcp_to_torch_save (loading it is test_lightning_foreign_checkpoints);
+    saved under the second name only, it loads as the model's first name ([Note: tied names in DCP])."""
+    from zero_plugin.ckpt.consolidate import consolidate
+
+    fixture = os.path.join(REPO_ROOT, "tests", "fixtures", "lightning", "fsdp2", "ckpt")
+    consolidate(fixture, str(tmp_path / "out"))
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    theirs = _dcp_to_torch_save(fixture, tmp_path, key="state_dict")
+    assert {"model.embed.weight", "model.head.weight"} <= set(ours)
+    _assert_bit_equal(ours, theirs)
+    assert set(ours) == set(theirs)
+    run_ranks(2, w.load_tied_saved_once, str(tmp_path))

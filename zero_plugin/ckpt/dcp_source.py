@@ -40,10 +40,14 @@ class DcpSource:
     ([Note: DCP as a zero_plugin index])."""
 
     def __init__(
-        self, layout: DcpLayout, buffer_names: frozenset[str] = frozenset(), tied: dict[str, str] | None = None
+        self,
+        layout: DcpLayout,
+        buffer_names: frozenset[str] = frozenset(),
+        tied: dict[str, str] | None = None,
+        optimizer: bool = False,
     ) -> None:
         """``tied``: the loading model's ``{second name: first name}`` of tied parameters ([Note: tied names
-        in DCP]); none when exporting."""
+        in DCP]); none when exporting.  ``optimizer``: its optimizer state is required (else read if present)."""
         self.layout, self.directory = layout, layout.root
         self.model = DcpFolder(layout.model_dir)
         self.optim = None
@@ -53,11 +57,11 @@ class DcpSource:
         self.small: dict[str, torch.Tensor] = {}
         self.tied = dict(tied or {})
         params, buffers, aliases = self._model_entries(buffer_names)
-        optimizer = self._optimizer_index(params) if self.optim is not None else None
+        index_optimizer = self._optimizer_index(params, optimizer) if self.optim is not None else None
         width = max([len(e["shards"]) for e in params.values()] + [1])
         self.files = [f"chunk {i}" for i in range(width)]
         self.index = {"world_size": width, "files": self.files, "params": params, "buffers": buffers,
-                      "optimizer": optimizer, "extra": None, "aliases": aliases}  # fmt: skip
+                      "optimizer": index_optimizer, "extra": None, "aliases": aliases}  # fmt: skip
         self.export = _hf_export(layout.root)
 
     # -- the index ------------------------------------------------------------------------------
@@ -98,13 +102,16 @@ class DcpSource:
             raise CheckpointError(f"{folder.where(key)}: its chunks do not tile its {math.prod(shape)} elements")
         return {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "shards": shards}
 
-    def _optimizer_index(self, params: dict) -> dict:
+    def _optimizer_index(self, params: dict, required: bool) -> dict | None:
         paths = self.optim.paths
         prefix = next((p for p in _OPTIM_PREFIXES if any(path[:2] == (p, "state") for path in paths)), None)
+        if prefix is None and not required:
+            return None
         if prefix is None:
             raise CheckpointError(
-                f"DCP checkpoint {self.optim.folder} has no optimizer state (no 'optim.state' or "
-                "'optimizer.state' keys); load the model alone (optimizer=None)"
+                f"DCP checkpoint {self.optim.folder} has no optimizer state (no "
+                f"{' or '.join(repr(p + '.state') for p in _OPTIM_PREFIXES)} keys); load the model alone "
+                "(optimizer=None) and start the optimizer fresh"
             )
         state: dict[str, dict] = {}
         groups: dict[int, dict] = {}
@@ -268,7 +275,7 @@ def open_checkpoint(
             f"state; its optimizer state is the DCP folder optimizer_0 beside it (missing in {layout.root}). "
             "Load the model alone (optimizer=None), or pass the folder that holds both"
         )
-    return DcpSource(layout, frozenset(buffer_names), tied)
+    return DcpSource(layout, frozenset(buffer_names), tied, optimizer)
 
 
 def fit_optimizer(source: DcpSource, inner: torch.optim.Optimizer) -> None:
