@@ -6,7 +6,8 @@ are the Trainer methods that assume every rank holds the full model or optimizer
 
 * ``save_model``: the Trainer saves on rank 0 only, from ``model.state_dict()`` (a shard at
   stage 3).  Here every rank joins the collective ``zp.full_state_dict`` and rank 0 writes
-  (for a PEFT model only the trainable adapter weights are gathered: adapter files stay small).
+  (for a PEFT model only what ``PeftModel.save_pretrained`` keeps is gathered: the trainable adapter
+  weights, and the embedding layers whole where PEFT saves them, e.g. LoRA on ``embed_tokens``).
 * ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: the optimizer state is
   saved with ``common.save_sharded`` into ``checkpoint-N/zero_plugin/`` and loaded back on resume
   (a plain DDP checkpoint's ``optimizer.pt`` also loads: it is a full state dict; a checkpoint the Trainer
@@ -36,6 +37,7 @@ from torch import nn
 import zero_plugin as zp
 from zero_plugin.ckpt.deepspeed_reader import find_tag_dir
 from zero_plugin.ckpt.rng import capture_rng, restore_rng
+from zero_plugin.state_dict import raw_state_dict
 
 from . import common
 from .accelerate_plugin import Accelerator as ZeroAccelerator
@@ -96,10 +98,41 @@ def save_model(self, output_dir: str | None = None, _internal_call: bool = False
         return _ORIGINALS["save_model"](self, output_dir, _internal_call)
     output_dir = output_dir if output_dir is not None else self.args.output_dir
     # Collective on every rank (the Trainer calls save_model on all of them); rank 0 gets the tensors.
-    state_dict = zp.full_state_dict(model, trainable_only=_is_peft(model))
+    state_dict = _peft_state_dict(model) if _is_peft(model) else zp.full_state_dict(model)
     self._save(output_dir, state_dict=state_dict)  # returns at once on ranks that do not write
     if self.args.push_to_hub and not _internal_call:
         self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def _peft_state_dict(model: nn.Module) -> dict:
+    """Collective: on rank 0 the entries ``PeftModel.save_pretrained`` keeps, full (others ``{}``).  The trainable
+    weights, plus the frozen ones PEFT's own selection picks besides: the embedding layers it saves whole
+    (``save_embedding_layers="auto"`` with an embedding in ``target_modules``, or a resized vocabulary).  A DDP
+    run's adapter file holds them; without them a LoRA on ``embed_tokens`` saved at any stage lacked
+    ``embed_tokens.base_layer.weight``."""
+    state = zp.full_state_dict(model, trainable_only=True)
+    params = dict(model.named_parameters())
+    frozen = [n for n in sorted(_peft_saved_names(model)) if n in params and not params[n].requires_grad]
+    if frozen:
+        with zp.gathered_parameters([params[n] for n in frozen], model=model):
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                state.update({n: params[n].detach().to("cpu", copy=True) for n in frozen})
+    return state
+
+
+def _peft_saved_names(model: nn.Module) -> set[str]:
+    """The state-dict names PEFT's ``get_peft_model_state_dict`` selects for the active adapter, found by running
+    it on stand-in values (empty tensors: it selects entries by name; an entry it rebuilds is a trainable one)."""
+    from peft.utils import get_peft_model_state_dict
+
+    with raw_state_dict(model):  # this rank's shards, no collective: only the names are used
+        names = list(model.state_dict().keys())
+    stand_in = {n: torch.empty(0) for n in names}
+    owner = {id(v): n for n, v in stand_in.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's "Setting save_embedding_layers": it says it again when it saves
+        picked = get_peft_model_state_dict(model, state_dict=stand_in, adapter_name=model.active_adapter)
+    return {owner[id(v)] for v in picked.values() if id(v) in owner}
 
 
 def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
