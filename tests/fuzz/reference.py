@@ -71,6 +71,16 @@ def reference_bf16(spec: dict) -> dict:
 
     Not bitwise what the ranks do (their sum runs in ``reduce_dtype``, in the collective's order), but it
     rounds where they round, so its distance from the float64 reference calibrates theirs.
+
+    [Note: gradients within the reduction's rounding of zero]
+    With ``precision: bf16`` the ranks sum their gradients in bf16 (no fp32 reduction), and a sum of near-
+    cancelling terms comes out with any sign, or zero, within (terms) x 2^-8 x the sum of their magnitudes.
+    AdamW's update of such an element is sign-like (about +-lr whatever the size of its gradient), so its
+    weight may land 2 x lr away from the emulation's although every operation rounded as bf16 may (seeds
+    300301, 77777 and 912345: all four such specs pass with ``bf16_reduce_fp32`` and with SGD).  Those
+    elements are returned in ``ambiguous`` (from the step that met them on) and left out of the comparison;
+    an element whose gradient stands clear of that bound is compared as before, so a dropped or doubled
+    micro-batch still shows.
     """
     n = spec["world_size"]
     master = build_model(spec, torch.float32)
@@ -79,6 +89,10 @@ def reference_bf16(spec: dict) -> dict:
     pairs = [(m, w) for m, w in zip(master.parameters(), work.parameters()) if m.requires_grad]
     trainable = [m for m, _ in pairs]
     losses, norms, forwards, micro = [], [], [], 0
+    bf16_sum = spec["precision"] == "bf16" and spec["optimizer"]["kind"] == "adamw"  # SGD's step is proportional
+    magnitude: dict[int, torch.Tensor] = {}  # id(master) -> sum of |each rank's term| since zero_grad
+    terms = 0  # bf16 additions into each gradient since zero_grad: N per micro-batch
+    ambiguous = {id(m): torch.zeros_like(m, dtype=torch.bool) for m in trainable}
 
     def refresh():
         with torch.no_grad():
@@ -104,11 +118,23 @@ def reference_bf16(spec: dict) -> dict:
                     if w.grad is not None:
                         add = w.grad.float() / n
                         m.grad = add if m.grad is None else m.grad + add
+                        magnitude[id(m)] = add.abs() + magnitude.get(id(m), 0.0)
+            terms += n
             micro += 1
         else:
+            if op[0] == "step" and bf16_sum:
+                for m in trainable:
+                    if m.grad is not None:
+                        bound = (terms + 1) * 2**-8 * magnitude[id(m)]
+                        ambiguous[id(m)] |= (m.grad.abs() <= bound) & (bound > 0)
+            elif op[0] == "zero_grad":
+                magnitude, terms = {}, 0
             _optimizer_op(op, opt, trainable, norms)
     final = {k: v.detach().to(torch.float64).clone() for k, v in master.state_dict().items()}
-    return {"losses": losses, "norms": norms, "forwards": forwards, "final": final}
+    ambiguous_by_key = {
+        k: ambiguous[id(p)] for k, p in master.named_parameters(remove_duplicate=False) if id(p) in ambiguous
+    }
+    return {"losses": losses, "norms": norms, "forwards": forwards, "final": final, "ambiguous": ambiguous_by_key}
 
 
 def _optimizer_op(op: list, opt: torch.optim.Optimizer, trainable: list, norms: list) -> None:

@@ -23,6 +23,10 @@ from tests.fuzz.spec import from_json
 # issue 42, fresh seeds 77777 and 300301 (minimised): stage 3 hung when a rank's backward passed three blocks
 #   before reaching one: it marked them ready at once and blocked on the first reduction before gathering the
 #   second, which its peer gathered before reducing the first (the walk in ``Stage3Runtime._catch_up``).
+# issue 42, fresh seeds 77777, 300301, 912345: bf16 update errors at stages 0, 1 and 3 with bf16 reduction and
+#   AdamW, all from elements whose gradient sum lies within the bf16 sum's rounding of zero (AdamW steps them
+#   by about +-lr whatever their size); the check leaves those out ([Note: gradients within the reduction's
+#   rounding of zero] in tests/fuzz/reference.py); before, this spec failed the check with 0.135 > 0.02.
 REGRESSIONS: dict[str, dict] = {
     "stage1-sync-nosync-sync": from_json(
         '{"bucket_size_mb":25.0,"buffered":false,"model":{"batch":1,"bias":true,"d_in":3,"d_out":2,"frozen":['
@@ -96,5 +100,15 @@ REGRESSIONS: dict[str, dict] = {
         '{"scale":1.0,"sync":true,"usage":[[2,2,2,2],[2,1,1,1]]}],["step"],["zero_grad","optimizer"]],"seed":'
         '3660,"stage":3,"stage3":{"persistence_threshold":0,"prefetch_depth":0,"reshard_after_forward":true,"'
         'secondary_shard_size":null},"world_size":2}'
+    ),
+    "stage3-hpz-bf16-sum-adamw-near-zero-gradients": from_json(
+        '{"bucket_size_mb":0.0001,"buffered":false,"model":{"batch":2,"bias":true,"d_in":1,"d_out":4,"frozen"'
+        ':["blocks.1.fc.bias","head.bias"],"tie_to":[null,null],"widths":[6,9]},"offload":false,"optimizer":{'
+        '"kind":"adamw","lr":0.05,"momentum":0.0,"two_groups":false,"weight_decay":0.1},"precision":"bf16","s'
+        'chedule":[["micro",{"scale":0.3333333333333333,"sync":false,"usage":[[2,2],[2,2],[2,2]]}],["micro",{'
+        '"scale":0.3333333333333333,"sync":true,"usage":[[2,2],[2,2],[2,2]]}],["micro",{"scale":0.33333333333'
+        '33333,"sync":true,"usage":[[2,2],[2,2],[2,2]]}],["clip",1.0],["step"],["zero_grad","model"]],"seed":'
+        '9244,"stage":3,"stage3":{"persistence_threshold":0,"prefetch_depth":2,"reshard_after_forward":true,"'
+        'secondary_shard_size":3},"world_size":3}'
     ),
 }
