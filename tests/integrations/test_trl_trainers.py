@@ -56,9 +56,10 @@ STAGE3_BROKEN = {
     "sft_tokens": "TrainableTokensLayer.forward reads base_layer.weight (the embedding, a leaf unit) outside the "
     "embedding's forward: a 1-D shard; 'index_copy_(): ... dimensionality must match'",
 }
-# stage 2 (and, where they run, stage 3): the grad norm differs from DDP's by 1e-4 to 5e-4 relative from the
-# first or second step, adapters by up to 7e-3; DDP repeats itself bit for bit.  Not diagnosed yet.
-STAGE2_MISMATCH = {"sft_save_head", "sft_lora_embed", "sft_resized"}
+# Trainers of a 2^20-element tensor (``UNCLIPPED`` in the script, trained without clipping): DDP's grad norm is
+# torch's fp32 ``clip_grad_norm_``, 4.7e-4 relative off the float64 norm for the lm_head (zero_plugin's sums in
+# float64 and equals the float64 reference); everything else is compared as tightly as for the others.
+NORM_REL = {"sft_save_head": 1e-3, "sft_lora_embed": 1e-3, "sft_resized": 1e-3}
 SETTINGS = {
     "ddp": (LAUNCHES["ddp"], list(KEYS)),
     "stage2": (([*ZERO_LAUNCH, "launch", "--stage", "2", *TWO], {}), list(KEYS)),
@@ -100,8 +101,6 @@ def _cases():
             marks = []
             if setting == "stage3" and trainer in STAGE3_BROKEN:
                 marks = [pytest.mark.skip(reason=f"stage 3: {STAGE3_BROKEN[trainer]}")]
-            elif trainer in STAGE2_MISMATCH:
-                marks = [pytest.mark.xfail(strict=True, reason="grad norm 1e-4..5e-4 from DDP's: not diagnosed")]
             yield pytest.param(setting, trainer, marks=marks, id=f"{setting}-{trainer}")
 
 
@@ -113,7 +112,8 @@ def test_trl_trainer_equals_ddp(runs, setting, trainer):
     assert len(want) == len(got) == STEPS
     for step, (w, g) in enumerate(zip(want, got)):
         for key in KEYS[trainer]:
-            assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (trainer, setting, step, key, w, g)
+            rel = NORM_REL.get(trainer, 1e-4) if key == "grad_norm" else 1e-4
+            assert g[key] == pytest.approx(w[key], rel=rel, abs=1e-6), (trainer, setting, step, key, w, g)
     assert [want[0][k] for k in KEYS[trainer]] != [want[-1][k] for k in KEYS[trainer]]
     ref = load_file(runs / "ddp" / trainer / "adapter_model.safetensors")
     adapter = load_file(runs / setting / trainer / "adapter_model.safetensors")
