@@ -7,12 +7,12 @@ Real-shaped Llama (untied 4096 x 256 head: a stage-3 unit of its own), LoRA on q
 (``tests/parity/fused_head_workers.py``), 2 ranks against a single-process reference that sees both ranks'
 batches; tolerances as ``test_fused_head.py`` (fp32).
 
-Fails today (strict xfail): ``Unit.forget_forward`` (zero_plugin/stage3/unit.py) clears ``_inputs_hooked`` when
+Failed on d38e7c5: ``Unit.forget_forward`` (zero_plugin/stage3/unit.py) clears ``_inputs_hooked`` when
 the no_grad forward forgets the policy's forward ([Note: pending forward] in hooks.py), so when that forward's
 backward comes, ``_release_after_reduce`` releases a decoder layer's unit as soon as its last LoRA gradient is
 reduced, before the frozen ``q_proj`` base weight's grad-input matmul ran (``setStorage: ... storage of size 0``).
-Keeping ``_inputs_hooked`` there (the forgotten forward's ``_PostBackward`` still reports) makes both cases match
-the reference (clip norms to 1e-7, update-norm error 4e-7), checked by patching it in the workers.
+It now keeps ``_inputs_hooked`` (the forgotten forward's ``_PostBackward`` still reports): both cases match the
+reference (clip norms to 1e-7, update-norm error 4e-7).
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ def worker(loss_name: str, batches: list) -> dict:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="stage 3 releases a unit the forgotten forward's backward still needs")
 @pytest.mark.parametrize("loss_name", list(LOSSES))
 def test_no_grad_forwards_around_the_trained_one(loss_name):
     ref = models.reference_train(

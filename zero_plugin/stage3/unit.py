@@ -231,7 +231,10 @@ class Unit:
         self.reshard()
         if self.secondary is not None:
             self.secondary.drop()
-        self._inputs_hooked = False
+        # _inputs_hooked stays: the forgotten forward's graph still holds its _PostBackward, which reports
+        # when a backward of it comes (TRL's KTO / DPO without ref_model: the policy's forward, the reference
+        # under no_grad, then the policy's backward); cleared here, that backward released the unit at its
+        # reduction, before a frozen weight's grad-input matmul ran (tests/parity/test_fused_head_reference_forward.py)
 
     def _to(self, state: TrainingState) -> None:
         assert state in _LEGAL[self.training_state], (
