@@ -44,17 +44,8 @@ KEYS = {
 }
 FP32 = {"rloo", "kto", "reward", "dpo_noref", "dpo_precompute"}
 STAGE3_BROKEN = {
-    "kto": "a no_grad forward between the policy's forward and its backward (the reference: adapter disabled) "
-    "forgets that forward; Unit.forget_forward clears _inputs_hooked, so at the backward a LoRA layer's unit is "
-    "released once its last adapter gradient arrives, before its frozen base weight's grad-input matmul",
-    "dpo_noref": "as kto: the reference forward (adapter disabled, no_grad) after the policy's",
     "distill": "the teacher's LM head is read by the chunked JSD after the teacher's forward returned: released "
     "(not covered by [Note: direct reads of the output embedding]); 'mat2 must be a matrix'",
-    "sft_save_head": "modules_to_save=['lm_head']: get_output_embeddings() is PEFT's ModulesToSaveWrapper, not the "
-    "unit's module, so output_embedding_backbones finds no head to gather; 'mat2 must be a matrix'",
-    "sft_resized": "as sft_save_head (modules_to_save includes lm_head)",
-    "sft_tokens": "TrainableTokensLayer.forward reads base_layer.weight (the embedding, a leaf unit) outside the "
-    "embedding's forward: a 1-D shard; 'index_copy_(): ... dimensionality must match'",
 }
 # Trainers of a 2^20-element tensor (``UNCLIPPED`` in the script, trained without clipping): DDP's grad norm is
 # torch's fp32 ``clip_grad_norm_``, 4.7e-4 relative off the float64 norm for the lm_head (zero_plugin's sums in

@@ -51,19 +51,32 @@ __all__ = ["DirectReads", "output_embedding_backbones", "watch_reads"]
 def output_embedding_backbones(model: nn.Module, units: list[Unit]) -> list[tuple[nn.Module, Unit]]:
     """``(backbone, head unit)`` for every module of ``model`` with ``get_output_embeddings()`` and
     ``base_model`` (transformers' causal-LM classes, and anything that names them the same way) whose output
-    embedding is a unit of its own and whose backbone does not contain it (so not a PEFT wrapper, whose
-    ``base_model`` wraps the whole model)."""
+    embedding is a unit of its own, or whose ``weight`` is a unit's (a wrapper around the head), and whose
+    backbone does not contain it (so not a PEFT wrapper, whose ``base_model`` wraps the whole model)."""
     unit_of = {id(unit.module): unit for unit in units[1:]}
+    unit_of_weight = {
+        id(w): unit for unit in units[1:] if isinstance(w := getattr(unit.module, "weight", None), nn.Parameter)
+    }
     found: dict[int, tuple[nn.Module, Unit]] = {}
     for module in model.modules():
         head = _output_embeddings(module)
         backbone = getattr(module, "base_model", None)
-        if head is None or id(head) not in unit_of or not isinstance(backbone, nn.Module) or backbone is module:
+        if head is None or not isinstance(backbone, nn.Module) or backbone is module:
             continue
-        if any(m is head for m in backbone.modules()):
+        unit = unit_of.get(id(head)) or unit_of_weight.get(id(_weight(head)))
+        if unit is None or any(m is head for m in backbone.modules()):
             continue
-        found.setdefault(id(backbone), (backbone, unit_of[id(head)]))
+        found.setdefault(id(backbone), (backbone, unit))
     return list(found.values())
+
+
+def _weight(head: nn.Module):
+    """The weight a read of ``head.weight`` gets: a wrapper's (PEFT's ``ModulesToSaveWrapper`` around the LM head
+    under ``modules_to_save``: its active copy's) as well as a plain head's."""
+    try:
+        return head.weight
+    except AttributeError:
+        return None
 
 
 def _output_embeddings(module: nn.Module) -> nn.Module | None:

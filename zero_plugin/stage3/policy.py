@@ -114,23 +114,42 @@ def _no_unit_matched(model: nn.Module, wanted: tuple) -> None:
 
 
 def _split_leaf_units(model: nn.Module, units: list[tuple[str, nn.Module]], owner: dict[int, int]) -> None:
-    """Large root-owned modules become units of their own ([Note: leaf units])."""
+    """Large root-owned modules become units of their own ([Note: leaf units]); one that is a PEFT tuner
+    layer's ``base_layer`` brings the tuner layer along ([Note: tuner layers around a leaf])."""
     users: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
             users[id(p)] = users.get(id(p), 0) + 1
     inside = {id(m) for _, unit_module in units[1:] for m in unit_module.modules()}
     heads = {id(m) for _, m in units[1:]}
+    wrapper_of = {
+        id(m.base_layer): (name, m)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "base_layer", None), nn.Module)
+    }
     for name, module in model.named_modules():
         if module is model or id(module) in inside or any(id(m) in heads for m in module.modules()):
             continue
         own = [p for p in module.parameters(recurse=False) if p is not None]
         if not own or any(owner.get(id(p)) != 0 or users[id(p)] > 1 for p in own):
             continue
-        if sum(p.numel() for p in own) >= LEAF_UNIT_MIN_NUMEL:
-            units.append((name, module))
-            for p in own:
-                owner[id(p)] = len(units) - 1
+        if sum(p.numel() for p in own) < LEAF_UNIT_MIN_NUMEL:
+            continue
+        if id(module) in wrapper_of:
+            name, module = wrapper_of[id(module)]
+            own = [p for p in module.parameters() if owner.get(id(p)) == 0 and users[id(p)] == 1]
+        units.append((name, module))
+        inside.update(id(m) for m in module.modules())
+        for p in own:
+            owner[id(p)] = len(units) - 1
+
+
+# [Note: tuner layers around a leaf]
+# PEFT wraps a layer it adapts in a tuner layer holding it as ``base_layer`` (LoRA's ``Embedding`` / ``Linear``,
+# ``TrainableTokensLayer`` for ``trainable_token_indices``), and the tuner's forward may read
+# ``base_layer.weight`` itself instead of calling ``base_layer`` (``TrainableTokensLayer`` runs ``F.embedding``
+# on it): a leaf unit on ``base_layer`` alone would never be gathered there.  So the tuner layer is the unit,
+# with its adapter parameters (issue 37: ``trainable_token_indices`` on a 4096 x 256 embedding).
 
 
 def _split_frozen_linears(
