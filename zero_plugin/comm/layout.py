@@ -74,7 +74,8 @@ __all__ = [
 ]
 
 Store = Callable[[Any, torch.Tensor], None]  # (member, its averaged result)
-Fill = Callable[[list, list[torch.Tensor]], None]  # (members, this rank's padded chunk of each) for a gather
+# (members, this rank's padded chunk of each, extra (destination, source) pairs to copy along) for a gather
+Fill = Callable[[list, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]], None]
 
 
 class Buffers(Protocol):
@@ -188,7 +189,7 @@ class InPlaceReduce:
         flags = _sum_across_replicas(self.comm, regions, self.flags)  # [Note: sum across replicas]
         for member, region, has_grad in zip(self.members, regions, flags.tolist()):
             if has_grad:
-                store(member, region.div_(n))
+                store(member, region.div_(n) if n != 1 else region)  # world size 1: no op
 
 
 @dataclass(eq=False)
@@ -209,19 +210,27 @@ class BufferedReduce:
     # or the allocator could hand their memory to new work ([Note: side streams]); None without side streams.
     sources: list | None
     local: list[bool] | None = None  # whether this rank had each member's gradient (its own flags)
+    # Where ``output`` came from, when not ``buffers``: stage 3 keeps its results as the shard gradients
+    # ([Note: reduced rows kept] in stage3/unit.py), so its output is fresh and never goes back to a pool.
+    out_buffers: Buffers | None = None
     results_in_full_tensors = False  # a result is a view of the shard-sized output
 
-    def complete(self, what: str, store: Store, deferred: DeferredStores | None = None) -> None:
+    def complete(
+        self, what: str, store: Store, deferred: DeferredStores | None = None, results_in: torch.Tensor | None = None
+    ) -> None:
         """``deferred``: hand the flags, results and ``store`` over ([Note: deferred has-gradient flags] in
-        ``grads/presence.py``) instead of reading the flags here."""
+        ``grads/presence.py``) instead of reading the flags here.  ``results_in``: a tensor of the output's
+        size the averaged row is copied (cast) into in one op, the results then views of it (stage 3's
+        shard gradients in the master dtype)."""
         with self.streams.reduce():  # waiting here makes the reduce stream (not compute) wait for NCCL
             self.comm.wait(self.work, what)
-            _average_flagged(self, self.output, store, lambda layout: layout.local_numel, deferred)
+            numel = lambda layout: layout.local_numel  # noqa: E731
+            _average_flagged(self, self.output, store, numel, deferred, results_in)
             reduced = self.streams.record()
         self.streams.wait(reduced)  # [Note: side streams]: only now may the memory be reused
         self.sources = None
         self.buffers.give(self.input)
-        self.buffers.give(self.output)
+        (self.out_buffers or self.buffers).give(self.output)
 
 
 @dataclass(eq=False)
@@ -246,22 +255,33 @@ def _average_flagged(
     store: Store,
     numel: Callable[[ShardLayout], int],
     deferred: DeferredStores | None = None,
+    results_in: torch.Tensor | None = None,
 ) -> None:
     """A completed reduction's ``flat`` result, the summed flags after ``record.width``: average, and store
     ``numel(layout)`` elements at its offset for each member that some rank had a gradient for; with
-    ``deferred``, hand it the flags, the results and ``store`` (it stores now or later)."""
+    ``deferred``, hand it the flags, the results and ``store`` (it stores now or later).  ``results_in``:
+    the averaged ``flat`` is copied (cast) into it first and the results are its views."""
     if record.comm.replica is not None:  # [Note: sum across replicas]
         _replica_all_reduce(record.comm, flat)
     if deferred is not None:  # [Note: deferred has-gradient flags] in grads/presence.py
-        flat.div_(record.comm.dp_size)  # a summed flag stays non-zero exactly where it was
+        _average(flat, record.comm.dp_size)  # a summed flag stays non-zero exactly where it was
+        if results_in is not None:
+            flat = results_in.copy_(flat)  # flags are small integers: exact in any float dtype
         results = [flat[off : off + numel(m.layout)] for m, off in zip(record.members, record.offsets)]
         deferred.take(record.members, flat[record.width :], results, store, record.local)
         return
     present = flat[record.width :].tolist()
-    flat.div_(record.comm.dp_size)
+    _average(flat, record.comm.dp_size)
+    if results_in is not None:
+        flat = results_in.copy_(flat)
     for member, off, has_grad in zip(record.members, record.offsets, present):
         if has_grad:
             store(member, flat[off : off + numel(member.layout)])
+
+
+def _average(flat: torch.Tensor, n: int) -> None:
+    if n != 1:  # dividing by 1 changes nothing: no op at world size 1
+        flat.div_(n)
 
 
 def _sum_across_replicas(comm: Comm, regions: list[torch.Tensor], flags: torch.Tensor) -> torch.Tensor:
@@ -292,11 +312,14 @@ def gather_in_place(comm: Comm, members: list, flats: Sequence[torch.Tensor], ta
 
 
 def each(fill: Callable[[Any, torch.Tensor], None]) -> Fill:
-    """A :data:`Fill` that writes one member's chunk at a time with ``fill(member, chunk)``."""
+    """A :data:`Fill` that writes one member's chunk at a time with ``fill(member, chunk)``, then copies the
+    extra pairs."""
 
-    def fill_each(members: list, chunks: list[torch.Tensor]) -> None:
+    def fill_each(members: list, chunks: list[torch.Tensor], extra: list) -> None:
         for member, chunk in zip(members, chunks):
             fill(member, chunk)
+        for dst, src in extra:
+            dst.copy_(src)
 
     return fill_each
 
@@ -311,16 +334,16 @@ def gather_buffered(
     trailer: tuple | torch.Tensor = (),
     tag: str = "",
 ) -> BufferedGather:
-    """``fill(members, chunks)`` writes this rank's padded chunk (``shard_numel`` long) of each member, all at
-    once where it can (stage 3: one batched copy per unit, ``ShardedParam.copy_locals_into``), else one by one
-    (:func:`each`); ``trailer``: values appended to this rank's input (exact in ``dtype``), or a tensor of
-    them in ``dtype`` on ``device`` (one copy)."""
+    """``fill(members, chunks, extra)`` writes this rank's padded chunk (``shard_numel`` long) of each member
+    and copies the ``extra`` pairs, all at once where it can (stage 3: one batched copy per unit,
+    ``ShardedParam.copy_locals_into``), else one by one (:func:`each`); ``trailer``: values appended to this
+    rank's input (exact in ``dtype``), or a tensor of them in ``dtype`` on ``device`` (copied by ``fill``
+    with the chunks: no op of its own)."""
     offsets, width = packed_offsets(m.layout.shard_numel for m in members)
     extra = len(trailer)
     inp = buffers.take(width + extra, dtype, device)
-    fill(members, [inp[off : off + m.layout.shard_numel] for m, off in zip(members, offsets)])
-    if isinstance(trailer, torch.Tensor):
-        inp[width:].copy_(trailer)
+    pairs = [(inp[width:], trailer)] if isinstance(trailer, torch.Tensor) else []
+    fill(members, [inp[off : off + m.layout.shard_numel] for m, off in zip(members, offsets)], pairs)
     for j, value in enumerate(() if isinstance(trailer, torch.Tensor) else trailer):
         inp[width + j] = value  # scalar fills: no copy from pageable host memory (a host stall on CUDA)
     out = buffers.take(comm.world_size * (width + extra), dtype, device)
@@ -370,10 +393,12 @@ def reduce_buffered(
     streams: StreamSet = NO_STREAMS,
     tag: str = "",
     grad_of: Callable[[Any], torch.Tensor | None] = _param_grad,
+    out_buffers: Buffers | None = None,
 ) -> BufferedReduce:
     """Copy every member's gradient (``grad_of``, as in :func:`reduce_in_place`; zeros where it has none)
     into rank-major rows with the flags and reduce-scatter them.  Call it on the stream the copies should run on (stage 3: inside
-    ``streams.reduce()``); ``streams`` is where the completion runs."""
+    ``streams.reduce()``); ``streams`` is where the completion runs.  ``out_buffers``: where this rank's
+    output row comes from, if not ``buffers`` (stage 3: fresh, its results kept as views)."""
     n = comm.world_size
     offsets, width = packed_offsets(m.layout.shard_numel for m in members)
     k = len(members)
@@ -385,9 +410,9 @@ def reduce_buffered(
     if release_grads:
         for member in members:
             member.param.grad = None
-    out = buffers.take(width + k, dtype, buf.device)
+    out = (out_buffers or buffers).take(width + k, dtype, buf.device)
     work = comm.reduce_scatter(out, buf.view(-1), async_op=True, tag=tag)
-    return BufferedReduce(comm, members, offsets, width, buf, out, work, buffers, streams, sources, local)
+    return BufferedReduce(comm, members, offsets, width, buf, out, work, buffers, streams, sources, local, out_buffers)
 
 
 def _copy_in_rows(
@@ -412,11 +437,29 @@ def _copy_in_rows(
         grad.reshape(-1) if grad is not None else torch.zeros(m.layout.numel, dtype=dtype, device=buf.device)
         for m, grad in zip(members, grads)
     ]
-    flags = torch.ones(n, k, dtype=dtype, device=buf.device)  # a fill on the device: no host-to-device copy
-    for i, grad in enumerate(grads):
-        if grad is None:
-            flags[:, i] = 0.0
+    if all(grad is not None for grad in grads):
+        flags = _all_present(n * k, dtype, buf.device)
+    else:
+        flags = torch.ones(n, k, dtype=dtype, device=buf.device)  # a fill on the device: no host-to-device copy
+        for i, grad in enumerate(grads):
+            if grad is None:
+                flags[:, i] = 0.0
     torch._chunk_cat(flats + [flags.view(-1)], dim=0, num_chunks=n, out=buf)
+
+
+_ALL_PRESENT: dict[tuple, torch.Tensor] = {}
+
+
+def _all_present(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The has-gradient flags of a reduction where every member has its gradient: ``numel`` ones, made once
+    per size, dtype, device and CUDA stream (read only; made on the stream that reads it, so no stream
+    ever reads it before its fill ran) instead of a fill per reduction (issue #39)."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+    key = (numel, dtype, device, stream)
+    ones = _ALL_PRESENT.get(key)
+    if ones is None:
+        ones = _ALL_PRESENT[key] = torch.ones(numel, dtype=dtype, device=device)
+    return ones
 
 
 def all_reduce_flat(comm: Comm, members: list, dtype: torch.dtype, device: torch.device) -> FlatAllReduce:

@@ -11,11 +11,14 @@ Forward:  pre_forward  -> Unit.pre_forward (unshard, waiting for a prefetch), pr
                           recomputing in backward), hook outputs
 Backward: output grad hook (pre_backward) -> Unit.pre_backward, unshard again in the agreed backward
                                              order, prefetch the previous units
-          param post-accumulate hook -> when every trainable param of the unit is ready, the unit is
-                                        ready; its reduce-scatter is issued when its turn in the
-                                        rank-agreed order comes ([Note: rank-agreed reduction order] in ``schedule.py``)
           input grad hook (post_backward) -> Unit.post_backward: the unit is ready (params without a
-                                             gradient stay without); reshard once its grads were reduced
+                                             gradient stay without); its reduce-scatter is issued when its
+                                             turn in the rank-agreed order comes ([Note: rank-agreed
+                                             reduction order] in ``schedule.py``); reshard once its grads
+                                             were reduced
+          param pre-accumulate hook -> shard-shaped gradients refused, late gradients noted
+          param post-accumulate hook -> only where no input hook reports the unit's backward ([Note: one
+                                        post-backward per unit]): ready when every trainable param is
           final callback (finalize_backward) -> reduce units whose turn did not come, in order,
                                                 wait for every reduction, Unit.end_backward for every unit
 No backward: the next forward, step or write to the shards -> forget_forward -> Unit.forget_forward for
@@ -67,6 +70,24 @@ that does come later still runs: the root is gathered again by its output hook, 
 agreed backward order and an LM head read directly at the root's pre-backward (``_regather_direct_reads``),
 from the primary shards, so it computes on the weights as written, as plain stage 3 does; what it loses is hpZ's intra-node gathers (and two forwards before one backward gather the root and
 last unit once more).  Forgetting moves no collective: every rank forgets at the same point of its program.
+
+[Note: one post-backward per unit]
+A unit's backward is reported once, by the identity ``_PostBackward`` on its inputs (FSDP2's
+``RegisterPostBackwardFunction``): autograd runs it after the unit's own backward ops, and every
+``AccumulateGrad`` ready by then runs before it (the engine runs ready nodes highest sequence number first,
+and accumulators carry the highest), so the unit's gradients are in ``param.grad`` when it becomes ready.  A
+gradient that comes later anyway (a parameter also used outside the unit inside ``zp.gathered_parameters``,
+a unit entered twice) reaches the parameter's pre-accumulate hook after the reduction launched and is a late
+one, re-reduced in the final callback; one before the launch is sent with the rest.  So trainable parameters
+carry one hook each, the pre-accumulate one ([Note: uses outside the unit] in ``param.py``; it also queues the
+final callback and notes late gradients), not a post-accumulate hook as well (issue #39: two hooks per
+parameter were most of the Python run per backward).  Post-accumulate hooks remain where nothing else tells
+when the unit's gradients are final: on the root (its inputs are the user's), on a unit whose forward had no
+input that needs a gradient (an embedding, the first block under frozen embeddings) -- registered at that
+forward and removed at the end of its backward (or when it is forgotten, [Note: pending forward]) -- and, for
+one accumulation, on a parameter lent the full shape.  Such a unit is ready when all its trainable parameters
+have their gradients, as before; a unit whose hooked inputs get no gradient (its output does not depend on
+them) is ready at the end of backward.
 
 [Note: backward gather order]
 Backward reaches a unit only where its output got a gradient, so a rank that ignored a block's output
@@ -210,6 +231,7 @@ class Stage3Runtime:
         self.direct_reads = DirectReads()  # [Note: direct reads of the output embedding] in direct_reads.py
         self._armed: Unit | None = None  # a sliced head whose backbone returned, read whole if read directly
         self._handles: list = []
+        self._param_hooks: dict[Unit, list] = {}  # [Note: one post-backward per unit]: until the backward ends
         self.storage_pool: StoragePool | None = None  # [Note: lent storage] in storage_pool.py; set by the engine
 
     # -- registration -----------------------------------------------------------
@@ -226,10 +248,25 @@ class Stage3Runtime:
                 self._handles.append(m.register_forward_hook(functools.partial(self.post_forward, unit)))
             for sp in unit.trainable:
                 self._handles.append(sp.param.register_hook(WeakHook(self.pre_accumulate, unit, sp)))
-                self._handles.append(
-                    sp.param.register_post_accumulate_grad_hook(WeakHook(self.post_accumulate, unit, sp))
-                )
+        self._hook_params(self.root, self._handles)  # [Note: one post-backward per unit]
         self._register_direct_reads()
+
+    def _hook_params(self, unit: Unit, handles: list) -> None:
+        """Post-accumulate hooks on ``unit``'s trainable parameters: the unit is ready once all of them have
+        their gradients ([Note: one post-backward per unit])."""
+        for sp in unit.trainable:
+            handles.append(sp.param.register_post_accumulate_grad_hook(WeakHook(self.post_accumulate, unit, sp)))
+
+    def _hook_params_for_this_forward(self, unit: Unit) -> None:
+        """[Note: one post-backward per unit]: nothing reports when this forward's backward of ``unit`` ran."""
+        if unit is not self.root and unit not in self._param_hooks:
+            self._hook_params(unit, self._param_hooks.setdefault(unit, []))
+
+    def _unhook_params(self) -> None:
+        for handles in self._param_hooks.values():
+            for h in handles:
+                h.remove()
+        self._param_hooks.clear()
 
     def _register_direct_reads(self) -> None:
         """[Note: direct reads of the output embedding] in direct_reads.py: the backbone's end enters the head."""
@@ -242,6 +279,7 @@ class Stage3Runtime:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._unhook_params()
 
     # -- root entry points ----------------------------------------------------------
     def _root_entries(self) -> list:
@@ -288,7 +326,9 @@ class Stage3Runtime:
         if not in_backward:
             self._prefetch(unit, +1)
         if hook_inputs and unit is not self.root and torch.is_grad_enabled():
-            args, kwargs = self._hook_inputs(unit, args, kwargs)
+            args, kwargs, hooked = self._hook_inputs(unit, args, kwargs)
+            if not hooked:
+                self._hook_params_for_this_forward(unit)
         return args, kwargs
 
     def pre_direct_read(self, unit: Unit, module, args, output):
@@ -303,7 +343,9 @@ class Stage3Runtime:
         if not torch.is_grad_enabled():
             return output
         self.direct_reads.open(unit)
-        (output,), _ = self._hook_inputs(unit, (output,), {}, functools.partial(self._direct_read_done, unit))
+        (output,), _, hooked = self._hook_inputs(unit, (output,), {}, functools.partial(self._direct_read_done, unit))
+        if not hooked:
+            self._hook_params_for_this_forward(unit)
         return output
 
     def _read_armed(self, unit: Unit) -> None:
@@ -361,6 +403,7 @@ class Stage3Runtime:
             return
         for unit in self.units:
             unit.forget_forward()
+        self._unhook_params()
         self._to_phase(Phase.IDLE)
 
     def _to_phase(self, phase: Phase) -> None:
@@ -372,17 +415,18 @@ class Stage3Runtime:
 
     def _hook_inputs(self, unit: Unit, args, kwargs, done: Callable[[], None] | None = None):
         """Wrap the inputs that need grad in ``_PostBackward``, whose backward calls ``done`` (default: the unit's
-        post-backward)."""
+        post-backward); and whether any did."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         picks = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not picks:
-            return args, kwargs
+            return args, kwargs, False
         done = done or functools.partial(self.post_backward, unit)
         outs = _PostBackward.apply(done, *[leaves[i] for i in picks])
         for i, t in zip(picks, outs):
             leaves[i] = t
         unit.hooked_inputs()
-        return pytree.tree_unflatten(leaves, spec)
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        return args, kwargs, True
 
     def _hook_outputs(self, unit: Unit, output) -> None:
         for t in pytree.tree_leaves(output):
@@ -486,8 +530,23 @@ class Stage3Runtime:
                 f"{list(grad.shape)}); wrap that use in `with zp.gathered_parameters([param], model=model):` to "
                 f"compute on the full parameter"
             )
+        self._queue_final_callback()
         if sp.state is ShardedState.SHARDED:  # from a gathered_parameters block, after its unit resharded
             sp.lend_full_shape()
+            self._after_this_accumulation(unit, sp)
+        elif unit.reduce_launched and unit not in self._late:  # a second gradient for a param in one backward
+            self._late.append(unit)
+
+    def _after_this_accumulation(self, unit: Unit, sp: ShardedParam) -> None:
+        """A post-accumulate hook for the accumulation about to run, removed once it ran: the lent shape
+        back, and the gradient counted as a late one or towards the unit's readiness."""
+        handle = None
+
+        def once(param: torch.Tensor) -> None:
+            handle.remove()
+            self.post_accumulate(unit, sp, param)
+
+        handle = sp.param.register_post_accumulate_grad_hook(once)
 
     def post_accumulate(self, unit: Unit, sp: ShardedParam, param: torch.Tensor) -> None:
         sp.end_lend()
@@ -499,6 +558,7 @@ class Stage3Runtime:
             self.schedule.mark_ready(unit)
 
     def post_backward(self, unit: Unit) -> None:
+        self._queue_final_callback()  # a backward that reached no output hook and no parameter hook
         if unit.post_backward():
             self.schedule.mark_ready(unit)
 
@@ -543,6 +603,7 @@ class Stage3Runtime:
         self.direct_reads.clear()
         for unit in self.units:
             unit.end_backward()
+        self._unhook_params()
         self._to_phase(Phase.IDLE)
 
     def drain(self) -> None:

@@ -203,11 +203,12 @@ class ShardedParam:
             dst[self.local.numel() :].zero_()
 
     @staticmethod
-    def copy_locals_into(members: list[ShardedParam], chunks: list[torch.Tensor]) -> None:
-        """Copy-in for a unit's all-gather, batched: the local shards into their chunks in one foreach copy
-        (cast to the compute dtype), the padding after them zeroed in one more; shards on the host
-        (offload_params) one by one, without blocking (:meth:`copy_local_into`)."""
-        dsts, srcs, tails = [], [], []
+    def copy_locals_into(members: list[ShardedParam], chunks: list[torch.Tensor], extra: list = ()) -> None:
+        """Copy-in for a unit's all-gather, batched: the local shards into their chunks and the ``extra``
+        (destination, source) pairs (the gather tag) in one foreach copy (cast to the compute dtype), the
+        padding after them zeroed in one more; shards on the host (offload_params) one by one, without
+        blocking (:meth:`copy_local_into`)."""
+        dsts, srcs, tails = [dst for dst, _ in extra], [src for _, src in extra], []
         for sp, chunk in zip(members, chunks):
             if sp.local.device != chunk.device:
                 sp.copy_local_into(chunk)
@@ -226,6 +227,21 @@ class ShardedParam:
     def write_full_into_local(self, full: torch.Tensor) -> None:
         """Take this rank's region of an edited full tensor (load, gathered edit)."""
         self.local.copy_(self.layout.local_view(full.detach().reshape(-1).contiguous()))
+
+    def keep_reduced(self, reduced: torch.Tensor, row: torch.Tensor) -> None:
+        """Store a reduction's result: a view of ``row`` (the unit's reduced row, fresh for this reduction and
+        no one else's) becomes the shard gradient as it is, with no copy, when there is none yet and its
+        dtype and device are the shard's ([Note: reduced rows kept] in unit.py); otherwise
+        :meth:`accumulate_grad`."""
+        if (
+            self.sharded_grad is None
+            and reduced._base is row
+            and reduced.dtype == self.local.dtype
+            and reduced.device == self.local.device
+        ):
+            self.sharded_grad = reduced
+        else:
+            self.accumulate_grad(reduced)
 
     def accumulate_grad(self, reduced: torch.Tensor) -> None:
         if self.sharded_grad is None:

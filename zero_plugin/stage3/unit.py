@@ -43,6 +43,7 @@ end of backward.
 from __future__ import annotations
 
 import enum
+import functools
 
 import torch
 from torch import nn
@@ -398,19 +399,62 @@ class Unit:
             ]
         else:
             launch, extra = comm_layout.reduce_buffered, {"buffers": self.pool, "streams": self.streams}
+        rows = {dtype: self._kept_row(group, dtype) for dtype, group in groups.items()}
         with self.streams.reduce():  # after the compute stream's backward wrote the gradients
             return [
-                launch(self.reduce_comm, group, dtype, group[0].unsharded.device, **common, **extra)
+                launch(
+                    self.reduce_comm,
+                    group,
+                    dtype,
+                    group[0].unsharded.device,
+                    **common,
+                    **extra,
+                    **({"out_buffers": _Given(rows[dtype])} if rows[dtype] is not None else {}),
+                )
                 for dtype, group in groups.items()
             ]
+
+    def _kept_row(self, group: list[ShardedParam], dtype: torch.dtype) -> torch.Tensor | None:
+        """[Note: reduced rows kept]: a fresh output row for a buffered reduction whose results become the
+        shard gradients, allocated here on the compute stream; None where they cannot (qgZ, shards on the
+        host)."""
+        if self.grad_block is not None or self.reduce_comm.gathers_regions_in_place:
+            return None
+        device = group[0].unsharded.device
+        if any(sp.local.device != device for sp in group):
+            return None
+        width = sum(sp.layout.shard_numel for sp in group) + len(group)
+        return torch.empty(width, dtype=dtype, device=device)
 
     @torch.no_grad()
     def complete_reduce(self, pending: comm_layout.InPlaceReduce | comm_layout.BufferedReduce) -> None:
         what = f"reduce-scatter of unit {self.name!r}"
-        if isinstance(pending, comm_layout.BufferedReduce):
+        if isinstance(pending, comm_layout.BufferedReduce) and isinstance(pending.out_buffers, _Given):
+            row = pending.output  # [Note: reduced rows kept]
+            dtypes = {sp.local.dtype for sp in pending.members}
+            if len(dtypes) == 1 and row.dtype not in dtypes:  # masters in another dtype: one cast per row
+                row = torch.empty(row.shape, dtype=dtypes.pop(), device=row.device)
+            store = functools.partial(ShardedParam.keep_reduced, row=row)
+            pending.complete(what, store, self.deferred, results_in=row if row is not pending.output else None)
+        elif isinstance(pending, comm_layout.BufferedReduce):
             pending.complete(what, ShardedParam.accumulate_grad, self.deferred)
         else:  # in place (gloo): the flags are a host tensor already
             pending.complete(what, ShardedParam.accumulate_grad)
+
+
+class _Given:
+    """A reduction's output row allocated by the unit ([Note: reduced rows kept]): handed out once, never
+    taken back."""
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self.row = row
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        assert self.row.numel() == numel and self.row.dtype == dtype, "reduced row: layout mismatch"
+        return self.row
+
+    def give(self, tensor: torch.Tensor | None) -> None:
+        pass
 
 
 def _param_grad(sp: ShardedParam) -> torch.Tensor | None:
