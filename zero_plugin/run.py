@@ -76,7 +76,7 @@ def install() -> None:
     import accelerate.accelerator
 
     from .integrations import hf_trainer, trl_vllm
-    from .integrations.accelerate_plugin import Accelerator
+    from .integrations.accelerate import Accelerator
     from .loading import lazy_pretrained
 
     accelerate.Accelerator = Accelerator

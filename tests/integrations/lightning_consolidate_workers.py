@@ -57,7 +57,8 @@ def train_worker(strategy: str, ckpt_dir: str, epochs: int = 2) -> dict:
     state (both rank 0), the losses, and what the strategy logged about loading the directories."""
     import lightning.pytorch as pl
     from lightning_utilities.core import rank_zero
-    from zero_plugin.integrations import lightning_common as common
+
+    from zero_plugin.integrations.lightning import common
 
     records: list[str] = []
     handler = logging.Handler()

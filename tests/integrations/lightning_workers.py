@@ -206,7 +206,7 @@ def make_trainer(strategy: str, root: str, package: str = "lightning.pytorch", *
 
 def full_state(trainer) -> dict:
     """Collective: the LightningModule's full state dict on rank 0 (whatever the strategy), {} elsewhere."""
-    from zero_plugin.integrations import lightning_common as common
+    from zero_plugin.integrations.lightning import common
 
     module = trainer.lightning_module
     if common.is_set_up(module):

@@ -212,7 +212,7 @@ def test_accelerate_script_matches_ddp(runs, name):
     ddp_info = json.loads((ddp.out / "result.json").read_text())
     info = json.loads((run.out / "result.json").read_text())
     assert ddp_info["accelerator_class"] == "accelerate.accelerator.Accelerator"
-    assert info["accelerator_class"] == "zero_plugin.integrations.accelerate_plugin.Accelerator"
+    assert info["accelerator_class"] == "zero_plugin.integrations.accelerate.Accelerator"
     assert info["num_processes"] == ddp_info["num_processes"] == 2
     assert info["distributed_type"] == ddp_info["distributed_type"] == "DistributedType.MULTI_CPU"
     assert info["model_class"] == "LlamaForCausalLM"  # sharded in place, no DDP wrapper
@@ -269,7 +269,7 @@ def test_trainer_lora_stage3_matches_ddp_and_resumes(runs):
 
     full, resumed, ddp = runs.result("trainer"), runs.result("trainer_resumed"), runs.result("trainer_ddp")
     info, info_resumed, info_ddp = (json.loads((r.out / "result.json").read_text()) for r in (full, resumed, ddp))
-    assert info["accelerator_class"] == "zero_plugin.integrations.accelerate_plugin"
+    assert info["accelerator_class"] == "zero_plugin.integrations.accelerate"
     assert info["world_size"] == 2 and info["global_step"] == info_resumed["global_step"] == 8
     # Same run as plain DDP: losses, the clipped global grad norm (max_grad_norm=0.15 clips), eval loss.
     steps = sorted(_losses(info_ddp))

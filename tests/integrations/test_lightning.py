@@ -196,7 +196,7 @@ def test_pl_trainer_strategy_env_switches_trainer_and_names_are_registered():
 def test_standalone_pytorch_lightning_package():
     """The same strategy under ``pytorch_lightning`` (its own class tree) gives the same run."""
     result = trainer_run("llama", "zero3", package="pytorch_lightning")
-    assert result[0]["strategy_class"] == "zero_plugin.integrations.pytorch_lightning_strategy.ZeroStrategy"
+    assert result[0]["strategy_class"] == "zero_plugin.integrations.lightning.pytorch_lightning.ZeroStrategy"
     assert_parity(result, trainer_run("llama", "ddp"))
 
 

@@ -1,6 +1,6 @@
 """Short Lightning runs under the ZeRO strategies end with exit code 0 on every rank.
 
-[Note: gloo at interpreter exit] in ``integrations/lightning_exit.py``: a gloo worker thread still
+[Note: gloo at interpreter exit] in ``zero_plugin/integrations/lightning/exit.py``: a gloo worker thread still
 releasing a finished collective when the interpreter finalises aborts the process ("terminate called
 without an active exception", exit 134 / -6) after a successful run; before the strategies' exit handler
 1 in 30-50 runs of this loop did (by hand: 1 of 30, then 1 of 50, zero3).  That is a race, so the loop

@@ -95,9 +95,9 @@ def test_the_plugin_scaler_maps_onto_the_config():
     """Init scale and growth interval carry over, a disabled or absent scaler means no scaling, another scaler class
     is refused, and other precisions keep the config as it is."""
     from lightning.pytorch.plugins.precision import MixedPrecision
-    from zero_plugin.integrations import lightning_common as common
 
     import zero_plugin as zp
+    from zero_plugin.integrations.lightning import common
 
     default = common.loss_scaler_settings(MixedPrecision("16-mixed", "cpu"))
     assert default == {"loss_scale_init": 65536.0, "loss_scale_growth_interval": 2000}

@@ -135,7 +135,7 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_load_best_model_at_end_loads_the_best_checkpoint(runs, stage):
     run, ddp = runs.ok(f"stage{stage}"), runs.ok("ddp")
     info, ddp_info = _info(run), _info(ddp)
-    assert info["accelerator_class"] == "zero_plugin.integrations.accelerate_plugin"
+    assert info["accelerator_class"] == "zero_plugin.integrations.accelerate"
     assert info["world_size"] == ddp_info["world_size"] == 2 and info["global_step"] == 4
     assert info["best_model_checkpoint"] == str(run.out / "checkpoint-2")
     # Training is the DDP run's: losses, clipped grad norms, eval losses, the score that picks the best.

@@ -13,11 +13,11 @@ import warnings
 import pytest
 import torch
 
-from integrations.accelerate_plugin import place_before_setup
 from tests import models
 from tests.harness import run_ranks
 from tests.unit import lazy_pretrained_workers as LW
 from zero_plugin.config import ZeroConfig
+from zero_plugin.integrations.accelerate import place_before_setup
 from zero_plugin.loading import lazy_pretrained, materialize
 from zero_plugin.run import _loads_lazily
 
@@ -143,10 +143,10 @@ def test_frozen_lazy_model_prepared_alone(tmp_path, stage):
     import contextlib
 
     from accelerate.state import AcceleratorState
-    from zero_plugin.integrations import common
-    from zero_plugin.integrations.accelerate import Accelerator, ZeroPlugin
 
     import zero_plugin as zp
+    from zero_plugin.integrations import common
+    from zero_plugin.integrations.accelerate import Accelerator, ZeroPlugin
 
     path = _save(tmp_path)
     eager = LW.load(path, lazy=False, lora=False)

@@ -1,7 +1,7 @@
 """``zero-plugin consolidate CKPT_DIR OUT.ckpt --format lightning``: a sharded Lightning checkpoint as one file.
 
 The ZeRO strategies for the Lightning Trainer and Fabric save a checkpoint as a directory
-([Note: sharded checkpoint directory] in ``integrations/lightning_common.py``)::
+([Note: sharded checkpoint directory] in ``zero_plugin/integrations/lightning/common.py``)::
 
     <dir>/zero/     zp.save_checkpoint: every rank's regions of the model and optimizer
     <dir>/meta.pt   everything else Lightning saved (loops, callbacks, schedulers, hyper_parameters, ...),

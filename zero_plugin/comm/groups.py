@@ -30,7 +30,7 @@ _EXIT_HANDLER = [False]
 def release_groups() -> None:
     """Forget the cached control and sibling groups ([Note: control channel] in ``collectives.py``), whose
     cache entries also hold the default group: call it after ``destroy_process_group()``, so that the last
-    references to the groups go and torch joins their threads (``integrations/lightning_exit.py``,
+    references to the groups go and torch joins their threads (``zero_plugin/integrations/lightning/exit.py``,
     ``run.py``)."""
     SAME_RANKS.clear()
 

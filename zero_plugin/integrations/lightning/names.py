@@ -6,10 +6,10 @@ and as the standalone ``pytorch_lightning`` / ``lightning_fabric``, whose classe
 subclass the ``ParallelStrategy`` of the package the user's Trainer or Fabric comes from.  So the strategies'
 methods are written once, in mixins that reach Lightning only through ``self._lightning`` (the
 :class:`LightningNames` loaded from one package), and a factory per strategy
-(``lightning_strategy.make_trainer_classes``, ``fabric_strategy.make_fabric_strategy``) puts the mixin over that
+(``strategy.make_trainer_classes``, ``fabric.make_fabric_strategy``) puts the mixin over that
 package's base classes, once per package (cached).  Nothing rewrites or re-executes source: the unified
-package's classes are built when ``lightning_strategy`` / ``fabric_strategy`` are imported, the standalone
-packages' by the two-line modules ``pytorch_lightning_strategy`` / ``lightning_fabric_strategy``.
+package's classes are built when ``strategy`` / ``fabric`` are imported, the standalone
+packages' by the two-line modules ``pytorch_lightning`` / ``lightning_fabric``.
 """
 
 from __future__ import annotations

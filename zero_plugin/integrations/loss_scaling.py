@@ -20,7 +20,7 @@ order of the fp32 sums (``tests/integrations/test_fp16.py``, ``test_lightning_fp
   disabled GradScaler would apply it).
 * Accelerate: autocast is kept on every device: on CPU, where Accelerate alone ignores fp16 (no autocast, no
   scaler), the run is the one a GPU would make, so it can be tested and compared on CPU.
-* Lightning (``lightning_common.py``, ``loss_scaler_settings``): the plugin keeps autocast; ``ZeroPrecision``
+* Lightning (``lightning/common.py``, ``loss_scaler_settings``): the plugin keeps autocast; ``ZeroPrecision``
   (Trainer) and ``ZeroFabricStrategy.backward`` / ``optimizer_step`` scale, unscale and step through the engine
   and never call the plugin's GradScaler.  As with Lightning's own scaler, a skipped step is still a step to
   Lightning (``global_step`` and step-interval schedulers advance) and ``optimizer_step`` returns None.  On

@@ -5,13 +5,13 @@ module (inside Fabric's usual ``_FabricModule``) and the ``ZeroOptimizer``; ``se
 alone shards for inference (a later ``setup_optimizers`` binds the real optimizer).
 ``fabric.backward`` is plain autograd (the engine's hooks reduce), ``fabric.clip_gradients``
 clips by the global norm over every rank's shard, ``fabric.no_backward_sync`` maps to
-``zp.no_sync``, and ``fabric.save`` / ``fabric.load`` use the layout in ``lightning_common.py``.
+``zp.no_sync``, and ``fabric.save`` / ``fabric.load`` use the layout in ``lightning/common.py``.
 Under ``16-mixed`` zero_plugin's synchronized loss scaler stands in for the plugin's GradScaler
 ([Note: fp16 one-flag mapping] in ``loss_scaling.py``).
 
 The class is written once (``_ZeroFabricStrategy``) and built over one package's base classes by
-:func:`make_fabric_strategy`: here for ``lightning.fabric``, in ``lightning_fabric_strategy.py``
-for ``lightning_fabric`` ([Note: one strategy source, two Lightning packages] in ``lightning_names.py``).
+:func:`make_fabric_strategy`: here for ``lightning.fabric``, in ``lightning/lightning_fabric.py``
+for ``lightning_fabric`` ([Note: one strategy source, two Lightning packages] in ``lightning/names.py``).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from torch.optim import Optimizer
 import zero_plugin as zp
 from zero_plugin.loading.meta_init import meta_parameters
 
-from . import lightning_common as common
-from .lightning_names import LightningNames, fabric_names
-from .lightning_processes import ZeroProcesses
+from . import common
+from .names import LightningNames, fabric_names
+from .processes import ZeroProcesses
 
 if TYPE_CHECKING:
     from lightning.fabric.accelerators import Accelerator
@@ -63,7 +63,7 @@ class _ZeroFabricStrategy(ZeroProcesses):
 
     ``fabric.init_module()`` builds on the meta device at stage 3 (unless ``empty_init=False`` or
     ``meta_init=False``) and ``fabric.setup`` materialises one unit at a time: [Note: meta construction]
-    in ``lightning_common.py``.
+    in ``lightning/common.py``.
     """
 
     _lightning: LightningNames  # set by make_fabric_strategy, with _fabric_names (the same) and _sync_control
@@ -168,7 +168,7 @@ class _ZeroFabricStrategy(ZeroProcesses):
         common.move_to_device(module, self.root_device)
 
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        """``fabric.init_module``: see [Note: meta construction] in ``lightning_common.py``."""
+        """``fabric.init_module``: see [Note: meta construction] in ``lightning/common.py``."""
         if not common.builds_on_meta(self.config, empty_init, self.meta_init, self.param_source):
             return super().module_init_context(empty_init)
         stack = ExitStack()

@@ -4,7 +4,7 @@ A thin adapter in the style of Lightning's ``ModelParallelStrategy``: the Lightn
 sharded in place together with its one optimizer by ``zp.setup`` (no wrapper module, no DDP,
 no ``_sync_module_states``: ``zp.setup`` broadcasts rank 0's weights); every step method runs
 through the module's ``__call__`` so that stage 3 gathers the root unit.  Presets, clipping,
-setup rules and the checkpoint layout live in ``lightning_common.py``, shared with Fabric.
+setup rules and the checkpoint layout live in ``lightning/common.py``, shared with Fabric.
 
 Precision: Lightning's own plugin keeps the dtype side (``16-mixed`` / ``bf16-mixed`` autocast,
 ``*-true`` casts); :class:`ZeroPrecision` wraps it to run the closure, clip the sharded gradients
@@ -14,8 +14,8 @@ in ``loss_scaling.py``).
 
 The classes are written once as bodies (``_ZeroStrategy``, ``_ZeroPrecision``, the summaries) and
 built over one Lightning package's base classes by :func:`make_trainer_classes`: here for
-``lightning.pytorch``, in ``pytorch_lightning_strategy.py`` for ``pytorch_lightning``
-([Note: one strategy source, two Lightning packages] in ``lightning_names.py``).
+``lightning.pytorch``, in ``lightning/pytorch_lightning.py`` for ``pytorch_lightning``
+([Note: one strategy source, two Lightning packages] in ``lightning/names.py``).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from torch.optim import Optimizer
 import zero_plugin as zp
 from zero_plugin.loading.meta_init import meta_parameters
 
-from . import lightning_common as common
-from .lightning_names import LightningNames, trainer_names
-from .lightning_processes import ZeroProcesses
+from . import common
+from .names import LightningNames, trainer_names
+from .processes import ZeroProcesses
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -140,7 +140,7 @@ class _ZeroStrategy(ZeroProcesses):
         meta_init: stage 3 only; True (default): ``configure_model`` and ``trainer.init_module()`` (unless
             ``empty_init=False``) build parameters on the meta device and setup initialises them one unit at a
             time with each module's own init; False: build them for real on every rank, as DDP does.
-            See [Note: meta construction] in ``lightning_common.py``.
+            See [Note: meta construction] in ``lightning/common.py``.
     """
 
     strategy_name = "zero"
@@ -235,7 +235,7 @@ class _ZeroStrategy(ZeroProcesses):
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """``trainer.init_module`` and ``configure_model``: [Note: meta construction] in ``lightning_common.py``."""
+        """``trainer.init_module`` and ``configure_model``: [Note: meta construction] in ``lightning/common.py``."""
         module = self.lightning_module
         set_up = module is not None and common.is_set_up(module)  # configure_model again after setup
         if set_up or not common.builds_on_meta(self.config, empty_init, self.meta_init, self.param_source):

@@ -8,9 +8,9 @@
 The names are registered for the unified ``lightning`` package and, when installed, for the
 standalone ``pytorch_lightning`` / ``lightning_fabric`` packages, whose strategy base classes
 are distinct: their classes are built by the same factories over those packages' bases, in
-``pytorch_lightning_strategy.py`` / ``lightning_fabric_strategy.py`` (importable directly:
-``from zero_plugin.integrations.pytorch_lightning_strategy import ZeroStrategy``); see
-[Note: one strategy source, two Lightning packages] in ``lightning_names.py``.
+``lightning/pytorch_lightning.py`` / ``lightning/lightning_fabric.py`` (importable directly:
+``from zero_plugin.integrations.lightning.pytorch_lightning import ZeroStrategy``); see
+[Note: one strategy source, two Lightning packages] in ``lightning/names.py``.
 
 ``register_strategies()`` is for launchers (``python -m zero_plugin.run``): with the names
 registered, ``PL_TRAINER_STRATEGY=zero3`` selects ZeRO in a script whose Trainer does not pass
@@ -25,9 +25,9 @@ import importlib
 import importlib.util
 from typing import Iterable
 
-from . import lightning_common as common
-from .fabric_strategy import ZeroFabricStrategy
-from .lightning_strategy import (
+from . import common
+from .fabric import ZeroFabricStrategy
+from .strategy import (
     ZeroModelSummary,
     ZeroPrecision,
     ZeroRichModelSummary,
@@ -51,8 +51,8 @@ PRESETS = common.PRESETS
 
 # standalone package -> (the module that builds its strategy class, that class's name)
 _STANDALONE = {
-    "pytorch_lightning": (f"{__package__}.pytorch_lightning_strategy", "ZeroStrategy"),
-    "lightning_fabric": (f"{__package__}.lightning_fabric_strategy", "ZeroFabricStrategy"),
+    "pytorch_lightning": (f"{__package__}.pytorch_lightning", "ZeroStrategy"),
+    "lightning_fabric": (f"{__package__}.lightning_fabric", "ZeroFabricStrategy"),
 }
 
 

@@ -2,7 +2,7 @@
 
 Both strategies are thin adapters: this module owns the presets, the one-optimizer
 setup (and re-setup) rules, clipping, the precision policy and the checkpoint layout,
-so that ``lightning_strategy.py`` and ``fabric_strategy.py`` only map Lightning's hooks
+so that ``lightning/strategy.py`` and ``lightning/fabric.py`` only map Lightning's hooks
 onto these functions.  Nothing here imports Lightning: the same helpers serve
 ``lightning.pytorch`` / ``lightning.fabric`` and the standalone ``pytorch_lightning`` /
 ``lightning_fabric`` packages.
@@ -56,8 +56,8 @@ from zero_plugin.engines.engine import Engine, engine_of
 from zero_plugin.loading import materialize
 from zero_plugin.loading.meta_init import ModuleInitSource, check_initialisable, has_meta_buffers, safetensors_under
 
-from . import common, loss_scaling
-from .common import is_set_up
+from .. import common, loss_scaling
+from ..common import is_set_up
 
 __all__ = [
     "PRESETS",

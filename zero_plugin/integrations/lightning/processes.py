@@ -1,8 +1,8 @@
-"""What both ZeRO strategies share beyond ``lightning_common.py``: their own constructor options, ranks, the
+"""What both ZeRO strategies share beyond ``lightning/common.py``: their own constructor options, ranks, the
 process group, and the collectives Lightning asks a strategy for (as Lightning's DDP strategies provide them).
 
 A mixin over either package's ``ParallelStrategy``, reaching Lightning only through ``self._fabric_names``
-([Note: one strategy source, two Lightning packages] in ``lightning_names.py``)."""
+([Note: one strategy source, two Lightning packages] in ``lightning/names.py``)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
-from . import lightning_common as common
-from .lightning_exit import release_groups_at_exit
-from .lightning_names import LightningNames
+from . import common
+from .exit import release_groups_at_exit
+from .names import LightningNames
 
 __all__ = ["ZeroProcesses"]
 
@@ -74,7 +74,7 @@ class ZeroProcesses:
         names.init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        if creates_group:  # [Note: gloo at interpreter exit] in lightning_exit.py
+        if creates_group:  # [Note: gloo at interpreter exit] in lightning/exit.py
             release_groups_at_exit(self._timeout)
 
     def _set_world_ranks(self) -> None:

@@ -1,11 +1,11 @@
-"""The Fabric strategy for the standalone ``lightning_fabric`` package: ``fabric_strategy.py``'s class over
-``lightning_fabric`` bases ([Note: one strategy source, two Lightning packages] in ``lightning_names.py``).
+"""The Fabric strategy for the standalone ``lightning_fabric`` package: ``lightning/fabric.py``'s class over
+``lightning_fabric`` bases ([Note: one strategy source, two Lightning packages] in ``lightning/names.py``).
 Importing this module builds it; ``zero_plugin.integrations.lightning`` does so when ``lightning_fabric`` is
 installed."""
 
 from __future__ import annotations
 
-from .fabric_strategy import make_fabric_strategy
+from .fabric import make_fabric_strategy
 
 __all__ = ["ZeroFabricStrategy"]
 

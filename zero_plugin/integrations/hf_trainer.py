@@ -40,8 +40,8 @@ from zero_plugin.ckpt.rng import capture_rng, restore_rng
 from zero_plugin.state_dict import raw_state_dict
 
 from . import common
-from .accelerate_plugin import Accelerator as ZeroAccelerator
-from .accelerate_plugin import place_before_setup
+from .accelerate import Accelerator as ZeroAccelerator
+from .accelerate import place_before_setup
 from .optimizer_stub import is_stub, write_stub
 
 __all__ = ["install"]
@@ -237,7 +237,7 @@ def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
     if not _uses_zero(self):
         return _ORIGINALS["_move_model_to_device"](self, model, device)
     # A lazily loaded model has meta parameters (.to() raises), and stage 3 must not put the whole model on
-    # the device: see [Note: no full model on the device] in accelerate_plugin.py.
+    # the device: see [Note: no full model on the device] in accelerate.py.
     place_before_setup(model, device, self.accelerator.zero_config.stage)
 
 
