@@ -11,8 +11,11 @@ Precision: ``rloo``, ``kto``, ``reward`` and the DPO runs train in fp32, the oth
 is the same two-term sum (exact in either order), so only the grad norm's summation order over shards differs
 (measured: <= 2e-7 relative, adapters equal to 1e-8), in bf16 as in fp32.
 
-Not run at stage 3 (the launch would stop at the first, each a stage-3 fix, see ``STAGE3_BROKEN``); the
-mechanism of the first two is pinned by ``tests/parity/test_fused_head_reference_forward.py``.
+Every trainer runs at stage 3 too (``STAGE3_BROKEN`` lists any that cannot, with why).  The stage-3 fixes they
+needed are pinned against single-process references: KTO / DPO without ``ref_model`` by
+``tests/parity/test_fused_head_reference_forward.py``, the distillation teacher's head read after its forward by
+``test_fused_head.py::test_teacher_head_read_after_a_forward_without_grad``, PEFT's wrappers around the
+embedding and head by ``tests/unit/test_tuner_leaf_units.py``.
 """
 
 from __future__ import annotations
@@ -43,10 +46,7 @@ KEYS = {
     "sft_bf16_weights": ("loss", "grad_norm", "entropy"),
 }
 FP32 = {"rloo", "kto", "reward", "dpo_noref", "dpo_precompute"}
-STAGE3_BROKEN = {
-    "distill": "the teacher's LM head is read by the chunked JSD after the teacher's forward returned: released "
-    "(not covered by [Note: direct reads of the output embedding]); 'mat2 must be a matrix'",
-}
+STAGE3_BROKEN: dict[str, str] = {}
 # Trainers of a 2^20-element tensor (``UNCLIPPED`` in the script, trained without clipping): DDP's grad norm is
 # torch's fp32 ``clip_grad_norm_``, 4.7e-4 relative off the float64 norm for the lm_head (zero_plugin's sums in
 # float64 and equals the float64 reference); everything else is compared as tightly as for the others.

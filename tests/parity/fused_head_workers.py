@@ -168,3 +168,26 @@ def fused_head_worker(kind, batches, steps, accum, max_norm, slice_numel=0, stag
     out["unsharded_units_after"] = [u.name for u in engine.unsharded_units()] if stage == 3 else []
     out["full_state_dict"] = zp.full_state_dict(model)
     return out
+
+
+def teacher_read_worker(batches, slice_numel) -> dict:
+    """An evaluation-only model at stage 3 run as TRL's distillation runs its teacher: the backbone alone under
+    ``no_grad`` through the root (``_ForwardRedirection``), then ``get_output_embeddings().weight`` read after
+    that forward returned ([Note: reads after a forward without grad] in zero_plugin/stage3/direct_reads.py)."""
+    from trl.models.utils import _ForwardRedirection
+
+    from zero_plugin.engines.engine import engine_of
+
+    model = build_model("direct")
+    model, _ = zp.setup(model, None, zp.ZeroConfig(stage=3, linear_slice_numel=slice_numel))
+    engine = engine_of(model, "test")
+    redirect = _ForwardRedirection()
+    logits, held = [], []
+    for batch in batches:
+        with torch.no_grad():
+            hidden = redirect(model, model, lambda m, ids: m.model(ids), model, batch["input_ids"])
+        weight = model.get_output_embeddings().weight
+        logits.append(hidden @ weight.t())
+        held.append([u.name for u in engine.unsharded_units()])
+    engine.runtime.forget_forward()  # the step's release point
+    return {"logits": logits, "held": held, "after": [u.name for u in engine.unsharded_units()]}

@@ -90,3 +90,19 @@ def test_head_read_outside_its_forward(kind, world_size, slice_numel):
     else:
         err = models.update_norm_error(params, ref["params"], ref["init_params"])
         assert err <= 1e-3, f"update-norm error {err:.3g}"
+
+
+@pytest.mark.parametrize("slice_numel", [0, 1 << 18], ids=["whole", "sliced"])
+def test_teacher_head_read_after_a_forward_without_grad(slice_numel):
+    """TRL's distillation teacher at stage 3: logits from the head read after the backbone's no_grad forward equal
+    one process's (float64, exact), the head alone stays gathered until the next forward or step."""
+    batches = global_batches(2)[:2]
+    results = run_ranks(2, workers.teacher_read_worker, batches, slice_numel)
+    ref = workers.build_model("direct")
+    for rank, r in enumerate(results):
+        for step, batch in enumerate(batches):
+            with torch.no_grad():
+                want = ref.model(batch["input_ids"]) @ ref.lm_head.weight.t()
+            assert torch.equal(r["logits"][step], want), (rank, step)
+        assert r["held"] == [["lm_head"], ["lm_head"]], r["held"]
+        assert r["after"] == [], r["after"]

@@ -30,9 +30,16 @@ forward as the head's entry:
 Memory: the head is held whole exactly where its own forward would hold it (from the end of the backbone
 into backward, released after its backward), so ``memory_report`` and the planner's replay of the plain
 forward stand; a frozen head above ``2 x linear_slice_numel`` (a sliced unit) is the exception: held whole
-for the read instead of one slice at a time.  A read after the model's forward returned (TRL's distillation
-teacher under ``no_grad``) finds the head released: not covered.  Tied heads are in the root unit, gathered
-for the whole forward and into backward: nothing to do.
+for the read instead of one slice at a time.  Tied heads are in the root unit, gathered for the whole forward
+and into backward: nothing to do.
+
+[Note: reads after a forward without grad]
+TRL's distillation runs the teacher (an evaluation-only model, or one that trains nothing) under ``no_grad``
+through its backbone only, and its loss reads ``teacher.get_output_embeddings().weight`` after that forward
+returned.  So a forward without grad keeps the head it entered at the backbone's end gathered past the end of
+the forward (``Stage3Runtime._held_for_read``; a sliced head stays armed, and the read gathers it whole), until
+the model's next forward, the optimizer step or a write to the shards releases it (a local release, no
+collective).  Memory: one head unsharded between the teacher's forwards, as during its forward.
 """
 
 from __future__ import annotations

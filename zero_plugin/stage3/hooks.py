@@ -230,6 +230,7 @@ class Stage3Runtime:
         self._root_depth = 0
         self.direct_reads = DirectReads()  # [Note: direct reads of the output embedding] in direct_reads.py
         self._armed: Unit | None = None  # a sliced head whose backbone returned, read whole if read directly
+        self._held_for_read: list[Unit] = []  # [Note: reads after a forward without grad] in direct_reads.py
         self._handles: list = []
         self._param_hooks: dict[Unit, list] = {}  # [Note: one post-backward per unit]: until the backward ends
         self.storage_pool: StoragePool | None = None  # [Note: lent storage] in storage_pool.py; set by the engine
@@ -290,6 +291,7 @@ class Stage3Runtime:
     def _root_pre(self, module, args, kwargs):
         self._root_depth += 1
         if self._root_depth == 1:
+            self._release_held_for_read()
             return self.pre_forward(self.root, module, args, kwargs)
         self.root.ensure_unsharded()  # a nested entry: the root is gathered already
         return args, kwargs
@@ -297,7 +299,8 @@ class Stage3Runtime:
     def _root_post(self, module, args, output):
         self._root_depth = max(0, self._root_depth - 1)
         if self._root_depth == 0:
-            self._armed = None  # a read after the forward returned is not covered (direct_reads.py)
+            if torch.is_grad_enabled():  # [Note: reads after a forward without grad] in direct_reads.py
+                self._armed = None
             return self.post_forward(self.root, module, args, output)
         if torch.is_grad_enabled():
             self._hook_outputs(self.root, output)
@@ -341,6 +344,8 @@ class Stage3Runtime:
         else:
             self.pre_forward(unit, module, (), {}, hook_inputs=False)
         if not torch.is_grad_enabled():
+            if not unit.gathers_on_read:
+                self._held_for_read.append(unit)  # [Note: reads after a forward without grad] in direct_reads.py
             return output
         self.direct_reads.open(unit)
         (output,), _, hooked = self._hook_inputs(unit, (output,), {}, functools.partial(self._direct_read_done, unit))
@@ -352,6 +357,10 @@ class Stage3Runtime:
         """The weight of a sliced head was read after its backbone's forward and before its own."""
         if self._armed is unit:
             self._armed = None
+            if self._root_depth == 0:  # after a forward without grad: held until the next entry
+                unit.pre_direct_read()
+                self._held_for_read.append(unit)
+                return
             self.pre_forward(unit, unit.module, (), {}, hook_inputs=False)
             unit.pre_direct_read()
 
@@ -375,7 +384,7 @@ class Stage3Runtime:
             else:
                 self.guard.settle()  # [Note: collective order]: every entry of this forward compared
             for other in self.units[1:]:
-                if other.holds_gathered:
+                if other.holds_gathered and other not in self._held_for_read:
                     other.post_forward(grad, self.reshard_after_forward, self._needed_first(other))
             self.root.post_forward(grad, self.reshard_after_forward, self._needed_first(self.root))
             self._end_forward(grad)
@@ -399,12 +408,21 @@ class Stage3Runtime:
         """[Note: pending forward]: the last forward with grad got no backward before this point (the next
         forward, the step, a write to the shards); release what it kept, as a forward under no_grad would
         have.  Nothing to do in IDLE, and nothing may be let go during a backward."""
+        self._release_held_for_read()
         if self.phase is not Phase.PENDING:
             return
         for unit in self.units:
             unit.forget_forward()
         self._unhook_params()
         self._to_phase(Phase.IDLE)
+
+    def _release_held_for_read(self) -> None:
+        """[Note: reads after a forward without grad] in direct_reads.py: the next entry, step or write ends
+        the read; local (no collective), every rank alike."""
+        self._armed = None
+        held, self._held_for_read = self._held_for_read, []
+        for unit in held:
+            unit.reshard()
 
     def _to_phase(self, phase: Phase) -> None:
         assert phase in _PHASES[self.phase], f"stage-3 runtime: {self.phase.value} -> {phase.value} is not a transition"
