@@ -53,6 +53,7 @@ STAGE3_BROKEN: dict[str, str] = {}
 NORM_REL = {"sft_save_head": 1e-3, "sft_lora_embed": 1e-3, "sft_resized": 1e-3}
 SETTINGS = {
     "ddp": (LAUNCHES["ddp"], list(KEYS)),
+    "stage1": (([*ZERO_LAUNCH, "launch", "--stage", "1", *TWO], {}), list(KEYS)),
     "stage2": (([*ZERO_LAUNCH, "launch", "--stage", "2", *TWO], {}), list(KEYS)),
     "stage3": (([*ZERO_LAUNCH, "launch", "--stage", "3", *TWO], {}), [t for t in KEYS if t not in STAGE3_BROKEN]),
 }
@@ -87,7 +88,7 @@ def _steps(root: Path, name: str, trainer: str) -> list[dict]:
 
 
 def _cases():
-    for setting in ("stage2", "stage3"):
+    for setting in ("stage1", "stage2", "stage3"):
         for trainer in KEYS:
             marks = []
             if setting == "stage3" and trainer in STAGE3_BROKEN:
