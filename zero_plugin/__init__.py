@@ -2,6 +2,7 @@
 
 from .api import clip_grad_norm_, gathered_parameters, no_sync, rebind_optimizer, setup
 from .checkpoint import load_checkpoint, save_checkpoint
+from .colocate import offload_states, reload_states
 from .comm.stats import comm_stats, reset_comm_stats
 from .config import ZeroConfig
 from .loading import materialize as materialize  # zp.materialize.* as documented (README)
@@ -24,6 +25,8 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "memory_report",
+    "offload_states",
+    "reload_states",
     "comm_stats",
     "reset_comm_stats",
 ]

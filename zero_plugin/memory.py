@@ -83,8 +83,9 @@ class _StorageCounter:
         self.seen: set[tuple[str, int]] = set()
         self.bytes: dict[str, int] = {}
         self.device_bytes: dict[tuple[str, str], int] = {}  # (device type, category) -> bytes
+        self.host_bytes: dict[str, int] = {}  # category -> bytes placed on the host whatever their device
 
-    def add(self, category: str, tensors: Iterable[torch.Tensor]) -> None:
+    def add(self, category: str, tensors: Iterable[torch.Tensor], on_host: bool = False) -> None:
         total = self.bytes.setdefault(category, 0)
         for t in tensors:
             if not isinstance(t, torch.Tensor):
@@ -95,6 +96,9 @@ class _StorageCounter:
                 continue
             self.seen.add(key)
             total += storage.nbytes()
+            if on_host:
+                self.host_bytes[category] = self.host_bytes.get(category, 0) + storage.nbytes()
+                continue
             slot = (t.device.type, category)
             self.device_bytes[slot] = self.device_bytes.get(slot, 0) + storage.nbytes()
         self.bytes[category] = total
@@ -119,6 +123,9 @@ def memory_report(model, optimizer=None) -> dict:
     counter.add("params", held["params"])
     counter.add("grads", held["grads"])
     counter.add("optimizer", list(held["masters"]) + _optimizer_state_tensors(optimizer))
+    parked = getattr(engine, "offloaded_states", None)  # zp.offload_states: the host copies, placed on the host
+    for category, copies in (parked.host_tensors() if parked is not None else {}).items():
+        counter.add(category, copies, on_host=True)
     measured = dict(counter.bytes)
     measured["total"] = sum(measured.values())
     theory = _theory_for(engine, optimizer)
@@ -132,6 +139,7 @@ def memory_report(model, optimizer=None) -> dict:
         "placement": _placement(engine, counter, theory),
         **_counts(engine),
         **_secondary(engine),
+        **({"offloaded_states": parked.summary()} if parked is not None else {}),
     }
 
 
@@ -165,6 +173,8 @@ def _placement(engine, counter: _StorageCounter, theory: dict | None) -> dict:
             ("host" if category in host_cats else "device") if device_is_cpu else ("host" if dev == "cpu" else "device")
         )
         out[where][category] = out[where].get(category, 0) + nbytes
+    for category, nbytes in counter.host_bytes.items():
+        out["host"][category] = out["host"].get(category, 0) + nbytes
     for where in out:
         out[where]["total"] = sum(out[where].values())
     if theory is not None:
