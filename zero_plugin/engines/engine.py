@@ -25,6 +25,7 @@ from ..comm.collectives import Comm
 from ..config import ZeroConfig
 from ..optim.master import MasterParam
 from ..optim.offload import synchronize_copies
+from .state_offload import refuse_if_offloaded
 
 __all__ = ["Engine", "EngineBasis", "engine_of", "register_engine"]
 
@@ -39,6 +40,7 @@ def engine_of(model: Any, verb: str) -> Engine:
         for module in model.modules():  # the model itself first, then e.g. a PEFT/Lightning-wrapped one
             found = module.__dict__.get(_ATTR)
             if isinstance(found, Engine):
+                refuse_if_offloaded(found, f"zp.{verb}")  # [Note: parked states] in state_offload.py
                 return found
     raise ValueError(
         f"zp.{verb}: {type(model).__name__} was not prepared by zp.setup; call "
@@ -70,8 +72,9 @@ def unregister_engine(model: nn.Module) -> None:
 # built *around* the set-up model afterwards does not reach it (nn.Module.zero_grad walks parameters,
 # not submodules' zero_grad); optimizer.zero_grad() always does.
 def _model_zero_grad(model: nn.Module, set_to_none: bool = True) -> None:
-    type(model).zero_grad(model, set_to_none)
     engine = model.__dict__.get(_ATTR)
+    refuse_if_offloaded(engine, "model.zero_grad()")  # [Note: parked states] in state_offload.py
+    type(model).zero_grad(model, set_to_none)
     if isinstance(engine, Engine):
         engine.zero_grad(set_to_none)
 
@@ -149,6 +152,7 @@ class Engine:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard every gradient of this step, wherever the stage keeps it, and the step's cached state."""
+        refuse_if_offloaded(self, "zero_grad()")  # [Note: parked states] in state_offload.py
         self.discard_grads(set_to_none)
         self.reset_step_state()
 
