@@ -5,6 +5,8 @@
      compute, the control without side streams does not, and per-step peak memory is identical and bounded.
   1c. Optimizer offload (tests/gpu/offload.py): peak CUDA memory falls by the optimizer-state bytes, and the
      blocked offload step (per-master copy waits, block-wise write-back) is bitwise the whole-tensor one.
+  1c'. Colocate (tests/gpu/colocate.py): zp.offload_states frees the model states' device memory (allocated and
+     reserved) into pinned host copies, zp.reload_states brings them back and training continues bitwise.
   1d. Lazy load (tests/gpu/lazy_load.py): a ~1.1 GB safetensors checkpoint through zero_plugin.run's lazy
      ``from_pretrained`` + LoRA + ``Accelerator.prepare`` (stage 3, parameter offload) under a 512 MiB cap:
      setup never holds the model on the device (peak < cap), two steps run.
@@ -210,6 +212,13 @@ def part_offload() -> dict:
     return run()
 
 
+def part_colocate() -> dict:
+    """tests/gpu/colocate.py: zp.offload_states / zp.reload_states free and restore the device (issue #37)."""
+    from tests.gpu.colocate import part_colocate as run
+
+    return run()
+
+
 def part_qlora() -> dict:
     """tests/gpu/qlora.py: a bitsandbytes 4-bit base + LoRA at stage 3 on CUDA against the unsharded run."""
     from tests.gpu.qlora import part_qlora as run
@@ -221,6 +230,7 @@ PARTS = {
     "parity": part_parity,
     "overlap": part_overlap,
     "offload": part_offload,
+    "colocate": part_colocate,
     "fake_pg_memory": part_fake_pg_memory,
     "lazy_load": part_lazy_load,
     "qlora": part_qlora,
