@@ -78,8 +78,8 @@ class Tensors:
     def __init__(self, n: int, layout: str, seed: int = 0) -> None:
         import torch
 
-        from zero_plugin.engines.flat import ShardLayout
         from zero_plugin.optim.master import MasterParam
+        from zero_plugin.tensors.flat import ShardLayout
 
         g = torch.Generator().manual_seed(seed)
         self.slots, self.grads = [], []

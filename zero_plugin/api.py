@@ -15,12 +15,12 @@ from .engines import validate
 from .engines.buffers import BufferSync
 from .engines.engine import engine_of, register_engine
 from .engines.frozen import FrozenGuard
-from .engines.stages import build_engine, build_inference_engine
 from .loading import materialize, quantized
 from .optim.clip import clip_owned_grads
 from .optim.offload import use_fast_cpu_kernels
 from .optim.state import region_of
 from .optim.zero_optimizer import ZeroOptimizer
+from .stages import build_engine, build_inference_engine
 
 __all__ = ["setup", "rebind_optimizer", "clip_grad_norm_", "no_sync", "gathered_parameters"]
 

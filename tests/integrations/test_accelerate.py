@@ -344,7 +344,7 @@ def test_cpu_launch_traps_fail_clearly(tmp_path):
 
 # -- zero-plugin launch: how the accelerate launch is built (no processes started) --------------------
 def _build_launch(argv: list[str], monkeypatch, tmp_path: Path):
-    from zero_plugin import run
+    from zero_plugin.launch import launcher as run
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(run, "_has_accelerator_devices", lambda: False)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from zero_plugin.comm.collectives import Comm
 from zero_plugin.comm.layout import rank_regions
-from zero_plugin.engines.flat import ShardLayout
+from zero_plugin.tensors.flat import ShardLayout
 
 # Odd sizes: padded shards, a region that is empty on the last ranks (5 elements at 4 ranks), one element.
 SIZES = (105, 7 * 15, 5, 1, 64)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import zero_plugin as zp
-from zero_plugin.engines.flat import ShardLayout
 from zero_plugin.optim import blocked_step as B
 from zero_plugin.optim.blocked_step import BlockedStep
 from zero_plugin.optim.cpu_step import fused_cpu_step
 from zero_plugin.optim.master import MasterParam
+from zero_plugin.tensors.flat import ShardLayout
 
 SHAPES = [(7, 5), (13,), (300,), (1000,), (64,), (3, 3)]  # 1000 and 300 cross blocks of 128
 

@@ -262,7 +262,7 @@ def planned_by_network(plan, stage: int, accum: int, in_place: bool, keep: bool 
 def short_regions_bytes(plan, shard_rank: int, reductions: int) -> int:
     """In place a rank sends its own regions across groups; the planner counts padded shards (shard rank
     0's): the difference for ``shard_rank``, all-reduced (2x) in the reduce dtype."""
-    from zero_plugin.engines.flat import ShardLayout
+    from zero_plugin.tensors.flat import ShardLayout
 
     short = 0
     for p in plan.params:

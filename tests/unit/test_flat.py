@@ -1,4 +1,4 @@
-"""Property tests of the shard math in ``zero_plugin.engines.flat`` (single process)."""
+"""Property tests of the shard math in ``zero_plugin.tensors.flat`` (single process)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_plugin.engines.flat import ShardLayout, copy_from_rows, copy_padded_rows
+from zero_plugin.tensors.flat import ShardLayout, copy_from_rows, copy_padded_rows
 
 numels = st.integers(min_value=0, max_value=5000)
 world_sizes = st.integers(min_value=1, max_value=9)

@@ -15,9 +15,9 @@ import pytest
 
 from tests.models import planner_llama_config as _tiny_config
 from zero_plugin import planner as zpp
-from zero_plugin import run
 from zero_plugin.config import ZeroConfig
 from zero_plugin.launch import estimate as le
+from zero_plugin.launch import launcher
 
 GIB = 2**30
 _UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
@@ -146,15 +146,15 @@ def test_find_model(script_args, expected):
 # -- through launch() ------------------------------------------------------------------------------------
 @pytest.fixture
 def launched(monkeypatch, capsys):
-    """``run.launch(argv)`` with the launcher replaced: returns (exit code, stderr, [the launched args])."""
+    """``launcher.launch(argv)`` with the launcher replaced: returns (exit code, stderr, [the launched args])."""
     started = []
-    monkeypatch.setattr(run, "_run_accelerate", lambda args, env: started.append(args) or 0)
+    monkeypatch.setattr(launcher, "_run_accelerate", lambda args, env: started.append(args) or 0)
     monkeypatch.setattr(le, "_available_host_memory", lambda: 64.0 * GIB)
-    monkeypatch.setattr(run, "_has_accelerator_devices", lambda: False)
+    monkeypatch.setattr(launcher, "_has_accelerator_devices", lambda: False)
     monkeypatch.setattr("accelerate.commands.config.config_args.default_config_file", "/nonexistent/default.yaml")
 
     def launch(*argv: str):
-        code = run.launch(["--stage", "3", "--num_processes", "2", *argv])
+        code = launcher.launch(["--stage", "3", "--num_processes", "2", *argv])
         return code, capsys.readouterr().err, started
 
     return launch

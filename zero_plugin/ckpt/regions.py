@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..engines.flat import ShardLayout
 from ..optim.master import MasterParam
 from ..state_dict import raw_state_dict
+from ..tensors.flat import ShardLayout
 from .format import CheckpointError
 
 __all__ = [

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..engines.flat import ShardLayout
 from ..optim.state import optimizer_class
+from ..tensors.flat import ShardLayout
 from . import format as fmt
 from .export_info import describe_model
 from .format import CheckpointError

@@ -1,6 +1,6 @@
 """The two layouts of the sharded collectives, and one record per kind of collective in flight.
 
-Stages 0-2 (``grads/reducer.py``, ``optim/param_sync.py``) and stage 3 (``stage3/unit.py``) move their
+Stages 0-2 (``grads/reducer.py``, ``engines/param_sync.py``) and stage 3 (``stage3/unit.py``) move their
 parameters and gradients through the functions here; the collectives themselves are ``Comm``'s.
 
 [Note: collective layouts]
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, S
 
 import torch
 
-from ..engines.flat import ShardLayout, copy_padded_rows
+from ..tensors.flat import ShardLayout, copy_padded_rows
 from .collectives import Comm
 from .streams import NO_STREAMS, StreamSet
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..engines.flat import copy_padded_rows
+from ..tensors.flat import copy_padded_rows
 from . import quantize
 from .collectives import Comm
 from .layout import FRESH, Buffers, packed_offsets

@@ -2,7 +2,7 @@
 
 An engine is the composition of a parameter placement (replicated for stages
 0-2, sharded for stage 3), a gradient reducer and an optimizer binding; the
-table that picks them is in ``zero_plugin/engines/stages.py``.  Public verbs in
+table that picks them is in ``zero_plugin/stages.py``.  Public verbs in
 ``api.py`` find the engine of a model through :func:`engine_of`.
 
 [Note: per-step state] What a step has learnt about its gradients (``Engine.step_grad_norm``,

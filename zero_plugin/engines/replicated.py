@@ -20,11 +20,11 @@ from ..grads.reducer import GradReducer
 from ..loading.quantized import is_packed_4bit
 from ..optim.master import MasterParam
 from ..optim.offload import host_for
-from ..optim.param_sync import ParamAllGather
 from ..optim.pipelined_step import only_these, steps_in_pieces
 from ..optim.state import gather_full
+from ..tensors.flat import ShardLayout
 from .engine import Engine, EngineBasis
-from .flat import ShardLayout
+from .param_sync import ParamAllGather
 
 __all__ = ["ReplicatedEngine", "make_masters", "cast_frozen"]
 

@@ -14,7 +14,7 @@ collective the summed flag tells whether *any* rank had one.  A parameter no ran
 no gradient, so the optimizer skips it exactly as single-process training (and DDP) would;
 a parameter used on some ranks only gets the average with zeros from the others.
 
-Stage composition (see ``zero_plugin/engines/stages.py``):
+Stage composition (see ``zero_plugin/stages.py``):
   * stage 0 -> :class:`AllReduceReducer`: every rank keeps the full averaged grad in ``param.grad``;
   * stage 1 -> :class:`ReduceScatterReducer(keep_full_grad=True)`: the averaged owned region
     is written into ``param.grad`` in place (full gradients stay allocated, ZeRO-1);
@@ -50,8 +50,8 @@ from torch import nn
 
 from ..comm import layout as comm_layout
 from ..comm.collectives import Comm
-from ..engines.weak_hook import WeakHook
 from ..optim.master import MasterParam
+from ..tensors.weak_hook import WeakHook
 from .bucket import Bucket, plan_buckets
 from .presence import DeferredStores
 from .schedule import LateFlags, ReductionSchedule

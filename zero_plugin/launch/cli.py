@@ -80,7 +80,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from ..run import launch
+    from .launcher import launch
 
     return launch(args.argv)
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="zero-plugin", description="ZeRO sharded data parallelism tools")
     sub = ap.add_subparsers(dest="command", required=True)
     add_estimate(sub)
-    # Every launch option is parsed by Accelerate's own parser in zero_plugin.run.launch (imported
+    # Every launch option is parsed by Accelerate's own parser in zero_plugin.launch.launcher.launch (imported
     # only when launching); prefix_chars="\0" keeps argparse from reading any of them here.
     launch = sub.add_parser(
         "launch",

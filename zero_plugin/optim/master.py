@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..engines.flat import ShardLayout
+from ..tensors.flat import ShardLayout
 from .offload import copy_done, pin, to_device, to_host
 
 __all__ = ["MasterParam", "copy_changed"]

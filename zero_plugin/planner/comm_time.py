@@ -60,9 +60,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..comm.quantize import packed_numel
-from ..engines.flat import ShardLayout
 from ..grads.bucket import plan_buckets
 from ..stage3.unit import _TAG as _GATHER_TAG
+from ..tensors.flat import ShardLayout
 
 __all__ = [
     "DEFAULT_INTER",

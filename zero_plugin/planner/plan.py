@@ -11,7 +11,7 @@ whatever is gone when the other peaks):
     ``collectives.py``; device "cpu" plans gloo, "cuda" NCCL):
     stages 0-2: a buffer per gradient bucket (``grads/bucket.py``), as many buckets pending as
     ``grads/reducer.py`` allows, then (stages 1-2) the all-gather of updated parameters after the step,
-    as many buckets at once as ``optim/param_sync.py`` allows; in place (stages 1-2 on gloo) no bucket
+    as many buckets at once as ``engines/param_sync.py`` allows; in place (stages 1-2 on gloo) no bucket
     buffer (the gradients themselves are summed, or a copy in the reduce dtype), stage 2's region copied
     out at completion, and no buffer for the parameter gather;
     stage 3: the root unit gathered for the whole step and the last unit of the forward order from its

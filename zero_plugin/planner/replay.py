@@ -30,15 +30,15 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..config import ZeroConfig
-from ..engines.flat import ShardLayout
+from ..engines.param_sync import _MAX_INFLIGHT as _MAX_PENDING_GATHERS  # parameter buckets after the step
 from ..grads.bucket import plan_buckets
 from ..grads.reducer import _MAX_INFLIGHT as _MAX_PENDING_BUCKETS  # gradient buckets during backward
 from ..grads.schedule import ReductionSchedule
 from ..optim import blocked_step
-from ..optim.param_sync import _MAX_INFLIGHT as _MAX_PENDING_GATHERS  # parameter buckets after the step
 from ..stage3.hooks import _MAX_INFLIGHT_REDUCES, needed_first, prefetch_span, reduction_order
 from ..stage3.unit import _TAG as _GATHER_TAG  # elements appended to each rank's stage-3 gather input
 from ..stage3.unit import released_after_forward, released_at_reduce
+from ..tensors.flat import ShardLayout
 
 __all__ = ["Memory", "ReplicatedReplay", "Replay", "Setting", "Stage3Replay"]
 
@@ -202,7 +202,7 @@ class Replay:
 
 
 class ReplicatedReplay(Replay):
-    """Stages 0-2 (``grads/reducer.py``, ``optim/param_sync.py``): full parameters; gradients bucketed and
+    """Stages 0-2 (``grads/reducer.py``, ``engines/param_sync.py``): full parameters; gradients bucketed and
     all-reduced (0) or reduce-scattered (1-2), at most ``_MAX_PENDING_BUCKETS`` buckets pending."""
 
     def __init__(self, plan: Any, s: Setting, theory: dict[str, float]) -> None:

@@ -29,12 +29,12 @@ from ..comm.collectives import Comm
 from ..comm.streams import StreamSet, streams_for
 from ..config import ZeroConfig
 from ..engines.engine import Engine, EngineBasis
-from ..engines.flat import ShardLayout
 from ..engines.hostmem import choose_heap_trim, host_share_used, trim_host_heap
 from ..loading.materialize import ParamSource, owners_of, to_real
 from ..loading.quantized import is_packed_4bit
 from ..optim.master import MasterParam, copy_changed
 from ..optim.offload import host_for
+from ..tensors.flat import ShardLayout
 from .hooks import Stage3Runtime
 from .param import ShardedParam, ShardedState
 from .policy import assign_units

@@ -112,9 +112,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..engines.hostmem import HeapTrim, trim_host_heap
-from ..engines.weak_hook import WeakHook
 from ..grads.presence import DeferredStores
 from ..grads.schedule import ReductionSchedule
+from ..tensors.weak_hook import WeakHook
 from .accumulate import FullGradStore
 from .direct_reads import DirectReads, output_embedding_backbones, watch_reads
 from .order import OrderGuard

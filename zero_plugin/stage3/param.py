@@ -39,8 +39,8 @@ import enum
 import torch
 from torch import nn
 
-from ..engines.flat import ShardLayout, copy_from_rows
 from ..optim.offload import pin, to_device
+from ..tensors.flat import ShardLayout, copy_from_rows
 from .storage_pool import StoragePool
 
 __all__ = ["ShardedParam", "ShardedState"]

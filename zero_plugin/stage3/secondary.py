@@ -22,7 +22,7 @@ import torch
 
 from ..comm import layout as comm_layout
 from ..comm.collectives import Comm
-from ..engines.flat import ShardLayout
+from ..tensors.flat import ShardLayout
 from .param import ShardedParam
 
 __all__ = ["SecondaryShard"]

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..comm.collectives import Comm
-from ..config import ZeroConfig
-from ..grads.reducer import AllReduceReducer, ReduceScatterReducer
-from ..optim.param_sync import ParamAllGather
-from .engine import Engine, EngineBasis
-from .replicated import ReplicatedEngine, cast_frozen, make_masters
+from .comm.collectives import Comm
+from .config import ZeroConfig
+from .engines.engine import Engine, EngineBasis
+from .engines.param_sync import ParamAllGather
+from .engines.replicated import ReplicatedEngine, cast_frozen, make_masters
+from .grads.reducer import AllReduceReducer, ReduceScatterReducer
 
 __all__ = ["build_engine", "build_inference_engine"]
 
@@ -47,7 +47,7 @@ def build_engine(
     model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig, comm: Comm, param_source=None
 ) -> Engine:
     if config.stage == 3:
-        from ..stage3.engine import build_stage3_engine
+        from .stage3.engine import build_stage3_engine
 
         return build_stage3_engine(model, trainable, config, comm, param_source)
     spec = _REPLICATED[config.stage]
@@ -68,7 +68,7 @@ def build_inference_engine(model: nn.Module, config: ZeroConfig, comm: Comm, par
     """Stage 3: the parameters sharded for evaluation only; stages 0-2: None (the model stays replicated)."""
     if config.stage < 3:
         return None
-    from ..stage3.engine import build_stage3_engine
-    from ..stage3.inference import InferenceEngine
+    from .stage3.engine import build_stage3_engine
+    from .stage3.inference import InferenceEngine
 
     return build_stage3_engine(model, [], config, comm, param_source, engine_type=InferenceEngine)

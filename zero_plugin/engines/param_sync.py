@@ -15,9 +15,9 @@ import torch
 
 from ..comm import layout as comm_layout
 from ..comm.collectives import Comm
-from ..engines.flat import copy_from_rows
 from ..grads.bucket import Bucket, plan_buckets
-from .master import MasterParam
+from ..optim.master import MasterParam
+from ..tensors.flat import copy_from_rows
 
 __all__ = ["ParamAllGather"]
 

@@ -1,0 +1,2 @@
+"""The bottom layer: flat-tensor layouts and weak autograd hooks, imported by every package above and importing
+none of them."""
