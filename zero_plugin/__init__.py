@@ -5,7 +5,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .colocate import offload_states, reload_states
 from .comm.stats import comm_stats, reset_comm_stats
 from .config import ZeroConfig
-from .loading import materialize as materialize  # zp.materialize.* as documented (README)
+from .loading import materialize as materialize  # zp.materialize.* as documented (docs/large-models.md)
 from .memory import memory_report
 from .optim.zero_optimizer import ZeroOptimizer
 from .state_dict import full_state_dict, load_full_state_dict
