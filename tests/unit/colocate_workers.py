@@ -100,3 +100,24 @@ def train_worker(
     full = zp.full_state_dict(model)
     optim = opt.consolidate_state_dict()
     return {"losses": losses, "params": full, "optim": optim.get("state", {}), "records": records}
+
+
+def evaluation_only_worker(stage: int, batch) -> dict:
+    """A reference model set up without an optimizer (TRL's ref / reward models): its parameters move and come
+    back, its forward is refused meanwhile and equal afterwards."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, _ = _build("tiny_llama")
+    model, _ = zp.setup(model, None, zp.ZeroConfig(stage=stage))
+    local = models.shard_batch(batch, rank, world)
+    with torch.no_grad():
+        before = model(**local).logits
+        summary = zp.offload_states(model)
+        device = zp.memory_report(model)["placement"]["device"]["total"]
+        try:
+            model(**local)
+            refused = False
+        except StatesOffloaded:
+            refused = True
+        zp.reload_states(model)
+        after = model(**local).logits
+    return {"summary": summary, "device": device, "refused": refused, "same": torch.equal(before, after)}

@@ -107,3 +107,12 @@ def test_verbs_need_a_set_up_model():
         zp.offload_states(model)
     with pytest.raises(ValueError, match="was not prepared by zp.setup"):
         zp.reload_states(model)
+
+
+def test_evaluation_only_model_at_stage3():
+    """TRL's reference / reward models (zp.setup(model, None, config)) offload their shards too.  (At stages 0-2
+    such a model stays a plain replicated module with no engine, and offload_states refuses it.)"""
+    batch = models.make_batches("llama", 1, WORLD, 2)[0]
+    for rank in run_ranks(WORLD, CW.evaluation_only_worker, 3, batch):
+        assert rank["summary"]["moved"]["params"] > 0 and rank["device"] == 0
+        assert rank["refused"] and rank["same"]

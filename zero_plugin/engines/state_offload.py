@@ -39,7 +39,8 @@ CATEGORIES = ("params", "grads", "optimizer")  # memory_report's categories, in 
 
 # zp verbs that touch no model state, allowed while states are offloaded (engine_of's verb names)
 _ALLOWED_VERBS = frozenset(
-    f"zp.{verb}" for verb in ("memory_report", "offload_states", "reload_states", "is_set_up", "integrations", "prepare")
+    f"zp.{verb}"
+    for verb in ("memory_report", "offload_states", "reload_states", "is_set_up", "integrations", "prepare")
 )
 
 
@@ -145,7 +146,9 @@ class OffloadedStates:
         model = self.engine.model
         self._handles.append(model.register_forward_pre_hook(self._refuse_forward, prepend=True))
         # before stage 3's own state-dict hooks (registered at setup), which would gather the parked shards
-        self._handles.append(_first(model, "_state_dict_pre_hooks", model.register_state_dict_pre_hook(self._refuse_save)))
+        self._handles.append(
+            _first(model, "_state_dict_pre_hooks", model.register_state_dict_pre_hook(self._refuse_save))
+        )
         self._handles.append(
             _first(model, "_load_state_dict_pre_hooks", model.register_load_state_dict_pre_hook(self._refuse_load))
         )
