@@ -11,34 +11,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.integrations.launches import DDP, run_script, zero
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "dpo_trl.py"
-PY = sys.executable
-CONSOLE = Path(PY).parent / "zero-plugin"
-ZERO_LAUNCH = [str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.launch.cli"]
-TWO = ["--num_processes", "2", "--main_process_port", "0"]
-LAUNCHES = {
-    "ddp": ([PY, "-m", "accelerate.commands.launch", "--multi_gpu", *TWO], {"ACCELERATE_USE_CPU": "true"}),
-    "stage3": ([*ZERO_LAUNCH, "launch", "--stage", "3", *TWO], {}),
-}
+LAUNCHES = {"ddp": DDP, "stage3": zero(3)}
 
 
 def _launch(name: str, out: Path) -> subprocess.CompletedProcess:
-    cmd, env = LAUNCHES[name]
-    out.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(
-        [*cmd, str(SCRIPT), "--out", str(out), "--max_steps", "4"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **env},
-    )
+    return run_script(LAUNCHES[name], SCRIPT, out, "--max_steps", "4", timeout=600, threads=None)
 
 
 @pytest.fixture(scope="module")

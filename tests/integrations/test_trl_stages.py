@@ -12,23 +12,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integrations.test_trl_dpo import LAUNCHES, TWO, ZERO_LAUNCH
+from tests.integrations.launches import DDP, run_script, zero
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "trl_stages.py"
 STEPS = 3
 SETTINGS = {
-    "ddp": LAUNCHES["ddp"],
-    "stage1": ([*ZERO_LAUNCH, "launch", "--stage", "1", *TWO], {}),
-    "stage2": ([*ZERO_LAUNCH, "launch", "--stage", "2", *TWO], {}),
-    "stage3": ([*ZERO_LAUNCH, "launch", "--stage", "3", *TWO], {}),
-    "stage3_offload": ([*ZERO_LAUNCH, "launch", "--stage", "3", "--offload", "cpu", *TWO], {}),
+    "ddp": DDP,
+    "stage1": zero(1),
+    "stage2": zero(2),
+    "stage3": zero(3),
+    "stage3_offload": zero(3, "--offload", "cpu"),
 }
 KEYS = {
     "sft": ("loss", "grad_norm", "entropy", "mean_token_accuracy"),
@@ -38,15 +37,7 @@ KEYS = {
 
 
 def _launch(name: str, out: Path) -> subprocess.CompletedProcess:
-    cmd, env = SETTINGS[name]
-    out.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(
-        [*cmd, str(SCRIPT), "--out", str(out), "--max_steps", str(STEPS)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
-    )
+    return run_script(SETTINGS[name], SCRIPT, out, "--max_steps", str(STEPS))
 
 
 @pytest.fixture(scope="module")

@@ -21,14 +21,13 @@ embedding and head by ``tests/unit/test_tuner_leaf_units.py``.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integrations.test_trl_dpo import LAUNCHES, TWO, ZERO_LAUNCH
+from tests.integrations.launches import DDP, run_script, zero
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "trl_trainers.py"
 STEPS = 3
@@ -52,23 +51,16 @@ STAGE3_BROKEN: dict[str, str] = {}
 # float64 and equals the float64 reference); everything else is compared as tightly as for the others.
 NORM_REL = {"sft_save_head": 1e-3, "sft_lora_embed": 1e-3, "sft_resized": 1e-3}
 SETTINGS = {
-    "ddp": (LAUNCHES["ddp"], list(KEYS)),
-    "stage1": (([*ZERO_LAUNCH, "launch", "--stage", "1", *TWO], {}), list(KEYS)),
-    "stage2": (([*ZERO_LAUNCH, "launch", "--stage", "2", *TWO], {}), list(KEYS)),
-    "stage3": (([*ZERO_LAUNCH, "launch", "--stage", "3", *TWO], {}), [t for t in KEYS if t not in STAGE3_BROKEN]),
+    "ddp": (DDP, list(KEYS)),
+    "stage1": (zero(1), list(KEYS)),
+    "stage2": (zero(2), list(KEYS)),
+    "stage3": (zero(3), [t for t in KEYS if t not in STAGE3_BROKEN]),
 }
 
 
 def _launch(name: str, out: Path) -> subprocess.CompletedProcess:
-    (cmd, env), trainers = SETTINGS[name]
-    out.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(
-        [*cmd, str(SCRIPT), "--out", str(out), "--max_steps", str(STEPS), "--trainers", ",".join(trainers)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
-    )
+    launcher, trainers = SETTINGS[name]
+    return run_script(launcher, SCRIPT, out, "--max_steps", str(STEPS), "--trainers", ",".join(trainers))
 
 
 @pytest.fixture(scope="module")
