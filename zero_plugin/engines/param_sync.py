@@ -2,6 +2,9 @@
 
 Pipeline per bucket: ``copy_in (own region) -> all_gather (async) -> wait -> copy_out``.
 At most two buckets are in flight, so copies overlap communication while buffers stay bounded.
+The copies are batched per bucket, as stage 3's are (a step is host-bound on a GPU, issue #39): the
+copy-in is one ``_foreach_copy_`` of the owned regions (and one ``_foreach_zero_`` of the padding where a
+region is shorter than its chunk), the copy-out one ``_foreach_copy_`` of the other ranks' valid spans.
 On gloo every rank's region is instead broadcast straight into the parameters (no buffer, no copy):
 [Note: collective layouts] in ``comm/layout.py``; there the step itself can run bucket by bucket with each
 bucket's gather in flight behind it ([Note: pipelined step] in ``pipelined_step.py``).
@@ -17,7 +20,7 @@ from ..comm import layout as comm_layout
 from ..comm.collectives import Comm
 from ..grads.bucket import Bucket, plan_buckets
 from ..optim.master import MasterParam
-from ..tensors.flat import copy_from_rows
+from ..tensors.flat import ShardLayout
 
 __all__ = ["ParamAllGather"]
 
@@ -70,20 +73,51 @@ class ParamAllGather:
 
     def _launch(self, bucket: Bucket) -> comm_layout.BufferedGather:
         p0 = bucket.slots[0].param
-        return comm_layout.gather_buffered(
-            self.comm, bucket.slots, p0.dtype, p0.device, comm_layout.each(_fill_own_chunk)
-        )
+        return comm_layout.gather_buffered(self.comm, bucket.slots, p0.dtype, p0.device, _fill_own_chunks)
 
     def _complete(self, pending: comm_layout.BufferedGather) -> None:
         rows = pending.wait(_WHAT)
-        for slot, columns in pending.columns(rows):
-            copy_from_rows(
-                slot.param.data.view(-1), columns, slot.layout, skip_rank=self.comm.rank
-            )  # our own region is already up to date
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for slot, columns in pending.columns(rows):  # our own region is already up to date
+            _other_spans(slot.param.data.view(-1), columns, slot.layout, self.comm.rank, dsts, srcs)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
 
 
-def _fill_own_chunk(slot: MasterParam, chunk: torch.Tensor) -> None:
-    """Copy-in: this rank's updated region, zero padding after it."""
-    n_local = slot.layout.local_numel
-    chunk[:n_local].copy_(slot.local.reshape(-1))
-    chunk[n_local:].zero_()
+def _fill_own_chunks(slots: list[MasterParam], chunks: list[torch.Tensor], extra: list) -> None:
+    """Copy-in: this rank's updated region of every slot into its chunk, zero padding after it; one batched
+    copy (and one batched zero where some region is shorter than its chunk)."""
+    assert not extra, "the parameter sync sends no trailer"
+    dsts, srcs, tails = [], [], []
+    for slot, chunk in zip(slots, chunks):
+        n_local = slot.layout.local_numel
+        if n_local:
+            dsts.append(chunk[:n_local])
+            srcs.append(slot.local.reshape(-1))
+        if n_local < chunk.numel():
+            tails.append(chunk[n_local:])
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    if tails:
+        torch._foreach_zero_(tails)
+
+
+def _other_spans(
+    flat: torch.Tensor, columns: torch.Tensor, layout: ShardLayout, skip_rank: int, dsts: list, srcs: list
+) -> None:
+    """The (destination, source) pairs of ``copy_from_rows(flat, columns, layout, skip_rank)``: every rank's
+    valid span of the padded ``(world_size, shard_numel)`` columns but ``skip_rank``'s, into the full flat
+    tensor."""
+    s = layout.shard_numel
+    if s == 0:
+        return
+    full_rows, rem = divmod(layout.numel, s)
+    spans = [(0, full_rows)] if skip_rank >= full_rows else [(0, skip_rank), (skip_rank + 1, full_rows)]
+    for a, b in spans:
+        if b > a:
+            dsts.append(flat[a * s : b * s].view(b - a, s))
+            srcs.append(columns[a:b])
+    if rem and skip_rank != full_rows:
+        dsts.append(flat[full_rows * s :])
+        srcs.append(columns[full_rows, :rem])
