@@ -78,11 +78,14 @@ def reference_bf16(spec: dict) -> dict:
     AdamW's update of such an element is sign-like (about +-lr whatever the size of its gradient), so its
     weight may land 2 x lr away from the emulation's although every operation rounded as bf16 may (seeds
     300301, 77777 and 912345: all four such specs pass with ``bf16_reduce_fp32`` and with SGD).  With
-    ``bf16_reduce_fp32`` the sum across ranks is exact enough, but micro-batches under ``no_sync`` still add up
-    in the bf16 ``param.grad`` at stages 0-2, as under DDP (seed 2718281: a tied weight's two near-cancelling
-    micro-batches, AdamW, stages 0 and 1; SGD and synced micro-batches pass), within (micro-batches) x 2^-8 x
-    the sum of their magnitudes.  Those
-    elements are returned in ``ambiguous`` (from the step that met them on) and left out of the comparison;
+    ``bf16_reduce_fp32`` the sum across ranks is exact enough, but the micro-batches of one step still add up
+    in the bf16 ``param.grad`` at stages 0-1, as under DDP: under ``no_sync`` before the reduction (seed 2718281:
+    a tied weight's two near-cancelling micro-batches, AdamW; SGD passes) and, synced, after it (seed 1618033,
+    stage 0), within (micro-batches) x 2^-8 x the sum of their magnitudes.  Those
+    elements are returned in ``ambiguous`` (from the step that met them on) and left out of the comparison; a
+    step after that one computes on weights that differ there, so every other weight may follow the run's own
+    path a little (seed 1618033: 0.0276 against 0.0228 allowed, after masking), and ``stepped_after_ambiguous``
+    doubles the allowance (bugs the fuzzer found stood at 0.55 and 0.83);
     an element whose gradient stands clear of that bound is compared as before, so a dropped or doubled
     micro-batch still shows.
     """
@@ -96,8 +99,9 @@ def reference_bf16(spec: dict) -> dict:
     adamw = spec["optimizer"]["kind"] == "adamw"  # SGD's step is proportional to the gradient: nothing to leave out
     magnitude: dict[int, torch.Tensor] = {}  # id(master) -> sum of |each rank's term| since zero_grad
     terms = 0  # bf16 additions into each gradient since zero_grad with a bf16 sum: N per micro-batch
-    micros, unsynced = 0, False  # micro-batches since zero_grad, and whether one was under no_sync
+    micros = 0  # micro-batches since zero_grad
     ambiguous = {id(m): torch.zeros_like(m, dtype=torch.bool) for m in trainable}
+    steps_after = 0  # steps taken since the first one that met an ambiguous element (that one included)
 
     def refresh():
         with torch.no_grad():
@@ -126,23 +130,33 @@ def reference_bf16(spec: dict) -> dict:
                         magnitude[id(m)] = add.abs() + magnitude.get(id(m), 0.0)
             terms += n
             micros += 1
-            unsynced |= not op[1]["sync"]
             micro += 1
         else:
-            additions = terms if spec["precision"] == "bf16" else micros if unsynced else 0
-            if op[0] == "step" and adamw and additions:
+            additions = terms if spec["precision"] == "bf16" else micros if micros > 1 else 0
+            if op[0] == "step":
+                met_any = False
                 for m in trainable:
-                    if m.grad is not None:
+                    if adamw and additions and m.grad is not None:
                         bound = (additions + 1) * 2**-8 * magnitude[id(m)]
-                        ambiguous[id(m)] |= (m.grad.abs() <= bound) & (bound > 0)
+                        met = (m.grad.abs() <= bound) & (bound > 0)
+                        ambiguous[id(m)] |= met
+                        met_any |= bool(met.any())
+                steps_after += 1 if steps_after or met_any else 0
             elif op[0] == "zero_grad":
-                magnitude, terms, micros, unsynced = {}, 0, 0, False
+                magnitude, terms, micros = {}, 0, 0
             _optimizer_op(op, opt, trainable, norms)
     final = {k: v.detach().to(torch.float64).clone() for k, v in master.state_dict().items()}
     ambiguous_by_key = {
         k: ambiguous[id(p)] for k, p in master.named_parameters(remove_duplicate=False) if id(p) in ambiguous
     }
-    return {"losses": losses, "norms": norms, "forwards": forwards, "final": final, "ambiguous": ambiguous_by_key}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "forwards": forwards,
+        "final": final,
+        "ambiguous": ambiguous_by_key,
+        "stepped_after_ambiguous": steps_after > 1,
+    }
 
 
 def _optimizer_op(op: list, opt: torch.optim.Optimizer, trainable: list, norms: list) -> None:

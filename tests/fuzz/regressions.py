@@ -29,6 +29,9 @@ from tests.fuzz.spec import from_json
 #   rounding of zero] in tests/fuzz/reference.py); before, this spec failed the check with 0.135 > 0.02.
 # issue 42, fresh seed 2718281: the same with fp32 reduction, from micro-batches under no_sync adding up in the
 #   bf16 param.grad at stages 0-1 (as under DDP): 0.0677 > 0.02 before the check counted them.
+# issue 42, fresh seed 1618033: the same with synced micro-batches (summed in the bf16 param.grad after each
+#   reduction at stage 0), and a second step on weights that differ at the masked elements: 0.0875, then 0.0276,
+#   against 0.02 (the check now allows twice as much after such a step).
 REGRESSIONS: dict[str, dict] = {
     "stage1-sync-nosync-sync": from_json(
         '{"bucket_size_mb":25.0,"buffered":false,"model":{"batch":1,"bias":true,"d_in":3,"d_out":2,"frozen":['
@@ -121,5 +124,15 @@ REGRESSIONS: dict[str, dict] = {
         '_to":[null,0],"frozen":["blocks.0.fc.bias"]},"schedule":[["micro",{"sync":false,"scale":0.5,"usage":'
         '[[2,2],[2,2],[2,2],[2,2]]}],["micro",{"sync":true,"scale":0.5,"usage":[[2,2],[2,2],[2,2],[2,2]]}],["'
         'step"],["zero_grad","optimizer"]]}'
+    ),
+    "stage0-bf16-reduce-fp32-synced-micro-batches-then-a-second-step": from_json(
+        '{"seed":485,"world_size":3,"stage":0,"buffered":true,"offload":false,"precision":"bf16_reduce_fp32",'
+        '"bucket_size_mb":0.0001,"stage3":{"prefetch_depth":2,"reshard_after_forward":true,"persistence_thres'
+        'hold":8,"secondary_shard_size":null},"optimizer":{"kind":"adamw","momentum":0.0,"lr":0.05,"weight_de'
+        'cay":0.1,"two_groups":true},"model":{"d_in":2,"widths":[5,5],"d_out":5,"bias":false,"batch":1,"tie_t'
+        'o":[null,0],"frozen":[]},"schedule":[["micro",{"sync":true,"scale":0.5,"usage":[[0,1],[2,2],[2,2]]}]'
+        ',["micro",{"sync":true,"scale":0.5,"usage":[[1,1],[2,1],[2,2]]}],["forward",{"usage":[[1,1],[2,1],[2'
+        ',2]]}],["step"],["zero_grad","optimizer"],["forward",{"usage":[[1,0],[1,0],[0,0]]}],["micro",{"sync"'
+        ':true,"scale":1.0,"usage":[[2,1],[1,2],[2,0]]}],["clip",1.0],["step"],["zero_grad","optimizer"]]}'
     ),
 }

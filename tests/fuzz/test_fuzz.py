@@ -89,14 +89,19 @@ BF16_SUM_SPEC = (
 
 def test_bf16_comparison_leaves_out_only_gradients_within_rounding_of_zero():
     """[Note: gradients within the reduction's rounding of zero] in reference.py: the elements left out are few,
-    none without a bf16 sum (fp32 reduction, SGD), and an error of 2 x lr on any other element is still found."""
+    none without a bf16 sum (fp32 reduction of one micro-batch per step, SGD), and an error of 2 x lr on any
+    other element is still found."""
     spec = from_json(BF16_SUM_SPEC)
     ref = reference(spec)
     ref["bf16"] = reference_bf16(spec)
     ambiguous = ref["bf16"]["ambiguous"]
     left_out, total = sum(int(m.sum()) for m in ambiguous.values()), sum(m.numel() for m in ambiguous.values())
     assert 0 < left_out <= total // 10
-    for other in ({"precision": "bf16_reduce_fp32"}, {"optimizer": {**spec["optimizer"], "kind": "sgd"}}):
+    one_micro = [["micro", {**spec["schedule"][0][1], "scale": 1.0}], ["step"], ["zero_grad", "optimizer"]]
+    for other in (
+        {"precision": "bf16_reduce_fp32", "schedule": one_micro},
+        {"optimizer": {**spec["optimizer"], "kind": "sgd"}},
+    ):
         assert not any(m.any() for m in reference_bf16({**spec, **other})["ambiguous"].values())
     emulated = ref["bf16"]["final"]
     assert params_bf16(spec, dict(emulated), ref) == []
