@@ -264,6 +264,7 @@ class ReduceScatterReducer(GradReducer):
         # this step took in; (param, that grad) set aside while a backward reduces the parameter as absent
         self._consumed: dict[int, torch.Tensor] = {}
         self._set_aside: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._batch: _BatchedStores | None = None  # while a bucket completes: [Note: stores batched per bucket]
 
     def register(self, root: nn.Module) -> None:
         super().register(root)
@@ -328,16 +329,22 @@ class ReduceScatterReducer(GradReducer):
     def _complete(self, bucket: Bucket, pending: comm_layout.InPlaceReduce | comm_layout.BufferedReduce) -> None:
         temporary = pending.results_in_full_tensors
         store = functools.partial(self._store, region_of_temporary=temporary)
-        if isinstance(pending, comm_layout.BufferedReduce):
-            pending.complete("gradient reduction", store, self.deferred)
-        else:  # in place (gloo): the flags are a host tensor already
-            pending.complete("gradient reduction", store)
+        self._batch = _BatchedStores()  # [Note: stores batched per bucket]
+        try:
+            if isinstance(pending, comm_layout.BufferedReduce):
+                pending.complete("gradient reduction", store, self.deferred)
+            else:  # in place (gloo): the flags are a host tensor already
+                pending.complete("gradient reduction", store)
+            self._batch.run()
+        finally:
+            self._batch = None
 
     def _store(self, slot: MasterParam, reduced: torch.Tensor, region_of_temporary: bool = False) -> None:
         """Keep this rank's averaged region: in ``param.grad`` (stage 1, same dtype), else a view of the
         bucket's output (its storage is exactly the bucket's shards) or a copy of a full-size temporary's
-        region."""
+        region.  Copies and additions go through the bucket's batch while it completes."""
         p = slot.param
+        batch = self._batch or _UNBATCHED
         previous = self.owned.get(id(p))  # an earlier reduction in this step
         if self.keep_full_grad and reduced.dtype == p.dtype:
             if p.grad is None:
@@ -345,10 +352,53 @@ class ReduceScatterReducer(GradReducer):
                 self._consumed[id(p)] = p.grad  # holds a reduction's result: never reduced again
             region = slot.layout.local_view(p.grad)
             if region.data_ptr() != reduced.data_ptr():  # reduced in place into p.grad: already there
-                region.copy_(reduced)
+                batch.copy(region, reduced)
             reduced = region
         elif region_of_temporary:
             reduced = reduced.clone()
         if previous is not None and previous.data_ptr() != reduced.data_ptr():
-            reduced.add_(previous)
+            batch.add(reduced, previous)
         self.owned[id(p)] = reduced
+
+
+# [Note: stores batched per bucket]
+# A step is host-bound on a GPU (issue #39), so the per-parameter work of keeping a bucket's averages is
+# batched: while a bucket completes, stage 1's copies of the averaged regions into ``param.grad`` and the
+# additions of an earlier reduction's average (accumulation over synced backwards) are collected and run as
+# one ``_foreach_copy_`` and one ``_foreach_add_`` after the completion, copies first, each member's addition
+# after its own copy as before.  Nothing reads a kept gradient in between.  Stores deferred to the end of
+# backward ([Note: deferred has-gradient flags] in presence.py) run one by one, as before.
+class _BatchedStores:
+    def __init__(self) -> None:
+        self._copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._copies[0].append(dst)
+        self._copies[1].append(src)
+
+    def add(self, dst: torch.Tensor, other: torch.Tensor) -> None:
+        self._adds[0].append(dst)
+        self._adds[1].append(other)
+
+    def run(self) -> None:
+        if self._copies[0]:
+            torch._foreach_copy_(*self._copies)
+        if self._adds[0]:
+            torch._foreach_add_(*self._adds)
+        self._copies, self._adds = ([], []), ([], [])
+
+
+class _Unbatched:
+    """Stores outside a bucket's completion (deferred ones): each op at once."""
+
+    @staticmethod
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    @staticmethod
+    def add(dst: torch.Tensor, other: torch.Tensor) -> None:
+        dst.add_(other)
+
+
+_UNBATCHED = _Unbatched()
