@@ -355,7 +355,8 @@ class ReduceScatterReducer(GradReducer):
                 batch.copy(region, reduced)
             reduced = region
         elif region_of_temporary:
-            reduced = reduced.clone()
+            batch.keep(self.owned, id(p), reduced, previous)  # a copy of the region, kept in ``owned``
+            return
         if previous is not None and previous.data_ptr() != reduced.data_ptr():
             batch.add(reduced, previous)
         self.owned[id(p)] = reduced
@@ -363,15 +364,18 @@ class ReduceScatterReducer(GradReducer):
 
 # [Note: stores batched per bucket]
 # A step is host-bound on a GPU (issue #39), so the per-parameter work of keeping a bucket's averages is
-# batched: while a bucket completes, stage 1's copies of the averaged regions into ``param.grad`` and the
-# additions of an earlier reduction's average (accumulation over synced backwards) are collected and run as
-# one ``_foreach_copy_`` and one ``_foreach_add_`` after the completion, copies first, each member's addition
-# after its own copy as before.  Nothing reads a kept gradient in between.  Stores deferred to the end of
-# backward ([Note: deferred has-gradient flags] in presence.py) run one by one, as before.
+# batched: while a bucket completes, stage 1's copies of the averaged regions into ``param.grad``, the copies
+# of regions of full-size temporaries (in place on gloo: stage 2, or stage 1 in another dtype; one ``cat``
+# whose views are the kept gradients) and the additions of an earlier reduction's average (accumulation over
+# synced backwards) are collected and run after the completion: the regions' ``cat`` and the
+# ``_foreach_copy_`` first, then one ``_foreach_add_``, so each member's addition follows its own copy as
+# before.  Nothing reads a kept gradient in between.  Stores deferred to the end of backward
+# ([Note: deferred has-gradient flags] in presence.py) run one by one, as before.
 class _BatchedStores:
     def __init__(self) -> None:
         self._copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._keeps: list[tuple[dict, int, torch.Tensor, torch.Tensor | None]] = []
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._copies[0].append(dst)
@@ -381,12 +385,23 @@ class _BatchedStores:
         self._adds[0].append(dst)
         self._adds[1].append(other)
 
+    def keep(self, owned: dict, key: int, region: torch.Tensor, previous: torch.Tensor | None) -> None:
+        """``owned[key]`` becomes a copy of ``region`` (plus ``previous``, where there is one)."""
+        self._keeps.append((owned, key, region, previous))
+
     def run(self) -> None:
+        if self._keeps:
+            flat = torch.cat([region.reshape(-1) for _, _, region, _ in self._keeps])
+            kept = flat.split([region.numel() for _, _, region, _ in self._keeps])
+            for (owned, key, region, previous), copy in zip(self._keeps, kept):
+                owned[key] = copy = copy.view_as(region)
+                if previous is not None:
+                    self.add(copy, previous)
         if self._copies[0]:
             torch._foreach_copy_(*self._copies)
         if self._adds[0]:
             torch._foreach_add_(*self._adds)
-        self._copies, self._adds = ([], []), ([], [])
+        self._copies, self._adds, self._keeps = ([], []), ([], []), []
 
 
 class _Unbatched:
@@ -399,6 +414,13 @@ class _Unbatched:
     @staticmethod
     def add(dst: torch.Tensor, other: torch.Tensor) -> None:
         dst.add_(other)
+
+    @staticmethod
+    def keep(owned: dict, key: int, region: torch.Tensor, previous: torch.Tensor | None) -> None:
+        copy = region.clone()
+        if previous is not None:
+            copy.add_(previous)
+        owned[key] = copy
 
 
 _UNBATCHED = _Unbatched()
