@@ -35,7 +35,7 @@ fuzz: $(STAMP)
 # ruff's configuration is in pyproject.toml ([tool.ruff]).  Both checks always run and the target fails if
 # either does; the format check names the files (`ruff format --diff` shows the changes).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .; lint=$$?; $(VENV)/bin/ruff format --check --output-format concise . || lint=1; \
+	$(VENV)/bin/ruff check --no-cache .; lint=$$?; $(VENV)/bin/ruff format --no-cache --check --output-format concise . || lint=1; \
 	$(VENV)/bin/lint-imports --no-cache || lint=1; exit $$lint
 
 # LoRA fine-tune of a small Llama-shaped model under ZeRO-3 on 2 CPU processes (examples/lora_finetune_accelerate.py):

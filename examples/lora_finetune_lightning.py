@@ -22,10 +22,10 @@ import common
 import lightning.pytorch as L
 import torch
 import torch.distributed as dist
-import zero_plugin.integrations.lightning  # noqa: F401  (registers strategy="zero1" ... "zero3_offload")
 from torch.utils.data import DataLoader
 
 import zero_plugin as zp
+import zero_plugin.integrations.lightning  # noqa: F401  (registers strategy="zero1" ... "zero3_offload")
 
 
 def parse_args() -> argparse.Namespace:

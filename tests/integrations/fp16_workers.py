@@ -34,6 +34,7 @@ def _scheduler(optimizer):
 def _accelerator(config, **kwargs):
     from accelerate.state import AcceleratorState
     from accelerate.utils import GradScalerKwargs
+
     from zero_plugin.integrations.accelerate import Accelerator
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -39,9 +39,8 @@ def _strategy(spec, fabric: bool):
     name for the ZeRO strategy; stage 3 built eagerly (the reference builds the same weights on every rank)."""
     if spec in ("ddp", "ddp_fused"):
         return "ddp"
-    from zero_plugin.integrations.lightning import ZeroFabricStrategy, ZeroStrategy
-
     import zero_plugin as zp
+    from zero_plugin.integrations.lightning import ZeroFabricStrategy, ZeroStrategy
 
     config = zp.ZeroConfig(stage=spec) if isinstance(spec, int) else spec
     return (ZeroFabricStrategy if fabric else ZeroStrategy)(config=config, meta_init=False)

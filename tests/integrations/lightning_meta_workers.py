@@ -98,6 +98,7 @@ def trainer_meta_worker(strategy_kwargs: dict, validate: bool = False, bad: bool
 # -- Fabric: init_module ---------------------------------------------------------------------------------------
 def _fabric(strategy_kwargs: dict):
     from lightning.fabric import Fabric
+
     from zero_plugin.integrations.lightning import ZeroFabricStrategy
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy=ZeroFabricStrategy(**strategy_kwargs))

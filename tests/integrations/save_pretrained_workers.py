@@ -17,6 +17,7 @@ from tests import models
 
 def _accelerator(config):
     from accelerate.state import AcceleratorState
+
     from zero_plugin.integrations.accelerate import Accelerator
 
     rank, world = dist.get_rank(), dist.get_world_size()

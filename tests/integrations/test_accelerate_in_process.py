@@ -18,9 +18,9 @@ from tests.harness import run_ranks
 @pytest.fixture
 def accelerator():
     from accelerate.state import AcceleratorState
-    from zero_plugin.integrations.accelerate import Accelerator, ZeroPlugin
 
     import zero_plugin as zp
+    from zero_plugin.integrations.accelerate import Accelerator, ZeroPlugin
 
     AcceleratorState._reset_state(True)
     yield Accelerator(zero_plugin=ZeroPlugin(zp.ZeroConfig(stage=2)))
@@ -55,9 +55,9 @@ def test_prepare_shards_model_with_its_optimizer(accelerator):
 
 def test_bf16_autocast_is_kept_at_stage3():
     from accelerate.state import AcceleratorState
-    from zero_plugin.integrations.accelerate import Accelerator
 
     import zero_plugin as zp
+    from zero_plugin.integrations.accelerate import Accelerator
 
     AcceleratorState._reset_state(True)
     try:
@@ -87,9 +87,8 @@ def test_prepare_refuses_model_without_its_optimizer(accelerator, which):
 
 
 def test_zero_plugin_coercion_and_errors(monkeypatch):
-    from zero_plugin.integrations.accelerate import ZeroPlugin
-
     import zero_plugin as zp
+    from zero_plugin.integrations.accelerate import ZeroPlugin
 
     assert ZeroPlugin.coerce({"stage": 3}).config == zp.ZeroConfig(stage=3)
     assert ZeroPlugin.coerce(zp.ZeroConfig(stage=1)).config.stage == 1
@@ -126,9 +125,8 @@ def test_trainer_load_best_model_at_end_needs_the_sharded_folder():
 # -- integrations/common.py checkpoints, resharding across stages --------------------------------------------
 def _checkpoint_roundtrip(path: str, save_stage: int, load_stage: int) -> float:
     """Train 2 steps at save_stage, save_sharded, load into a fresh model at load_stage; both step once more."""
-    from zero_plugin.integrations import common
-
     import zero_plugin as zp
+    from zero_plugin.integrations import common
 
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
@@ -175,10 +173,10 @@ def test_stage3_evaluation_mode_shards_then_prepare_with_optimizer_trains():
     import copy
 
     from accelerate.state import AcceleratorState
-    from zero_plugin.integrations import common
-    from zero_plugin.integrations.accelerate import Accelerator
 
     import zero_plugin as zp
+    from zero_plugin.integrations import common
+    from zero_plugin.integrations.accelerate import Accelerator
 
     model, _ = _model_and_optimizer()
     model = model.double()

@@ -13,11 +13,11 @@ Lightning's ``precision="16-mixed"`` takes the same path: ``test_lightning_fp16.
 from __future__ import annotations
 
 import pytest
-from zero_plugin.integrations import loss_scaling as _loss_scaling
 
 import zero_plugin as zp
 from tests.harness import run_ranks
 from tests.integrations import fp16_workers as fw
+from zero_plugin.integrations import loss_scaling as _loss_scaling
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5

@@ -8,6 +8,7 @@ import traceback
 
 import pytest
 import torch
+
 from zero_plugin.integrations.optimizer_stub import is_stub, write_stub
 
 MESSAGE = "NOT AN OPTIMIZER STATE: checkpoint-2/zero_plugin/ holds it; resume under `zero-plugin launch`"

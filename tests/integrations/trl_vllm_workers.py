@@ -87,10 +87,9 @@ def _block_bound(model) -> int:
 def sync_matches_unsharded(stage: int, lora: bool, linear_slice_numel: int | None = None) -> dict | None:
     """One step, then TRL's sync: rank 0 returns the pushed and the expected tensors, the metadata, the
     gathered units at each push and the one-block bound."""
-    from zero_plugin.integrations import trl_vllm
-
     import zero_plugin as zp
     from zero_plugin.engines.engine import engine_of
+    from zero_plugin.integrations import trl_vllm
 
     trl_vllm.install()  # what zero_plugin.run does once TRL's vllm_generation is imported
     rank, world = dist.get_rank(), dist.get_world_size()

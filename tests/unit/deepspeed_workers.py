@@ -142,9 +142,9 @@ def accelerate_resume(state_dir: str, zp_stage: int) -> tuple[list[float], list[
     """``accelerator.load_state`` of what Accelerate's ``save_state`` wrote under DeepSpeed, in zero_plugin's
     Accelerator (the loop of ``make_accelerate_ckpt.py``); the losses and learning rates of the next steps."""
     from accelerate.state import AcceleratorState
-    from zero_plugin.integrations.accelerate import Accelerator
 
     from tests.fixtures.deepspeed import make_accelerate_ckpt as fx
+    from zero_plugin.integrations.accelerate import Accelerator
 
     rank, world = _rank_world()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))

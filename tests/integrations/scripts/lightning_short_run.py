@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import zero_plugin.integrations.lightning  # noqa: E402,F401  (registers zero1 ... zero3_offload)
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+import zero_plugin.integrations.lightning  # noqa: E402,F401  (registers zero1 ... zero3_offload)
 from tests.models import MLP_IN, MLP_OUT, OddMLP  # noqa: E402
 
 
