@@ -20,7 +20,7 @@ from ..comm import layout as comm_layout
 from ..comm.collectives import Comm
 from ..grads.bucket import Bucket, plan_buckets
 from ..optim.master import MasterParam
-from ..tensors.flat import ShardLayout
+from ..tensors.flat import ShardLayout, copy_into_chunks
 
 __all__ = ["ParamAllGather"]
 
@@ -89,18 +89,7 @@ def _fill_own_chunks(slots: list[MasterParam], chunks: list[torch.Tensor], extra
     """Copy-in: this rank's updated region of every slot into its chunk, zero padding after it; one batched
     copy (and one batched zero where some region is shorter than its chunk)."""
     assert not extra, "the parameter sync sends no trailer"
-    dsts, srcs, tails = [], [], []
-    for slot, chunk in zip(slots, chunks):
-        n_local = slot.layout.local_numel
-        if n_local:
-            dsts.append(chunk[:n_local])
-            srcs.append(slot.local.reshape(-1))
-        if n_local < chunk.numel():
-            tails.append(chunk[n_local:])
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
-    if tails:
-        torch._foreach_zero_(tails)
+    copy_into_chunks((chunk, slot.local.reshape(-1)) for slot, chunk in zip(slots, chunks))
 
 
 def _other_spans(

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..optim.offload import pin, to_device
-from ..tensors.flat import ShardLayout, copy_from_rows
+from ..tensors.flat import ShardLayout, copy_from_rows, copy_into_chunks
 from .storage_pool import StoragePool
 
 __all__ = ["ShardedParam", "ShardedState"]
@@ -208,20 +208,13 @@ class ShardedParam:
         (destination, source) pairs (the gather tag) in one foreach copy (cast to the compute dtype), the
         padding after them zeroed in one more; shards on the host (offload_params) one by one, without
         blocking (:meth:`copy_local_into`)."""
-        dsts, srcs, tails = [dst for dst, _ in extra], [src for _, src in extra], []
+        on_device = []
         for sp, chunk in zip(members, chunks):
             if sp.local.device != chunk.device:
                 sp.copy_local_into(chunk)
-                continue
-            n = sp.local.numel()
-            dsts.append(chunk[:n])
-            srcs.append(sp.local)
-            if n < chunk.numel():
-                tails.append(chunk[n:])
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-        if tails:
-            torch._foreach_zero_(tails)
+            else:
+                on_device.append((chunk, sp.local))
+        copy_into_chunks(on_device, extra)
 
     @torch.no_grad()
     def write_full_into_local(self, full: torch.Tensor) -> None:

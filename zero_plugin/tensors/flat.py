@@ -85,6 +85,24 @@ def copy_padded_rows(dst_rows: torch.Tensor, flat_src: torch.Tensor | None, layo
             dst_rows[full_rows:].zero_()
 
 
+def copy_into_chunks(pairs, extra=()) -> None:
+    """Batched copy-in for a gather: each ``(chunk, source)`` pair's 1-D source into the head of its chunk and the
+    chunk's padding after it zeroed; one foreach copy (the ``extra`` ``(destination, source)`` pairs in it too) and
+    one foreach zero where any chunk has padding."""
+    dsts, srcs, tails = [dst for dst, _ in extra], [src for _, src in extra], []
+    for chunk, source in pairs:
+        n = source.numel()
+        if n:
+            dsts.append(chunk[:n])
+            srcs.append(source)
+        if n < chunk.numel():
+            tails.append(chunk[n:])
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    if tails:
+        torch._foreach_zero_(tails)
+
+
 def copy_from_rows(
     flat_dst: torch.Tensor, src_rows: torch.Tensor, layout: ShardLayout, skip_rank: int | None = None
 ) -> None:
