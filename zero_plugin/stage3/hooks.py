@@ -491,20 +491,23 @@ class Stage3Runtime:
         passed])."""
         order = self._backward_order
         if unit in order[self._backward_cursor :]:
-            for listed in order[self._backward_cursor : order.index(unit)]:
-                self._reduce_units_passed(listed)
-                self._backward_gather(listed)
+            self._walk_backward_list(order.index(unit))
         self._reduce_units_passed(unit)
         self._backward_gather(unit)
+
+    def _walk_backward_list(self, stop: int) -> None:
+        """The agreed backward list from the cursor up to ``stop``: each unit after the reductions of the units
+        passed before it, as a peer whose backward reached every one of them issues them."""
+        for listed in self._backward_order[self._backward_cursor : stop]:
+            self._reduce_units_passed(listed)
+            self._backward_gather(listed)
 
     def _gather_the_rest(self) -> None:
         """End of backward: the units of the agreed backward list this rank's backward did not reach are
         gathered as its peers gathered them, each after the reductions its peers issued before that gather
         ([Note: units the backward passed]: a rank that used none of them must not hold its reductions back
         behind these gathers while its peers wait for the reductions)."""
-        for unit in self._backward_order[self._backward_cursor :]:
-            self._reduce_units_passed(unit)
-            self._backward_gather(unit)
+        self._walk_backward_list(len(self._backward_order))
         self._backward_gather(None)
 
     def _reduce_units_passed(self, unit: Unit) -> None:
