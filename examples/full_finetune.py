@@ -94,7 +94,7 @@ def main() -> None:
     model, optimizer = zp.setup(model, optimizer, config)  # collective; shards in place
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.lr_lambda(args.warmup_steps, args.max_steps))
 
-    label = f"ZeRO-{config.stage}" + (" + CPU offload" if config.offload else "")
+    label = f"ZeRO-{config.stage}" + (" + CPU offload" if config.offload_optimizer == "cpu" else "")
     if rank == 0:
         print(
             f"{label} on {world_size} process(es), {device}; all {trainable:,} parameters train; "

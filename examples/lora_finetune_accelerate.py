@@ -53,7 +53,7 @@ def describe(accelerator: Accelerator, zp) -> str:
     if zp is None:
         return "plain Accelerate"
     config = accelerator.zero_config
-    return f"ZeRO-{config.stage}" + (" + CPU offload" if config.offload else "")
+    return f"ZeRO-{config.stage}" + (" + CPU offload" if config.offload_optimizer == "cpu" else "")
 
 
 def main() -> None:

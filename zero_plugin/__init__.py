@@ -5,6 +5,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .colocate import offload_states, reload_states
 from .comm.stats import comm_stats, reset_comm_stats
 from .config import ZeroConfig
+from .config_groups import CommConfig, DebugConfig, LoadingConfig, OffloadConfig, PrecisionConfig, Stage3Config
 from .loading import materialize as materialize  # zp.materialize.* as documented (docs/large-models.md)
 from .memory import memory_report
 from .optim.zero_optimizer import ZeroOptimizer
@@ -14,6 +15,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ZeroConfig",
+    "OffloadConfig",
+    "PrecisionConfig",
+    "CommConfig",
+    "Stage3Config",
+    "LoadingConfig",
+    "DebugConfig",
     "ZeroOptimizer",
     "setup",
     "rebind_optimizer",

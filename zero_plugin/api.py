@@ -75,7 +75,7 @@ def setup(
     engine = build_engine(model, trainable, config, _engine_comm(comm, config, group), source)
     materialize.note_set_up(model)
     _rebind_optimizer(optimizer, engine)
-    if config.offload:
+    if config.offload_optimizer == "cpu":
         use_fast_cpu_kernels(optimizer)
     register_engine(model, engine)
     engine.frozen_guard = FrozenGuard.attach(model, [s.param for s in engine.slots])  # [Note: frozen at setup]
@@ -166,7 +166,7 @@ def rebind_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Zero
             f"model; missing {sorted(wanted - got)[:3]}, extra {sorted(got - wanted)[:3]}"
         )
     _rebind_optimizer(optimizer, engine)
-    if engine.config.offload:
+    if engine.config.offload_optimizer == "cpu":
         use_fast_cpu_kernels(optimizer)
     zero_optimizer = ZeroOptimizer(optimizer, engine)
     engine.optimizer = zero_optimizer

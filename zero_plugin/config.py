@@ -1,11 +1,25 @@
-"""``ZeroConfig``: the one frozen, validated configuration; ``ZeroConfig.from_env`` reads its ``ZERO_PLUGIN_*``
-variables.  The engine reads no other environment variable except one test switch,
-``ZERO_PLUGIN_BUFFERED_COLLECTIVES`` (``collectives.regions_in_place``: the NCCL layout on gloo), and
-``LOCAL_WORLD_SIZE`` for ``shard_group_size="node"`` and the host-memory share of ``trim_each_unit_above``, read
-here only, by :meth:`ZeroConfig.resolved_shard_group_size` and :meth:`ZeroConfig.local_processes` at setup.
+"""``ZeroConfig``: the one frozen, validated configuration: ``stage`` and one record per group of settings
+(``config_groups.py``: ``offload``, ``precision``, ``comm``, ``stage3``, ``loading``, ``debug``), written either way::
 
-Values are normalised on construction (dtype names -> ``torch.dtype``, lists -> tuples) so that equal
-settings compare, hash and fingerprint equally on every rank, however they were written: the checks are in
+    ZeroConfig(stage=3, offload=OffloadConfig(optimizer="cpu"), precision=PrecisionConfig(param_dtype="bf16"))
+    ZeroConfig(stage=3, offload_optimizer="cpu", param_dtype="bf16")          # the flat names: the same config
+    ZeroConfig.from_dict({"stage": 3, "offload": {"optimizer": "cpu"}, "param_dtype": "bf16"})   # or mixed
+
+A group may also be given as a mapping of its fields.  A setting given both in its group and by its flat name
+must agree, else ``ValueError`` names both; a group record holds all its fields, its defaults included.  Every
+flat name reads as an attribute (``cfg.offload_optimizer`` is ``cfg.offload.optimizer``).  ``to_dict`` writes the
+flat form (``grouped=True``: the nested one; ``from_dict`` reads both), so saved configs, fingerprints and the
+``ZERO_PLUGIN_<FLAT_NAME>`` variables are what they were before the groups.  To add a switch, see
+``config_groups.py``: one declaration there.
+
+``ZeroConfig.from_env`` reads its ``ZERO_PLUGIN_*`` variables.  The engine reads no other environment variable
+except one test switch, ``ZERO_PLUGIN_BUFFERED_COLLECTIVES`` (``collectives.regions_in_place``: the NCCL layout on
+gloo), and ``LOCAL_WORLD_SIZE`` for ``shard_group_size="node"`` and the host-memory share of
+``trim_each_unit_above``, read here only, by :meth:`ZeroConfig.resolved_shard_group_size` and
+:meth:`ZeroConfig.local_processes` at setup.
+
+Values are normalised on construction (dtype names -> ``torch.dtype``, lists -> tuples) so that equal settings
+compare, hash and fingerprint equally on every rank, however they were written: the kinds of value are in
 ``config_values.py``, the file and environment sources in ``config_sources.py``.
 """
 
@@ -16,191 +30,79 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from . import config_sources as sources
 from . import config_values as values
+from .config_groups import (
+    FLAT_NAMES,
+    GROUPS,
+    CommConfig,
+    DebugConfig,
+    LoadingConfig,
+    OffloadConfig,
+    PrecisionConfig,
+    Stage3Config,
+    flat_name,
+    kind_of,
+    label,
+)
 
 __all__ = ["ZeroConfig"]
 
+_STAGE = values.integer(0, 3, allowed="one of 0, 1, 2, 3")
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class ZeroConfig:
     """Settings of one zero_plugin run; one config serves every stage.
 
-    Stage-3-only knobs are accepted, and ignored, at stages 0-2 so that a
-    script switches stage by changing ``stage`` alone.
+    Stage-3-only knobs are accepted, and ignored, at stages 0-2 so that a script
+    switches stage by changing ``stage`` alone.  Keyword-only: ``stage``, the groups (records or mappings) and
+    any field by its flat name.
     """
 
     stage: int = 2
     """ZeRO stage (Rajbhandari et al. 2020, section 5): 0 = DDP baseline, 1 = shard optimizer state (P_os),
     2 = + gradients (P_os+g), 3 = + parameters (P_os+g+p). Default 2."""
-    offload_optimizer: str = "none"
-    """Where optimizer state and step run: "none" (device) or "cpu"; None/False/True normalise. Default "none"."""
-    offload_params: bool = False
-    """Stage 3 only: keep parameter shards on CPU between uses. Default False."""
-    param_dtype: torch.dtype | None = None
-    """dtype of parameters in forward/backward; None keeps the model's dtype. Default None."""
-    reduce_dtype: torch.dtype | None = None
-    """dtype gradients are reduced in; None = same as param_dtype. Default None."""
-    master_dtype: torch.dtype = torch.float32
-    """dtype of optimizer master weights when param_dtype is lower precision; fp32 or fp64. Default fp32."""
-    bucket_size_mb: float = 25.0
-    """Gradient bucket size for stages 0-2, in MiB; in (0, 4096]. Default 25.0."""
-    prefetch_depth: int = 1
-    """Stage 3: units all-gathered ahead of the one running; 0..8 units. Default 1."""
-    persistence_threshold: int = 0
-    """Stage 3: parameters with numel <= this (elements) join the root unit: still sharded, but gathered once per
-    step with the root instead of with their block ([Note: persistent parameters] in stage3/policy.py); >= 0.
-    Default 0."""
-    linear_slice_numel: int = 1 << 22
-    """Stage 3: a unit made of one frozen ``nn.Linear`` or ``nn.Embedding`` with at least twice this many weight
-    elements (an untied LM head or input embedding under LoRA, a multi-billion-parameter model's MLP projections) is
-    computed one row-slice of at most this many elements at a time in forward (and a linear's backward), never
-    gathered whole ([Note: sliced linear units] in stage3/sliced.py); elements, >= 0, 0 = off. Default
-    2**22 (16 MiB in fp32: at 3B also the attention's q and o projections, 36 MiB each)."""
-    reshard_after_forward: bool = True
-    """Stage 3: free a unit's gathered params after forward; False keeps them until backward,
-    trading memory for one less all-gather. Default True."""
-    accumulate_full_grads: bool = False
-    """Stage 3, gradient accumulation: False reduce-scatters every backward, also under ``zp.no_sync``, into the
-    shard gradients (no extra memory, one reduce-scatter of Ψ per micro-batch); True keeps each unit's full
-    gradients across the ``no_sync`` backwards and reduce-scatters once, in the synced backward (FSDP2's
-    ``set_requires_gradient_sync(False)``): 1/A of the reduction traffic for A micro-batches, for the full
-    gradients of every unit on every rank, Ψ × reduce-dtype bytes (4Ψ in fp32), until that backward
-    ([Note: deferred reduction] in stage3/accumulate.py). Default False."""
-    unit_classes: tuple = ()
-    """Stage 3: module classes, or names matched against ``type(m).__name__`` or the qualified name, whose
-    instances become units; empty = the model's ``_no_split_modules``, else one unit. Default ()."""
-    unit_policy: Callable[[torch.nn.Module, str], bool] | None = None
-    """Stage 3: callable (module, qualified_name) -> bool choosing units; excludes unit_classes. Default None."""
-    clip_grad_norm: float | None = None
-    """Max global gradient norm (2-norm over every rank's shard), clipped in ZeroOptimizer.step right before the
-    update, as torch's clip_grad_norm_ there would; an explicit zp.clip_grad_norm_ earlier in the step applies
-    first, then this one (the smaller bound wins); > 0, None = no clipping. Default None."""
-    loss_scaling: bool | None = None
-    """Scale the loss before backward and unscale the gradients before clipping and the step, skipping a step
-    with inf/NaN on any rank on every rank (``optim/loss_scale.py``): None = on exactly when param_dtype is fp16;
-    True = also with parameters in another dtype, for a forward under ``torch.autocast(dtype=torch.float16)``
-    (torch AMP's recipe, fp32 parameters + GradScaler; Accelerate's ``mixed_precision="fp16"`` sets it);
-    False = off, even with fp16 parameters (inf/NaN steps are still skipped, with a warning). Default None."""
-    loss_scale: str | float = "dynamic"
-    """Loss scale when loss scaling is on (see loss_scaling): "dynamic" (halved on inf/NaN, doubled after
-    loss_scale_growth_interval clean steps, as torch's GradScaler) or a fixed factor > 0. Default "dynamic"."""
-    loss_scale_init: float = 65536.0
-    """Dynamic loss scaling: the first scale (torch GradScaler's ``init_scale``); > 0. Default 65536.0."""
-    loss_scale_growth_interval: int = 2000
-    """Dynamic loss scaling: consecutive steps without inf/NaN after which the scale doubles (GradScaler's
-    ``growth_interval``); >= 1 steps. Default 2000."""
-    trim_host_heap: bool = True
-    """Stage 3 on CPU: hand freed heap pages back to the OS once per forward, at its end (lower peak RSS;
-    the pages are faulted in again, which costs some step time: [Note: heap trimming] in
-    ``engines/hostmem.py``), and before every unit's gather too when memory is tight (see
-    trim_each_unit_above); no effect on CUDA. Default True."""
-    trim_each_unit_above: float = 0.33
-    """Stage 3 on CPU with trim_host_heap: also trim before every unit's gather (forward and backward) when, once
-    the model is sharded, the rank's RSS exceeds this fraction of its share of the host's memory (total memory /
-    ``LOCAL_WORLD_SIZE``, or the ranks where that is unset): a large model, whose peak then drops by the heap holes
-    it would re-touch, at a page-fault cost that its step time hides ([Note: eager trimming when memory is tight] in
-    ``engines/hostmem.py``); >= 0, 0 = always, >= 1 = never. Default 0.33."""
-    cpu_ram_efficient_loading: bool = False
-    """Stages 0-2 under ``zero_plugin.run``: only rank 0 reads a safetensors ``from_pretrained`` checkpoint, the
-    other ranks build the model on meta and receive rank 0's values in ``zp.setup`` (as Accelerate's FSDP option
-    of that name), so N processes neither read the disk at once nor hold N copies before setup.  Stage 3 loads
-    lazily on every rank, one unit at a time, whatever this says (unless lazy_loading is False). Default False."""
-    lazy_loading: bool = True
-    """Under ``zero_plugin.run``: a safetensors ``from_pretrained`` builds the model on meta wherever ``zp.setup``
-    reads the weights itself (every rank at stage 3; ranks other than 0 with cpu_ram_efficient_loading), so no
-    process holds a full copy ([Note: lazy from_pretrained] in ``loading/lazy_pretrained.py``). False: every
-    process loads the whole model eagerly, as without zero_plugin (for scripts that need the weights before
-    ``prepare``, e.g. to run the model). Default True."""
-    debug_collectives: bool = False
-    """Record each rank's collective sequence for divergence reports. Default False."""
-    timeout_s: float = 600.0
-    """Seconds a collective may block before zero_plugin reports a hang; > 0. Default 600.0."""
-    check_ranks: bool = True
-    """Verify at setup that every rank has the same config and model. Default True."""
-    state_dict_rank0_only: bool = False
-    """Stage 3: ``model.state_dict()`` (and so ``save_pretrained``) still gathers on every rank, but only rank 0
-    keeps the full CPU tensors; the other ranks get ``{}`` (host memory: one copy of the model instead of one
-    per rank). Stages 0-2 keep torch's own state_dict. Default False."""
+    offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
+    """Optimizer state and parameter shards on the host: ``offload_optimizer``, ``offload_params``."""
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    """dtypes, loss scaling, clipping: ``param_dtype``, ``reduce_dtype``, ``master_dtype``, ``clip_grad_norm``,
+    ``loss_scaling``, ``loss_scale``, ``loss_scale_init``, ``loss_scale_growth_interval``."""
+    comm: CommConfig = dataclasses.field(default_factory=CommConfig)
+    """``bucket_size_mb``, ``timeout_s``, ``shard_group_size`` and ZeRO++ (``quantized_weights``,
+    ``quantized_gradients``, ``quantization_block``, ``secondary_shard_size``)."""
+    stage3: Stage3Config = dataclasses.field(default_factory=Stage3Config)
+    """Units and their schedule: ``prefetch_depth``, ``persistence_threshold``, ``linear_slice_numel``,
+    ``reshard_after_forward``, ``accumulate_full_grads``, ``unit_classes``, ``unit_policy``, ``trim_host_heap``,
+    ``trim_each_unit_above``, ``state_dict_rank0_only``."""
+    loading: LoadingConfig = dataclasses.field(default_factory=LoadingConfig)
+    """``zero_plugin.run``'s model loading: ``cpu_ram_efficient_loading``, ``lazy_loading``."""
+    debug: DebugConfig = dataclasses.field(default_factory=DebugConfig)
+    """``debug_collectives``, ``check_ranks``."""
 
-    shard_group_size: int | str | None = None
-    """Stages 1-3: hierarchical sharding (FSDP2's HSDP, DeepSpeed's MiCS): model states sharded within groups
-    of this many consecutive ranks and replicated across the world_size / k groups; gradients reduce-scattered
-    in the group, then the shard all-reduced across the groups ([Note: hierarchical groups] in
-    collectives.py). An int (ranks) that divides the world size; "node" = ``LOCAL_WORLD_SIZE`` of the
-    environment, resolved at setup; None = the whole world (no replicas). Ignored at stage 0, which shards
-    nothing, and in a one-rank world. Default None."""
-    quantized_weights: bool = False
-    """Stage 3, ZeRO++ qwZ: all-gather parameters as block-wise int8 (one float32 scale per
-    ``quantization_block`` elements), about 1/4 of the fp32 gather bytes (1/2 of bf16); the shards and the
-    optimizer's masters stay exact, only the gathered copy used in forward and backward is quantized
-    ([Note: qwZ gather] in comm/quantized.py). DeepSpeed: ``zero_quantized_weights``. Default False."""
-    quantized_gradients: bool = False
-    """Stage 3, ZeRO++ qgZ: reduce-scatter gradients as block-wise int8 through one all-to-all, dequantized and
-    summed in fp32 (fp64 for fp64 gradients) by the owner of each shard ([Note: qgZ reduction] in
-    comm/quantized.py). DeepSpeed: ``zero_quantized_gradients``. Default False."""
-    quantization_block: int = 2048
-    """Elements per int8 block (one float32 scale each) for quantized_weights / quantized_gradients; 64..2**20.
-    Default 2048."""
-    secondary_shard_size: int | str | None = None
-    """Stage 3, ZeRO++ hpZ: after each forward gather keep this rank's 1/k of the unit over k consecutive ranks
-    (a node) and gather from it in backward, inside the node: Ψ/k more memory per rank between forward and
-    backward, no inter-node bytes in backward gathers ([Note: secondary shards] in stage3/secondary.py). An int
-    k dividing the world size; "node" = ``LOCAL_WORLD_SIZE``; None = off. Excludes shard_group_size (whose
-    gathers stay in the group already). DeepSpeed: ``zero_hpz_partition_size``. Default None."""
-
-    def __post_init__(self) -> None:
-        self._normalise_fields()
+    def __init__(
+        self,
+        *,
+        stage: int = 2,
+        offload: OffloadConfig | Mapping[str, Any] | None = None,
+        precision: PrecisionConfig | Mapping[str, Any] | None = None,
+        comm: CommConfig | Mapping[str, Any] | None = None,
+        stage3: Stage3Config | Mapping[str, Any] | None = None,
+        loading: LoadingConfig | Mapping[str, Any] | None = None,
+        debug: DebugConfig | Mapping[str, Any] | None = None,
+        **flat: Any,
+    ) -> None:
+        given = dict(offload=offload, precision=precision, comm=comm, stage3=stage3, loading=loading, debug=debug)
+        records = _group_records(None, given, flat)
+        sources.check_known_keys(flat, "ZeroConfig()", _KEYS, error=TypeError)
+        object.__setattr__(self, "stage", _STAGE.check("stage", stage))
+        for key, record in records.items():
+            object.__setattr__(self, key, record)
         self._validate()
-
-    def _normalise_fields(self) -> None:
-        """Check each field alone and store its canonical form (the instance is frozen)."""
-
-        def put(name: str, value: Any) -> None:
-            object.__setattr__(self, name, value)
-
-        put("stage", values.as_int("stage", self.stage, 0, 3, allowed="one of 0, 1, 2, 3"))
-        put("offload_optimizer", values.as_offload(self.offload_optimizer))
-        put("offload_params", values.as_bool("offload_params", self.offload_params))
-        for name in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            put(name, None if value is None else values.as_dtype(name, value))
-        put("master_dtype", values.as_dtype("master_dtype", self.master_dtype, (torch.float32, torch.float64)))
-        put("bucket_size_mb", values.as_positive_float("bucket_size_mb", self.bucket_size_mb, hi=4096.0))
-        put("prefetch_depth", values.as_int("prefetch_depth", self.prefetch_depth, 0, 8))
-        put("persistence_threshold", values.as_int("persistence_threshold", self.persistence_threshold, 0))
-        put("linear_slice_numel", values.as_int("linear_slice_numel", self.linear_slice_numel, 0))
-        put("trim_each_unit_above", values.as_nonnegative_float("trim_each_unit_above", self.trim_each_unit_above))
-        put("reshard_after_forward", values.as_bool("reshard_after_forward", self.reshard_after_forward))
-        put("accumulate_full_grads", values.as_bool("accumulate_full_grads", self.accumulate_full_grads))
-        put("unit_classes", values.as_unit_classes(self.unit_classes))
-        put("unit_policy", values.as_unit_policy(self.unit_policy))
-        if self.clip_grad_norm is not None:
-            put("clip_grad_norm", values.as_positive_float("clip_grad_norm", self.clip_grad_norm))
-        if self.loss_scaling is not None and not isinstance(self.loss_scaling, bool):
-            raise values.error("loss_scaling", "True, False or None", self.loss_scaling)
-        put("loss_scale", values.as_loss_scale(self.loss_scale))
-        put("loss_scale_init", values.as_positive_float("loss_scale_init", self.loss_scale_init))
-        put(
-            "loss_scale_growth_interval",
-            values.as_int("loss_scale_growth_interval", self.loss_scale_growth_interval, 1),
-        )
-        put("trim_host_heap", values.as_bool("trim_host_heap", self.trim_host_heap))
-        put("cpu_ram_efficient_loading", values.as_bool("cpu_ram_efficient_loading", self.cpu_ram_efficient_loading))
-        put("lazy_loading", values.as_bool("lazy_loading", self.lazy_loading))
-        put("debug_collectives", values.as_bool("debug_collectives", self.debug_collectives))
-        put("timeout_s", values.as_positive_float("timeout_s", self.timeout_s))
-        put("check_ranks", values.as_bool("check_ranks", self.check_ranks))
-        put("state_dict_rank0_only", values.as_bool("state_dict_rank0_only", self.state_dict_rank0_only))
-        put("shard_group_size", values.as_group_size("shard_group_size", self.shard_group_size))
-        put("quantized_weights", values.as_bool("quantized_weights", self.quantized_weights))
-        put("quantized_gradients", values.as_bool("quantized_gradients", self.quantized_gradients))
-        put("quantization_block", values.as_int("quantization_block", self.quantization_block, 64, 2**20))
-        put("secondary_shard_size", values.as_group_size("secondary_shard_size", self.secondary_shard_size))
 
     def _validate(self) -> None:
         """All cross-field rules; fields are already normalised."""
@@ -248,24 +150,17 @@ class ZeroConfig:
     @property
     def scales_loss(self) -> bool:
         """True when the loss is scaled (loss_scaling, or by default param_dtype fp16)."""
-        return self.param_dtype == torch.float16 if self.loss_scaling is None else self.loss_scaling
+        return self.precision.scales_loss
 
     @property
     def mixed_precision(self) -> bool:
         """True when param_dtype is set and has fewer bits than master_dtype."""
-        if self.param_dtype is None:
-            return False
-        return torch.finfo(self.param_dtype).bits < torch.finfo(self.master_dtype).bits
+        return self.precision.mixed_precision
 
     @property
     def effective_reduce_dtype(self) -> torch.dtype | None:
         """dtype gradients are reduced in: reduce_dtype, else param_dtype, else None (the gradient's own)."""
-        return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
-
-    @property
-    def offload(self) -> bool:
-        """True when optimizer state lives on CPU."""
-        return self.offload_optimizer == "cpu"
+        return self.precision.effective_reduce_dtype
 
     def resolved_shard_group_size(self, world_size: int, environ: Mapping[str, str] | None = None) -> int | None:
         """Ranks per shard group for a world of ``world_size`` ranks, or None when the whole world is one group
@@ -307,30 +202,48 @@ class ZeroConfig:
         return None if k == world_size else k
 
     def replace(self, **changes: Any) -> ZeroConfig:
-        """A copy with ``changes`` applied, validated again."""
-        sources.check_known_keys(changes, "ZeroConfig.replace", _FIELD_NAMES)
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied, validated again: ``stage``, flat names, or groups (a record replaces the
+        group; a mapping updates only the fields it names)."""
+        sources.check_known_keys(changes, "ZeroConfig.replace", _KEYS)
+        stage = changes.pop("stage", self.stage)
+        records = _group_records(self, {key: changes.pop(key, None) for key in GROUPS}, changes)
+        return type(self)(stage=stage, **records)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON/YAML-safe dict: dtypes as "bf16"-style names, classes and unit_policy as qualified names."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name in ("param_dtype", "reduce_dtype", "master_dtype"):
-            out[name] = None if out[name] is None else values.DTYPE_SHORT[out[name]]
-        out["unit_classes"] = [values.qualname(c) for c in self.unit_classes]
-        out["unit_policy"] = None if self.unit_policy is None else values.qualname(self.unit_policy)
+    def to_dict(self, grouped: bool = False) -> dict[str, Any]:
+        """JSON/YAML-safe dict: dtypes as "bf16"-style names, classes and unit_policy as qualified names.  The
+        canonical form is flat (every field by its flat name, as saved configs and checkpoints hold it);
+        ``grouped=True`` nests the fields under their groups.  ``from_dict`` reads either back."""
+        out: dict[str, Any] = {"stage": self.stage}
+        for key, cls in GROUPS.items():
+            record = getattr(self, key)
+            fields = {f: kind_of(f).plain(getattr(record, f.name)) for f in dataclasses.fields(cls)}
+            if grouped:
+                out[key] = {f.name: value for f, value in fields.items()}
+            else:
+                out.update((flat_name(f), value) for f, value in fields.items())
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ZeroConfig:
-        """Build from a mapping; string values (YAML, env) are parsed per field, e.g. "3", "true", "bf16"."""
+        """Build from a mapping of flat names and/or groups (each a mapping of its fields); string values (YAML,
+        env) are parsed per field, e.g. "3", "true", "bf16"."""
         if not isinstance(data, Mapping):
             raise ValueError(f"ZeroConfig.from_dict expects a mapping of field names; got {type(data).__name__}")
-        sources.check_known_keys(data, "ZeroConfig.from_dict", _FIELD_NAMES)
-        return cls(**{k: sources.parse_text(k, v) if isinstance(v, str) else v for k, v in data.items()})
+        sources.check_known_keys(data, "ZeroConfig.from_dict", _KEYS)
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in GROUPS:
+                kwargs[key] = _group_from_text(key, value) if isinstance(value, Mapping) else value
+            elif isinstance(value, str):
+                kwargs[key] = _STAGE.from_text(key, value) if key == "stage" else _from_text(FLAT_NAMES[key], value)
+            else:
+                kwargs[key] = value
+        return cls(**kwargs)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> ZeroConfig:
-        """Load a .yaml/.yml/.json file holding the fields at top level or under ``zero_plugin:``."""
+        """Load a .yaml/.yml/.json file holding the fields (flat or grouped) at top level or under
+        ``zero_plugin:``."""
         data = sources.read_config_file(Path(path))
         try:
             return cls.from_dict(data)
@@ -339,7 +252,8 @@ class ZeroConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ZeroConfig:
-        """ZERO_PLUGIN_CONFIG (a file) first, then ZERO_PLUGIN_<FIELD> / ZERO_PLUGIN_OFFLOAD override it."""
+        """ZERO_PLUGIN_CONFIG (a file) first, then ZERO_PLUGIN_<FLAT_NAME> / ZERO_PLUGIN_OFFLOAD override it
+        (however the file writes that setting)."""
         env = os.environ if environ is None else environ
         data: dict[str, Any] = {}
         config_path = env.get(sources.ENV_CONFIG, "")
@@ -348,8 +262,10 @@ class ZeroConfig:
                 data.update(sources.read_config_file(Path(config_path)))
             except (ValueError, FileNotFoundError) as exc:
                 raise type(exc)(f"{sources.ENV_CONFIG}={config_path!r}: {exc}") from exc
-        overrides = sources.env_overrides(env, _FIELD_NAMES)
-        data.update({field: env[var] for var, field in overrides.items()})
+        overrides = sources.env_overrides(env, ("stage", *FLAT_NAMES))
+        for var, name in overrides.items():
+            data = _without(data, name)
+            data[name] = env[var]
         try:
             return cls.from_dict(data)
         except ValueError as exc:
@@ -358,11 +274,98 @@ class ZeroConfig:
             raise ValueError(f"{exc} (from environment: {origin})") from exc
 
     def fingerprint(self) -> str:
-        """sha256 hex digest of the sorted to_dict() JSON; equal on ranks whose configs agree."""
+        """sha256 hex digest of the sorted (flat) to_dict() JSON; equal on ranks whose configs agree, however
+        they were written."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
 
-_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(ZeroConfig))
+assert tuple(f.name for f in dataclasses.fields(ZeroConfig)) == ("stage", *GROUPS), (
+    "a group in GROUPS, not in ZeroConfig"
+)
+_KEYS = ("stage", *GROUPS, *FLAT_NAMES)
+"""What ZeroConfig(), replace and from_dict accept at top level."""
+
+
+def _flat_property(key: str, name: str) -> property:
+    def read(self: ZeroConfig) -> Any:
+        return getattr(getattr(self, key), name)
+
+    return property(read, doc=f"``{key}.{name}``, by its flat name.")
+
+
+for _name, (_key, _field) in FLAT_NAMES.items():
+    assert not hasattr(ZeroConfig, _name), f"flat name {_name!r} hides a ZeroConfig attribute"
+    setattr(ZeroConfig, _name, _flat_property(_key, _field.name))
+
+
+def _group_records(base: ZeroConfig | None, given: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
+    """Each group's record from its ``given`` form (record, mapping or None) and the flat names of its fields,
+    which are taken out of ``flat``; a group given neither way keeps ``base``'s record (None: the defaults)."""
+    records = {}
+    for key, cls in GROUPS.items():
+        mine = {field.name: flat.pop(name) for name, (k, field) in FLAT_NAMES.items() if k == key and name in flat}
+        records[key] = _group_record(key, cls, None if base is None else getattr(base, key), given.get(key), mine)
+    return records
+
+
+def _group_record(key: str, cls: type, base: Any, given: Any, flat: dict[str, Any]) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if isinstance(given, cls):
+        in_record = {name: getattr(given, name) for name in fields}
+        _check_agree(key, fields, in_record, flat, f"{key}={cls.__name__}(...), which holds every field, defaults too")
+        return given
+    if given is None:
+        given = {}
+    elif isinstance(given, Mapping):
+        sources.check_known_keys(given, f"ZeroConfig.{key}", tuple(fields))
+        _check_agree(key, fields, given, flat, f"{key}={dict(given)!r}")
+    else:
+        raise ValueError(
+            f"ZeroConfig.{key} must be {cls.__name__}(...), a mapping of its fields ({', '.join(fields)}) or None; "
+            f"got {given!r}"
+        )
+    if base is not None and not given and not flat:
+        return base
+    start = {} if base is None else {name: getattr(base, name) for name in fields}
+    return cls(**{**start, **flat, **given})
+
+
+def _check_agree(
+    key: str, fields: dict[str, dataclasses.Field], in_group: Mapping[str, Any], flat: dict[str, Any], given: str
+) -> None:
+    """A setting given in its group and by its flat name must be the same value, compared once normalised."""
+    for name in (name for name in flat if name in in_group):
+        field = fields[name]
+        grouped = kind_of(field).check(label(key, field), in_group[name])
+        if grouped != kind_of(field).check(label(key, field), flat[name]):
+            raise ValueError(
+                f"ZeroConfig: {key}.{name}={grouped!r} (from {given}) and {flat_name(field)}={flat[name]!r} "
+                f"disagree; give the setting once, in the {key} group or by its flat name {flat_name(field)!r}"
+            )
+
+
+def _from_text(entry: tuple[str, dataclasses.Field], text: str) -> Any:
+    key, field = entry
+    return kind_of(field).from_text(label(key, field), text)
+
+
+def _group_from_text(key: str, data: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's mapping with its string values parsed; unknown names are left for ``_group_record`` to refuse."""
+    fields = {f.name: f for f in dataclasses.fields(GROUPS[key])}
+    return {
+        name: _from_text((key, fields[name]), value) if name in fields and isinstance(value, str) else value
+        for name, value in data.items()
+    }
+
+
+def _without(data: dict[str, Any], name: str) -> dict[str, Any]:
+    """``data`` without the setting ``name``, however written (flat, or nested in its group)."""
+    out = {k: v for k, v in data.items() if k != name}
+    if name in FLAT_NAMES:
+        key, field = FLAT_NAMES[name]
+        if isinstance(out.get(key), Mapping):
+            out[key] = {k: v for k, v in out[key].items() if k != field.name}
+    return out
 
 
 def _local_world_size(environ: Mapping[str, str] | None) -> tuple[int | None, str]:

@@ -156,7 +156,7 @@ def _secondary(engine) -> dict:
 
 def _offloaded(engine) -> set[str]:
     cfg = engine.config
-    return ({"optimizer"} if cfg.offload else set()) | ({"params"} if cfg.offload_params else set())
+    return ({"optimizer"} if cfg.offload_optimizer == "cpu" else set()) | ({"params"} if cfg.offload_params else set())
 
 
 def _placement(engine, counter: _StorageCounter, theory: dict | None) -> dict:

@@ -54,7 +54,7 @@ def make_masters(
         if config.param_dtype is not None and p.dtype != config.param_dtype:
             source = layout.local_view(p.data) if sharded else p.data.clone()
             p.data = p.data.to(config.param_dtype)
-        master_device = host_for(p.device) if config.offload else None
+        master_device = host_for(p.device) if config.offload_optimizer == "cpu" else None
         if sharded:
             local = layout.local_view(p.data)
         elif master_dtype in (None, p.dtype) and master_device is None:
@@ -116,7 +116,7 @@ class ReplicatedEngine(Engine):
         return (
             self.param_sync is not None
             and self.param_sync.pipelines
-            and not (self.config.offload or self.config.offload_params)
+            and not (self.config.offload_optimizer == "cpu" or self.config.offload_params)
             and steps_in_pieces(inner)
             and {id(p) for g in inner.param_groups for p in g["params"]} == {id(s.master) for s in self.slots}
         )

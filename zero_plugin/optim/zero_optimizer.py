@@ -55,7 +55,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         # [Note: cache-blocked offload step]: with offload, separate host masters are stepped block by block,
         # gradients cast in (CPU-only) or waited for (CUDA) and masters written back on the way.
-        self.blocked = BlockedStep(engine.slots) if cfg.offload and BlockedStep.wanted(engine.slots) else None
+        self.offloaded = cfg.offload_optimizer == "cpu"
+        self.blocked = BlockedStep(engine.slots) if self.offloaded and BlockedStep.wanted(engine.slots) else None
 
     # param_groups/state are properties so that both views always agree.
     @property
@@ -98,7 +99,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         elif pipelined:  # [Note: pipelined step]: the step and after_step, bucket by bucket
             self.engine.step_pipelined(self.inner)
             return loss
-        elif not (self.engine.config.offload and fused_cpu_step(self.inner)):  # [Note: direct fused step]
+        elif not (self.offloaded and fused_cpu_step(self.inner)):  # [Note: direct fused step]
             self.inner.step()
         self.engine.after_step()
         return loss

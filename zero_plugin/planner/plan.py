@@ -196,7 +196,7 @@ class Planner:
         return Setting(
             config.stage,
             world_size,
-            config.offload,
+            config.offload_optimizer == "cpu",
             config.offload_params,
             self.device,
             config,

@@ -155,7 +155,7 @@ def _master_for(sp: ShardedParam, name: str, config: ZeroConfig) -> MasterParam:
     """The shard itself, or (offload to a host distinct from the device) a copy on the host: in
     ``master_dtype`` under ``param_dtype``, else in the shard's own dtype (a float64 model keeps float64
     masters, as at stages 0-2)."""
-    master_device = host_for(sp.local.device) if config.offload else None
+    master_device = host_for(sp.local.device) if config.offload_optimizer == "cpu" else None
     if master_device is None and (config.param_dtype is None or sp.local.dtype == config.master_dtype):
         return MasterParam(name, sp.param, sp.layout, sp.param, None)
     master_dtype = config.master_dtype if config.param_dtype is not None else None
@@ -174,7 +174,7 @@ def _shard_one(
     )  # [Note: packed 4-bit weights] in ``quantized.py``: never cast
     compute = (config.param_dtype or p.dtype) if floating else p.dtype
     # The shard doubles as the fp32 master unless offload moves the master to another device.
-    offload_master = config.offload and host_for(device) is not None
+    offload_master = config.offload_optimizer == "cpu" and host_for(device) is not None
     keeps_master = floating and trains and config.param_dtype is not None and not offload_master
     storage = config.master_dtype if keeps_master else compute
     storage_device = host_for(device) if config.offload_params else None
