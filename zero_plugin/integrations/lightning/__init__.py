@@ -7,7 +7,7 @@
 
 The names are registered for the unified ``lightning`` package and, when installed, for the
 standalone ``pytorch_lightning`` / ``lightning_fabric`` packages, whose strategy base classes
-are distinct: their classes are built by the same factories over those packages' bases, in
+are distinct: their classes are class statements with the same method mixins over those packages' bases, in
 ``lightning/pytorch_lightning.py`` / ``lightning/lightning_fabric.py`` (importable directly:
 ``from zero_plugin.integrations.lightning.pytorch_lightning import ZeroStrategy``); see
 [Note: one strategy source, two Lightning packages] in ``lightning/names.py``.
@@ -49,7 +49,7 @@ __all__ = [
 
 PRESETS = common.PRESETS
 
-# standalone package -> (the module that builds its strategy class, that class's name)
+# standalone package -> (the module that defines its strategy class, that class's name)
 _STANDALONE = {
     "pytorch_lightning": (f"{__package__}.pytorch_lightning", "ZeroStrategy"),
     "lightning_fabric": (f"{__package__}.lightning_fabric", "ZeroFabricStrategy"),

@@ -64,6 +64,7 @@ __all__ = [
     "SUPPORTED_PRECISIONS",
     "resolve_config",
     "check_precision",
+    "check_precision_plugin",
     "loss_scaler_settings",
     "engine_config",
     "scale_loss",
@@ -161,6 +162,22 @@ def check_precision(precision: str) -> str:
             f"{', '.join(SUPPORTED_PRECISIONS)}"
         )
     return precision
+
+
+def check_precision_plugin(plugin: Any, supported: tuple[type, ...], owner: str, flag: str) -> dict | None:
+    """Refuse a precision plugin the strategies cannot run; return its :func:`loss_scaler_settings`.
+
+    ``supported``: Lightning's own plugins for the flags of :data:`SUPPORTED_PRECISIONS`, as exact types (a
+    subclass may change the step); ``owner`` and ``flag`` (``"Trainer(precision=...)"``) name the strategy and
+    the argument in the message.
+    """
+    if type(plugin) not in supported:
+        raise ValueError(
+            f"{owner}: the precision plugin {type(plugin).__name__} is not supported; use {flag} with one of "
+            f"{', '.join(SUPPORTED_PRECISIONS)}"
+        )
+    check_precision(str(plugin.precision))
+    return loss_scaler_settings(plugin)
 
 
 # -- fp16: Lightning's GradScaler replaced ([Note: fp16 one-flag mapping] in loss_scaling.py) ------------------

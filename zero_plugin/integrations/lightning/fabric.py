@@ -9,20 +9,22 @@ clips by the global norm over every rank's shard, ``fabric.no_backward_sync`` ma
 Under ``16-mixed`` zero_plugin's synchronized loss scaler stands in for the plugin's GradScaler
 ([Note: fp16 one-flag mapping] in ``loss_scaling.py``).
 
-The class is written once (``_ZeroFabricStrategy``) and built over one package's base classes by
-:func:`make_fabric_strategy`: here for ``lightning.fabric``, in ``lightning/lightning_fabric.py``
-for ``lightning_fabric`` ([Note: one strategy source, two Lightning packages] in ``lightning/names.py``).
+The methods are written once, in mixins (``_ZeroFabricStrategyMethods``, ``_ZeroBackwardSyncControlMethods``), and
+the classes at the end of this module put them over ``lightning.fabric``'s base classes:
+``class ZeroFabricStrategy(_ZeroFabricStrategyMethods, lightning.fabric.strategies.ParallelStrategy)``.
+``lightning/lightning_fabric.py`` has the same class statements over ``lightning_fabric``
+([Note: one strategy source, two Lightning packages] in ``lightning/names.py``).
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+import lightning.fabric
 import torch
 from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
@@ -41,12 +43,13 @@ if TYPE_CHECKING:
     from lightning.fabric.plugins.precision import Precision
     from lightning.fabric.utilities.types import ReduceOp
 
-__all__ = ["ZeroFabricStrategy", "make_fabric_strategy"]
+__all__ = ["ZeroFabricStrategy"]
 
 _OWNER_KEY = common.RECORD  # in meta.pt: which state keys held the module and the optimizer (and tied names)
 
 
-class _ZeroBackwardSyncControl:
+# -- the methods, written once ([Note: one strategy source, two Lightning packages]) ----------------------------------
+class _ZeroBackwardSyncControlMethods:
     """Fabric's ``no_backward_sync`` as ``zp.no_sync`` (over Fabric's ``_BackwardSyncControl``)."""
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
@@ -58,7 +61,7 @@ class _ZeroBackwardSyncControl:
         return common.no_sync(module, enabled)
 
 
-class _ZeroFabricStrategy(ZeroProcesses):
+class _ZeroFabricStrategyMethods(ZeroProcesses):
     """ZeRO stages 0-3 (zero_plugin) for Lightning Fabric; see ``ZeroStrategy`` for the arguments.
 
     ``fabric.init_module()`` builds on the meta device at stage 3 (unless ``empty_init=False`` or
@@ -66,8 +69,8 @@ class _ZeroFabricStrategy(ZeroProcesses):
     in ``lightning/common.py``.
     """
 
-    _lightning: LightningNames  # set by make_fabric_strategy, with _fabric_names (the same) and _sync_control
-    _sync_control: type
+    _fabric_names: LightningNames  # set by the class statements (here and in lightning_fabric.py), as below
+    _sync_control: type  # this package's ZeroBackwardSyncControl
 
     def __init__(
         self,
@@ -97,24 +100,14 @@ class _ZeroFabricStrategy(ZeroProcesses):
 
     @property
     def precision(self) -> Precision:
-        return self._precision if self._precision is not None else self._lightning.Precision()
+        return self._precision if self._precision is not None else self._fabric_names.Precision()
 
     @precision.setter
     def precision(self, precision: Precision | None) -> None:
-        names = self._lightning
-        if precision is not None:
-            if type(precision) not in (
-                names.Precision,
-                names.DoublePrecision,
-                names.HalfPrecision,
-                names.MixedPrecision,
-            ):
-                raise ValueError(
-                    f"ZeroFabricStrategy: the precision plugin {type(precision).__name__} is not "
-                    f"supported; use one of {', '.join(common.SUPPORTED_PRECISIONS)}"
-                )
-            common.check_precision(str(precision.precision))
-            common.loss_scaler_settings(precision)  # refuse a GradScaler zero_plugin's scaler cannot stand in for
+        if precision is not None:  # refused here, when Fabric hands it over, rather than at the first step
+            common.check_precision_plugin(
+                precision, self._fabric_names.precision_plugins, "ZeroFabricStrategy", "Fabric(precision=...)"
+            )
         self._precision = precision
 
     @property
@@ -134,7 +127,7 @@ class _ZeroFabricStrategy(ZeroProcesses):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        self._launcher = self._lightning.SubprocessScriptLauncher(
+        self._launcher = self._fabric_names.SubprocessScriptLauncher(
             self.cluster_environment, self.num_processes, self.num_nodes
         )
 
@@ -255,23 +248,12 @@ class _ZeroFabricStrategy(ZeroProcesses):
             )
         (module_key, module), (opt_key, optimizer) = _module_and_optimizer(state)
         meta = {
-            k: (v.state_dict() if isinstance(v, self._lightning.Stateful) else v)
+            k: (v.state_dict() if isinstance(v, self._fabric_names.Stateful) else v)
             for k, v in state.items()
             if k not in (module_key, opt_key)
         }
         meta[_OWNER_KEY] = {"module": module_key, "optimizer": opt_key}
-        common.save_sharded(
-            path,
-            module,
-            optimizer,
-            meta,
-            is_rank0=self.is_global_zero,
-            barrier=self.barrier,
-            write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file),
-        )
-        if not self._hinted:
-            self._hinted = True
-            self._lightning.rank_zero_info(common.LOAD_HINT.format(path=path))
+        self._save_sharded(path, module, optimizer, meta)
 
     def load_checkpoint(
         self,
@@ -293,12 +275,12 @@ class _ZeroFabricStrategy(ZeroProcesses):
         meta = self.checkpoint_io.load_checkpoint(path / common.META_FILE, weights_only=weights_only)
         owners = meta.pop(_OWNER_KEY, {})
         saved = set(meta) | {k for k in (owners.get("module"), owners.get("optimizer")) if k is not None}
-        self._lightning.validate_keys_for_strict_loading(state.keys(), saved, strict=strict)
+        self._fabric_names.validate_keys_for_strict_loading(state.keys(), saved, strict=strict)
         if opt_key is not None and opt_key != owners.get("optimizer"):
             optimizer = None  # not strict, and the checkpoint has no optimizer under this key
         common.load_sharded(path, module, optimizer)
         for key in [k for k in state if k not in (module_key, opt_key) and k in meta]:
-            if isinstance(state[key], self._lightning.Stateful):
+            if isinstance(state[key], self._fabric_names.Stateful):
                 state[key].load_state_dict(meta.pop(key))
             else:
                 state[key] = meta.pop(key)
@@ -322,29 +304,15 @@ def _module_and_optimizer(state: dict[str, Any]) -> tuple[tuple[Any, nn.Module],
     return modules[0], (optimizers[0] if optimizers else (None, None))
 
 
-# -- the class, per Lightning package ([Note: one strategy source, two Lightning packages]) --------------------------
-@functools.cache
-def make_fabric_strategy(package: str = "lightning.fabric", module: str = __name__) -> type:
-    """The Fabric strategy over the base classes of ``package`` (``"lightning.fabric"`` or ``"lightning_fabric"``),
-    named as if defined in ``module`` (which exports it).  Cached: one class per package."""
-    names = fabric_names(package)
-
-    def build(name: str, body: type, base: type, **attrs: Any) -> type:
-        return type(
-            name,
-            (body, base),
-            {
-                "__module__": module,
-                "__qualname__": name,
-                "__doc__": body.__doc__,
-                "_lightning": names,
-                "_fabric_names": names,
-                **attrs,
-            },
-        )
-
-    sync_control = build("ZeroBackwardSyncControl", _ZeroBackwardSyncControl, names.BackwardSyncControl)
-    return build("ZeroFabricStrategy", _ZeroFabricStrategy, names.ParallelStrategy, _sync_control=sync_control)
+# -- the classes over lightning.fabric ([Note: one strategy source, two Lightning packages]) ------------------------
+# lightning_fabric.py has the same statements over lightning_fabric; keep the two in step.
+class ZeroBackwardSyncControl(
+    _ZeroBackwardSyncControlMethods, lightning.fabric.strategies.strategy._BackwardSyncControl
+):
+    __doc__ = _ZeroBackwardSyncControlMethods.__doc__
 
 
-ZeroFabricStrategy = make_fabric_strategy()
+class ZeroFabricStrategy(_ZeroFabricStrategyMethods, lightning.fabric.strategies.ParallelStrategy):
+    __doc__ = _ZeroFabricStrategyMethods.__doc__
+    _fabric_names = fabric_names("lightning.fabric")
+    _sync_control = ZeroBackwardSyncControl

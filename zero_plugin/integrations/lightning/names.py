@@ -1,15 +1,19 @@
-"""The Lightning names the ZeRO strategies are built from, for either distribution of Lightning.
+"""The Lightning names the ZeRO strategies' methods use, loaded from either distribution of Lightning.
 
 [Note: one strategy source, two Lightning packages]
 Lightning ships the same code as the unified ``lightning`` package (``lightning.pytorch``, ``lightning.fabric``)
 and as the standalone ``pytorch_lightning`` / ``lightning_fabric``, whose classes are distinct: a strategy must
-subclass the ``ParallelStrategy`` of the package the user's Trainer or Fabric comes from.  So the strategies'
-methods are written once, in mixins that reach Lightning only through ``self._lightning`` (the
-:class:`LightningNames` loaded from one package), and a factory per strategy
-(``strategy.make_trainer_classes``, ``fabric.make_fabric_strategy``) puts the mixin over that
-package's base classes, once per package (cached).  Nothing rewrites or re-executes source: the unified
-package's classes are built when ``strategy`` / ``fabric`` are imported, the standalone
-packages' by the two-line modules ``pytorch_lightning`` / ``lightning_fabric``.
+subclass the ``ParallelStrategy`` of the package the user's Trainer or Fabric comes from.  So every public class
+is a plain ``class`` statement per package -- ``class ZeroStrategy(_ZeroStrategyMethods, pl.strategies.ParallelStrategy)``
+in ``strategy.py`` over ``lightning.pytorch`` and again in ``pytorch_lightning.py`` over ``pytorch_lightning``
+(likewise ``fabric.py`` / ``lightning_fabric.py``) -- and its methods are written once, in the mixin
+(``_ZeroStrategyMethods``, ...) it puts first.  A mixin reaches Lightning only through its class's
+``_trainer_names`` / ``_fabric_names`` (a :class:`LightningNames` loaded here from that class's package) and its
+sibling classes of the same package through class attributes (``_precision_class``, ``_summary_callbacks``, ...),
+all set in the class statement.  Nothing builds classes at run time or rewrites source: the unified package's
+classes are defined when ``strategy`` / ``fabric`` are imported, the standalone packages' when
+``pytorch_lightning`` / ``lightning_fabric`` are (``zero_plugin.integrations.lightning`` does so when those
+packages are installed).
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ __all__ = ["LightningNames", "fabric_names", "trainer_names"]
 
 
 class LightningNames(SimpleNamespace):
-    """The names below, loaded from one package, as attributes; ``package`` is its name (and, for the Trainer's,
-    ``fabric`` the :class:`LightningNames` of its Fabric)."""
+    """The names below, loaded from one package, as attributes; ``package`` is its name and ``precision_plugins``
+    the tuple of Lightning's own precision plugin classes the strategies accept."""
 
 
 # Shared by both packages (the plugins Lightning's precision flags choose; see SUPPORTED_PRECISIONS).
@@ -33,14 +37,11 @@ _PRECISIONS = {
 }
 _COMMON = {
     **_PRECISIONS,
-    "ParallelStrategy": "strategies.parallel.ParallelStrategy",
     "SubprocessScriptLauncher": "strategies.launchers.subprocess_script._SubprocessScriptLauncher",
-    "rank_zero_info": "utilities.rank_zero.rank_zero_info",
 }
-# What both strategies use from lightning.fabric / lightning_fabric.
+# What both strategies use from lightning.fabric / lightning_fabric (ZeroProcesses and the Fabric strategy).
 _FABRIC_PATHS = {
     **_COMMON,
-    "BackwardSyncControl": "strategies.strategy._BackwardSyncControl",
     "Stateful": "utilities.types._Stateful",
     "validate_keys_for_strict_loading": "strategies.strategy._validate_keys_for_strict_loading",
     "distributed_is_initialized": "utilities.distributed._distributed_is_initialized",
@@ -50,26 +51,24 @@ _FABRIC_PATHS = {
     "group": "utilities.distributed.group",
     "reset_seed": "utilities.seed.reset_seed",
     "rank_zero_only": "utilities.rank_zero.rank_zero_only",
+    "rank_zero_info": "utilities.rank_zero.rank_zero_info",
 }
-# What the Trainer strategy uses from lightning.pytorch / pytorch_lightning.
+# What the Trainer strategy's methods use from lightning.pytorch / pytorch_lightning.
 _TRAINER_PATHS = {
     **_COMMON,
     "LightningModule": "LightningModule",
     "TrainerFn": "trainer.states.TrainerFn",
     "MisconfigurationException": "utilities.exceptions.MisconfigurationException",
-    "LayerSummary": "utilities.model_summary.model_summary.LayerSummary",
-    "Summary": "utilities.model_summary.model_summary.ModelSummary",
-    "ModelSummary": "callbacks.ModelSummary",
-    "RichModelSummary": "callbacks.RichModelSummary",
 }
 
 
-def _load(package: str, paths: dict[str, str], **extra: Any) -> LightningNames:
+def _load(package: str, paths: dict[str, str]) -> LightningNames:
     def attr(path: str) -> Any:
         module, _, name = f"{package}.{path}".rpartition(".")
         return getattr(importlib.import_module(module), name)
 
-    return LightningNames(package=package, **{field: attr(path) for field, path in paths.items()}, **extra)
+    names = {field: attr(path) for field, path in paths.items()}
+    return LightningNames(package=package, precision_plugins=tuple(names[p] for p in _PRECISIONS), **names)
 
 
 @functools.cache
@@ -78,5 +77,5 @@ def fabric_names(package: str = "lightning.fabric") -> LightningNames:
 
 
 @functools.cache
-def trainer_names(package: str = "lightning.pytorch", fabric: str = "lightning.fabric") -> LightningNames:
-    return _load(package, _TRAINER_PATHS, fabric=fabric_names(fabric))
+def trainer_names(package: str = "lightning.pytorch") -> LightningNames:
+    return _load(package, _TRAINER_PATHS)

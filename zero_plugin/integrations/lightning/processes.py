@@ -1,17 +1,19 @@
 """What both ZeRO strategies share beyond ``lightning/common.py``: their own constructor options, ranks, the
-process group, and the collectives Lightning asks a strategy for (as Lightning's DDP strategies provide them).
+process group, the collectives Lightning asks a strategy for (as Lightning's DDP strategies provide them) and
+the sharded checkpoint write.
 
-A mixin over either package's ``ParallelStrategy``, reaching Lightning only through ``self._fabric_names``
-([Note: one strategy source, two Lightning packages] in ``lightning/names.py``)."""
+A mixin under both strategies' method mixins, over either package's ``ParallelStrategy``, reaching Lightning only
+through ``self._fabric_names`` ([Note: one strategy source, two Lightning packages] in ``lightning/names.py``)."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
+from torch import Tensor, nn
 
 from . import common
 from .exit import release_groups_at_exit
@@ -21,7 +23,7 @@ __all__ = ["ZeroProcesses"]
 
 
 class ZeroProcesses:
-    """Ranks and the process group of a strategy whose ``_fabric_names`` are set by its factory."""
+    """Ranks and the process group of a strategy whose class statement sets ``_fabric_names``."""
 
     _fabric_names: LightningNames
     _resets_seed = False  # the Trainer strategy: as DDPStrategy, back to seed_everything's seed at setup
@@ -102,3 +104,19 @@ class ZeroProcesses:
         if isinstance(tensor, Tensor):
             return self._fabric_names.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    def _save_sharded(self, path: Path, module: nn.Module, optimizer: Any | None, meta: dict[str, Any]) -> None:
+        """Collective: ``common.save_sharded`` with this strategy's rank-0 writer; the first save logs
+        ``common.LOAD_HINT`` (how to load the directory without the strategy)."""
+        common.save_sharded(
+            path,
+            module,
+            optimizer,
+            meta,
+            is_rank0=self.is_global_zero,
+            barrier=self.barrier,
+            write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file),
+        )
+        if not self._hinted:
+            self._hinted = True
+            self._fabric_names.rank_zero_info(common.LOAD_HINT.format(path=path))

@@ -12,23 +12,25 @@ by their global norm, then step the engine.  Under ``16-mixed`` it also stands i
 plugin's GradScaler with zero_plugin's synchronized loss scaler ([Note: fp16 one-flag mapping]
 in ``loss_scaling.py``).
 
-The classes are written once as bodies (``_ZeroStrategy``, ``_ZeroPrecision``, the summaries) and
-built over one Lightning package's base classes by :func:`make_trainer_classes`: here for
-``lightning.pytorch``, in ``lightning/pytorch_lightning.py`` for ``pytorch_lightning``
+The methods are written once, in mixins (``_ZeroStrategyMethods``, ``_ZeroPrecisionMethods``, the summaries),
+and the classes at the end of this module put them over ``lightning.pytorch``'s base classes:
+``class ZeroStrategy(_ZeroStrategyMethods, pl.strategies.ParallelStrategy)``.
+``lightning/pytorch_lightning.py`` has the same class statements over ``pytorch_lightning``
 ([Note: one strategy source, two Lightning packages] in ``lightning/names.py``).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import OrderedDict
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.model_summary import model_summary
 from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
@@ -37,11 +39,10 @@ import zero_plugin as zp
 from zero_plugin.loading.meta_init import meta_parameters
 
 from . import common
-from .names import LightningNames, trainer_names
+from .names import LightningNames, fabric_names, trainer_names
 from .processes import ZeroProcesses
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
     from lightning.fabric.utilities.types import ReduceOp
     from lightning.pytorch.plugins.precision import Precision
@@ -52,30 +53,25 @@ __all__ = [
     "ZeroSummary",
     "ZeroModelSummary",
     "ZeroRichModelSummary",
-    "TrainerClasses",
-    "make_trainer_classes",
 ]
 
 log = logging.getLogger(__name__)
 
 
-class _ZeroPrecision:
+# -- the methods, written once ([Note: one strategy source, two Lightning packages]) ----------------------------------
+class _ZeroPrecisionMethods:
     """Lightning's precision plugin for dtypes and autocast; zero_plugin for the step, clipping and (16-mixed)
     loss scaling.  ``scaler_settings``: the ZeroConfig fields that replace a 16-mixed plugin's GradScaler, or None."""
 
-    _lightning: LightningNames  # set by make_trainer_classes, as every class body here
+    _trainer_names: LightningNames  # set by the class statements (here and in pytorch_lightning.py), as below
 
     def __init__(self, inner: Precision | None = None) -> None:
-        names = self._lightning
+        names = self._trainer_names
         inner = names.Precision() if inner is None else inner
-        # Lightning's plugins for the flags SUPPORTED_PRECISIONS lists; subclasses may change the step: exact types.
-        if type(inner) not in (names.Precision, names.DoublePrecision, names.HalfPrecision, names.MixedPrecision):
-            raise ValueError(
-                f"ZeroStrategy: the precision plugin {type(inner).__name__} is not supported; use "
-                f"Trainer(precision=...) with one of {', '.join(common.SUPPORTED_PRECISIONS)}"
-            )
-        self.precision = common.check_precision(str(inner.precision))
-        self.scaler_settings = common.loss_scaler_settings(inner)
+        self.scaler_settings = common.check_precision_plugin(
+            inner, names.precision_plugins, "ZeroStrategy", "Trainer(precision=...)"
+        )
+        self.precision = str(inner.precision)
         self.inner = inner  # its GradScaler (16-mixed) is never called: the engine's scaler replaces it
 
     # -- dtypes: Lightning's plugin ------------------------------------------------------
@@ -109,7 +105,7 @@ class _ZeroPrecision:
         closure_result = closure()
         common.unscale(optimizer)  # before on_before_optimizer_step and clipping, as MixedPrecision unscales
         self._after_closure(model, optimizer)
-        names = self._lightning
+        names = self._trainer_names
         if isinstance(model, names.LightningModule) and model.automatic_optimization and closure_result is None:
             raise names.MisconfigurationException(
                 "ZeroStrategy: skipping backward by returning None from "
@@ -125,7 +121,7 @@ class _ZeroPrecision:
         common.clip_grad_value(optimizer, clip_val)
 
 
-class _ZeroStrategy(ZeroProcesses):
+class _ZeroStrategyMethods(ZeroProcesses):
     """ZeRO stages 0-3 (zero_plugin) for the Lightning Trainer.
 
     Args:
@@ -144,8 +140,9 @@ class _ZeroStrategy(ZeroProcesses):
     """
 
     strategy_name = "zero"
-    _lightning: LightningNames
-    _zero: TrainerClasses
+    _trainer_names: LightningNames
+    _precision_class: type  # this package's ZeroPrecision
+    _summary_callbacks: Mapping[type, type]  # this package's (Rich)ModelSummary -> ours
     _resets_seed = True  # as DDPStrategy (ZeroProcesses.setup_environment)
 
     def __init__(
@@ -174,15 +171,15 @@ class _ZeroStrategy(ZeroProcesses):
 
     # -- precision: always our wrapper ------------------------------------------------------------
     @property
-    def precision_plugin(self) -> _ZeroPrecision:
+    def precision_plugin(self) -> _ZeroPrecisionMethods:
         if self._precision_plugin is None:
-            self._precision_plugin = self._zero.ZeroPrecision()
+            self._precision_plugin = self._precision_class()
         return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        if plugin is not None and not isinstance(plugin, self._zero.ZeroPrecision):
-            plugin = self._zero.ZeroPrecision(plugin)
+        if plugin is not None and not isinstance(plugin, self._precision_class):
+            plugin = self._precision_class(plugin)
         self._precision_plugin = plugin
 
     @property
@@ -207,7 +204,7 @@ class _ZeroStrategy(ZeroProcesses):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = self._lightning.SubprocessScriptLauncher(
+            self._launcher = self._trainer_names.SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
 
@@ -215,12 +212,12 @@ class _ZeroStrategy(ZeroProcesses):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        _use_full_count_summaries(trainer, self._lightning, self._zero)
+        _use_full_count_summaries(trainer, self._summary_callbacks)
         module = self.lightning_module
         if not common.is_set_up(module):
             self.model = self.precision_plugin.convert_module(module)
             self.model_to_device()
-        if trainer.state.fn == self._lightning.TrainerFn.FITTING:
+        if trainer.state.fn == self._trainer_names.TrainerFn.FITTING:
             with common.full_parameters(module):  # configure_optimizers after an earlier setup
                 self.setup_optimizers(trainer)
             self.optimizers = [common.shard(module, self.optimizers, self.engine_config, self.param_source)]
@@ -259,25 +256,23 @@ class _ZeroStrategy(ZeroProcesses):
 
     # -- steps: through __call__, so stage 3 gathers the root unit ----------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._redirect("training_step", *args, **kwargs)
+        return self._redirect(self.precision_plugin.train_step_context, "training_step", *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._redirect("validation_step", *args, **kwargs)
+        return self._redirect(self.precision_plugin.val_step_context, "validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._redirect("test_step", *args, **kwargs)
+        return self._redirect(self.precision_plugin.test_step_context, "test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._redirect("predict_step", *args, **kwargs)
+        return self._redirect(self.precision_plugin.predict_step_context, "predict_step", *args, **kwargs)
 
-    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _redirect(self, context: Callable[[], AbstractContextManager], method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` of the LightningModule inside the precision plugin's ``context``, through ``__call__``."""
         module = self.lightning_module
         assert module is not None
-        return self._forward_redirection(module, module, method, *args, **kwargs)
+        with context():
+            return self._forward_redirection(module, module, method, *args, **kwargs)
 
     # -- collectives (barrier, broadcast: ZeroProcesses) ----------------------------------------------------
     def reduce(
@@ -316,25 +311,14 @@ class _ZeroStrategy(ZeroProcesses):
             )
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         with_optimizer = "optimizer_states" in checkpoint and bool(self.optimizers)
-        common.save_sharded(
-            path,
-            self.lightning_module,
-            self.optimizers[0] if with_optimizer else None,
-            meta,
-            is_rank0=self.is_global_zero,
-            barrier=self.barrier,
-            write=lambda obj, file: self.checkpoint_io.save_checkpoint(obj, file),
-        )
-        if not self._hinted:
-            self._hinted = True
-            self._lightning.rank_zero_info(common.LOAD_HINT.format(path=path))
+        self._save_sharded(path, self.lightning_module, self.optimizers[0] if with_optimizer else None, meta)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load into the sharded module (and, when fitting, the optimizer); return the rest for Lightning."""
         module = self.lightning_module
         assert module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
-        fitting = module._trainer is not None and module.trainer.state.fn == self._lightning.TrainerFn.FITTING
+        fitting = module._trainer is not None and module.trainer.state.fn == self._trainer_names.TrainerFn.FITTING
         optimizer = self.optimizers[0] if fitting and self.optimizers else None
         if (kind := common.foreign_layout(path)) is not None:  # [Note: checkpoints of Lightning's other strategies]
             read_meta = lambda file: self.checkpoint_io.load_checkpoint(file, weights_only=weights_only)  # noqa: E731
@@ -367,7 +351,7 @@ def _full_numel(module: nn.Module) -> Callable[[nn.Parameter], int]:
     return engine.full_numel if engine is not None else (lambda p: p.numel())
 
 
-class _FullCountLayerSummary:
+class _FullCountLayerSummaryMethods:
     """Lightning's LayerSummary, counting each stage-3 parameter at its full size."""
 
     def __init__(self, module: nn.Module, numel: Callable[[nn.Parameter], int]) -> None:
@@ -379,18 +363,17 @@ class _FullCountLayerSummary:
         return sum(self._numel(p) for p in self._module.parameters())
 
 
-class _ZeroSummary:
+class _ZeroSummaryMethods:
     """Lightning's ModelSummary, counting each stage-3 parameter at its full size, not its shard's."""
 
-    _zero: TrainerClasses
+    _layer_summary: type  # this package's FullCountLayerSummary
 
     def __init__(self, model: pl.LightningModule, max_depth: int = 1) -> None:
         self._numel = _full_numel(model)
         super().__init__(model, max_depth=max_depth)
 
     def summarize(self) -> dict[str, Any]:
-        layer = self._zero.FullCountLayerSummary
-        summary = OrderedDict((name, layer(m, self._numel)) for name, m in self.named_modules)
+        summary = OrderedDict((name, self._layer_summary(m, self._numel)) for name, m in self.named_modules)
         if self._model.example_input_array is not None:
             self._forward_example_input()
         for each in summary.values():
@@ -409,72 +392,59 @@ class _ZeroSummary:
         return sum(self._numel(p) for p in self._model.parameters() if p.requires_grad)
 
 
-class _FullCountSummaryMixin:
+class _FullCountCallbackMethods:
     """The (Rich)ModelSummary callback with full parameter counts (installed automatically by ZeroStrategy)."""
 
-    _zero: TrainerClasses
+    _full_count_summary: type  # this package's ZeroSummary
 
     def _summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
-        return self._zero.ZeroSummary(pl_module, max_depth=self._max_depth)
+        return self._full_count_summary(pl_module, max_depth=self._max_depth)
 
 
-def _use_full_count_summaries(trainer: pl.Trainer, names: LightningNames, zero: TrainerClasses) -> None:
-    """Swap Lightning's stock summary callbacks (its default included) for the full-count ones.
+def _use_full_count_summaries(trainer: pl.Trainer, replacements: Mapping[type, type]) -> None:
+    """Swap Lightning's stock summary callbacks (its default included) for the full-count ones (``replacements``:
+    the package's ``ModelSummary`` / ``RichModelSummary`` -> ``ZeroModelSummary`` / ``ZeroRichModelSummary``).
 
     Lightning special-cases only DeepSpeed in ``ModelSummary._summary``; there is no strategy hook.
     """
-    replacements = {names.ModelSummary: zero.ZeroModelSummary, names.RichModelSummary: zero.ZeroRichModelSummary}
     for i, callback in enumerate(trainer.callbacks):
         new_cls = replacements.get(type(callback))
         if new_cls is not None:
             trainer.callbacks[i] = new_cls(callback._max_depth, **callback._summarize_kwargs)
 
 
-# -- the classes, per Lightning package ([Note: one strategy source, two Lightning packages]) ------------------------
-class TrainerClasses(NamedTuple):
-    ZeroStrategy: type
-    ZeroPrecision: type
-    ZeroSummary: type
-    ZeroModelSummary: type
-    ZeroRichModelSummary: type
-    FullCountLayerSummary: type
+# -- the classes over lightning.pytorch ([Note: one strategy source, two Lightning packages]) -----------------------
+# pytorch_lightning.py has the same statements over pytorch_lightning; keep the two in step.
+class FullCountLayerSummary(_FullCountLayerSummaryMethods, model_summary.LayerSummary):
+    __doc__ = _FullCountLayerSummaryMethods.__doc__
 
 
-@functools.cache
-def make_trainer_classes(
-    package: str = "lightning.pytorch", fabric: str = "lightning.fabric", module: str = __name__
-) -> TrainerClasses:
-    """The Trainer strategy's classes over the base classes of ``package`` (``"lightning.pytorch"`` or
-    ``"pytorch_lightning"``) and its Fabric (``"lightning.fabric"`` / ``"lightning_fabric"``), named as if defined
-    in ``module`` (which exports them).  Cached: one class per package, so registration stays idempotent."""
-    names = trainer_names(package, fabric)
-
-    def build(name: str, body: type, base: type) -> type:
-        return type(
-            name,
-            (body, base),
-            {
-                "__module__": module,
-                "__qualname__": name,
-                "__doc__": body.__doc__,
-                "_lightning": names,
-                "_fabric_names": names.fabric,
-            },
-        )
-
-    zero = TrainerClasses(
-        ZeroStrategy=build("ZeroStrategy", _ZeroStrategy, names.ParallelStrategy),
-        ZeroPrecision=build("ZeroPrecision", _ZeroPrecision, names.Precision),
-        ZeroSummary=build("ZeroSummary", _ZeroSummary, names.Summary),
-        ZeroModelSummary=build("ZeroModelSummary", _FullCountSummaryMixin, names.ModelSummary),
-        ZeroRichModelSummary=build("ZeroRichModelSummary", _FullCountSummaryMixin, names.RichModelSummary),
-        FullCountLayerSummary=build("FullCountLayerSummary", _FullCountLayerSummary, names.LayerSummary),
-    )
-    for cls in zero:
-        cls._zero = zero
-    return zero
+class ZeroSummary(_ZeroSummaryMethods, model_summary.ModelSummary):
+    __doc__ = _ZeroSummaryMethods.__doc__
+    _layer_summary = FullCountLayerSummary
 
 
-ZeroStrategy, ZeroPrecision, ZeroSummary, ZeroModelSummary, ZeroRichModelSummary, FullCountLayerSummary = (
-    make_trainer_classes()
-)
+class ZeroModelSummary(_FullCountCallbackMethods, pl.callbacks.ModelSummary):
+    __doc__ = _FullCountCallbackMethods.__doc__
+    _full_count_summary = ZeroSummary
+
+
+class ZeroRichModelSummary(_FullCountCallbackMethods, pl.callbacks.RichModelSummary):
+    __doc__ = _FullCountCallbackMethods.__doc__
+    _full_count_summary = ZeroSummary
+
+
+class ZeroPrecision(_ZeroPrecisionMethods, pl.plugins.precision.Precision):
+    __doc__ = _ZeroPrecisionMethods.__doc__
+    _trainer_names = trainer_names("lightning.pytorch")
+
+
+class ZeroStrategy(_ZeroStrategyMethods, pl.strategies.ParallelStrategy):
+    __doc__ = _ZeroStrategyMethods.__doc__
+    _trainer_names = trainer_names("lightning.pytorch")
+    _fabric_names = fabric_names("lightning.fabric")
+    _precision_class = ZeroPrecision
+    _summary_callbacks = {
+        pl.callbacks.ModelSummary: ZeroModelSummary,
+        pl.callbacks.RichModelSummary: ZeroRichModelSummary,
+    }
