@@ -13,7 +13,9 @@ issues.  Per step and variant:
     plain model's own (the same model and optimizer without any framework, same per-rank batch).  An
     approximation of the kernel launches on a GPU (a composite such as ``aten::zeros`` counts once);
   * copies / fills: every ``aten::copy_`` / ``aten::fill_`` (and ``zero_``), nested ones included, minus the
-    plain model's.  On the CPU a foreach op or ``split_with_sizes_copy`` runs one nested ``copy_`` per
+    plain model's.  Neither these nor ops counts the aten ops the fake group runs inside a collective
+    (``copy_`` of each rank's chunk in ``all_gather_single``): on a GPU the collective is one NCCL kernel,
+    counted under collectives.  On the CPU a foreach op or ``split_with_sizes_copy`` runs one nested ``copy_`` per
     tensor, where CUDA runs one kernel for the list: on a GPU the ops column is the closer count;
   * collectives: ``c10d::`` ops issued (each one NCCL launch on a GPU);
   * hooks: Python callables the autograd engine or ``Module.__call__`` runs besides the forwards themselves
@@ -168,13 +170,17 @@ def _launches(event) -> bool:
     return any(_launches(c) for c in children) if children else _leaf_launches(event.name)
 
 
-def _under_aten(event) -> bool:
+def _under(event, prefix: str) -> bool:
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name.startswith("aten::"):
+        if parent.name.startswith(prefix):
             return True
         parent = parent.cpu_parent
     return False
+
+
+def _under_aten(event) -> bool:
+    return _under(event, "aten::")
 
 
 def op_counts(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> dict[str, int]:
@@ -187,8 +193,8 @@ def op_counts(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -
     for event in prof.events():
         if event.name.startswith("c10d::"):
             counts["collectives"] += 1
-        if not event.name.startswith("aten::"):
-            continue
+        if not event.name.startswith("aten::") or _under(event, "c10d::"):
+            continue  # the fake group's own copies inside a collective: one NCCL kernel on a GPU
         counts["copy_"] += event.name == "aten::copy_"
         counts["fill_"] += event.name in ("aten::fill_", "aten::zero_")
         counts["ops"] += (not _under_aten(event)) and _launches(event)

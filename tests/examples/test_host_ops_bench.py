@@ -26,6 +26,15 @@ def test_host_ops_counts_every_variant(tmp_path):
         assert row["collectives"] > 0 and row["ops"] > rows[("plain", "base")]["ops"], row
     # a deeper model costs a framework more ops: the per-layer figure is measurable
     assert rows[("zp3", "deep")]["ops"] > rows[("zp3", "base")]["ops"]
+    # issue #39's bar, on counts (no timing): stage 3 adds no more ops than FSDP2 on every model, stages 1-2 no
+    # more than DDP, and a unit's ops do not grow with its parameters (biases: 16 per layer instead of 9)
+    plain = {m: rows[("plain", m)]["ops"] for m in ("base", "deep", "bias")}
+    for model in ("base", "deep", "bias"):
+        zp3, fsdp2 = rows[("zp3", model)]["ops"] - plain[model], rows[("fsdp2", model)]["ops"] - plain[model]
+        assert zp3 <= fsdp2, f"{model}: stage 3 adds {zp3} ops per step, FSDP2 {fsdp2}"
+    for variant in ("zp1", "zp2"):
+        assert rows[(variant, "base")]["ops"] <= rows[("ddp", "base")]["ops"], (variant, rows[(variant, "base")])
+    assert rows[("zp3", "bias")]["ops"] - plain["bias"] == rows[("zp3", "base")]["ops"] - plain["base"]
     text = out.read_text()
     assert "| base | zp3 |" in text and "per decoder layer" in text
 

@@ -235,6 +235,38 @@ def twice_worker() -> dict:
     }
 
 
+def flat_shards_worker(param_dtype: str | None) -> dict:
+    """[Note: flat shards] in stage3/unit.py, NCCL's layout on gloo: where the shards are stored in the compute
+    dtype each unit's shards are views of one tensor, the all-gather's input as it is (no copy-in at a
+    gather), and training matches the reference; with a wider master dtype (``param_dtype``) the shards are
+    cast in at each gather as before (trained only to count them)."""
+    from tests.unit.memory_comm_workers import collectives_layout
+    from zero_plugin.stage3.param import ShardedParam
+
+    dtype = torch.float64 if param_dtype is None else torch.float32
+    batches = models.make_batches(
+        "mlp", MLP_STEPS * MLP_ACCUM, 1, MLP_ROWS, seed=7, dtype=dtype if param_dtype is None else torch.bfloat16
+    )
+    config = zp.ZeroConfig(stage=3, prefetch_depth=1, param_dtype=param_dtype, reduce_dtype=param_dtype)
+    with collectives_layout(True):
+        model, opt = _setup(_seeded(TwiceMLP, dtype=dtype), config)
+    engine = engine_of(model, "test")
+    storages = {
+        u.name: len({sp.local.untyped_storage().data_ptr() for sp in u.params if sp.layout.numel}) for u in engine.units
+    }
+    calls = []
+    original = ShardedParam.copy_locals_into
+    ShardedParam.copy_locals_into = staticmethod(lambda *a: calls.append(1) or original(*a))
+    try:
+        got = train_steps(model, opt, batches, MLP_ACCUM, clip=0.5)
+    finally:
+        ShardedParam.copy_locals_into = staticmethod(original)
+    if param_dtype is not None:  # mixed precision's parity is test_parity_stage3's; here only the copy-in
+        return {"storages": storages, "copy_ins": len(calls), "losses": got["losses"]}
+    ref, _, _ = reference(lambda: _seeded(TwiceMLP, dtype=dtype), batches, MLP_ACCUM, clip=0.5)
+    return {**_parity(model, got, ref), "storages": storages, "copy_ins": len(calls)}
+
+
 def tied_worker() -> dict:
     """Embedding and head share a weight but sit in different units."""
     batches = tied_batches(MLP_STEPS * MLP_ACCUM, MLP_ROWS, seed=6)

@@ -11,6 +11,8 @@ test (the harness kills the pool) instead of the suite.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.harness import RankError, get_pool, run_ranks
@@ -89,6 +91,18 @@ def test_tied_weight_between_modules_of_different_units():
         assert {"embed", "head"} <= set(r["units"]), f"embedding and head must be units: {r['units']}"
         # The shared weight has exactly one owner; the policy gives it to the root unit.
         assert r["tied_weight_unit"] == "<root>", r["tied_weight_unit"]
+
+
+def test_flat_shards_are_the_gather_input():
+    # [Note: flat shards]: shards stored in the compute dtype live in one tensor per unit, sent as they are.
+    for rank, r in enumerate(run_ranks(2, w.flat_shards_worker, None)):
+        check_parity_f64(r, f"rank {rank}")
+        assert set(r["storages"].values()) == {1}, f"rank {rank}: a unit's shards in several tensors: {r['storages']}"
+        assert r["copy_ins"] == 0, f"rank {rank}: {r['copy_ins']} gathers copied the shards in"
+    # fp32 shards under bf16 compute: cast in at each gather (one batched copy per gather)
+    for rank, r in enumerate(run_ranks(2, w.flat_shards_worker, "bfloat16")):
+        assert r["copy_ins"] > 0, f"rank {rank}: mixed precision gathers must cast the fp32 shards in"
+        assert all(map(math.isfinite, r["losses"])), r["losses"]
 
 
 # -- gathered_parameters -----------------------------------------------------------------------------------------

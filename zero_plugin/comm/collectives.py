@@ -162,6 +162,15 @@ class Comm:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    @property
+    def averages_in_reduce_scatter(self) -> bool:
+        """Whether a reduction's reduce-scatter averages by itself ([Note: averaging in the collective] in
+        ``layout.py``): NCCL's ``ReduceOp.AVG`` (and the fake group that stands in for it; gloo in the NCCL
+        layout emulates it, so that the tests run that path), over the whole data-parallel group (no replica
+        group to sum over after it)."""
+        emulated = self.backend == "gloo" and not self._in_place  # the NCCL layout on gloo, for tests
+        return (self.backend in _AVERAGING_BACKENDS or emulated) and self.replica is None
+
     # -- hierarchical groups --------------------------------------------------
     @property
     def dp_size(self) -> int:
@@ -325,13 +334,14 @@ class Comm:
         if self.world_size == 1:
             output.copy_(input)
             return _DoneWork() if async_op else None
-        if self.backend == "gloo" and op == "sum":
+        if self.backend == "gloo" and op in ("sum", "avg"):
             # gloo sends a reduce-scatter as a full all-reduce anyway, and issuing its reduce-scatter costs
-            # far more CPU than an in-place all-reduce (benchmarks/collectives.py): reduce in place, keep our row.
+            # far more CPU than an in-place all-reduce (benchmarks/collectives.py): reduce in place, keep our row
+            # (divided by the world size for "avg", which gloo lacks: sum, then divide).
             _issued("all_reduce")
             work = dist.all_reduce(input, group=self.group, async_op=True)
             row = input.view(self.world_size, -1)[self.rank]
-            pending = _RowWork(work, output, row)
+            pending = _RowWork(work, output, row, self.world_size if op == "avg" else 1)
             if async_op:
                 return pending
             pending.wait()
@@ -486,13 +496,16 @@ class Comm:
         return dist.get_global_rank(self.group, group_rank)
 
 
+_AVERAGING_BACKENDS = ("nccl", "fake")  # ReduceOp.AVG in reduce-scatter; "fake": the stand-in for NCCL in tests
+
+
 def _reduce_op(op: str, backend: str):
     if op == "sum":
         return dist.ReduceOp.SUM
     if op == "max":
         return dist.ReduceOp.MAX
     if op == "avg":
-        # gloo has no AVG; callers pre/post-divide instead (see grads/bucket.py).
-        assert backend == "nccl", "ReduceOp.AVG is NCCL-only; divide explicitly"
+        # gloo has no AVG; callers divide instead (Comm.averages_in_reduce_scatter).
+        assert backend in _AVERAGING_BACKENDS, f"ReduceOp.AVG is not supported by {backend}; divide explicitly"
         return dist.ReduceOp.AVG
     raise ValueError(f"unknown reduce op {op!r}")

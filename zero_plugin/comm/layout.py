@@ -29,6 +29,15 @@ source (stage 3's ``BufferPool``, [Note: buffer reuse] in ``pool.py``; fresh ten
 only after the completion, and on CUDA after the compute stream waited for the side stream that used
 them ([Note: side streams] in ``streams.py``).
 
+[Note: averaging in the collective]
+Where the backend averages in its reduce-scatter (NCCL's ``ReduceOp.AVG``: each input scaled by 1/N, then
+summed, as DDP's pre-division does) and no replica group follows, a buffered reduction asks the collective
+to average and its completion divides nothing: one op less per reduction on the host (issue #39; FSDP2
+does the same for fp32 and bf16).  The summed has-gradient flags then arrive as count / N, non-zero exactly
+where some rank had the gradient, which is all that is read of them.  gloo has no AVG: in its own layout
+a reduction sums and the completion divides by ``Comm.dp_size``; in the NCCL layout (the tests' switch)
+its reduce-scatter sums and divides, so that the tests run the averaged path.
+
 [Note: sum across replicas]
 With hierarchical sharding ([Note: hierarchical groups] in ``collectives.py``) a reduction's collective
 sums over the shard group only.  Its completion then all-reduces what this rank keeps (its regions, or
@@ -148,6 +157,7 @@ class BufferedGather:
     output: torch.Tensor
     work: Any
     buffers: Buffers
+    input_taken: bool = True  # False: the caller's laid-out input, not the buffers' (gather_buffered)
 
     def wait(self, what: str) -> torch.Tensor:
         """Wait for the collective; the gathered ``(world_size, width + trailer)`` rows."""
@@ -165,7 +175,8 @@ class BufferedGather:
     def release(self) -> None:
         """The buffers back to their source: only after the completion (and on CUDA after the compute
         stream waited for it, [Note: side streams])."""
-        self.buffers.give(self.input)
+        if self.input_taken:
+            self.buffers.give(self.input)
         self.buffers.give(self.output)
 
 
@@ -213,6 +224,7 @@ class BufferedReduce:
     # Where ``output`` came from, when not ``buffers``: stage 3 keeps its results as the shard gradients
     # ([Note: reduced rows kept] in stage3/unit.py), so its output is fresh and never goes back to a pool.
     out_buffers: Buffers | None = None
+    averaged: bool = False  # the collective averaged already ([Note: averaging in the collective])
     results_in_full_tensors = False  # a result is a view of the shard-sized output
 
     def complete(
@@ -243,6 +255,7 @@ class FlatAllReduce:
     width: int
     buffer: torch.Tensor
     work: Any
+    averaged = False  # an all-reduce that sums: the completion divides
 
     def complete(self, what: str, store: Store) -> None:
         self.comm.wait(self.work, what)
@@ -264,14 +277,14 @@ def _average_flagged(
     if record.comm.replica is not None:  # [Note: sum across replicas]
         _replica_all_reduce(record.comm, flat)
     if deferred is not None:  # [Note: deferred has-gradient flags] in grads/presence.py
-        _average(flat, record.comm.dp_size)  # a summed flag stays non-zero exactly where it was
+        _average(record, flat)  # a summed flag stays non-zero exactly where it was
         if results_in is not None:
             flat = results_in.copy_(flat)  # flags are small integers: exact in any float dtype
         results = [flat[off : off + numel(m.layout)] for m, off in zip(record.members, record.offsets)]
         deferred.take(record.members, flat[record.width :], results, store, record.local)
         return
     present = flat[record.width :].tolist()
-    _average(flat, record.comm.dp_size)
+    _average(record, flat)
     if results_in is not None:
         flat = results_in.copy_(flat)
     for member, off, has_grad in zip(record.members, record.offsets, present):
@@ -279,8 +292,9 @@ def _average_flagged(
             store(member, flat[off : off + numel(member.layout)])
 
 
-def _average(flat: torch.Tensor, n: int) -> None:
-    if n != 1:  # dividing by 1 changes nothing: no op at world size 1
+def _average(record: BufferedReduce | FlatAllReduce, flat: torch.Tensor) -> None:
+    n = record.comm.dp_size
+    if n != 1 and not record.averaged:  # dividing by 1 changes nothing: no op at world size 1
         flat.div_(n)
 
 
@@ -333,22 +347,29 @@ def gather_buffered(
     buffers: Buffers = FRESH,
     trailer: tuple | torch.Tensor = (),
     tag: str = "",
+    laid_out: torch.Tensor | None = None,
 ) -> BufferedGather:
     """``fill(members, chunks, extra)`` writes this rank's padded chunk (``shard_numel`` long) of each member
     and copies the ``extra`` pairs, all at once where it can (stage 3: one batched copy per unit,
     ``ShardedParam.copy_locals_into``), else one by one (:func:`each`); ``trailer``: values appended to this
     rank's input (exact in ``dtype``), or a tensor of them in ``dtype`` on ``device`` (copied by ``fill``
-    with the chunks: no op of its own)."""
+    with the chunks: no op of its own).  ``laid_out``: this rank's input as it is, chunks and trailer in
+    place (stage 3's flat shards, [Note: flat shards] in ``stage3/unit.py``): nothing is copied in, and the
+    input is not the buffers' to take back."""
     offsets, width = packed_offsets(m.layout.shard_numel for m in members)
     extra = len(trailer)
-    inp = buffers.take(width + extra, dtype, device)
-    pairs = [(inp[width:], trailer)] if isinstance(trailer, torch.Tensor) else []
-    fill(members, [inp[off : off + m.layout.shard_numel] for m, off in zip(members, offsets)], pairs)
-    for j, value in enumerate(() if isinstance(trailer, torch.Tensor) else trailer):
-        inp[width + j] = value  # scalar fills: no copy from pageable host memory (a host stall on CUDA)
+    if laid_out is not None:
+        assert laid_out.numel() == width + extra and laid_out.dtype == dtype, "gather input: layout mismatch"
+        inp = laid_out
+    else:
+        inp = buffers.take(width + extra, dtype, device)
+        pairs = [(inp[width:], trailer)] if isinstance(trailer, torch.Tensor) else []
+        fill(members, [inp[off : off + m.layout.shard_numel] for m, off in zip(members, offsets)], pairs)
+        for j, value in enumerate(() if isinstance(trailer, torch.Tensor) else trailer):
+            inp[width + j] = value  # scalar fills: no copy from pageable host memory (a host stall on CUDA)
     out = buffers.take(comm.world_size * (width + extra), dtype, device)
     work = comm.all_gather(out, inp, async_op=True, tag=tag)
-    return BufferedGather(comm, members, offsets, width, extra, inp, out, work, buffers)
+    return BufferedGather(comm, members, offsets, width, extra, inp, out, work, buffers, laid_out is None)
 
 
 def _param_grad(member) -> torch.Tensor | None:
@@ -411,8 +432,11 @@ def reduce_buffered(
         for member in members:
             member.param.grad = None
     out = (out_buffers or buffers).take(width + k, dtype, buf.device)
-    work = comm.reduce_scatter(out, buf.view(-1), async_op=True, tag=tag)
-    return BufferedReduce(comm, members, offsets, width, buf, out, work, buffers, streams, sources, local, out_buffers)
+    averaged = comm.averages_in_reduce_scatter  # [Note: averaging in the collective]
+    work = comm.reduce_scatter(out, buf.view(-1), op="avg" if averaged else "sum", async_op=True, tag=tag)
+    return BufferedReduce(
+        comm, members, offsets, width, buf, out, work, buffers, streams, sources, local, out_buffers, averaged
+    )
 
 
 def _copy_in_rows(

@@ -18,14 +18,17 @@ class DoneWork:
 
 
 class RowWork:
-    """An in-place all-reduce standing in for a reduce-scatter: on completion, copy this rank's row out."""
+    """An in-place all-reduce standing in for a reduce-scatter: on completion, copy this rank's row out
+    (divided by ``divisor``: an average)."""
 
-    def __init__(self, work, output: torch.Tensor, row: torch.Tensor) -> None:
-        self.work, self.output, self.row = work, output, row
+    def __init__(self, work, output: torch.Tensor, row: torch.Tensor, divisor: int = 1) -> None:
+        self.work, self.output, self.row, self.divisor = work, output, row, divisor
 
     def wait(self, timeout=None) -> bool:
         ok = self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
         self.output.copy_(self.row)
+        if self.divisor != 1:
+            self.output.div_(self.divisor)
         return ok
 
 

@@ -72,24 +72,24 @@ class GradGuard:
         Free when ``clip_grad_norm_`` ran this step: its norm is global, so every rank decides alike
         without communicating.  Otherwise the gradients' L1 norms, one foreach op per precision (a single
         read pass, one fused kernel on CUDA rather than one per gradient; an inf or NaN anywhere makes its
-        norm non-finite, and a finite gradient overflows it only where its magnitudes sum past fp32's 3.4e38)
-        and an all-reduce of one flag.
+        norm non-finite, and a finite gradient overflows it only where its magnitudes sum past fp32's 3.4e38),
+        summed, and that sum summed over the ranks (non-negative terms: an inf or NaN carries through every
+        sum): four ops and one read of the host, where a flag filled from a first
+        read and all-reduced by MAX took seven and two (issue #39).
         """
         if self.engine.step_nonfinite is not None:
             return self.engine.step_nonfinite
         norm = self.engine.step_grad_norm
         if norm is not None:
             return not math.isfinite(norm)
-        grads = self.engine.owned_grads()
-        device = grads[0].device if grads else torch.device("cpu")
+        sums = _l1_norms(self.engine.owned_grads())
+        device = sums[0].device if sums else torch.device("cpu")
         if self.engine.comm.device.type == "cuda":
             device = self.engine.comm.device  # NCCL reduces CUDA tensors only
-        flag = torch.zeros(1, dtype=torch.float32, device=device)
-        sums = _l1_norms(grads)
-        if sums and not math.isfinite(float(torch.cat(sums).sum())):
-            flag.fill_(1.0)
-        self.engine.comm.all_reduce(flag, op="max", tag="nonfinite-check")
-        return bool(flag.item())
+        total = (sums[0] if len(sums) == 1 else torch.cat(sums)).sum().reshape(1) if sums else None
+        total = torch.zeros(1, dtype=torch.float32, device=device) if total is None else total.to(device)
+        self.engine.comm.all_reduce(total, op="sum", tag="nonfinite-check")
+        return not math.isfinite(total.item())
 
     def check_before_clamp(self) -> None:
         """Loss scaling: unscale and take this step's inf/NaN answer now (collective, once per step), before

@@ -150,6 +150,15 @@ class ShardedParam:
         self.layout.local_view(flat).copy_(self.local)
         return flat
 
+    def adopt_local(self, view: torch.Tensor) -> None:
+        """Move the shard into ``view`` (its place in the unit's flat shard, [Note: flat shards] in unit.py)
+        and keep it there: ``local`` and, while sharded, ``param.data`` become that view."""
+        assert self.state is ShardedState.SHARDED and not self.lent, f"{self.name}: adopt_local while {self.state}"
+        assert view.shape == self.local.shape and view.dtype == self.local.dtype, f"{self.name}: flat shard mismatch"
+        view.copy_(self.local)
+        self.local = view
+        self._set_data(view)
+
     def expose(self) -> None:
         self._set_data(self.unsharded)
         self.state = ShardedState.UNSHARDED
