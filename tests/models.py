@@ -61,39 +61,70 @@ def make_odd_mlp(dtype: torch.dtype = torch.float64, seed: int = 0) -> OddMLP:
         return OddMLP().to(dtype)
 
 
-def _llama_config(tie: bool, layers: int):
+def llama_config(
+    vocab: int,
+    hidden: int,
+    *,
+    intermediate: int | None = None,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int = 64,
+    tie: bool = False,
+    **fields,
+):
+    """A small random-init Llama's ``LlamaConfig``, the one place the tests spell one out.
+
+    ``vocab`` x ``hidden`` the embedding; ``intermediate`` the MLP width (default ``2 * hidden``); ``layers``
+    decoder layers of ``heads`` attention heads over ``kv_heads`` key/value heads (GQA; ``hidden / heads`` must be
+    even for rotary); ``max_positions`` the rotary table's length; ``tie`` ties ``lm_head`` to the embedding.
+    ``fields``: any other ``LlamaConfig`` field as is (``use_cache``, ``attn_implementation``, token ids, e.g.
+    ``**token_ids_of(tokenizer)``).  The defaults are values of the callers that leave them out, some of which compare
+    numbers (parity, launched scripts against DDP): change one only after passing it explicitly everywhere."""
     from transformers import LlamaConfig
 
-    # head_dim = 40 / 4 = 10 (rotary needs it even); 97, 54 and 40*97 are odd sizes.
     return LlamaConfig(
-        vocab_size=LLAMA_VOCAB,
-        hidden_size=40,
-        intermediate_size=54,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden if intermediate is None else intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=tie,
-        attn_implementation="eager",
+        **fields,
     )
+
+
+def token_ids_of(tokenizer) -> dict:
+    """A tokenizer's end and padding ids for ``llama_config(**...)``; no beginning-of-sequence token (the examples'
+    tokenizers have none)."""
+    return {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+
+
+def save_random_llama(folder, config, seed: int = 0, tokenizer=None):
+    """``torch.manual_seed(seed)`` (the global generator, as a from-scratch script seeds it), a random-init
+    ``LlamaForCausalLM`` on ``config`` written to ``folder`` with ``save_pretrained`` (``tokenizer`` beside it);
+    returns the model."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return model
+
+
+def _llama_config(tie: bool, layers: int):
+    # head_dim = 40 / 4 = 10 (rotary needs it even); 97, 54 and 40*97 are odd sizes.
+    return llama_config(LLAMA_VOCAB, 40, intermediate=54, layers=layers, tie=tie, attn_implementation="eager")
 
 
 def planner_llama_config(tied: bool = False):
     """The planner tests' Llama config (hidden 64, 2 layers, vocab 320): sizes that round to readable
     numbers; planned on the meta device or saved as a config folder, never trained."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=160,
-        vocab_size=320,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=tied,
-        use_cache=False,
-    )
+    return llama_config(320, 64, intermediate=160, max_positions=128, tie=tied, use_cache=False)
 
 
 REAL_VOCAB, REAL_HIDDEN = 4096, 256  # an LM head of 2^20 elements: a stage-3 unit of its own when untied
@@ -104,17 +135,13 @@ def real_llama_config(tie: bool = False, layers: int = 2, vocab: int = REAL_VOCA
     ``lm_head`` (and ``embed_tokens``) holds 2^20 elements and is a stage-3 leaf unit ([Note: leaf units] in
     zero_plugin/stage3/policy.py), as a 32k x 4096 head is; GQA (8 heads, 2 key/value heads), head_dim 32.
     ``vocab``: a tokenizer's real size, padded to a multiple of 64 by the caller if it wants."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=REAL_HIDDEN,
-        intermediate_size=512,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
+    return llama_config(
+        vocab,
+        REAL_HIDDEN,
+        layers=layers,
+        heads=8,
+        max_positions=128,
+        tie=tie,
         use_cache=False,
         attn_implementation="eager",
     )

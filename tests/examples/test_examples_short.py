@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests import models
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -48,27 +49,10 @@ import common  # noqa: E402  (examples/common.py)
 
 
 def _real_shaped_model(folder: Path, cache: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tokenizer = common.default_tokenizer(common.DEFAULT_DATA, cache)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = LlamaForCausalLM(config)
+    config = models.llama_config(4096, 256, max_positions=128, **models.token_ids_of(tokenizer))
+    model = models.save_random_llama(folder, config, seed=0, tokenizer=tokenizer)
     assert model.lm_head.weight.numel() >= 2**20
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
 
 
 def _free_port() -> str:

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import models
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "integrations" / "scripts" / "lazy_edits.py"
 PY = sys.executable
@@ -67,26 +69,10 @@ import common  # noqa: E402  (examples/common.py: the default tokenizer)
 
 def _models(tmp: Path) -> list[str]:
     """--real, --tied, --chat_source folders."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tokenizer = common.default_tokenizer(common.DEFAULT_DATA, tmp / "cache")
     for name, vocab, hidden, tied in (("real", 4096, 256, False), ("tied", len(tokenizer), 64, True)):
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=tied,
-            bos_token_id=None,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        LlamaForCausalLM(config).save_pretrained(tmp / name)
-        tokenizer.save_pretrained(tmp / name)
+        config = models.llama_config(vocab, hidden, tie=tied, **models.token_ids_of(tokenizer))
+        models.save_random_llama(tmp / name, config, seed=0, tokenizer=tokenizer)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.chat_template = (

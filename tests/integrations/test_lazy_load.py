@@ -27,6 +27,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests import models
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 SCRIPT = REPO / "tests" / "integrations" / "scripts" / "lazy_load.py"
@@ -56,21 +58,17 @@ import common  # noqa: E402  (examples/common.py)
 
 def _checkpoint(folder: Path, tokenizer, hidden: int, inter: int, layers: int, shard: str) -> tuple[str, str]:
     """(safetensors folder with an index, the same weights as pytorch_model.bin); tied embeddings."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    config = models.llama_config(
+        len(tokenizer),
+        hidden,
+        intermediate=inter,
+        layers=layers,
+        max_positions=128,
+        tie=True,
+        **models.token_ids_of(tokenizer),
     )
     model = LlamaForCausalLM(config)
     safe, pickled = folder / "safetensors", folder / "pickle"

@@ -140,17 +140,9 @@ def test_parameter_used_outside_any_unit_trains_at_stages_0_to_2(stage):
 
 
 def _untied_llama_with_big_vocab():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=8192,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    )
+    cfg = models.llama_config(8192, 128, kv_heads=4, max_positions=2048)  # 2048: transformers' default
     with torch.device("meta"):
         return LlamaForCausalLM(cfg)  # 8192 x 128 = 1M elements each: embedding and head are leaf units
 

@@ -9,12 +9,16 @@ each rank's ``zp.memory_report`` taken after the last backward, before the step.
 import argparse
 import json
 import os
+import sys
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
-from transformers import LlamaConfig, LlamaForCausalLM, get_linear_schedule_with_warmup
+from transformers import LlamaForCausalLM, get_linear_schedule_with_warmup
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the repository root
+from tests.models import llama_config  # noqa: E402
 
 
 def make_dataset(rows=64, length=16, vocab=128):
@@ -51,16 +55,7 @@ def main():
 
     accelerator = Accelerator(gradient_accumulation_steps=2)
     set_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
+    config = llama_config(128, 64, use_cache=False)
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     loader = DataLoader(make_dataset(), batch_size=4, shuffle=False)

@@ -10,14 +10,18 @@ OUT/result.json with the trainer's log history.  TRL prepares the reference mode
 import argparse
 import json
 import os
+import sys
 
 import torch
 from datasets import Dataset
 from peft import LoraConfig
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, set_seed
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, set_seed
 from trl import DPOConfig, DPOTrainer
 from trl_common import trl_args, write_result
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the repository root
+from tests.models import llama_config  # noqa: E402
 
 WORDS = 48
 
@@ -44,19 +48,7 @@ def preferences(rows: int, seed: int) -> Dataset:
 
 def llama(vocab: int, seed: int) -> LlamaForCausalLM:
     set_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
+    config = llama_config(vocab, 64, use_cache=False, pad_token_id=0, eos_token_id=1, bos_token_id=None)
     return LlamaForCausalLM(config)
 
 

@@ -9,27 +9,20 @@ Rank 0 writes OUT/result.json (log history, best checkpoint, world size, acceler
 import argparse
 import json
 import os
+import sys
 
 from trainer_lora import Sequences  # this folder is the script's sys.path[0]
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, set_seed
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments, set_seed
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the repository root
+from tests.models import llama_config  # noqa: E402
 
 SCORES = {1: 0.3, 2: 0.9, 3: 0.5, 4: 0.7}  # step -> eval_score; greater is better, so step 2 wins
 
 
 def build_model():
     set_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(llama_config(128, 32, use_cache=False))
 
 
 def main():

@@ -9,11 +9,15 @@ OUT/result.json and OUT/logits.pt.
 import argparse
 import json
 import os
+import sys
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch.utils.data import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, set_seed
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments, set_seed
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the repository root
+from tests.models import llama_config  # noqa: E402
 
 
 class Sequences(Dataset):
@@ -32,16 +36,7 @@ class Sequences(Dataset):
 
 def base_model():
     set_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
+    config = llama_config(128, 64, use_cache=False)
     return LlamaForCausalLM(config)
 
 
