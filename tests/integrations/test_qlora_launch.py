@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from tests import qlora
 from tests.unit import qlora_workers as w
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "qlora_accelerate.py"
@@ -33,7 +34,7 @@ def test_qlora_script_under_zero_plugin_launch_stage3_matches_one_process(tmp_pa
     from peft import PeftModel
 
     base = tmp_path / "base"
-    w.save_base(str(base))
+    qlora.save_base(str(base))
     single, sharded = tmp_path / "single", tmp_path / "stage3"
     single.mkdir(), sharded.mkdir()
     _run([PY, str(SCRIPT), "--base", str(base), "--out", str(single), "--batch_size", "4"], single)
@@ -62,9 +63,9 @@ def test_qlora_script_under_zero_plugin_launch_stage3_matches_one_process(tmp_pa
     assert len(got) == len(want) == 3
     for step, (a, b) in enumerate(zip(got, want)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: stage-3 loss {a} != one-process loss {b}"
-    initial = w.lora_weights(w.load_qlora(str(base)).state_dict())
+    initial = w.lora_weights(qlora.load_qlora(str(base)).state_dict())
     adapters = [
-        w.lora_weights(PeftModel.from_pretrained(w.load_base(str(base)), d / "adapter").state_dict())
+        w.lora_weights(PeftModel.from_pretrained(qlora.load_base(str(base)), d / "adapter").state_dict())
         for d in (single, sharded)
     ]
     num = sum(float((adapters[1][k] - adapters[0][k]).norm() ** 2) for k in initial) ** 0.5

@@ -2,9 +2,8 @@
 LoRA adapters; [Note: packed 4-bit weights] in zero_plugin/loading/quantized.py), and the model/data helpers the
 single-process references in the test file share with them.
 
-The base is a tiny random Llama saved with ``save_pretrained`` and loaded with a 4-bit ``BitsAndBytesConfig``
-(nf4, double quantization, bf16 storage, fp32 compute so parity can be tight).  Odd sizes (hidden 36,
-intermediate 75) give packed MLP weights of 675 bf16 elements: padded at 2 ranks.
+The base and its QLoRA setup (a tiny random Llama loaded 4-bit: nf4, double quantization, bf16 storage, fp32
+compute so parity can be tight; odd sizes that pad at 2 ranks) are ``tests/qlora.py``'s.
 """
 
 from __future__ import annotations
@@ -15,65 +14,11 @@ import torch
 import torch.distributed as dist
 
 import zero_plugin as zp
+from tests.qlora import VOCAB, load_base, load_qlora
 from zero_plugin.engines.engine import engine_of
 
 LR = 1e-2
-VOCAB, SEQ, PER_RANK = 96, 12, 2
-
-
-def save_base(folder: str, aligned: bool = False) -> None:
-    """``aligned``: sizes that are multiples of 32 (hidden 64, intermediate 128), which bitsandbytes' in-place
-    CPU repacking for inference needs ([Note: packed 4-bit weights]); the odd default sizes force padding."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1)
-    hidden, inter, heads = (64, 128, 4) if aligned else (36, 75, 6)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=64,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-
-
-def bnb_config(**overrides):
-    from transformers import BitsAndBytesConfig
-
-    kw = dict(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_quant_storage=torch.bfloat16,
-        bnb_4bit_compute_dtype=torch.float32,
-    )
-    kw.update(overrides)
-    return BitsAndBytesConfig(**kw)
-
-
-def load_base(folder: str, cpu_repacking: bool = False, **overrides):
-    """``cpu_repacking=False``: the unsharded references run the CPU path zp.setup leaves on (no in-place
-    repacking in eval-mode forwards)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, quantization_config=bnb_config(**overrides), dtype=torch.float32
-    )
-    for module in model.modules():
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = module.support_avx512bf16_for_cpu and cpu_repacking
-    return model
-
-
-def load_qlora(folder: str):
-    from peft import LoraConfig, get_peft_model
-
-    model = load_base(folder)
-    torch.manual_seed(0)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+SEQ, PER_RANK = 12, 2
 
 
 def optimizer_for(model):

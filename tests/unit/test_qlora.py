@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from tests import qlora
 from tests.harness import run_ranks
 from tests.unit import qlora_workers as w
 
@@ -22,19 +23,19 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> str:
     folder = str(tmp_path_factory.mktemp("qlora") / "base")
-    w.save_base(folder)
+    qlora.save_base(folder)
     return folder
 
 
 @pytest.fixture(scope="module")
 def aligned_base(tmp_path_factory) -> str:
     folder = str(tmp_path_factory.mktemp("qlora") / "aligned")
-    w.save_base(folder, aligned=True)
+    qlora.save_base(folder, aligned=True)
     return folder
 
 
 def _reference(folder: str, steps: int, world: int) -> tuple[list[float], dict]:
-    model = w.load_qlora(folder)
+    model = qlora.load_qlora(folder)
     initial = w.lora_weights(model.state_dict())
     opt = w.optimizer_for(model)
     losses = []
@@ -96,7 +97,7 @@ def _check_saved(base: str, out: str, ref_lora: dict) -> None:
 
     from zero_plugin.ckpt.consolidate import consolidate
 
-    adapter = PeftModel.from_pretrained(w.load_base(base), os.path.join(out, "adapter"))
+    adapter = PeftModel.from_pretrained(qlora.load_base(base), os.path.join(out, "adapter"))
     err = max(float((adapter.state_dict()[k] - v).abs().max()) for k, v in ref_lora.items())
     assert err < 1e-5, f"save_pretrained adapter vs reference: {err:.3g}"
     consolidate(os.path.join(out, "ckpt"), os.path.join(out, "hf"), format="hf")
@@ -104,7 +105,7 @@ def _check_saved(base: str, out: str, ref_lora: dict) -> None:
     assert len(saved) == len(ref_lora) and all("lora_" in k for k in saved), sorted(saved)
     consolidate(os.path.join(out, "ckpt"), os.path.join(out, "st"), format="safetensors", dtype=torch.float16)
     full = load_file(os.path.join(out, "st", "model.safetensors"))
-    want = w.packed_bits(w.load_qlora(base))
+    want = w.packed_bits(qlora.load_qlora(base))
     for key, bits in want.items():
         assert full[key].dtype == torch.bfloat16 and torch.equal(full[key].view(torch.int16), bits), key
         assert full[key + ".quant_state.bitsandbytes__nf4"].dtype == torch.uint8
@@ -129,7 +130,7 @@ def test_evaluation_only_4bit_base_forward_and_save_pretrained(aligned_base, tmp
     base = aligned_base
     out = str(tmp_path / "saved")
     results = run_ranks(2, w.evaluation_save_worker, base, out, timeout=300)
-    want = w.load_base(base)(input_ids=w.global_batches(1, 1)[0]).logits
+    want = qlora.load_base(base)(input_ids=w.global_batches(1, 1)[0]).logits
     for rank, r in enumerate(results):
         for i, logits in enumerate(r["logits"]):
             assert torch.allclose(logits, want, rtol=1e-5, atol=1e-6), (
@@ -159,7 +160,7 @@ def _setup_error(model) -> str:
 
 
 def test_4bit_with_integer_storage_is_refused(base):
-    msg = _setup_error(w.load_base(base, bnb_4bit_quant_storage=torch.uint8))
+    msg = _setup_error(qlora.load_base(base, bnb_4bit_quant_storage=torch.uint8))
     assert "torch.uint8" in msg and "bnb_4bit_quant_storage=torch.bfloat16" in msg, msg
 
 
@@ -174,14 +175,14 @@ def test_8bit_is_refused(base):
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "hqq"])
 def test_other_quantizers_are_refused(base, method):
-    model = w.load_base(base)
+    model = qlora.load_base(base)
     model.config.quantization_config = {"quant_method": method, "bits": 4}
     msg = _setup_error(model)
     assert repr(method) in msg and "load_in_4bit=True" in msg, msg
 
 
 def test_trainable_4bit_weight_is_refused(base):
-    model = w.load_base(base)
+    model = qlora.load_base(base)
     weight = model.model.layers[0].self_attn.q_proj.weight
     weight.requires_grad_(True)
     assert "requires grad" in _setup_error(model)
@@ -206,7 +207,7 @@ def test_consolidate_hf_of_a_4bit_base_loads_with_from_pretrained(base, tmp_path
     for rank, r in enumerate(results):
         assert torch.allclose(got, r["logits"], rtol=1e-5, atol=1e-6), f"rank {rank}: consolidated 4-bit model differs"
     with torch.no_grad():
-        untrained = w.load_base(base)(input_ids=w.global_batches(1, 2)[0]).logits
+        untrained = qlora.load_base(base)(input_ids=w.global_batches(1, 2)[0]).logits
     assert not torch.allclose(got, untrained, rtol=1e-3), (
         "the step changed nothing: the check would not see lost updates"
     )

@@ -1,6 +1,7 @@
 """A plain Accelerate QLoRA script (no zero_plugin in it): a 4-bit base in the FSDP-QLoRA layout
-(``bnb_4bit_quant_storage=torch.bfloat16``) loaded with ``from_pretrained``, PEFT LoRA on top, a few steps,
-then the adapter saved the way transformers' examples save (every rank calls ``save_pretrained``).
+(``bnb_4bit_quant_storage=torch.bfloat16``) loaded with ``from_pretrained``, PEFT LoRA on top (both by
+``tests/qlora.py``, which the test's references use too), a few steps, then the adapter saved the way
+transformers' examples save (every rank calls ``save_pretrained``).
 
     python qlora_accelerate.py --base DIR --out OUT --batch_size 4                  # one process
     zero-plugin launch --cpu --stage 3 --num_processes 2 qlora_accelerate.py --base DIR --out OUT --batch_size 2
@@ -11,12 +12,14 @@ Rank 0 writes the losses (the mean over processes) to OUT/losses.json; the adapt
 import argparse
 import json
 import os
+import sys
 
 import torch
 from accelerate import Accelerator
-from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the repository root
+from tests import qlora  # noqa: E402
 
 
 def main():
@@ -28,19 +31,10 @@ def main():
     args = ap.parse_args()
 
     accelerator = Accelerator()
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_quant_storage=torch.bfloat16,
-        bnb_4bit_compute_dtype=torch.float32,
-    )
-    model = AutoModelForCausalLM.from_pretrained(args.base, quantization_config=quant, dtype=torch.float32)
-    torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model = qlora.add_lora(qlora.load_base(args.base, cpu_repacking=True))  # from_pretrained's CPU path as is
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     g = torch.Generator().manual_seed(7)
-    rows = [{"input_ids": r, "labels": r} for r in torch.randint(0, 96, (4 * args.steps, 12), generator=g)]
+    rows = [{"input_ids": r, "labels": r} for r in torch.randint(0, qlora.VOCAB, (4 * args.steps, 12), generator=g)]
     loader = DataLoader(rows, batch_size=args.batch_size, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     model.train()
