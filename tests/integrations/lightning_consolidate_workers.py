@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from tests import models
+from tests.integrations.lightning_setup import lightning_ranks
 from tests.integrations.lightning_workers import (
     ACCUM,
     LR,
     full_state,
-    lightning_ranks,
     loader,
     make_optimizer,
     make_trainer,

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests import models
+from tests.integrations.lightning_setup import cpu_fabric, lightning_ranks
 from tests.integrations.lightning_workers import (
     ACCUM,
     CLIP,
@@ -20,23 +21,20 @@ from tests.integrations.lightning_workers import (
     PER_RANK_BATCH,
     build_net,
     checkpoint_worker,
-    lightning_ranks,
     make_optimizer,
     resume_run,
 )
 
 
 def _fabric(strategy: str):
-    from lightning.fabric import Fabric
-
+    """``lightning_setup.cpu_fabric`` on a registered name, or ``"<preset>:<checkpoint>"`` for a
+    ``ZeroFabricStrategy``."""
     if ":" in strategy:
         from zero_plugin.integrations.lightning import ZeroFabricStrategy
 
         preset, checkpoint = strategy.split(":")
         strategy = ZeroFabricStrategy(config=preset, checkpoint=checkpoint)
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
-    fabric.launch()
-    return fabric
+    return cpu_fabric(strategy)
 
 
 def fabric_train(fabric, model, opt, batches: list, losses: list, norms: list) -> None:

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from tests.fixtures.deepspeed import tiny_model as tm
 from tests.fixtures.lightning import make_lightning_ckpt as mk
-from tests.integrations.lightning_workers import lightning_ranks, make_trainer
+from tests.integrations.lightning_setup import lightning_ranks
+from tests.integrations.lightning_workers import make_trainer
 
 FIXTURES = os.path.dirname(os.path.abspath(mk.__file__))
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tests import models
 from tests.integrations import lightning_workers as lw
+from tests.integrations.lightning_setup import cpu_fabric, cpu_trainer, lightning_ranks
 
 INIT_SCALE = 2.0**20
 GROWTH_INTERVAL = 2
@@ -110,21 +111,12 @@ def _module_class():
 
 def trainer_fp16_run(spec, clip: tuple = ("value", CLIP_VALUE), accum: int = ACCUM) -> dict:
     """``STEPS`` optimizer steps of ``accum`` micro-batches, clipping by ``clip`` (algorithm, value), 16-mixed."""
-    import lightning.pytorch as pl
-
-    with lw.lightning_ranks(), tempfile.TemporaryDirectory() as root:
+    with lightning_ranks(), tempfile.TemporaryDirectory() as root:
         module = _module_class()()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=_strategy(spec, fabric=False),
+        trainer = cpu_trainer(
+            _strategy(spec, fabric=False),
+            root,
             plugins=[_plugin("lightning.pytorch")],
-            default_root_dir=root,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
             max_epochs=1,
             accumulate_grad_batches=accum,
             gradient_clip_algorithm=clip[0],
@@ -150,13 +142,8 @@ def trainer_fp16_run(spec, clip: tuple = ("value", CLIP_VALUE), accum: int = ACC
 # -- Fabric -----------------------------------------------------------------------------------------------
 def fabric_fp16_run(spec) -> dict:
     """The user's Fabric loop: backward, clip_gradients (by value, or the norm: non-finite allowed), step."""
-    from lightning.fabric import Fabric
-
-    with lw.lightning_ranks():
-        fabric = Fabric(
-            accelerator="cpu", devices=2, strategy=_strategy(spec, fabric=True), plugins=[_plugin("lightning.fabric")]
-        )
-        fabric.launch()
+    with lightning_ranks():
+        fabric = cpu_fabric(_strategy(spec, fabric=True), plugins=[_plugin("lightning.fabric")])
         net = models.make_tiny_llama(tie=False, layers=2)
         init = {k: v.detach().clone() for k, v in net.state_dict().items()}
         optimizer = models.two_group_adamw(net)
@@ -197,7 +184,7 @@ def refusals_worker() -> dict:
     from zero_plugin.integrations.lightning import ZeroFabricStrategy, ZeroPrecision
 
     out = {}
-    with lw.lightning_ranks():
+    with lightning_ranks():
         try:
             ZeroPrecision(_plugin("lightning.pytorch", growth_factor=4.0))
         except ValueError as exc:

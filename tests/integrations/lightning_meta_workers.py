@@ -17,6 +17,7 @@ import zero_plugin as zp
 from tests import models
 from tests.integrations import lightning_fabric_workers as fw
 from tests.integrations import lightning_workers as lw
+from tests.integrations.lightning_setup import cpu_fabric, lightning_ranks
 
 
 def save_weights(path: str, layers: int = 2) -> None:
@@ -79,7 +80,7 @@ class _NoInit(nn.Module):
 def trainer_meta_worker(strategy_kwargs: dict, validate: bool = False, bad: bool = False) -> dict:
     from zero_plugin.integrations.lightning import ZeroStrategy
 
-    with lw.lightning_ranks(), tempfile.TemporaryDirectory() as root:
+    with lightning_ranks(), tempfile.TemporaryDirectory() as root:
         module = _meta_module_class(bad)("llama")
         trainer = lw.make_trainer(ZeroStrategy(**strategy_kwargs), root, max_epochs=1)
         try:
@@ -97,17 +98,13 @@ def trainer_meta_worker(strategy_kwargs: dict, validate: bool = False, bad: bool
 
 # -- Fabric: init_module ---------------------------------------------------------------------------------------
 def _fabric(strategy_kwargs: dict):
-    from lightning.fabric import Fabric
-
     from zero_plugin.integrations.lightning import ZeroFabricStrategy
 
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=ZeroFabricStrategy(**strategy_kwargs))
-    fabric.launch()
-    return fabric
+    return cpu_fabric(ZeroFabricStrategy(**strategy_kwargs))
 
 
 def fabric_meta_worker(strategy_kwargs: dict, empty_init: bool | None = True, steps: int = 3) -> dict:
-    with lw.lightning_ranks():
+    with lightning_ranks():
         fabric = _fabric(strategy_kwargs)
         with fabric.init_module(empty_init=empty_init):
             net = lw.build_net("llama")
@@ -133,7 +130,7 @@ def empty_init_worker(preset: str) -> dict:
     from zero_plugin.integrations.lightning import ZeroStrategy
 
     out = {}
-    with lw.lightning_ranks(), tempfile.TemporaryDirectory() as root:
+    with lightning_ranks(), tempfile.TemporaryDirectory() as root:
         fabric = _fabric({"config": preset})
         trainer = lw.make_trainer(ZeroStrategy(config=preset), root)
         for api, enter in (("fabric", fabric.init_module), ("trainer", trainer.init_module)):
@@ -148,18 +145,10 @@ def empty_init_worker(preset: str) -> dict:
 # -- memory during setup -------------------------------------------------------------------------------------
 def _bigger_llama():
     """~6.6M parameters (26 MB fp32): 8 decoder layers of ~0.79M, a tied 1024 x 256 embedding."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
+    config = models.llama_config(
+        1024, 256, intermediate=688, layers=8, heads=8, kv_heads=4, tie=True, attn_implementation="eager"
     )
     return LlamaForCausalLM(config)
 
@@ -176,7 +165,7 @@ def _peak_bytes(prof) -> int:
 
 def setup_memory_worker(meta_init: bool) -> dict:
     """Peak bytes allocated while building (init_module) and setting up a stage-3 model, against its sizes."""
-    with lw.lightning_ranks():
+    with lightning_ranks():
         fabric = _fabric({"config": "zero3", "meta_init": meta_init})
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with fabric.init_module():

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests import models
-from tests.integrations.lightning_workers import lightning_ranks
+from tests.integrations.lightning_setup import cpu_fabric, cpu_trainer, lightning_ranks
 
 SEED = 42
 ROWS = 8  # per rank: every rank's sampler takes 4 batches of 2 from the 2 * ROWS rows
@@ -68,18 +68,7 @@ def seeded_fit_worker(strategy: str, steps: int = 2) -> dict:
     with lightning_ranks(), tempfile.TemporaryDirectory() as root:
         pl.seed_everything(SEED, verbose=False)
         module = _dropout_module_class()()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_steps=steps,
-            logger=False,
-            default_root_dir=root,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-        )
+        trainer = cpu_trainer(strategy, root, max_steps=steps)
         trainer.fit(module)
         return {"losses": module.losses, "first_batch": module.first_batch}
 
@@ -87,10 +76,10 @@ def seeded_fit_worker(strategy: str, steps: int = 2) -> dict:
 def seeded_fabric_worker(strategy: str) -> dict:
     """``seed_everything(SEED)``, draw (as model init would), ``Fabric(...).launch()``, draw again
     (Fabric's DDP does not reset the seed at launch; the ZeRO strategy must not either)."""
-    from lightning.fabric import Fabric, seed_everything
+    from lightning.fabric import seed_everything
 
     with lightning_ranks():
         seed_everything(SEED, verbose=False)
         torch.randn(100)  # what building a model before launch() takes from the generator
-        Fabric(accelerator="cpu", devices=2, strategy=strategy).launch()
+        cpu_fabric(strategy)
         return {"after_launch": torch.randn(4, dtype=torch.float64), "rank": dist.get_rank()}

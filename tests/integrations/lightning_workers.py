@@ -1,7 +1,7 @@
 """Functions that run inside the ranks of ``tests/integrations/test_lightning.py``.
 
 Two ways in:
-  * ``tests.harness`` pool workers (gloo already initialised): :func:`lightning_ranks` sets the
+  * ``tests.harness`` pool workers (gloo already initialised): ``lightning_setup.lightning_ranks`` sets the
     variables with which Lightning treats the processes as externally launched, so
     ``Trainer(accelerator="cpu", devices=2, strategy=...)`` runs in the existing processes;
   * ``python -m tests.integrations.lightning_workers resume ...``: a fresh script whose Trainer
@@ -14,36 +14,28 @@ Every worker returns plain Python / CPU tensors; rank 0 adds the full model stat
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import logging
 import os
 import sys
 import tempfile
 import warnings
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from tests import models
+from tests.integrations.lightning_setup import cpu_trainer, lightning_package, lightning_ranks, quiet_loggers
 
 LR = 1e-2
 PER_RANK_BATCH = 2
 ACCUM = 2
 CLIP = 1.0
-_QUIET = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
 
 
 # -- the LightningModule --------------------------------------------------------------------------
-def _lightning(package: str = "lightning.pytorch"):
-    """``lightning.pytorch`` or the standalone ``pytorch_lightning`` (distinct classes, same API)."""
-    import importlib
-
-    return importlib.import_module(package)
-
-
 def build_net(kind: str):
     if kind == "llama":
         return models.make_tiny_llama(layers=2)
@@ -64,7 +56,7 @@ def make_optimizer(params, lr: float = LR):
 
 @functools.cache
 def _module_class(package: str = "lightning.pytorch"):
-    pl = _lightning(package)
+    pl = lightning_package(package)
 
     class TinyLlamaModule(pl.LightningModule):
         """A tiny random Llama (or its LoRA variant) built in ``configure_model``, seeded."""
@@ -144,31 +136,7 @@ def loader(micro_batches_per_rank: int, world_size: int = 2, seed: int = 0) -> D
     return DataLoader(samples, batch_size=PER_RANK_BATCH, shuffle=False)
 
 
-# -- running Lightning inside pool workers --------------------------------------------------------
-@contextlib.contextmanager
-def lightning_ranks() -> Iterator[None]:
-    """Let Lightning use this pool worker's process group as externally launched ranks; restore after."""
-    import zero_plugin.integrations.lightning  # noqa: F401  (registers zero1 ... zero3_offload)
-
-    saved = dict(os.environ)
-    os.environ.update(
-        LOCAL_RANK=str(dist.get_rank()),
-        NODE_RANK="0",
-        WORLD_SIZE=str(dist.get_world_size()),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=os.environ.get("MASTER_PORT", "29500"),
-    )
-    for name in _QUIET:
-        logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
+# -- running Lightning inside pool workers (lightning_setup.lightning_ranks) -------------------------
 def resolve_strategy(name: Any, package: str = "lightning.pytorch", meta_init: bool = False):
     """A registered name, or ``"<preset>:full"`` for ``ZeroStrategy(config=<preset>, checkpoint="full")``.
 
@@ -186,22 +154,10 @@ def resolve_strategy(name: Any, package: str = "lightning.pytorch", meta_init: b
 
 
 def make_trainer(strategy: str, root: str, package: str = "lightning.pytorch", **kwargs: Any):
-    pl = _lightning(package)
-    options = dict(
-        accelerator="cpu",
-        devices=2,
-        strategy=resolve_strategy(strategy, package),
-        default_root_dir=root,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        accumulate_grad_batches=ACCUM,
-        gradient_clip_val=CLIP,
-    )
-    options.update(kwargs)
-    return pl.Trainer(**options)
+    """``lightning_setup.cpu_trainer`` on ``resolve_strategy(strategy)``, accumulating ACCUM micro-batches and
+    clipping the norm to CLIP unless ``kwargs`` say otherwise."""
+    options = {"accumulate_grad_batches": ACCUM, "gradient_clip_val": CLIP, **kwargs}
+    return cpu_trainer(resolve_strategy(strategy, package), root, package, **options)
 
 
 def full_state(trainer) -> dict:
@@ -270,7 +226,7 @@ def eval_first_worker(strategy: str) -> dict:
 
 def checkpoint_worker(strategy: str, ckpt_dir: str, epochs: int = 2, steps_per_epoch: int = 2) -> dict:
     """An uninterrupted fit that saves a checkpoint at the end of every epoch (ModelCheckpoint)."""
-    pl = _lightning()
+    pl = lightning_package()
     with lightning_ranks(), tempfile.TemporaryDirectory() as root:
         module = make_module("llama")
         saver = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
@@ -290,7 +246,7 @@ def resume_run(strategy: str, ckpt_path: str, epochs: int = 2, steps_per_epoch: 
 
 def summary_worker(strategy: str) -> dict:
     """ModelSummary's printed table and counts (full sizes expected at stage 3)."""
-    pl = _lightning()
+    pl = lightning_package()
     with lightning_ranks(), tempfile.TemporaryDirectory() as root:
         records: list[str] = []
         handler = logging.Handler()
@@ -325,7 +281,7 @@ def env_strategy_worker() -> dict:
     import lightning_fabric.strategies
     import pytorch_lightning.strategies
 
-    pl = _lightning()
+    pl = lightning_package()
     with lightning_ranks():
         from zero_plugin.integrations.lightning import register_strategies
 
@@ -397,8 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     import zero_plugin.integrations.lightning  # noqa: F401  (registers the names in every rank)
 
     torch.set_num_threads(1)
-    for name in _QUIET:
-        logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_loggers()
     warnings.simplefilter("ignore")
     for strategy, ckpt, out in args.run:
         result = resume_run(strategy, ckpt)

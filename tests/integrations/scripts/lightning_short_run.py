@@ -29,6 +29,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import zero_plugin.integrations.lightning  # noqa: E402,F401  (registers zero1 ... zero3_offload)
+from tests.integrations.lightning_setup import cpu_trainer  # noqa: E402
 from tests.models import MLP_IN, MLP_OUT, OddMLP  # noqa: E402
 
 
@@ -75,17 +76,8 @@ def main() -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     saver = pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, filename="{epoch}", save_top_k=-1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=args.strategy,
-        max_epochs=2 if args.resume else 1,
-        callbacks=[saver],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=args.ckpt_dir,
+    trainer = cpu_trainer(
+        args.strategy, args.ckpt_dir, max_epochs=2 if args.resume else 1, callbacks=[saver], enable_checkpointing=True
     )
     ckpt = os.path.join(args.ckpt_dir, "epoch=0.ckpt") if args.resume else None
     trainer.fit(ShortRun(), ckpt_path=ckpt)
