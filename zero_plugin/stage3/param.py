@@ -183,8 +183,7 @@ class ShardedParam:
     def _set_data(self, data: torch.Tensor) -> None:
         """``param.data = data`` and a fresh gradient accumulator: [Note: uses outside the unit]."""
         if self.param.requires_grad:
-            other = torch.float32 if self.param.dtype == torch.float16 else torch.float16
-            self.param.data = torch.empty(0, dtype=other, device=self.param.device)
+            self.param.data = _other_dtype_husk(self.param.dtype, self.param.device)
         self.param.data = data
 
     def _alloc_unsharded(self) -> None:
@@ -254,6 +253,20 @@ class ShardedParam:
             )
         else:  # accumulation on the host reads the copy at once: a blocking copy
             self.sharded_grad.add_(reduced.to(device=self.local.device, dtype=self.local.dtype))
+
+
+_HUSKS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _other_dtype_husk(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-element tensor of a dtype other than ``dtype`` on ``device``, made once: switching ``.data`` through it
+    drops the gradient accumulator ([Note: uses outside the unit]); no allocation per switch (issue #39)."""
+    key = (dtype, device)
+    husk = _HUSKS.get(key)
+    if husk is None:
+        other = torch.float32 if dtype == torch.float16 else torch.float16
+        husk = _HUSKS[key] = torch.empty(0, dtype=other, device=device)
+    return husk
 
 
 def _valid_spans(flat: torch.Tensor, columns: torch.Tensor, layout: ShardLayout, dsts: list, srcs: list) -> None:
