@@ -3,7 +3,7 @@ setting of ``scripts/trl_trainers.py`` (``RLOOTrainer``, ``KTOTrainer``, ``Rewar
 ``DistillationTrainer``, ``DPOTrainer`` without ``ref_model`` and with ``precompute_ref_log_probs``; ``SFTTrainer``
 with ``modules_to_save=["lm_head"]``, ``trainable_token_indices``, LoRA on ``embed_tokens``,
 ``resize_token_embeddings`` before the trainer, bf16 weights), 2 CPU processes, real-shaped Llamas (vocab 4096 x
-hidden 256).  Losses, grad norms and the trainers' rewards / margins step by step, and the saved adapters.
+hidden 256), at stages 1 and 3.  Losses, grad norms and the trainers' rewards / margins step by step, and the saved adapters.
 
 Precision: ``rloo``, ``kto``, ``reward`` and the DPO runs train in fp32, the others with TRL's default
 ``bf16=True`` (autocast) and ``sft_bf16_weights`` on bf16 weights.  The tolerances are those of
@@ -52,9 +52,10 @@ NORM_REL = {"sft_save_head": 1e-3, "sft_lora_embed": 1e-3, "sft_resized": 1e-3}
 SETTINGS = {
     "ddp": (DDP, list(KEYS)),
     "stage1": (zero(1), list(KEYS)),
-    "stage2": (zero(2), list(KEYS)),
     "stage3": (zero(3), list(KEYS)),
 }
+# Stage 2 (gradients sharded as at stage 3, parameters whole as at stage 1) is bracketed by the two and runs SFT,
+# DPO and GRPO in test_trl_stages.py: its launch here is left out to keep the suite's time (CI under 25 min).
 
 
 def _launch(name: str, out: Path) -> subprocess.CompletedProcess:
@@ -79,7 +80,7 @@ def _steps(root: Path, name: str, trainer: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("trainer", list(KEYS))
-@pytest.mark.parametrize("setting", ["stage1", "stage2", "stage3"])
+@pytest.mark.parametrize("setting", ["stage1", "stage3"])
 def test_trl_trainer_equals_ddp(runs, setting, trainer):
     from safetensors.torch import load_file
 
