@@ -75,7 +75,7 @@ import torch.distributed as dist
 # The counters, the group cache and the work handles live in their own modules; Comm's methods use them
 # under these module-private names.  comm_stats, reset_comm_stats, physical_calls and release_groups are
 # re-exported for code that imports them from here.
-from .backends import backend_uses_cuda, regions_in_place
+from .backends import backend_uses_cuda, moves_data, reduce_scatter_averages, regions_in_place
 from .groups import SAME_RANKS as _SAME_RANKS
 from .groups import release_groups
 from .groups import release_groups_at_exit as _release_groups_at_exit
@@ -169,7 +169,12 @@ class Comm:
         layout emulates it, so that the tests run that path), over the whole data-parallel group (no replica
         group to sum over after it)."""
         emulated = self.backend == "gloo" and not self._in_place  # the NCCL layout on gloo, for tests
-        return (self.backend in _AVERAGING_BACKENDS or emulated) and self.replica is None
+        return (reduce_scatter_averages(self.backend) or emulated) and self.replica is None
+
+    @property
+    def moves_data(self) -> bool:
+        """False on torch's fake process group, whose collectives move nothing (``backends.moves_data``)."""
+        return moves_data(self.backend)
 
     # -- hierarchical groups --------------------------------------------------
     @property
@@ -224,7 +229,7 @@ class Comm:
             self.world.open_control_channel()
             self._control = self.world._control
             return
-        if self.world_size == 1 or self.backend == "fake" or self._control is not None:
+        if self.world_size == 1 or not self.moves_data or self._control is not None:
             return
         self._control = self._group_of_same_ranks("control", "gloo")
 
@@ -232,7 +237,7 @@ class Comm:
         """A Comm over a second group of the same ranks and backend, for collectives whose order is agreed
         separately from this group's (stage 3's reductions: [Note: reductions on their own group] in
         stage3/hooks.py).  Collective at setup, like :meth:`open_control_channel`; one per group and purpose."""
-        if self.world_size == 1 or self.backend == "fake":
+        if self.world_size == 1 or not self.moves_data:
             return self
         comm = Comm(self._group_of_same_ranks(purpose, self.backend), timeout_s=self.timeout_s, label=self.label)
         comm.history, comm._in_place = self.history, self._in_place
@@ -496,9 +501,6 @@ class Comm:
         return dist.get_global_rank(self.group, group_rank)
 
 
-_AVERAGING_BACKENDS = ("nccl", "fake")  # ReduceOp.AVG in reduce-scatter; "fake": the stand-in for NCCL in tests
-
-
 def _reduce_op(op: str, backend: str):
     if op == "sum":
         return dist.ReduceOp.SUM
@@ -506,6 +508,6 @@ def _reduce_op(op: str, backend: str):
         return dist.ReduceOp.MAX
     if op == "avg":
         # gloo has no AVG; callers divide instead (Comm.averages_in_reduce_scatter).
-        assert backend in _AVERAGING_BACKENDS, f"ReduceOp.AVG is not supported by {backend}; divide explicitly"
+        assert reduce_scatter_averages(backend), f"ReduceOp.AVG is not supported by {backend}; divide explicitly"
         return dist.ReduceOp.AVG
     raise ValueError(f"unknown reduce op {op!r}")
