@@ -25,6 +25,7 @@ from tests.unit.stage3_behaviour_workers import (
 )
 from zero_plugin.engines.engine import engine_of
 from zero_plugin.stage3.param import ShardedState
+from zero_plugin.stage3.unit import GatherMode
 
 # ---------------------------------------------------------------------------------------------------------------
 # prefetch bound
@@ -45,7 +46,7 @@ def _instrument_peak(engine, record: dict, phase: dict) -> None:
             result = original(*args, **kwargs)
             key = phase["now"]
             record[key] = max(record.get(key, 0), count())
-            if name == "unshard" and kwargs.get("async_op"):
+            if name == "unshard" and GatherMode.PREFETCH in (*args, *kwargs.values()):
                 record["async_gathers"] = record.get("async_gathers", 0) + 1
             return result
 

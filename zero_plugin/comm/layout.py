@@ -6,8 +6,9 @@ parameters and gradients through the functions here; the collectives themselves 
 [Note: collective layouts]
 A collective serves a group of *members*: objects with ``.param`` and ``.layout`` (a ``ShardLayout``), a
 bucket of ``MasterParam`` at stages 0-2, the parameters of one dtype of a unit at stage 3.  It uses one of
-two layouts, chosen by ``Comm.gathers_regions_in_place`` ([Note: in-place region gather] in
-``collectives.py``):
+two layouts, chosen once per ``Comm`` by ``layout_of(comm)`` (``IN_PLACE`` or ``BUFFERED``, from
+``Comm.gathers_regions_in_place``: [Note: in-place region gather] in ``collectives.py``); callers launch
+through that object's ``gather`` / ``reduce`` and never ask which layout it is:
   * in place (gloo): a gather broadcasts each rank's region of every flattened tensor straight into the
     tensors (``rank_regions``); a reduction sums each full gradient in place and every rank keeps its own
     region.  The has-gradient flags ([Note: unused parameters] in ``grads/reducer.py``) go in one small
@@ -22,9 +23,13 @@ at ``offsets[i]``, the flags last.
 
 A launch copies in, issues the collective asynchronously and returns a record of what the collective
 needs until it completes: one record type per kind (``InPlaceGather``, ``BufferedGather``,
-``InPlaceReduce``, ``BufferedReduce``, ``FlatAllReduce``).  Completing a reduction waits, reads the
-summed flags, averages and hands each member that has a gradient on some rank its result; what the
-caller keeps (``param.grad``, a shard gradient) is the caller's.  Buffers come from a ``Buffers``
+``InPlaceReduce``, ``BufferedReduce``, ``FlatAllReduce``; ``quantized.py`` adds ZeRO++'s two).  Every
+record owns its completion, with one signature per direction: a gather's ``complete(what, ends)`` waits
+and hands the gathered values to the caller's ``GatherEnds`` (``expose`` in place, ``copy_out`` of the
+rows when buffered), then ``release()`` returns its buffers; a reduction's ``complete(what, store)`` waits,
+reads the summed flags (or hands them to the ``DeferredStores`` given at launch), averages and calls
+``store(member, result)`` for each member that has a gradient on some rank; what the caller keeps
+(``param.grad``, a shard gradient) is the caller's.  Buffers come from a ``Buffers``
 source (stage 3's ``BufferPool``, [Note: buffer reuse] in ``pool.py``; fresh tensors at stages 0-2) and go back to it
 only after the completion, and on CUDA after the compute stream waited for the side stream that used
 them ([Note: side streams] in ``streams.py``).
@@ -52,7 +57,7 @@ rank of the world.  Without a replica group nothing is issued and the divisor is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -64,6 +69,12 @@ if TYPE_CHECKING:
     from ..grads.presence import DeferredStores
 
 __all__ = [
+    "Layout",
+    "IN_PLACE",
+    "BUFFERED",
+    "layout_of",
+    "GatherEnds",
+    "GatherRow",
     "Buffers",
     "FreshBuffers",
     "packed_offsets",
@@ -85,6 +96,37 @@ __all__ = [
 Store = Callable[[Any, torch.Tensor], None]  # (member, its averaged result)
 # (members, this rank's padded chunk of each, extra (destination, source) pairs to copy along) for a gather
 Fill = Callable[[list, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]], None]
+
+
+class GatherRow(NamedTuple):
+    """One rank-major all-gather of the buffered layout: ``members`` of one ``dtype`` on ``device``, the
+    ``trailer`` appended to each rank's input (values, or a tensor of them: ``gather_buffered``) and the input
+    as it is where the caller keeps it laid out already (``laid_out``, else None: copied in by ``fill``)."""
+
+    dtype: torch.dtype
+    device: torch.device
+    members: list
+    trailer: tuple | torch.Tensor = ()
+    laid_out: torch.Tensor | None = None
+
+
+class GatherEnds(Protocol):
+    """Both ends of a gather, which its caller provides (stage 3's unit); each layout calls the ones it uses."""
+
+    def open_full(self, members: list) -> list[torch.Tensor]:
+        """In place: each member's full flat tensor with this rank's region written (the gather fills the rest)."""
+
+    def rows(self, members: list) -> Iterable[GatherRow]:
+        """Buffered: the all-gathers that carry ``members``' shards, one per row layout (a dtype)."""
+
+    def fill(self, members: list, chunks: list[torch.Tensor], extra: list) -> None:
+        """Buffered copy-in (a :data:`Fill`), for a row whose input is not laid out already."""
+
+    def expose(self, members: list) -> None:
+        """In place, after the wait: the full tensors hold every rank's values."""
+
+    def copy_out(self, record: BufferedGather, rows: torch.Tensor) -> None:
+        """Buffered, after the wait: the gathered ``(world_size, width + trailer)`` ``rows`` into the members."""
 
 
 class Buffers(Protocol):
@@ -143,6 +185,13 @@ class InPlaceGather:
     def wait(self, what: str) -> None:
         self.comm.wait(self.work, what)
 
+    def complete(self, what: str, ends: GatherEnds) -> None:
+        self.wait(what)
+        ends.expose(self.members)
+
+    def release(self) -> None:
+        """Nothing to give back: no buffer."""
+
 
 @dataclass(eq=False)
 class BufferedGather:
@@ -172,6 +221,9 @@ class BufferedGather:
     def trailing(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[:, self.width :]
 
+    def complete(self, what: str, ends: GatherEnds) -> None:
+        ends.copy_out(self, self.wait(what))
+
     def release(self) -> None:
         """The buffers back to their source: only after the completion (and on CUDA after the compute
         stream waited for it, [Note: side streams])."""
@@ -192,6 +244,7 @@ class InPlaceReduce:
     work: Any
     results_in_full_tensors = True  # a result is a region of a full-size temporary
     sources = None  # no side stream reads the gradients: in place is gloo's layout (BufferedReduce.sources)
+    results = None  # no row of results is the caller's to keep (BufferedReduce.results)
 
     def complete(self, what: str, store: Store) -> None:
         self.comm.wait(self.work, what)
@@ -221,28 +274,36 @@ class BufferedReduce:
     # or the allocator could hand their memory to new work ([Note: side streams]); None without side streams.
     sources: list | None
     local: list[bool] | None = None  # whether this rank had each member's gradient (its own flags)
-    # Where ``output`` came from, when not ``buffers``: stage 3 keeps its results as the shard gradients
-    # ([Note: reduced rows kept] in stage3/unit.py), so its output is fresh and never goes back to a pool.
-    out_buffers: Buffers | None = None
     averaged: bool = False  # the collective averaged already ([Note: averaging in the collective])
+    # Where the summed flags go instead of being read at completion ([Note: deferred has-gradient flags] in
+    # grads/presence.py); None: read here.
+    deferred: DeferredStores | None = None
+    # ``output`` is the caller's row, not the buffers': stage 3 keeps its results as the shard gradients
+    # ([Note: reduced rows kept] in stage3/unit.py), so it never goes back to a pool.
+    kept: bool = False
+    # With ``kept``: the dtype the averaged row is cast into (one copy into a fresh row) before the results
+    # are taken as its views (stage 3's shard gradients in the master dtype); None: the output's own.
+    results_dtype: torch.dtype | None = None
+    # After a completion with ``kept``: the row whose views the results are, the caller's to keep.
+    results: torch.Tensor | None = None
     results_in_full_tensors = False  # a result is a view of the shard-sized output
 
-    def complete(
-        self, what: str, store: Store, deferred: DeferredStores | None = None, results_in: torch.Tensor | None = None
-    ) -> None:
-        """``deferred``: hand the flags, results and ``store`` over ([Note: deferred has-gradient flags] in
-        ``grads/presence.py``) instead of reading the flags here.  ``results_in``: a tensor of the output's
-        size the averaged row is copied (cast) into in one op, the results then views of it (stage 3's
-        shard gradients in the master dtype)."""
+    def complete(self, what: str, store: Store) -> None:
+        results_in = None
+        if self.kept and self.results_dtype is not None:  # allocated on the compute stream, as the row was
+            results_in = torch.empty(self.output.shape, dtype=self.results_dtype, device=self.output.device)
+        if self.kept:
+            self.results = results_in if results_in is not None else self.output
         with self.streams.reduce():  # waiting here makes the reduce stream (not compute) wait for NCCL
             self.comm.wait(self.work, what)
             numel = lambda layout: layout.local_numel  # noqa: E731
-            _average_flagged(self, self.output, store, numel, deferred, results_in)
+            _average_flagged(self, self.output, store, numel, self.deferred, results_in)
             reduced = self.streams.record()
         self.streams.wait(reduced)  # [Note: side streams]: only now may the memory be reused
         self.sources = None
         self.buffers.give(self.input)
-        (self.out_buffers or self.buffers).give(self.output)
+        if not self.kept:
+            self.buffers.give(self.output)
 
 
 @dataclass(eq=False)
@@ -414,12 +475,16 @@ def reduce_buffered(
     streams: StreamSet = NO_STREAMS,
     tag: str = "",
     grad_of: Callable[[Any], torch.Tensor | None] = _param_grad,
-    out_buffers: Buffers | None = None,
+    deferred: DeferredStores | None = None,
+    kept_row: torch.Tensor | None = None,
+    results_dtype: torch.dtype | None = None,
 ) -> BufferedReduce:
     """Copy every member's gradient (``grad_of``, as in :func:`reduce_in_place`; zeros where it has none)
-    into rank-major rows with the flags and reduce-scatter them.  Call it on the stream the copies should run on (stage 3: inside
-    ``streams.reduce()``); ``streams`` is where the completion runs.  ``out_buffers``: where this rank's
-    output row comes from, if not ``buffers`` (stage 3: fresh, its results kept as views)."""
+    into rank-major rows with the flags and reduce-scatter them.  Call it on the stream the copies should run
+    on (stage 3: inside ``streams.reduce()``); ``streams`` is where the completion runs.  ``deferred``: where
+    the completion hands the summed flags ([Note: deferred has-gradient flags]).  ``kept_row``: this rank's
+    output row, the caller's (stage 3: fresh, its results kept as views, cast first into ``results_dtype``
+    where given), else one from ``buffers``."""
     n = comm.world_size
     offsets, width = packed_offsets(m.layout.shard_numel for m in members)
     k = len(members)
@@ -431,11 +496,29 @@ def reduce_buffered(
     if release_grads:
         for member in members:
             member.param.grad = None
-    out = (out_buffers or buffers).take(width + k, dtype, buf.device)
+    if kept_row is not None:
+        assert kept_row.numel() == width + k and kept_row.dtype == dtype, "reduced row: layout mismatch"
+        out = kept_row
+    else:
+        out = buffers.take(width + k, dtype, buf.device)
     averaged = comm.averages_in_reduce_scatter  # [Note: averaging in the collective]
     work = comm.reduce_scatter(out, buf.view(-1), op="avg" if averaged else "sum", async_op=True, tag=tag)
     return BufferedReduce(
-        comm, members, offsets, width, buf, out, work, buffers, streams, sources, local, out_buffers, averaged
+        comm,
+        members,
+        offsets,
+        width,
+        buf,
+        out,
+        work,
+        buffers,
+        streams,
+        sources,
+        local,
+        averaged,
+        deferred=deferred,
+        kept=kept_row is not None,
+        results_dtype=results_dtype if kept_row is not None else None,
     )
 
 
@@ -506,3 +589,95 @@ def all_reduce_filled(comm: Comm, members: list, buffer: torch.Tensor, width: in
     offsets, packed = packed_offsets(m.layout.numel for m in members)
     assert packed == width and buffer.numel() == width + len(members), "all_reduce_filled: layout mismatch"
     return FlatAllReduce(comm, members, offsets, width, buffer, comm.all_reduce(buffer, async_op=True))
+
+
+# -- the layout of one Comm ---------------------------------------------------------------------------------
+class Layout:
+    """One of the two collective layouts ([Note: collective layouts]), chosen once per ``Comm``
+    (:func:`layout_of`): the entry of a unit's gather and of every sharded reduction.  Whatever a launch
+    returns completes the same way in both (``complete(what, ends)`` / ``complete(what, store)``)."""
+
+    def gather(self, comm: Comm, members: list, ends: GatherEnds, buffers: Buffers = FRESH, tag: str = "") -> list:
+        """Gather the members' shards into their full tensors (the members with elements; the zero-size ones
+        take part in no collective); the records in flight."""
+        raise NotImplementedError
+
+    def reduce(
+        self,
+        comm: Comm,
+        members: list,
+        dtype: torch.dtype,
+        device: torch.device,
+        release_grads: bool,
+        grad_of: Callable[[Any], torch.Tensor | None] = _param_grad,
+        tag: str = "",
+        buffers: Buffers = FRESH,
+        streams: StreamSet = NO_STREAMS,
+        deferred: DeferredStores | None = None,
+        kept_row: torch.Tensor | None = None,
+        results_dtype: torch.dtype | None = None,
+    ) -> InPlaceReduce | BufferedReduce:
+        """Average the members' gradients over the ranks, each rank keeping its own part: the arguments of
+        :func:`reduce_buffered`, of which the in-place layout uses the first ones (it needs no buffer, runs on
+        no side stream and reads its flags on the host at completion)."""
+        raise NotImplementedError
+
+    def gather_input(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A zeroed tensor of ``numel`` elements to keep shards in, laid out as this layout's gather input
+        (stage 3's flat shards: [Note: flat shards] in ``stage3/unit.py``); None where the layout gathers
+        from each member's own region (in place)."""
+        raise NotImplementedError
+
+    def kept_row(self, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A fresh output row of ``width`` elements for a reduction whose results the caller keeps as views
+        ([Note: reduced rows kept] in ``stage3/unit.py``), allocated on the current stream; None where the
+        layout has no output row (in place: a result is a region of a full gradient)."""
+        raise NotImplementedError
+
+
+class _InPlace(Layout):
+    """gloo: regions broadcast into the full tensors, gradients summed in place."""
+
+    def gather(self, comm, members, ends, buffers=FRESH, tag=""):
+        opened = [m for m in members if m.layout.numel]
+        return [gather_in_place(comm, opened, ends.open_full(opened), tag=tag)]
+
+    def reduce(self, comm, members, dtype, device, release_grads, grad_of=_param_grad, tag="", **_buffered):
+        return reduce_in_place(comm, members, dtype, device, release_grads, tag=tag, grad_of=grad_of)
+
+    def gather_input(self, numel, dtype, device):
+        return None
+
+    def kept_row(self, width, dtype, device):
+        return None
+
+
+class _Buffered(Layout):
+    """NCCL (and the fake group; gloo under ``ZERO_PLUGIN_BUFFERED_COLLECTIVES=1``): rank-major rows."""
+
+    def gather(self, comm, members, ends, buffers=FRESH, tag=""):
+        return [
+            gather_buffered(
+                comm, row.members, row.dtype, row.device, ends.fill, buffers, row.trailer, tag, row.laid_out
+            )
+            for row in ends.rows([m for m in members if m.layout.numel])
+        ]
+
+    def reduce(self, comm, members, dtype, device, release_grads, grad_of=_param_grad, tag="", **buffered):
+        return reduce_buffered(comm, members, dtype, device, release_grads, tag=tag, grad_of=grad_of, **buffered)
+
+    def gather_input(self, numel, dtype, device):
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def kept_row(self, width, dtype, device):
+        return torch.empty(width, dtype=dtype, device=device)
+
+
+IN_PLACE: Layout = _InPlace()
+BUFFERED: Layout = _Buffered()
+
+
+def layout_of(comm: Comm) -> Layout:
+    """The layout of ``comm``'s sharded collectives: the one place the choice is read
+    (``Comm.gathers_regions_in_place``, [Note: in-place region gather] in ``collectives.py``)."""
+    return IN_PLACE if comm.gathers_regions_in_place else BUFFERED

@@ -1,5 +1,5 @@
 """Quantized stage-3 collectives (ZeRO++, arXiv 2306.10209): qwZ's int8 weight all-gather and qgZ's int8
-gradient reduce-scatter, as records with the interfaces of ``layout.BufferedGather`` / ``BufferedReduce``.
+gradient reduce-scatter, as records that complete as ``layout.BufferedGather`` / ``BufferedReduce`` do.
 
 [Note: qwZ gather]
 ``ZeroConfig.quantized_weights``: a unit's gather packs this rank's padded chunks of the members of one dtype
@@ -81,6 +81,10 @@ class QuantizedGather:
         rows[:, self.width :] = packed[:, body : body + self.trailer].to(self.dtype)
         return rows
 
+    def complete(self, what: str, ends) -> None:
+        """As ``BufferedGather.complete``: the dequantized rows to the caller's ``copy_out``."""
+        ends.copy_out(self, self.wait(what))
+
     def columns(self, rows: torch.Tensor):
         for member, off in zip(self.members, self.offsets):
             yield member, rows[:, off : off + member.layout.shard_numel]
@@ -136,6 +140,7 @@ class QuantizedReduce:
     streams: StreamSet = NO_STREAMS
     sources: list | None = None
     results_in_full_tensors = False  # a result is a view of a shard-sized sum
+    results = None  # no row of results is the caller's to keep (layout.BufferedReduce.results)
 
     def complete(self, what: str, store: Store) -> None:
         with self.streams.reduce():

@@ -73,6 +73,7 @@ class GradReducer:
     ) -> None:
         self.slots = slots
         self.comm = comm
+        self.layout = comm_layout.layout_of(comm)  # [Note: collective layouts] in comm/layout.py
         self.reduce_dtype = reduce_dtype
         self.buckets = plan_buckets(slots, bucket_bytes, sharded=self.sharded)
         self._where = {id(s.param): (b, i) for b in self.buckets for i, s in enumerate(b.slots)}
@@ -283,13 +284,13 @@ class ReduceScatterReducer(GradReducer):
         kept (ZeRO-1); in place on gloo, each rank then keeps its own region ([Note: collective layouts] in ``comm/layout.py``)."""
         if self.keep_full_grad:
             self._set_aside_consumed(bucket)
-        launch = comm_layout.reduce_in_place if self.comm.gathers_regions_in_place else comm_layout.reduce_buffered
-        return launch(
+        return self.layout.reduce(
             self.comm,
             bucket.slots,
             self._buffer_dtype(bucket),
             bucket.slots[0].param.device,
             release_grads=not self.keep_full_grad,
+            deferred=self.deferred,  # buffered: the flags read at the end of backward; in place: a host tensor
         )
 
     def _set_aside_consumed(self, bucket: Bucket) -> None:
@@ -331,10 +332,7 @@ class ReduceScatterReducer(GradReducer):
         store = functools.partial(self._store, region_of_temporary=temporary)
         self._batch = _BatchedStores()  # [Note: stores batched per bucket]
         try:
-            if isinstance(pending, comm_layout.BufferedReduce):
-                pending.complete("gradient reduction", store, self.deferred)
-            else:  # in place (gloo): the flags are a host tensor already
-                pending.complete("gradient reduction", store)
+            pending.complete("gradient reduction", store)
             self._batch.run()
         finally:
             self._batch = None

@@ -30,22 +30,25 @@ from ..comm.streams import StreamSet, streams_for
 from ..config import ZeroConfig
 from ..engines.engine import Engine, EngineBasis
 from ..engines.hostmem import choose_heap_trim, host_share_used, trim_host_heap
+from ..grads.presence import DeferredStores
 from ..loading.materialize import ParamSource, owners_of, to_real
 from ..loading.quantized import is_packed_4bit
 from ..optim.master import MasterParam, copy_changed
 from ..optim.offload import host_for
 from ..tensors.flat import ShardLayout
+from .accumulate import FullGradStore
 from .hooks import Stage3Runtime
+from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .policy import assign_units
 from .pool import BufferPool
-from .secondary import SecondaryShard
 from .sliced import sliceable, sliced_unit_type
 from .state_dict_hooks import StateDictHooks, gather_to_host
 from .storage_pool import StoragePool, can_lend_storage
-from .unit import Unit
+from .tag_check import TagChecks
+from .unit import GatherMode, Unit, UnitServices, UnitSpec
 
-__all__ = ["Stage3Engine", "build_stage3_engine"]
+__all__ = ["Stage3Engine", "build_stage3_engine", "unit_specs"]
 
 
 def build_stage3_engine(
@@ -73,28 +76,55 @@ def build_stage3_engine(
         if trim:  # the unit's full tensors are freed: hand their pages back ([Note: heap trimming] in ``hostmem.py``)
             trim_host_heap()
     _broadcast_buffers(model, comm)
-    pool = BufferPool()  # one for all units: [Note: buffer reuse]
-    streams = streams_for(comm.device)  # [Note: side streams] in ``streams.py``; no-op on CPU
-    units = [
-        _make_unit(i, name, module, per_unit[i], comm, config, pool, streams)
-        for i, (name, module) in enumerate(modules)
-    ]
+    specs = unit_specs(modules, per_unit, comm, config)
+    services = UnitServices(
+        guard=OrderGuard(comm, [spec.name for spec in specs]),  # [Note: collective order]; opens the channel
+        tag_checks=TagChecks(),  # [Note: gather tag] in unit.py
+        deferred=DeferredStores(),  # [Note: deferred has-gradient flags] in grads/presence.py
+        pool=BufferPool(),  # one for all units: [Note: buffer reuse]
+        streams=streams_for(comm.device),  # [Note: side streams] in ``streams.py``; no-op on CPU
+        kept=FullGradStore() if config.accumulate_full_grads else None,  # [Note: deferred reduction]
+    )
+    units = [_make_unit(spec, services) for spec in specs]
     _lend_storage(units, config, comm.device)
-    reduce_comm = comm.sibling("stage-3 reductions")  # [Note: reductions on their own group] in hooks.py
-    for unit in units:
-        unit.reduce_comm = reduce_comm
-    _compose_zeropp(units, comm, config)
     slots = [_master_for(sharded[id(p)], names[id(p)], config) for _, p in trainable]
-    return (engine_type or Stage3Engine)(EngineBasis(model, config, comm, slots), units, sharded)
+    return (engine_type or Stage3Engine)(EngineBasis(model, config, comm, slots), units, sharded, services)
 
 
-def _make_unit(index, name, module, params, comm, config, pool, streams) -> Unit:
-    args = (index, name, module, params, comm, config.effective_reduce_dtype, pool, streams)
-    if index and sliceable(
-        module, [sp.param for sp in params], config.linear_slice_numel, _full_weight_numel(module, params)
+def unit_specs(
+    modules: list[tuple[str, nn.Module]], params: list[list[ShardedParam]], comm: Comm, config: ZeroConfig
+) -> list[UnitSpec]:
+    """Every unit's record ([Note: unit record] in unit.py), in one place: its module and sharded parameters,
+    the groups its collectives run on and ZeRO++'s switches.  Collective at setup (the reductions' sibling
+    group, hpZ's node groups)."""
+    reduce_comm = comm.sibling("stage-3 reductions")  # [Note: reductions on their own group] in hooks.py
+    k = config.resolved_secondary_shard_size(comm.world_size) if comm.world is comm else None
+    node = comm.node_group(k) if k is not None and comm.moves_data else None  # [Note: secondary shards]
+    block = config.quantization_block
+    return [
+        UnitSpec(
+            index=index,
+            name=name,
+            module=module,
+            params=params[index],
+            comm=comm,
+            reduce_comm=reduce_comm,
+            reduce_dtype=config.effective_reduce_dtype,
+            weight_block=block if config.quantized_weights else None,  # [Note: qwZ gather]
+            grad_block=block if config.quantized_gradients else None,  # [Note: qgZ reduction]
+            secondary_comm=node,
+            slice_numel=config.linear_slice_numel,
+        )
+        for index, (name, module) in enumerate(modules)
+    ]
+
+
+def _make_unit(spec: UnitSpec, services: UnitServices) -> Unit:
+    if spec.index and sliceable(
+        spec.module, [sp.param for sp in spec.params], spec.slice_numel, _full_weight_numel(spec.module, spec.params)
     ):  # [Note: sliced linear units]
-        return sliced_unit_type(module)(*args, slice_numel=config.linear_slice_numel)
-    return Unit(*args)
+        return sliced_unit_type(spec.module)(spec, services)
+    return Unit(spec, services)
 
 
 def _lend_storage(units: list[Unit], config: ZeroConfig, device: torch.device) -> None:
@@ -116,17 +146,6 @@ def _full_weight_numel(module: nn.Module, params: list[ShardedParam]) -> int:
     """The unsharded element count of ``module.weight`` (the module holds only this rank's shard)."""
     weight = getattr(module, "weight", None)
     return next((sp.layout.numel for sp in params if sp.param is weight), 0)
-
-
-def _compose_zeropp(units: list[Unit], comm: Comm, config: ZeroConfig) -> None:
-    """ZeRO++'s switches on each unit: qwZ / qgZ block sizes ([Note: qwZ gather], [Note: qgZ reduction] in
-    comm/quantized.py) and hpZ's secondary shards ([Note: secondary shards] in secondary.py)."""
-    k = config.resolved_secondary_shard_size(comm.world_size) if comm.world is comm else None
-    node = comm.node_group(k) if k is not None and comm.backend != "fake" else None
-    for unit in units:
-        unit.weight_block = config.quantization_block if config.quantized_weights else None
-        unit.grad_block = config.quantization_block if config.quantized_gradients else None
-        unit.secondary = SecondaryShard(node, unit.params) if node is not None else None
 
 
 @torch.no_grad()
@@ -195,7 +214,9 @@ class Stage3Engine(Engine):
     grads_sharded = True
     runtime_type = Stage3Runtime  # the inference engine's forward-only runtime: stage3/inference.py
 
-    def __init__(self, basis: EngineBasis, units: list[Unit], sharded: dict[int, ShardedParam]) -> None:
+    def __init__(
+        self, basis: EngineBasis, units: list[Unit], sharded: dict[int, ShardedParam], services: UnitServices
+    ) -> None:
         super().__init__(basis)
         model, config, comm, slots = basis.model, basis.config, basis.comm, basis.slots
         self.units = units
@@ -204,6 +225,7 @@ class Stage3Engine(Engine):
         self._slot_of = {id(s.param): s for s in slots}
         self.runtime = self.runtime_type(
             units,
+            services,
             config.prefetch_depth,
             config.reshard_after_forward,
             trim_heap=choose_heap_trim(
@@ -212,7 +234,6 @@ class Stage3Engine(Engine):
                 config.trim_each_unit_above,
                 host_share_used(config.local_processes(default=comm.world_size)),
             ),
-            accumulate_full_grads=config.accumulate_full_grads,
         )
         self.runtime.storage_pool = next((sp.storage_pool for sp in sharded.values() if sp.storage_pool), None)
         self.runtime.register()
@@ -233,7 +254,7 @@ class Stage3Engine(Engine):
         """Replace every unit's side streams, between steps ([Note: side streams] in streams.py): tests
         substitute a recording fake, or ``NO_STREAMS`` to run everything on the compute stream."""
         for unit in self.units:
-            unit.streams = streams
+            unit.set_streams(streams)
 
     # -- step ---------------------------------------------------------------------
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
@@ -301,7 +322,7 @@ class Stage3Engine(Engine):
         )
         opened = [u for u in units if u.state is ShardedState.SHARDED]
         for u in opened:
-            u.unshard(exact=True)  # the shards' own values, also under qwZ / hpZ (ZeRO++)
+            u.unshard(GatherMode.EXACT)  # the shards' own values, also under qwZ / hpZ (ZeRO++)
             u.tag_checks.flush()  # the user reads (and may edit) them now: [Note: gather tag] in unit.py
         # [Note: gathered edits] in optim/master.py: each rank's region as gathered, to find edited elements.
         before = (

@@ -112,16 +112,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..engines.hostmem import HeapTrim, trim_host_heap
-from ..grads.presence import DeferredStores
 from ..grads.schedule import ReductionSchedule
 from ..tensors.weak_hook import WeakHook
-from .accumulate import FullGradStore
 from .direct_reads import DirectReads, output_embedding_backbones, watch_reads
-from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .storage_pool import StoragePool
-from .tag_check import TagChecks
-from .unit import TrainingState, Unit
+from .unit import GatherMode, TrainingState, Unit, UnitServices
 
 __all__ = ["Phase", "Stage3Runtime", "needed_first", "prefetch_span", "reduction_order"]
 
@@ -190,11 +186,12 @@ class Stage3Runtime:
     def __init__(
         self,
         units: list[Unit],
+        services: UnitServices,
         prefetch_depth: int,
         reshard_after_forward: bool,
         trim_heap: HeapTrim = HeapTrim.OFF,
-        accumulate_full_grads: bool = False,
     ) -> None:
+        """``services``: what the units share ([Note: unit record] in unit.py), the runtime's too."""
         self.units = units
         self.trim_heap = trim_heap  # [Note: heap trimming] in hostmem.py (CPU only)
         self.root = units[0]
@@ -202,15 +199,11 @@ class Stage3Runtime:
         self.reshard_after_forward = reshard_after_forward
         self.forward_order: list[Unit] = []
         self._recording: list[Unit] = []
-        self.guard = OrderGuard(self.root.comm, units)  # [Note: collective order]
+        self.guard = services.guard  # [Note: collective order]
         # [Note: deferred host reads] in comm/host_reads.py: gather tags and has-gradient flags read on the
         # host once per forward / backward, not after every collective
-        self.tag_checks = TagChecks()
-        self.deferred = DeferredStores()
-        for unit in units:
-            unit.guard = self.guard
-            unit.tag_checks = self.tag_checks
-            unit.deferred = self.deferred
+        self.tag_checks = services.tag_checks
+        self.deferred = services.deferred
         self.schedule = ReductionSchedule(self._launch_reduce, self._complete_reduce, _MAX_INFLIGHT_REDUCES)
         self.schedule.start(self._reduce_order())
         self._backward_order: list[Unit] = []  # [Note: backward gather order]
@@ -223,10 +216,7 @@ class Stage3Runtime:
         self.phase = Phase.IDLE  # [Note: pending forward]
         self.require_sync = True  # False inside zp.no_sync
         # [Note: deferred reduction] in accumulate.py: under no_sync, full gradients kept instead of reduced
-        self.kept = FullGradStore() if accumulate_full_grads else None
-        if self.kept is not None:
-            for unit in units:
-                unit.grad_of = self.kept.grad_of
+        self.kept = services.kept
         self._root_depth = 0
         self.direct_reads = DirectReads()  # [Note: direct reads of the output embedding] in direct_reads.py
         self._armed: Unit | None = None  # a sliced head whose backbone returned, read whole if read directly
@@ -539,7 +529,7 @@ class Stage3Runtime:
                 unit.ensure_unsharded()
             return
         for listed in order[self._backward_cursor : position + 1]:
-            listed.ensure_unsharded(checked=False)
+            listed.ensure_unsharded(GatherMode.AGREED)
         self._backward_cursor = position + 1
 
     def pre_accumulate(self, unit: Unit, sp: ShardedParam, grad: torch.Tensor) -> None:

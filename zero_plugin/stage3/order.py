@@ -48,10 +48,11 @@ class OrderGuard:
     Every message has the same length (3 + one element per unit), so a rank at another point of the
     protocol is reported, not paired with a collective of another size."""
 
-    def __init__(self, comm: Comm, units: Sequence[Unit]) -> None:
+    def __init__(self, comm: Comm, names: Sequence[str]) -> None:
+        """``names``: every unit's name by index (made before the units: [Note: unit record] in unit.py)."""
         self.comm = comm
-        self.units = list(units)
-        self.active = comm.control_size > 1 and comm.backend != "fake"  # replicas too: [Note: control channel]
+        self.names = list(names)
+        self.active = comm.control_size > 1 and comm.moves_data  # replicas too: [Note: control channel]
         self.recording: list[Unit] = []  # the units this rank ran in the current forward (runtime's list)
         self._pending: list = []  # asynchronous comparisons not checked yet
         comm.open_control_channel()
@@ -84,24 +85,25 @@ class OrderGuard:
         seen = self._agree(
             self._message(_FORWARD_END, len(order), _fingerprint(order), backward), "order check after the forward"
         )
-        return {u for u in self.units if any(m[_HEAD + u.index] for m in seen)}
+        return {u for u in order if any(m[_HEAD + u.index] for m in seen)}  # every rank's order is this one
 
     # -- late gradients: a LateAgreement ([Note: rank-agreed reduction order] in grads/schedule.py) ----------
     def start(self, order: Sequence[Unit], late: Sequence[Unit]):
         """Issue the agreement on the units any rank got late gradients for; read by :meth:`finish`."""
         if not self.active:
-            return set(late)
+            return order, set(late)
         self.settle()
-        return self.comm.control_start(self._message(_LATE, 0, 0.0, late), "agreement on late gradients")
+        return order, self.comm.control_start(self._message(_LATE, 0, 0.0, late), "agreement on late gradients")
 
     def finish(self, handle) -> set[int]:
+        order, started = handle
         if not self.active:
-            return {id(u) for u in handle}
-        seen = self._check(self.comm.control_finish(handle))
-        return {id(u) for u in self.units if any(m[_HEAD + u.index] for m in seen)}
+            return {id(u) for u in started}
+        seen = self._check(self.comm.control_finish(started))
+        return {id(u) for u in order if any(m[_HEAD + u.index] for m in seen)}
 
     def _message(self, kind: float, value: int, fingerprint: float = 0.0, marked=()) -> tuple[float, ...]:
-        mask = [0.0] * len(self.units)
+        mask = [0.0] * len(self.names)
         for unit in marked:
             mask[unit.index] = 1.0
         return (kind, float(value), fingerprint, *mask)
@@ -118,7 +120,7 @@ class OrderGuard:
 
     def _raise(self, seen: list[tuple[float, ...]]) -> None:
         ran = [
-            [self.units[i].name for i in indices]  # every rank is here: the same list told them all
+            [self.names[i] for i in indices]  # every rank is here: the same list told them all
             for indices in self.comm.control_objects([u.index for u in self.recording])
         ]
         everywhere = set.intersection(*(set(r) for r in ran))
@@ -136,7 +138,7 @@ class OrderGuard:
     def _describe(self, message: tuple[float, ...]) -> str:
         kind, value = message[0], int(message[1])
         if kind == _GATHER:
-            return f"enters unit {value} ({self.units[value].name!r})"
+            return f"enters unit {value} ({self.names[value]!r})"
         if kind == _FORWARD_END:
             return f"ends its forward after {value} blocks"
         if kind == STATE_DICT:

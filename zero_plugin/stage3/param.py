@@ -229,13 +229,14 @@ class ShardedParam:
         """Take this rank's region of an edited full tensor (load, gathered edit)."""
         self.local.copy_(self.layout.local_view(full.detach().reshape(-1).contiguous()))
 
-    def keep_reduced(self, reduced: torch.Tensor, row: torch.Tensor) -> None:
+    def keep_reduced(self, reduced: torch.Tensor, row: torch.Tensor | None) -> None:
         """Store a reduction's result: a view of ``row`` (the unit's reduced row, fresh for this reduction and
         no one else's) becomes the shard gradient as it is, with no copy, when there is none yet and its
-        dtype and device are the shard's ([Note: reduced rows kept] in unit.py); otherwise
-        :meth:`accumulate_grad`."""
+        dtype and device are the shard's ([Note: reduced rows kept] in unit.py); otherwise (also without a
+        row: in place, qgZ, shards on the host) :meth:`accumulate_grad`."""
         if (
             self.sharded_grad is None
+            and row is not None
             and reduced._base is row
             and reduced.dtype == self.local.dtype
             and reduced.device == self.local.device

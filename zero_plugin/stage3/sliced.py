@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .param import ShardedParam, ShardedState
-from .unit import Unit
+from .unit import GatherMode, Unit, UnitServices, UnitSpec
 
 __all__ = ["SlicedEmbeddingUnit", "SlicedLinearUnit", "SlicedUnit", "sliceable", "sliced_unit_type"]
 
@@ -84,12 +84,12 @@ def sliceable(module: nn.Module, params: list[nn.Parameter], slice_numel: int, w
 class SlicedUnit(Unit):
     """A frozen layer's unit whose forward (and backward) gather one row-slice of the weight at a time."""
 
-    def __init__(self, *args, slice_numel: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, spec: UnitSpec, services: UnitServices) -> None:
+        super().__init__(spec, services)
         self.by_param = {id(sp.param): sp for sp in self.params}
         self.weight = self.by_param[id(self.module.weight)]
         rows_total, width = self.weight.shape
-        rows = max(1, slice_numel // width)
+        rows = max(1, spec.slice_numel // width)
         self.slices = [(a, min(a + rows, rows_total)) for a in range(0, rows_total, rows)]
         self.module.forward = self.forward  # an instance attribute: removed by :meth:`remove`
 
@@ -110,8 +110,8 @@ class SlicedUnit(Unit):
         ``direct_reads.py``): gathered whole, released like any unit."""
         self.unshard()
 
-    def ensure_unsharded(self, checked: bool = True) -> None:
-        if self._gather:  # an explicit unshard(async_op=True) in flight
+    def ensure_unsharded(self, mode: GatherMode = GatherMode.ON_DEMAND) -> None:
+        if self._gather:  # an explicit unshard(GatherMode.PREFETCH) in flight
             self.wait_unshard()
 
     # -- slices -------------------------------------------------------------------
@@ -154,8 +154,8 @@ class SlicedUnit(Unit):
 class SlicedLinearUnit(SlicedUnit):
     """A frozen ``nn.Linear`` unit: ``y[..., a:b] = x @ W[a:b]^T (+ b[a:b])`` and ``grad_x = sum g[..., a:b] @ W[a:b]``."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, spec: UnitSpec, services: UnitServices) -> None:
+        super().__init__(spec, services)
         self.bias = self.by_param.get(id(self.module.bias)) if self.module.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -280,7 +280,7 @@ class StateDictHooks:
             return
         guard.settle()
         comm = self.engine.comm
-        message = (call.kind, 0.0, 0.0) + (0.0,) * len(guard.units)  # the guard's message length
+        message = (call.kind, 0.0, 0.0) + (0.0,) * len(guard.names)  # the guard's message length
         try:
             seen = comm.control_exchange(message, f"agreement on {call.verb}()")
         except RuntimeError as exc:

@@ -13,6 +13,28 @@ In the buffered layout (NCCL) each pipeline runs on a side stream ([Note: side s
 ``zero_plugin/comm/streams.py``); the compute stream waits for it only before the result is used, and buffers
 go back to the pool (and full gradients are let go) only after that wait.
 
+[Note: unit record]
+A unit is built complete from one frozen ``UnitSpec`` (what this unit is: its index, module, parameters,
+groups, reduce dtype and ZeRO++ switches, made by the engine in one place, ``engine.unit_specs``) and the
+``UnitServices`` every unit of one engine shares (the order guard, the gather-tag checks, the deferred
+stores, the buffer pool, the side streams and, with ``accumulate_full_grads``, the kept full gradients),
+made by the engine before the units and handed to the runtime too.  Nothing outside this module assigns a
+unit's attributes afterwards; the one knob that changes between steps has a named setter
+(``set_streams``).  A gather says what it is with one ``GatherMode``: on demand (checked with the peers
+first), in an order the ranks agreed already, a prefetch (not waited for), or exact (the shards' own
+values, never qwZ-quantized nor from hpZ's secondary shard).  Which collective layout a gather or a
+reduction uses is the ``Layout`` of its ``Comm`` ([Note: collective layouts] in ``comm/layout.py``),
+read once here; the unit completes every record the same way.
+
+[Note: reduced rows kept]
+In the buffered layout a reduction's output row (this rank's averaged chunks, then the flags) is allocated
+fresh by the unit on the compute stream (``Layout.kept_row``) instead of taken from the pool, and the
+shard gradients become views of it (``ShardedParam.keep_reduced``): no copy-out per parameter.  Where the
+shards are stored in another dtype than the reduction's (fp32 masters of a bf16 reduction) the averaged
+row is cast once into a fresh row of that dtype first (``BufferedReduce.results_dtype``).  Not with qgZ
+(its sum is not a row of ours) nor for shards on the host (``offload_params``): there each result is
+added into the shard gradient (``accumulate_grad``).
+
 [Note: unit transitions]
 The runtime's hooks (``hooks.py``) tell a unit where the step is; the unit decides what that means for it:
   * ``pre_forward``: gathered (waiting for a prefetch in flight);
@@ -54,6 +76,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -61,15 +84,24 @@ from torch import nn
 from ..comm import layout as comm_layout
 from ..comm import quantized
 from ..comm.collectives import Comm
-from ..comm.streams import NO_STREAMS, StreamSet
+from ..comm.streams import StreamSet
 from ..grads.presence import DeferredStores
+from .accumulate import FullGradStore
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .pool import BufferPool
 from .secondary import SecondaryShard
 from .tag_check import TagChecks, tag_of
 
-__all__ = ["Unit", "TrainingState", "released_after_forward", "released_at_reduce"]
+__all__ = [
+    "GatherMode",
+    "TrainingState",
+    "Unit",
+    "UnitServices",
+    "UnitSpec",
+    "released_after_forward",
+    "released_at_reduce",
+]
 
 _TAG = 2  # elements appended to each rank's all-gather input: the unit's index ([Note: gather tag])
 
@@ -84,6 +116,75 @@ def released_at_reduce(is_root: bool, backward_ran: bool, inputs_hooked: bool) -
     """Whether launching a unit's reduction releases it: not the root (the final callback does), and only
     once its backward ran or where nothing reports that it ran ([Note: unit transitions])."""
     return not is_root and (backward_ran or not inputs_hooked)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitSpec:
+    """What one unit is ([Note: unit record]); built by the engine (``engine.unit_specs``)."""
+
+    index: int
+    """Position in the engine's unit list, and the unit's gather tag; 0 is the root ([Note: root unit] in
+    ``hooks.py``)."""
+    name: str
+    """The module's qualified name (errors, collective tags)."""
+    module: nn.Module
+    """The module whose forward gathers the unit."""
+    params: list[ShardedParam]
+    """The parameters the unit owns (``policy.assign_units``), in the model's order."""
+    comm: Comm
+    """The group the unit's gathers run on."""
+    reduce_comm: Comm
+    """The group its reductions run on: a sibling of ``comm`` ([Note: reductions on their own group] in
+    ``hooks.py``)."""
+    reduce_dtype: torch.dtype | None
+    """``ZeroConfig.effective_reduce_dtype``; None: each parameter's compute dtype."""
+    weight_block: int | None = None
+    """qwZ: int8 block size of the gathers ([Note: qwZ gather] in ``comm/quantized.py``); None: off."""
+    grad_block: int | None = None
+    """qgZ: int8 block size of the reductions ([Note: qgZ reduction] in ``comm/quantized.py``); None: off."""
+    secondary_comm: Comm | None = None
+    """hpZ: the node's group the secondary shard is gathered over ([Note: secondary shards] in
+    ``secondary.py``); None: off."""
+    slice_numel: int = 0
+    """Sliced units only: elements of the weight per row-slice ([Note: sliced linear units] in ``sliced.py``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitServices:
+    """What every unit of one engine shares, made once before the units ([Note: unit record])."""
+
+    guard: OrderGuard
+    """Checks each on-demand gather with the peers first ([Note: collective order] in ``order.py``)."""
+    tag_checks: TagChecks
+    """[Note: gather tag] checks in flight, read on the host without stalling it."""
+    deferred: DeferredStores
+    """Reductions' stores that wait for the has-gradient flags ([Note: deferred has-gradient flags] in
+    ``grads/presence.py``)."""
+    pool: BufferPool
+    """The flat blocks of the buffered layout's collectives ([Note: buffer reuse] in ``pool.py``)."""
+    streams: StreamSet
+    """The side streams of the buffered layout ([Note: side streams] in ``comm/streams.py``)."""
+    kept: FullGradStore | None = None
+    """``ZeroConfig.accumulate_full_grads``: the full gradients kept under ``zp.no_sync``, which a reduction
+    sends ([Note: deferred reduction] in ``accumulate.py``); None: off."""
+
+
+class GatherMode(enum.Enum):
+    """How a unit is gathered ([Note: unit record]): who keeps the gather paired with the peers', whether
+    the caller waits for it, and which values it moves."""
+
+    ON_DEMAND = "on_demand"  # the ranks compare it before the payload goes out ([Note: collective order]); waited
+    AGREED = "agreed"  # in an order every rank agreed already (the backward list: [Note: backward gather order])
+    PREFETCH = "prefetch"  # in an agreed order, not waited for: ``wait_unshard`` / ``ensure_unsharded`` later
+    EXACT = "exact"  # as ON_DEMAND, of the shards' own values, not qwZ's nor hpZ's (``zp.gathered_parameters``)
+
+    @property
+    def checked(self) -> bool:
+        return self in (GatherMode.ON_DEMAND, GatherMode.EXACT)
+
+    @property
+    def waits(self) -> bool:
+        return self is not GatherMode.PREFETCH
 
 
 class TrainingState(enum.Enum):
@@ -104,49 +205,48 @@ _LEGAL = {
 
 
 class Unit:
-    def __init__(
-        self,
-        index: int,
-        name: str,
-        module: nn.Module,
-        params: list[ShardedParam],
-        comm: Comm,
-        reduce_dtype: torch.dtype | None,
-        pool: BufferPool | None = None,
-        streams: StreamSet = NO_STREAMS,
-    ) -> None:
-        self.index = index
-        self.name = name
-        self.module = module
-        self.params = params
-        self.trainable = [sp for sp in params if sp.param.requires_grad]
-        self.comm = comm
-        # [Note: reductions on their own group]: set by the engine; the gathers' group until then
-        self.reduce_comm = comm
-        self.reduce_dtype = reduce_dtype
-        self.pool = pool if pool is not None else BufferPool()  # [Note: buffer reuse]
-        self.streams = streams  # [Note: side streams] in ``streams.py``
-        self._flat = _flat_shards(index, params, comm)  # [Note: flat shards]: per compute dtype
+    """A stage-3 unit, complete from its ``UnitSpec`` and the engine's ``UnitServices`` ([Note: unit record])."""
+
+    def __init__(self, spec: UnitSpec, services: UnitServices) -> None:
+        self.spec = spec
+        self.index = spec.index
+        self.name = spec.name
+        self.module = spec.module
+        self.params = spec.params
+        self.trainable = [sp for sp in spec.params if sp.param.requires_grad]
+        self.comm = spec.comm
+        self.reduce_comm = spec.reduce_comm  # [Note: reductions on their own group] in hooks.py
+        self.reduce_dtype = spec.reduce_dtype
+        # [Note: collective layouts] in comm/layout.py: read once, per group
+        self.layout = comm_layout.layout_of(spec.comm)
+        self.reduce_layout = comm_layout.layout_of(spec.reduce_comm)
+        self.guard = services.guard  # [Note: collective order]
+        self.tag_checks = services.tag_checks  # [Note: gather tag], shared by the engine's units
+        self.deferred = services.deferred  # [Note: deferred has-gradient flags] in grads/presence.py
+        self.pool = services.pool  # [Note: buffer reuse]
+        self.streams = services.streams  # [Note: side streams] in ``streams.py``
+        # What a reduction sends for a parameter: its param.grad, or with kept gradients the engine's
+        # FullGradStore.grad_of ([Note: deferred reduction] in accumulate.py)
+        self.grad_of = services.kept.grad_of if services.kept is not None else _param_grad
+        # ZeRO++ ([Note: qwZ gather], [Note: qgZ reduction] in comm/quantized.py, [Note: secondary shards] in
+        # secondary.py); None = off
+        self.weight_block = spec.weight_block
+        self.grad_block = spec.grad_block
+        self.secondary = SecondaryShard(spec.secondary_comm, spec.params) if spec.secondary_comm is not None else None
+        self._flat = _flat_shards(spec.index, spec.params, self.layout)  # [Note: flat shards]: per compute dtype
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.ready: set[int] = set()  # id(param) of trainable params whose grad is final
         self._reduced = False  # this backward's reduce-scatter was launched
         self._inputs_hooked = False  # a post-backward hook sits on this forward's inputs
-        self._gather: list[comm_layout.InPlaceGather | comm_layout.BufferedGather] = []
-        self.guard: OrderGuard | None = None  # set by the runtime: [Note: collective order]
-        # [Note: gather tag] checks in flight, shared by the runtime's units; and the runtime's stores that wait
-        # for the has-gradient flags ([Note: deferred has-gradient flags] in grads/presence.py), None: read at once
-        self.tag_checks = TagChecks()
+        self._gather: list = []  # the gather's records in flight ([Note: collective layouts])
         self._tags: dict[torch.dtype, torch.Tensor] = {}  # [Note: gather tag] per dtype, for the buffered layout
-        self.deferred: DeferredStores | None = None
-        # What a reduction sends for a parameter: its param.grad, or with kept gradients the runtime's
-        # FullGradStore.grad_of ([Note: deferred reduction] in accumulate.py)
-        self.grad_of = _param_grad
-        # ZeRO++, set by the engine: int8 block sizes of qwZ / qgZ ([Note: qwZ gather], [Note: qgZ reduction] in
-        # comm/quantized.py), hpZ's secondary shard ([Note: secondary shards] in secondary.py); None = off
-        self.weight_block: int | None = None
-        self.grad_block: int | None = None
-        self.secondary: SecondaryShard | None = None
+        self._ends = _UnitEnds(self)
+
+    def set_streams(self, streams: StreamSet) -> None:
+        """Replace the side streams, between steps ([Note: side streams] in streams.py): tests substitute a
+        recording fake, or ``NO_STREAMS`` to run everything on the compute stream."""
+        self.streams = streams
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name!r}, {self.state.value})"
@@ -264,9 +364,10 @@ class Unit:
         """Unsharded, or with a gather in flight (its memory is held either way)."""
         return self.state is ShardedState.UNSHARDED or bool(self._gather)
 
-    def ensure_unsharded(self, checked: bool = True) -> None:
+    def ensure_unsharded(self, mode: GatherMode = GatherMode.ON_DEMAND) -> None:
+        assert mode.waits, f"unit {self.name!r}: ensure_unsharded waits; prefetch() does not"
         if self.state is ShardedState.SHARDED:
-            self.unshard(async_op=False, checked=checked)
+            self.unshard(mode)
         elif self._gather:
             self.wait_unshard()
 
@@ -274,91 +375,64 @@ class Unit:
         """Start this unit's gather without waiting; the caller's order keeps it paired ([Note: collective
         order] in order.py)."""
         if self.state is ShardedState.SHARDED and not self._gather:
-            self.unshard(async_op=True, checked=False)
+            self.unshard(GatherMode.PREFETCH)
 
     @torch.no_grad()
-    def unshard(self, async_op: bool = False, checked: bool = True, exact: bool = False) -> None:
-        """``checked=False``: the caller's protocol already keeps this gather paired ([Note: collective
-        order] in order.py); otherwise the ranks compare it before the payload goes out.  ``exact``: gather
-        the shards themselves, neither quantized nor from a secondary shard (``zp.gathered_parameters``)."""
+    def unshard(self, mode: GatherMode = GatherMode.ON_DEMAND) -> None:
+        """Gather the unit as ``mode`` says ([Note: unit record]); a gather in flight is waited for unless
+        ``mode`` is a prefetch."""
         if self.state is ShardedState.UNSHARDED or self._gather:
-            if not async_op:
+            if mode.waits:
                 self.wait_unshard()
             return
-        if checked and self.guard is not None:  # [Note: collective order]: nothing sent before ranks agree
+        if mode.checked:  # [Note: collective order]: nothing sent before ranks agree
             self.guard.before_gather(self)
+        exact = mode is GatherMode.EXACT
         if self.secondary is not None and self.secondary.kept and not exact:
             self._gather.extend(self.secondary.gather(self._tag(), self.name))  # [Note: secondary shards]
-        elif self.comm.gathers_regions_in_place and (self.weight_block is None or exact):
-            self._gather_in_place()
+        elif self.weight_block is not None and not exact:
+            self._gather_quantized()  # [Note: qwZ gather]
         else:
-            self._gather_buffered(quantize=not exact)
-        if not async_op:
+            with self.streams.gather():  # after the compute stream's writes to the shards (the last step)
+                self._gather.extend(self.layout.gather(self.comm, self.params, self._ends, self.pool, self.name))
+        if mode.waits:
             self.wait_unshard()
 
-    def _gather_in_place(self) -> None:
-        """gloo: every rank's region is broadcast straight into the unsharded tensors."""
-        opened = [sp for sp in self.params if sp.layout.numel]
-        flats = [sp.open_unsharded() for sp in opened]
-        self._gather.append(comm_layout.gather_in_place(self.comm, opened, flats, tag=self.name))
-
-    def _gather_buffered(self, quantize: bool = True) -> None:
-        with self.streams.gather():  # after the compute stream's writes to the shards (the last step)
+    def _gather_quantized(self) -> None:
+        with self.streams.gather():
             for dtype, group in _by_dtype(self.params, lambda sp: sp.unsharded.dtype).items():
-                if self.weight_block is not None and quantize:  # [Note: qwZ gather]
-                    self._gather.append(self._gather_quantized(group, dtype))
-                    continue
-                flat = self._flat.get(dtype)  # [Note: flat shards]: the input as it is, no copy-in
+                device = group[0].unsharded.device
                 self._gather.append(
-                    comm_layout.gather_buffered(
+                    quantized.gather_quantized(
                         self.comm,
                         group,
                         dtype,
-                        group[0].unsharded.device,
-                        ShardedParam.copy_locals_into,
-                        self.pool,
-                        trailer=self._tag() if flat is not None else self._tag_on(dtype, group[0].unsharded.device),
-                        tag=self.name,
-                        laid_out=flat,
+                        device,
+                        ShardedParam.copy_local_into,
+                        self.weight_block,
+                        self._tag(),
+                        self.name,
                     )
                 )
 
-    def _gather_quantized(self, group: list[ShardedParam], dtype: torch.dtype) -> quantized.QuantizedGather:
-        device = group[0].unsharded.device
-        return quantized.gather_quantized(
-            self.comm, group, dtype, device, ShardedParam.copy_local_into, self.weight_block, self._tag(), self.name
-        )
-
     @torch.no_grad()
     def wait_unshard(self) -> None:
+        """The gather's completion: the records' values into the parameters (``_UnitEnds``), on the gather
+        stream; the compute stream waits for it before the parameters are used, and buffers return to the
+        pool only after that wait ([Note: side streams] in ``streams.py``)."""
         pending, self._gather = self._gather, []
-        if pending and isinstance(pending[0], comm_layout.InPlaceGather):
-            self._expose_in_place(pending[0])
-        elif pending:
-            self._copy_out(pending)
+        if pending:
+            with self.streams.gather():
+                for p in pending:
+                    p.complete(f"all-gather of unit {self.name!r}", self._ends)
+                copied = self.streams.record()
+            self.streams.wait(copied)
+            for p in pending:
+                p.release()
         for sp in self.params:  # zero-size parameters take part in no collective
             if sp.layout.numel == 0 and sp.state is ShardedState.SHARDED:
                 sp.to_unsharded(torch.empty(self.comm.world_size, 0, dtype=sp.unsharded.dtype))
         self.state = ShardedState.UNSHARDED
-
-    def _expose_in_place(self, pending: comm_layout.InPlaceGather) -> None:
-        pending.wait(f"all-gather of unit {self.name!r}")
-        for sp in pending.members:
-            sp.expose()
-
-    def _copy_out(self, pending: list[comm_layout.BufferedGather]) -> None:
-        """Buffered layout: copy-out on the gather stream, then the compute stream waits for it before the
-        parameters are used; buffers return to the pool only after that wait ([Note: side streams] in ``streams.py``)."""
-        with self.streams.gather():
-            for p in pending:
-                rows = p.wait(f"all-gather of unit {self.name!r}")
-                params = [getattr(m, "sp", m) for m in p.members]  # hpZ's members wrap the ShardedParam
-                layouts = [m.layout for m in p.members]
-                self._check_tags(ShardedParam.all_to_unsharded(params, layouts, rows, p.trailer))
-            copied = self.streams.record()
-        self.streams.wait(copied)
-        for p in pending:
-            p.release()
 
     def _tag(self) -> tuple[int, int]:
         return tag_of(self.index)
@@ -377,7 +451,7 @@ class Unit:
     def _check_tags(self, tags: torch.Tensor) -> None:
         """[Note: gather tag]: every rank's trailing elements must be this unit's index; checked without
         stalling the host (``tag_check.py``)."""
-        if self.comm.backend == "fake":
+        if not self.comm.moves_data:
             return  # torch's fake process group (memory planning) moves no data
         self.tag_checks.add(self.index, self.name, tags)
 
@@ -397,96 +471,128 @@ class Unit:
         return len(self.ready) >= len(self.trainable)
 
     @torch.no_grad()
-    def reduce_grads(self) -> list[comm_layout.InPlaceReduce | comm_layout.BufferedReduce | quantized.QuantizedReduce]:
+    def reduce_grads(self) -> list:
         """Launch the reduce-scatter of this unit's full grads (missing ones count as zeros); the full
         gradients are let go (the records hold them until the reductions complete)."""
         self._reduced = True
         groups = _by_dtype(self.trainable, lambda sp: self.reduce_dtype or sp.unsharded.dtype)
-        common = {"release_grads": True, "tag": self.name, "grad_of": self.grad_of}
         if self.grad_block is not None:  # [Note: qgZ reduction]
-            launch, extra = quantized.reduce_quantized, {"block": self.grad_block, "streams": self.streams}
-        elif self.reduce_comm.gathers_regions_in_place:
-            return [
-                comm_layout.reduce_in_place(self.reduce_comm, group, dtype, group[0].unsharded.device, **common)
-                for dtype, group in groups.items()
-            ]
-        else:
-            launch, extra = comm_layout.reduce_buffered, {"buffers": self.pool, "streams": self.streams}
+            with self.streams.reduce():  # after the compute stream's backward wrote the gradients
+                return [self._reduce_quantized(group, dtype) for dtype, group in groups.items()]
         rows = {dtype: self._kept_row(group, dtype) for dtype, group in groups.items()}
         with self.streams.reduce():  # after the compute stream's backward wrote the gradients
             return [
-                launch(
+                self.reduce_layout.reduce(
                     self.reduce_comm,
                     group,
                     dtype,
                     group[0].unsharded.device,
-                    **common,
-                    **extra,
-                    **({"out_buffers": _Given(rows[dtype])} if rows[dtype] is not None else {}),
+                    release_grads=True,
+                    grad_of=self.grad_of,
+                    tag=self.name,
+                    buffers=self.pool,
+                    streams=self.streams,
+                    deferred=self.deferred,
+                    kept_row=rows[dtype],
+                    results_dtype=_results_dtype(group, dtype) if rows[dtype] is not None else None,
                 )
                 for dtype, group in groups.items()
             ]
 
+    def _reduce_quantized(self, group: list[ShardedParam], dtype: torch.dtype) -> quantized.QuantizedReduce:
+        return quantized.reduce_quantized(
+            self.reduce_comm,
+            group,
+            dtype,
+            group[0].unsharded.device,
+            release_grads=True,
+            block=self.grad_block,
+            streams=self.streams,
+            tag=self.name,
+            grad_of=self.grad_of,
+        )
+
     def _kept_row(self, group: list[ShardedParam], dtype: torch.dtype) -> torch.Tensor | None:
-        """[Note: reduced rows kept]: a fresh output row for a buffered reduction whose results become the
-        shard gradients, allocated here on the compute stream; None where they cannot (qgZ, shards on the
-        host)."""
-        if self.grad_block is not None or self.reduce_comm.gathers_regions_in_place:
-            return None
+        """[Note: reduced rows kept]: a fresh output row for a reduction whose results become the shard
+        gradients, allocated here on the compute stream; None where they cannot (shards on the host) or the
+        layout has no output row (in place)."""
         device = group[0].unsharded.device
         if any(sp.local.device != device for sp in group):
             return None
         width = sum(sp.layout.shard_numel for sp in group) + len(group)
-        return torch.empty(width, dtype=dtype, device=device)
+        return self.reduce_layout.kept_row(width, dtype, device)
 
     @torch.no_grad()
-    def complete_reduce(self, pending: comm_layout.InPlaceReduce | comm_layout.BufferedReduce) -> None:
-        what = f"reduce-scatter of unit {self.name!r}"
-        if isinstance(pending, comm_layout.BufferedReduce) and isinstance(pending.out_buffers, _Given):
-            row = pending.output  # [Note: reduced rows kept]
-            dtypes = {sp.local.dtype for sp in pending.members}
-            if len(dtypes) == 1 and row.dtype not in dtypes:  # masters in another dtype: one cast per row
-                row = torch.empty(row.shape, dtype=dtypes.pop(), device=row.device)
-            store = functools.partial(ShardedParam.keep_reduced, row=row)
-            pending.complete(what, store, self.deferred, results_in=row if row is not pending.output else None)
-        elif isinstance(pending, comm_layout.BufferedReduce):
-            pending.complete(what, ShardedParam.accumulate_grad, self.deferred)
-        else:  # in place (gloo): the flags are a host tensor already
-            pending.complete(what, ShardedParam.accumulate_grad)
+    def complete_reduce(self, pending) -> None:
+        """One completion for every record ([Note: collective layouts]): a result that is a view of the
+        record's kept row becomes the shard gradient as it is, any other is added into it ([Note: reduced
+        rows kept])."""
+        pending.complete(f"reduce-scatter of unit {self.name!r}", functools.partial(_store_reduced, pending))
 
 
-class _Given:
-    """A reduction's output row allocated by the unit ([Note: reduced rows kept]): handed out once, never
-    taken back."""
+class _UnitEnds:
+    """Both ends of a unit's gather (``comm_layout.GatherEnds``); each layout calls the ones it uses."""
 
-    def __init__(self, row: torch.Tensor) -> None:
-        self.row = row
+    def __init__(self, unit: Unit) -> None:
+        self.unit = unit
 
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        assert self.row.numel() == numel and self.row.dtype == dtype, "reduced row: layout mismatch"
-        return self.row
+    @staticmethod
+    def open_full(members: list[ShardedParam]) -> list[torch.Tensor]:
+        """In place (gloo): every rank's region is broadcast straight into the unsharded tensors."""
+        return [sp.open_unsharded() for sp in members]
 
-    def give(self, tensor: torch.Tensor | None) -> None:
-        pass
+    def rows(self, members: list[ShardedParam]):
+        """Buffered: one all-gather per compute dtype, sent as it is where the shards are its input already
+        ([Note: flat shards]), else copied in with the tag."""
+        unit = self.unit
+        for dtype, group in _by_dtype(members, lambda sp: sp.unsharded.dtype).items():
+            device = group[0].unsharded.device
+            flat = unit._flat.get(dtype)  # [Note: flat shards]: the input as it is, no copy-in
+            trailer = unit._tag() if flat is not None else unit._tag_on(dtype, device)
+            yield comm_layout.GatherRow(dtype, device, group, trailer, flat)
+
+    fill = staticmethod(ShardedParam.copy_locals_into)
+
+    @staticmethod
+    def expose(members: list[ShardedParam]) -> None:
+        for sp in members:
+            sp.expose()
+
+    def copy_out(self, record, rows: torch.Tensor) -> None:
+        params = [getattr(m, "sp", m) for m in record.members]  # hpZ's members wrap the ShardedParam
+        layouts = [m.layout for m in record.members]
+        self.unit._check_tags(ShardedParam.all_to_unsharded(params, layouts, rows, record.trailer))
+
+
+def _results_dtype(group: list[ShardedParam], dtype: torch.dtype) -> torch.dtype | None:
+    """[Note: reduced rows kept]: the shards' one storage dtype where it is not the reduction's (masters in
+    another dtype: one cast per row), else None."""
+    dtypes = {sp.local.dtype for sp in group}
+    return dtypes.pop() if len(dtypes) == 1 and dtype not in dtypes else None
+
+
+def _store_reduced(pending, sp: ShardedParam, reduced: torch.Tensor) -> None:
+    sp.keep_reduced(reduced, row=pending.results)
 
 
 def _param_grad(sp: ShardedParam) -> torch.Tensor | None:
     return sp.param.grad
 
 
-def _flat_shards(index: int, params: list[ShardedParam], comm: Comm) -> dict[torch.dtype, torch.Tensor]:
-    """[Note: flat shards]: in the buffered layout, the shards of each compute dtype whose storage is already
-    that dtype on the compute device, moved side by side into one tensor laid out as the all-gather's input
-    (each padded chunk at its packed offset, then the unit's tag); ``{dtype: that tensor}``."""
-    if comm.gathers_regions_in_place:
-        return {}
+def _flat_shards(index: int, params: list[ShardedParam], layout: comm_layout.Layout) -> dict[torch.dtype, torch.Tensor]:
+    """[Note: flat shards]: where the layout gathers from a laid-out input (buffered), the shards of each
+    compute dtype whose storage is already that dtype on the compute device, moved side by side into one
+    tensor laid out as the all-gather's input (each padded chunk at its packed offset, then the unit's tag);
+    ``{dtype: that tensor}``."""
     flats = {}
     for dtype, group in _by_dtype(params, lambda sp: sp.unsharded.dtype).items():
         device = group[0].unsharded.device
         if any(sp.local.dtype != dtype or sp.local.device != device for sp in group):
             continue  # cast or copied from the host at each gather (mixed precision, offload_params)
         offsets, width = comm_layout.packed_offsets(sp.layout.shard_numel for sp in group)
-        flat = torch.zeros(width + _TAG, dtype=dtype, device=device)
+        flat = layout.gather_input(width + _TAG, dtype, device)
+        if flat is None:
+            return {}  # in place: each rank's region goes straight into the full tensors
         for j, value in enumerate(tag_of(index)):
             flat[width + j] = value
         for sp, off in zip(group, offsets):
