@@ -622,10 +622,28 @@ class Layout:
         no side stream and reads its flags on the host at completion)."""
         raise NotImplementedError
 
+    def side_streams(self, streams: StreamSet) -> StreamSet:
+        """The side streams this layout's collectives and copies run on ([Note: side streams] in
+        ``streams.py``): ``streams`` when buffered, none in place (gloo: CPU tensors, nothing to overlap)."""
+        raise NotImplementedError
+
     def gather_input(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """A zeroed tensor of ``numel`` elements to keep shards in, laid out as this layout's gather input
         (stage 3's flat shards: [Note: flat shards] in ``stage3/unit.py``); None where the layout gathers
         from each member's own region (in place)."""
+        raise NotImplementedError
+
+    def gather_spans(self, comm: Comm, flat: torch.Tensor, spans: Sequence[tuple[int, int]], tag: str = "") -> None:
+        """Synchronous: ``spans[r]`` is the ``[a, b)`` of ``flat`` that rank r holds up to date (this rank's is
+        written already; the same spans on every rank); afterwards every rank's ``flat`` holds all of them
+        (stage 3's row-slices, [Note: sliced linear units] in ``stage3/sliced.py``)."""
+        raise NotImplementedError
+
+    def gather_shards(
+        self, comm: Comm, local: torch.Tensor, layout: ShardLayout, device: torch.device, tag: str = ""
+    ) -> torch.Tensor:
+        """Synchronous: every rank's ``local`` region (flat) of one tensor sharded as ``layout``, as one flat
+        tensor on ``device`` of at least ``layout.numel`` elements, the values first (state dicts)."""
         raise NotImplementedError
 
     def kept_row(self, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -644,6 +662,24 @@ class _InPlace(Layout):
 
     def reduce(self, comm, members, dtype, device, release_grads, grad_of=_param_grad, tag="", **_buffered):
         return reduce_in_place(comm, members, dtype, device, release_grads, tag=tag, grad_of=grad_of)
+
+    def gather_spans(self, comm, flat, spans, tag=""):
+        comm.gather_regions([[flat[a:b]] for a, b in spans], tag=tag)
+
+    def gather_shards(self, comm, local, layout, device, tag=""):
+        """Each rank's region broadcast straight into the result, so nothing but the result is allocated:
+        gloo's worker thread may drop its reference to a collective's tensors after ``wait`` returns, and a
+        temporary it still holds would outlive the call."""
+        full = torch.empty(layout.numel, dtype=local.dtype, device=device)
+        lo, hi = layout.bounds()
+        full[lo:hi].copy_(local[: hi - lo])
+        comm.gather_regions(
+            [[full.narrow(0, a, b - a)] for a, b in map(layout.bounds, range(comm.world_size))], tag=tag
+        )
+        return full
+
+    def side_streams(self, streams):
+        return NO_STREAMS
 
     def gather_input(self, numel, dtype, device):
         return None
@@ -665,6 +701,28 @@ class _Buffered(Layout):
 
     def reduce(self, comm, members, dtype, device, release_grads, grad_of=_param_grad, tag="", **buffered):
         return reduce_buffered(comm, members, dtype, device, release_grads, tag=tag, grad_of=grad_of, **buffered)
+
+    def gather_spans(self, comm, flat, spans, tag=""):
+        """Each rank's span padded to the longest, all-gathered as rows, copied out span by span."""
+        own_a, own_b = spans[comm.rank]
+        width = max(b - a for a, b in spans)
+        inp = flat.new_zeros(width)
+        inp[: own_b - own_a].copy_(flat[own_a:own_b])
+        rows = flat.new_empty(comm.world_size, width)
+        comm.all_gather(rows.view(-1), inp, tag=tag)
+        for r, (a, b) in enumerate(spans):
+            flat[a:b].copy_(rows[r, : b - a])
+
+    def gather_shards(self, comm, local, layout, device, tag=""):
+        """The padded chunks all-gathered rank-major on ``device``: the full tensor, then the padding."""
+        padded = torch.zeros(layout.shard_numel, dtype=local.dtype, device=device)
+        padded[: local.numel()].copy_(local)
+        out = torch.empty(layout.padded_numel, dtype=local.dtype, device=device)
+        comm.all_gather(out, padded, tag=tag)
+        return out
+
+    def side_streams(self, streams):
+        return streams
 
     def gather_input(self, numel, dtype, device):
         return torch.zeros(numel, dtype=dtype, device=device)

@@ -15,9 +15,10 @@ weight is one slice instead of the whole matrix; the price is a second gather of
 backward (the runtime keeps a whole last unit from forward to backward instead, [Note: last unit
 kept] in ``hooks.py``), i.e. one more all-gather of the layer per step.
 
-Each slice is an all-gather of every rank's part of the slice's flat range ``[a*H, b*H)``: on gloo
-the parts are broadcast straight into the slice buffer (``Comm.gather_regions``, as a unit's in-place
-gather), elsewhere each rank's part is padded to the longest part and all-gathered.  Every rank runs
+Each slice is an all-gather of every rank's part of the slice's flat range ``[a*H, b*H)``
+(``Layout.gather_spans`` of the unit's group): on gloo the parts are broadcast straight into the slice
+buffer (``Comm.gather_regions``, as a unit's in-place gather), elsewhere each rank's part is padded to the
+longest part and all-gathered.  Every rank runs
 the same slices in the same order at the same point of the step (the unit's own forward or
 backward), so they pair like any gather.
 
@@ -137,17 +138,8 @@ class SlicedUnit(Unit):
         own_lo, own_hi = parts[rank]
         start = sp.layout.bounds()[0]
         buf[own_lo - lo : own_hi - lo].copy_(sp.local[own_lo - start : own_hi - start])
-        tag = f"{self.name}[{lo}:{hi}]"
-        if self.comm.gathers_regions_in_place:
-            self.comm.gather_regions([[buf[p_lo - lo : p_hi - lo]] for p_lo, p_hi in parts], tag=tag)
-            return buf
-        width = max(p_hi - p_lo for p_lo, p_hi in parts)
-        inp = buf.new_zeros(width)
-        inp[: own_hi - own_lo].copy_(buf[own_lo - lo : own_hi - lo])
-        rows = buf.new_empty(world, width)
-        self.comm.all_gather(rows.view(-1), inp, tag=tag)
-        for r, (p_lo, p_hi) in enumerate(parts):
-            buf[p_lo - lo : p_hi - lo].copy_(rows[r, : p_hi - p_lo])
+        spans = [(p_lo - lo, p_hi - lo) for p_lo, p_hi in parts]
+        self.layout.gather_spans(self.comm, buf, spans, tag=f"{self.name}[{lo}:{hi}]")
         return buf
 
 

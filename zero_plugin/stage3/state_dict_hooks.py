@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import nn
 
+from ..comm.layout import layout_of
 from .order import LOAD_STATE_DICT, STATE_DICT
 from .param import ShardedParam, ShardedState
 
@@ -69,34 +70,16 @@ _KINDS = {
 @torch.no_grad()
 def gather_to_host(comm, source: torch.Tensor, sp: ShardedParam, device: torch.device) -> torch.Tensor:
     """Collective: every rank's region of ``sp`` (``source``: this rank's region, the shard or its master)
-    as one full tensor on the CPU.  Where the group gathers regions in place (gloo), each rank's region is
-    broadcast straight into the result, so nothing but the result is allocated: gloo's worker thread may
-    drop its reference to a collective's tensors after ``wait`` returns, and a temporary it still holds
-    would outlive the call.  Elsewhere the padded rows are gathered on ``device`` (the shards may live on
-    the host with ``offload_params``) and copied once to a fresh host tensor."""
+    as one full tensor on the CPU, gathered on ``device`` (the shards may live on the host with
+    ``offload_params``) by the group's layout (``Layout.gather_shards``: in place on gloo, nothing but the
+    result allocated) and copied once to a fresh host tensor unless it is one already."""
     layout, flat = sp.layout, source.detach().reshape(-1)
     if comm.world_size == 1:
         return flat.to("cpu", copy=True).view(sp.shape)
-    if comm.gathers_regions_in_place:
-        full = torch.empty(layout.numel, dtype=flat.dtype, device=device)
-        lo, hi = layout.bounds()
-        full[lo:hi].copy_(flat[: hi - lo])
-        regions = [[full.narrow(0, *_span(layout.bounds(r)))] for r in range(comm.world_size)]
-        comm.gather_regions(regions, tag=f"state_dict {sp.name}")
-        return full.view(sp.shape) if full.device.type == "cpu" else full.to("cpu").view(sp.shape)
-    padded = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=device)
-    padded[: flat.numel()].copy_(flat)
-    out = torch.empty(layout.padded_numel, dtype=flat.dtype, device=device)
-    comm.all_gather(out, padded, tag=f"state_dict {sp.name}")  # rank-major: the full tensor, then padding
-    del padded
-    if out.device.type == "cpu" and layout.padded_numel == layout.numel:
-        return out.view(sp.shape)
-    return out[: layout.numel].to("cpu", copy=True).view(sp.shape)
-
-
-def _span(bounds: tuple[int, int]) -> tuple[int, int]:
-    """``(start, length)`` of a ``[lo, hi)`` range, for ``narrow``."""
-    return bounds[0], bounds[1] - bounds[0]
+    full = layout_of(comm).gather_shards(comm, flat, layout, device, tag=f"state_dict {sp.name}")
+    if full.device.type == "cpu" and full.numel() == layout.numel:
+        return full.view(sp.shape)
+    return full[: layout.numel].to("cpu", copy=True).view(sp.shape)
 
 
 class _Call:

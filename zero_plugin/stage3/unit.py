@@ -240,6 +240,7 @@ class Unit:
         self._reduced = False  # this backward's reduce-scatter was launched
         self._inputs_hooked = False  # a post-backward hook sits on this forward's inputs
         self._gather: list = []  # the gather's records in flight ([Note: collective layouts])
+        self._gather_streams = self.streams  # the streams the gather in flight runs on
         self._tags: dict[torch.dtype, torch.Tensor] = {}  # [Note: gather tag] per dtype, for the buffered layout
         self._ends = _UnitEnds(self)
 
@@ -388,12 +389,14 @@ class Unit:
         if mode.checked:  # [Note: collective order]: nothing sent before ranks agree
             self.guard.before_gather(self)
         exact = mode is GatherMode.EXACT
+        self._gather_streams = self.streams
         if self.secondary is not None and self.secondary.kept and not exact:
             self._gather.extend(self.secondary.gather(self._tag(), self.name))  # [Note: secondary shards]
         elif self.weight_block is not None and not exact:
             self._gather_quantized()  # [Note: qwZ gather]
         else:
-            with self.streams.gather():  # after the compute stream's writes to the shards (the last step)
+            self._gather_streams = self.layout.side_streams(self.streams)
+            with self._gather_streams.gather():  # after the compute stream's writes to the shards (the last step)
                 self._gather.extend(self.layout.gather(self.comm, self.params, self._ends, self.pool, self.name))
         if mode.waits:
             self.wait_unshard()
@@ -422,11 +425,12 @@ class Unit:
         pool only after that wait ([Note: side streams] in ``streams.py``)."""
         pending, self._gather = self._gather, []
         if pending:
-            with self.streams.gather():
+            streams = self._gather_streams
+            with streams.gather():
                 for p in pending:
                     p.complete(f"all-gather of unit {self.name!r}", self._ends)
-                copied = self.streams.record()
-            self.streams.wait(copied)
+                copied = streams.record()
+            streams.wait(copied)
             for p in pending:
                 p.release()
         for sp in self.params:  # zero-size parameters take part in no collective
@@ -480,7 +484,8 @@ class Unit:
             with self.streams.reduce():  # after the compute stream's backward wrote the gradients
                 return [self._reduce_quantized(group, dtype) for dtype, group in groups.items()]
         rows = {dtype: self._kept_row(group, dtype) for dtype, group in groups.items()}
-        with self.streams.reduce():  # after the compute stream's backward wrote the gradients
+        streams = self.reduce_layout.side_streams(self.streams)
+        with streams.reduce():  # after the compute stream's backward wrote the gradients
             return [
                 self.reduce_layout.reduce(
                     self.reduce_comm,
@@ -491,7 +496,7 @@ class Unit:
                     grad_of=self.grad_of,
                     tag=self.name,
                     buffers=self.pool,
-                    streams=self.streams,
+                    streams=streams,
                     deferred=self.deferred,
                     kept_row=rows[dtype],
                     results_dtype=_results_dtype(group, dtype) if rows[dtype] is not None else None,
@@ -551,7 +556,9 @@ class _UnitEnds:
             trailer = unit._tag() if flat is not None else unit._tag_on(dtype, device)
             yield comm_layout.GatherRow(dtype, device, group, trailer, flat)
 
-    fill = staticmethod(ShardedParam.copy_locals_into)
+    @staticmethod
+    def fill(members: list[ShardedParam], chunks: list[torch.Tensor], extra: list) -> None:
+        ShardedParam.copy_locals_into(members, chunks, extra)  # one batched copy-in per dtype (no flat shard)
 
     @staticmethod
     def expose(members: list[ShardedParam]) -> None:
