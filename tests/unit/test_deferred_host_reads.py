@@ -111,13 +111,23 @@ def test_stage3_without_a_process_group_defers_and_keeps_unused_parameters_witho
     assert not torch.equal(after["blocks.0.weight"], before["blocks.0.weight"])
 
 
+def _mistag(unit) -> None:
+    """This rank's all-gather rows carry the next unit's tag: the tag a gather appends, and the one written once
+    into the trailer of the unit's flat shards ([Note: flat shards] in stage3/unit.py), which are sent as they
+    are."""
+    wrong = tag_of(unit.index + 1)
+    unit._tag = lambda: wrong
+    for flat in unit._flat.values():
+        flat[-len(wrong) :] = torch.tensor(wrong, dtype=flat.dtype)
+
+
 def test_stage3_deferred_tag_mismatch_raises_at_the_end_of_backward():
     """A gather whose tag is wrong (as if another rank gathered another unit) with its read still in
     flight: the forward runs, and the backward raises before any gradient is final."""
     model, opt = _setup()
     engine = engine_of(model, "test")
     unit = next(u for u in engine.units if u.name == "blocks.1")
-    unit._tag = lambda: tag_of(unit.index + 1)  # this rank's row carries the next unit's tag
+    _mistag(unit)
     with deferred_on_cpu():
         loss = model(torch.randn(4, 6, dtype=torch.float64)).square().mean()
         with pytest.raises(RuntimeError, match=r"collective order diverged.*'blocks.1'"):
