@@ -40,7 +40,7 @@ from .accumulate import FullGradStore
 from .hooks import Stage3Runtime
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
-from .policy import assign_units
+from .policy import assign_units, backward_reads_weights
 from .pool import BufferPool
 from .sliced import sliceable, sliced_unit_type
 from .state_dict_hooks import StateDictHooks, gather_to_host
@@ -114,6 +114,7 @@ def unit_specs(
             grad_block=block if config.quantized_gradients else None,  # [Note: qgZ reduction]
             secondary_comm=node,
             slice_numel=config.linear_slice_numel,
+            backward_reads_weights=index == 0 or backward_reads_weights(module),  # [Note: weights unread in backward]
         )
         for index, (name, module) in enumerate(modules)
     ]

@@ -369,7 +369,9 @@ class Stage3Runtime:
             if grad:  # the reverse of this order is the order of the reductions: every rank must agree
                 needed = self.guard.end_of_forward(self.forward_order, self._outputs_need_grad)
                 self.schedule.start(self._reduce_order())
-                self._backward_order = [u for u in reversed(self.forward_order) if u in needed]
+                self._backward_order = [
+                    u for u in reversed(self.forward_order) if u in needed and u.backward_reads_weights
+                ]  # [Note: weights unread in backward] in policy.py: not gathered for backward
                 self._backward_cursor = self._passed_cursor = 0
             else:
                 self.guard.settle()  # [Note: collective order]: every entry of this forward compared
@@ -525,7 +527,7 @@ class Stage3Runtime:
         order = self._backward_order
         position = len(order) if unit is None else order.index(unit) if unit in order else -1
         if position < self._backward_cursor:  # outside the list, or a second gather in this backward
-            if unit is not None:
+            if unit is not None and unit.backward_reads_weights:  # [Note: weights unread in backward]
                 unit.ensure_unsharded()
             return
         for listed in order[self._backward_cursor : position + 1]:
@@ -542,11 +544,19 @@ class Stage3Runtime:
                 f"compute on the full parameter"
             )
         self._queue_final_callback()
-        if sp.state is ShardedState.SHARDED:  # from a gathered_parameters block, after its unit resharded
+        if sp.state is ShardedState.SHARDED:  # gathered_parameters after the unit resharded; an unread weight
             sp.lend_full_shape()
-            self._after_this_accumulation(unit, sp)
+            if not self._reports_accumulation(unit):
+                self._after_this_accumulation(unit, sp)
         elif unit.reduce_launched and unit not in self._late:  # a second gradient for a param in one backward
             self._late.append(unit)
+
+    def _reports_accumulation(self, unit: Unit) -> bool:
+        """Whether post-accumulate hooks sit on ``unit``'s parameters already (the root's, and this forward's on a
+        unit whose inputs could not be hooked: [Note: one post-backward per unit]): they end a lent shape and
+        count the gradient; a second hook for the same accumulation would count it twice (after the first
+        launched the reduction, as a late gradient)."""
+        return unit is self.root or unit in self._param_hooks
 
     def _after_this_accumulation(self, unit: Unit, sp: ShardedParam) -> None:
         """A post-accumulate hook for the accumulation about to run, removed once it ran: the lent shape

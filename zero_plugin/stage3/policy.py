@@ -36,7 +36,7 @@ from torch import nn
 from ..config import ZeroConfig
 from .sliced import sliceable
 
-__all__ = ["assign_units", "LEAF_UNIT_MIN_NUMEL"]
+__all__ = ["assign_units", "backward_reads_weights", "LEAF_UNIT_MIN_NUMEL"]
 
 LEAF_UNIT_MIN_NUMEL = 1 << 20  # see [Note: leaf units]
 
@@ -98,6 +98,25 @@ def assign_units(model: nn.Module, config: ZeroConfig) -> tuple[list[tuple[str, 
             if p.numel() <= config.persistence_threshold:
                 owner[id(p)] = 0
     return units, owner
+
+
+# [Note: weights unread in backward]
+# An embedding's backward scatters the output gradient into the rows its indices name: it needs the indices
+# and the number of rows, never the weight's values.  A unit that is exactly one plain ``nn.Embedding`` (an
+# untied ``embed_tokens`` leaf unit, [Note: leaf units]) is therefore not gathered for backward: its gradient
+# arrives while the unit is sharded, is accumulated into the full shape lent for it ([Note: uses outside the
+# unit] in ``param.py``) and reduced as any other.  That saves the embedding's all-gather in every backward
+# (its share of stage 3's 3Psi, and the host work of a gather of a vocabulary-sized tensor) where FSDP2 keeps
+# it gathered through the step in its root group.  Only the exact class with the default forward, dense
+# gradients and no ``max_norm`` (which rewrites rows in forward); a subclass, a PEFT wrapper or a unit holding
+# anything more is gathered as before.  A backward that does read it (a recomputed forward under activation
+# checkpointing, a direct read of its weight) gathers it on the way, as any unit.
+def backward_reads_weights(module: nn.Module) -> bool:
+    """Whether a unit on ``module`` needs its weights gathered for its backward ([Note: weights unread in
+    backward])."""
+    if type(module) is not nn.Embedding or module.sparse or module.max_norm is not None:
+        return True
+    return [name for name, _ in module.named_parameters()] != ["weight"]
 
 
 def _no_unit_matched(model: nn.Module, wanted: tuple) -> None:

@@ -147,6 +147,9 @@ class UnitSpec:
     ``secondary.py``); None: off."""
     slice_numel: int = 0
     """Sliced units only: elements of the weight per row-slice ([Note: sliced linear units] in ``sliced.py``)."""
+    backward_reads_weights: bool = True
+    """False where the unit's backward computes its gradients without its weights' values (a plain
+    ``nn.Embedding``): not gathered for backward ([Note: weights unread in backward] in ``policy.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -232,6 +235,7 @@ class Unit:
         # secondary.py); None = off
         self.weight_block = spec.weight_block
         self.grad_block = spec.grad_block
+        self.backward_reads_weights = spec.backward_reads_weights  # [Note: weights unread in backward]
         self.secondary = SecondaryShard(spec.secondary_comm, spec.params) if spec.secondary_comm is not None else None
         self._flat = _flat_shards(spec.index, spec.params, self.layout)  # [Note: flat shards]: per compute dtype
         self.state = ShardedState.SHARDED
