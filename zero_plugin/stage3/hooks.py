@@ -554,8 +554,8 @@ class Stage3Runtime:
     def _reports_accumulation(self, unit: Unit) -> bool:
         """Whether post-accumulate hooks sit on ``unit``'s parameters already (the root's, and this forward's on a
         unit whose inputs could not be hooked: [Note: one post-backward per unit]): they end a lent shape and
-        count the gradient; a second hook for the same accumulation would count it twice (after the first
-        launched the reduction, as a late gradient)."""
+        count the gradient; a second hook for the same accumulation would report it again, after the first had
+        launched the reduction as a late gradient, re-reduced at the end of backward for nothing."""
         return unit is self.root or unit in self._param_hooks
 
     def _after_this_accumulation(self, unit: Unit, sp: ShardedParam) -> None:
