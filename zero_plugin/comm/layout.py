@@ -8,7 +8,8 @@ A collective serves a group of *members*: objects with ``.param`` and ``.layout`
 bucket of ``MasterParam`` at stages 0-2, the parameters of one dtype of a unit at stage 3.  It uses one of
 two layouts, chosen once per ``Comm`` by ``layout_of(comm)`` (``IN_PLACE`` or ``BUFFERED``, from
 ``Comm.gathers_regions_in_place``: [Note: in-place region gather] in ``collectives.py``); callers launch
-through that object's ``gather`` / ``reduce`` and never ask which layout it is:
+through that object's ``gather`` / ``reduce`` (the stages 1-2 parameter sync through ``gather_all``, which
+batches its buckets as the layout does) and never ask which layout it is:
   * in place (gloo): a gather broadcasts each rank's region of every flattened tensor straight into the
     tensors (``rank_regions``); a reduction sums each full gradient in place and every rank keeps its own
     region.  The has-gradient flags ([Note: unused parameters] in ``grads/reducer.py``) go in one small
@@ -594,8 +595,9 @@ def all_reduce_filled(comm: Comm, members: list, buffer: torch.Tensor, width: in
 # -- the layout of one Comm ---------------------------------------------------------------------------------
 class Layout:
     """One of the two collective layouts ([Note: collective layouts]), chosen once per ``Comm``
-    (:func:`layout_of`): the entry of a unit's gather and of every sharded reduction.  Whatever a launch
-    returns completes the same way in both (``complete(what, ends)`` / ``complete(what, store)``)."""
+    (:func:`layout_of`): the entry of a unit's gather, of the parameter sync after a stages 1-2 step and of
+    every sharded reduction.  Whatever a launch returns completes the same way in both
+    (``complete(what, ends)`` / ``complete(what, store)``)."""
 
     def gather(self, comm: Comm, members: list, ends: GatherEnds, buffers: Buffers = FRESH, tag: str = "") -> list:
         """Gather the members' shards into their full tensors (the members with elements; the zero-size ones
@@ -620,6 +622,30 @@ class Layout:
         """Average the members' gradients over the ranks, each rank keeping its own part: the arguments of
         :func:`reduce_buffered`, of which the in-place layout uses the first ones (it needs no buffer, runs on
         no side stream and reads its flags on the host at completion)."""
+        raise NotImplementedError
+
+    # Whether a parameter sync after the step may run bucket by bucket behind the optimizer, each bucket's
+    # gather in flight while the next one steps ([Note: pipelined step] in ``optim/pipelined_step.py``): in
+    # place only, where a gather holds no buffer however many are in flight; a buffered sync runs after
+    # the whole step (:meth:`gather_all`).
+    gathers_while_stepping: bool
+
+    def gather_all(
+        self,
+        comm: Comm,
+        members: list,
+        buckets: Sequence[list],
+        ends: GatherEnds,
+        what: str,
+        max_pending: int,
+        tag: str = "",
+    ) -> None:
+        """Synchronous: every rank's regions of ``members`` (in their order; ``buckets`` partitions them) into
+        their full tensors, batched as this layout batches the stages 1-2 parameter sync after the step
+        (``engines/param_sync.py``): in place one collective of every member; buffered bucket by bucket, at
+        most ``max_pending`` launched buckets waiting when the next is launched (each holds its rows until it
+        completes).  Every member takes part, also one without elements: unlike :meth:`gather`, a bucket of
+        zero-size members still issues its (empty) all-gather."""
         raise NotImplementedError
 
     def side_streams(self, streams: StreamSet) -> StreamSet:
@@ -656,9 +682,16 @@ class Layout:
 class _InPlace(Layout):
     """gloo: regions broadcast into the full tensors, gradients summed in place."""
 
+    gathers_while_stepping = True
+
     def gather(self, comm, members, ends, buffers=FRESH, tag=""):
         opened = [m for m in members if m.layout.numel]
         return [gather_in_place(comm, opened, ends.open_full(opened), tag=tag)]
+
+    def gather_all(self, comm, members, buckets, ends, what, max_pending, tag=""):
+        """One collective: it holds no buffer, so nothing bounds it, and its point-to-point transfers all go
+        at once ([Note: point-to-point exchange] in ``collectives.py``)."""
+        _finish(gather_in_place(comm, members, ends.open_full(members), tag=tag), what, ends)
 
     def reduce(self, comm, members, dtype, device, release_grads, grad_of=_param_grad, tag="", **_buffered):
         return reduce_in_place(comm, members, dtype, device, release_grads, tag=tag, grad_of=grad_of)
@@ -691,13 +724,22 @@ class _InPlace(Layout):
 class _Buffered(Layout):
     """NCCL (and the fake group; gloo under ``ZERO_PLUGIN_BUFFERED_COLLECTIVES=1``): rank-major rows."""
 
+    gathers_while_stepping = False
+
     def gather(self, comm, members, ends, buffers=FRESH, tag=""):
-        return [
-            gather_buffered(
-                comm, row.members, row.dtype, row.device, ends.fill, buffers, row.trailer, tag, row.laid_out
-            )
-            for row in ends.rows([m for m in members if m.layout.numel])
-        ]
+        return [_gather_row(comm, row, ends, buffers, tag) for row in ends.rows([m for m in members if m.layout.numel])]
+
+    def gather_all(self, comm, members, buckets, ends, what, max_pending, tag=""):
+        """Bucket by bucket: the copy-in of one overlaps the collectives of those before it, while the rows
+        alive stay bounded."""
+        pending: list[BufferedGather] = []
+        for bucket in buckets:
+            for row in ends.rows(bucket):
+                pending.append(_gather_row(comm, row, ends, FRESH, tag))
+                if len(pending) > max_pending:
+                    _finish(pending.pop(0), what, ends)
+        for record in pending:
+            _finish(record, what, ends)
 
     def reduce(self, comm, members, dtype, device, release_grads, grad_of=_param_grad, tag="", **buffered):
         return reduce_buffered(comm, members, dtype, device, release_grads, tag=tag, grad_of=grad_of, **buffered)
@@ -729,6 +771,15 @@ class _Buffered(Layout):
 
     def kept_row(self, width, dtype, device):
         return torch.empty(width, dtype=dtype, device=device)
+
+
+def _gather_row(comm: Comm, row: GatherRow, ends: GatherEnds, buffers: Buffers, tag: str) -> BufferedGather:
+    return gather_buffered(comm, row.members, row.dtype, row.device, ends.fill, buffers, row.trailer, tag, row.laid_out)
+
+
+def _finish(record: InPlaceGather | BufferedGather, what: str, ends: GatherEnds) -> None:
+    record.complete(what, ends)
+    record.release()
 
 
 IN_PLACE: Layout = _InPlace()

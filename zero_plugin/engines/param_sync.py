@@ -1,13 +1,15 @@
 """After the optimizer step of stages 1-2: all-gather every rank's updated region.
 
-Pipeline per bucket: ``copy_in (own region) -> all_gather (async) -> wait -> copy_out``.
-At most two buckets are in flight, so copies overlap communication while buffers stay bounded.
-The copies are batched per bucket, as stage 3's are (a step is host-bound on a GPU, issue #39): the
-copy-in is one ``_foreach_copy_`` of the owned regions (and one ``_foreach_zero_`` of the padding where a
-region is shorter than its chunk), the copy-out one ``_foreach_copy_`` of the other ranks' valid spans.
-On gloo every rank's region is instead broadcast straight into the parameters (no buffer, no copy):
-[Note: collective layouts] in ``comm/layout.py``; there the step itself can run bucket by bucket with each
-bucket's gather in flight behind it ([Note: pipelined step] in ``pipelined_step.py``).
+The batching is the layout's (``Layout.gather_all``, [Note: collective layouts] in ``comm/layout.py``):
+buffered (NCCL), bucket by bucket ``copy_in (own region) -> all_gather (async) -> wait -> copy_out`` with at
+most ``_MAX_INFLIGHT`` launched buckets waiting, so copies overlap communication while buffers stay bounded;
+in place (gloo), every rank's region broadcast straight into the parameters in one collective (no buffer,
+no copy), or bucket by bucket behind the optimizer where the layout says so (``gathers_while_stepping``,
+[Note: pipelined step] in ``pipelined_step.py``).  This module provides both ends of the gather
+(``_SyncEnds``).  The buffered copies are batched per bucket, as stage 3's are (a step is host-bound on a
+GPU, issue #39): the copy-in is one ``_foreach_copy_`` of the owned regions (and one ``_foreach_zero_`` of the
+padding where a region is shorter than its chunk), the copy-out one ``_foreach_copy_`` of the other ranks'
+valid spans.
 """
 
 from __future__ import annotations
@@ -18,69 +20,76 @@ import torch
 
 from ..comm import layout as comm_layout
 from ..comm.collectives import Comm
-from ..grads.bucket import Bucket, plan_buckets
+from ..grads.bucket import plan_buckets
 from ..optim.master import MasterParam
 from ..tensors.flat import ShardLayout, copy_into_chunks
 
 __all__ = ["ParamAllGather"]
 
-_MAX_INFLIGHT = 2
+_MAX_INFLIGHT = 2  # buffered: launched buckets waiting when the next is launched (planner/replay.py reads it)
 _WHAT = "parameter all-gather after the step"
+_TAG = "parameters after the step"
 
 
 class ParamAllGather:
     def __init__(self, slots: list[MasterParam], comm: Comm, bucket_bytes: int) -> None:
         self.comm = comm
+        self.layout = comm_layout.layout_of(comm)  # [Note: collective layouts] in comm/layout.py
         self.slots = slots
         self.buckets = plan_buckets(slots, bucket_bytes, sharded=True)
+        self._ends = _SyncEnds()
 
     @torch.no_grad()
     def run(self) -> None:
         if self.comm.world_size == 1:
             return  # the masters are the parameters' own (only) region
-        if self.comm.gathers_regions_in_place:
-            self._launch_in_place(self.slots).wait(_WHAT)
-            return
-        inflight: list[comm_layout.BufferedGather] = []
-        for bucket in self.buckets:
-            inflight.append(self._launch(bucket))
-            if len(inflight) > _MAX_INFLIGHT:  # bounded: at most this many output buffers alive
-                self._complete(inflight.pop(0))
-        for pending in inflight:
-            self._complete(pending)
+        buckets = [bucket.slots for bucket in self.buckets]
+        self.layout.gather_all(self.comm, self.slots, buckets, self._ends, _WHAT, _MAX_INFLIGHT, tag=_TAG)
 
     @property
     def pipelines(self) -> bool:
-        """Whether :meth:`run_stepping` applies: several ranks, gloo's in-place layout."""
-        return self.comm.world_size > 1 and self.comm.gathers_regions_in_place
+        """Whether :meth:`run_stepping` applies: several ranks, a layout that gathers while the step runs."""
+        return self.comm.world_size > 1 and self.layout.gathers_while_stepping
 
     @torch.no_grad()
     def run_stepping(self, step: Callable[[list[MasterParam]], None]) -> None:
         """``step(slots)`` for each bucket, its regions' gather in flight while the next bucket steps; returns
-        once every gather completed ([Note: pipelined step] in pipelined_step.py).  In place only."""
+        once every gather completed ([Note: pipelined step] in pipelined_step.py).  Only where :attr:`pipelines`."""
         assert self.pipelines
         pending = []
         for bucket in self.buckets:
             step(bucket.slots)
-            pending.append(self._launch_in_place(bucket.slots))
+            pending += self.layout.gather(self.comm, bucket.slots, self._ends, tag=_TAG)
         for gather in pending:
-            gather.wait(_WHAT)
+            gather.complete(_WHAT, self._ends)
+            gather.release()
 
-    def _launch_in_place(self, slots: list[MasterParam]) -> comm_layout.InPlaceGather:
-        """Every rank's regions of ``slots`` broadcast straight into the parameters (gloo's layout)."""
-        flats = [slot.param.data.view(-1) for slot in slots]
-        return comm_layout.gather_in_place(self.comm, slots, flats, tag="parameters after the step")
 
-    def _launch(self, bucket: Bucket) -> comm_layout.BufferedGather:
-        p0 = bucket.slots[0].param
-        return comm_layout.gather_buffered(self.comm, bucket.slots, p0.dtype, p0.device, _fill_own_chunks)
+class _SyncEnds:
+    """Both ends of the parameter sync's gathers (a ``comm_layout.GatherEnds``): the parameters are the full
+    tensors, with this rank's region written back by the step."""
 
-    def _complete(self, pending: comm_layout.BufferedGather) -> None:
-        rows = pending.wait(_WHAT)
+    def open_full(self, members: list[MasterParam]) -> list[torch.Tensor]:
+        return [slot.param.data.view(-1) for slot in members]
+
+    def rows(self, members: list[MasterParam]) -> list[comm_layout.GatherRow]:
+        """One all-gather per bucket, in its first parameter's dtype, on its device."""
+        p0 = members[0].param
+        return [comm_layout.GatherRow(p0.dtype, p0.device, members)]
+
+    def fill(self, members: list[MasterParam], chunks: list[torch.Tensor], extra: list) -> None:
+        _fill_own_chunks(members, chunks, extra)
+
+    def expose(self, members: list[MasterParam]) -> None:
+        """The regions were gathered into the parameters themselves."""
+
+    def copy_out(self, record: comm_layout.BufferedGather, rows: torch.Tensor) -> None:
+        """The other ranks' valid spans into the parameters in one batched copy (our own region is already up
+        to date)."""
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        for slot, columns in pending.columns(rows):  # our own region is already up to date
-            _other_spans(slot.param.data.view(-1), columns, slot.layout, self.comm.rank, dsts, srcs)
+        for slot, columns in record.columns(rows):
+            _other_spans(slot.param.data.view(-1), columns, slot.layout, record.comm.rank, dsts, srcs)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
 
