@@ -235,10 +235,10 @@ class Stage3Engine(Engine):
                 config.trim_each_unit_above,
                 host_share_used(config.local_processes(default=comm.world_size)),
             ),
+            storage_pool=next((sp.storage_pool for sp in sharded.values() if sp.storage_pool), None),
+            after_backward=self.after_backward,
         )
-        self.runtime.storage_pool = next((sp.storage_pool for sp in sharded.values() if sp.storage_pool), None)
         self.runtime.register()
-        self.runtime.after_backward = self.after_backward
         # [Note: pending forward] in hooks.py, while zp.gathered_parameters blocks are open: forgetting waits
         # for the outermost block's exit (its units are in use)
         self._open_blocks = 0

@@ -190,8 +190,13 @@ class Stage3Runtime:
         prefetch_depth: int,
         reshard_after_forward: bool,
         trim_heap: HeapTrim = HeapTrim.OFF,
+        storage_pool: StoragePool | None = None,
+        after_backward: Callable[[], None] = lambda: None,
     ) -> None:
-        """``services``: what the units share ([Note: unit record] in unit.py), the runtime's too."""
+        """``services``: what the units share ([Note: unit record] in unit.py), the runtime's too;
+        ``storage_pool``: the units' lent storage ([Note: lent storage] in storage_pool.py), None where storage
+        is resized; ``after_backward``: the engine's, run by the final callback ([Note: per-step state] in
+        engine.py)."""
         self.units = units
         self.trim_heap = trim_heap  # [Note: heap trimming] in hostmem.py (CPU only)
         self.root = units[0]
@@ -211,7 +216,7 @@ class Stage3Runtime:
         self._passed_cursor = 0  # [Note: units the backward passed]: schedule.order[:cursor] were looked at
         self._outputs_need_grad: set[Unit] = set()
         self._late: list[Unit] = []
-        self.after_backward = lambda: None  # the engine's: [Note: per-step state] in engine.py
+        self.after_backward = after_backward
         self._callback_queued = False
         self.phase = Phase.IDLE  # [Note: pending forward]
         self.require_sync = True  # False inside zp.no_sync
@@ -223,7 +228,7 @@ class Stage3Runtime:
         self._held_for_read: list[Unit] = []  # [Note: reads after a forward without grad] in direct_reads.py
         self._handles: list = []
         self._param_hooks: dict[Unit, list] = {}  # [Note: one post-backward per unit]: until the backward ends
-        self.storage_pool: StoragePool | None = None  # [Note: lent storage] in storage_pool.py; set by the engine
+        self.storage_pool = storage_pool
 
     # -- registration -----------------------------------------------------------
     def register(self) -> None:
