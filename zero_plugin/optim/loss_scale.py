@@ -88,8 +88,10 @@ class GradGuard:
         device = sums[0].device if sums else torch.device("cpu")
         if self.engine.comm.device.type == "cuda":
             device = self.engine.comm.device  # NCCL reduces CUDA tensors only
-        total = (sums[0] if len(sums) == 1 else torch.cat(sums)).sum().reshape(1) if sums else None
-        total = torch.zeros(1, dtype=torch.float32, device=device) if total is None else total.to(device)
+        if sums:  # one vector of norms per precision: cat only where there are two
+            total = (sums[0] if len(sums) == 1 else torch.cat(sums)).sum().reshape(1).to(device)
+        else:
+            total = torch.zeros(1, dtype=torch.float32, device=device)
         self.engine.comm.all_reduce(total, op="sum", tag="nonfinite-check")
         return not math.isfinite(total.item())
 
