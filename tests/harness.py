@@ -22,13 +22,14 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
 import traceback
 from multiprocessing import get_context
 from multiprocessing.connection import wait
+
+from tests import launching
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Once one rank has failed, its peers usually finish (or fail) at once; if they
@@ -50,12 +51,6 @@ class RankError(RuntimeError):
         self.tracebacks, self.missing = dict(tracebacks or {}), list(missing)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_script_ranks(
     args: list[str], rank_env=lambda rank: {"RANK": str(rank)}, world_size: int = 2, timeout: float = 300
 ) -> list[tuple[int, str]]:
@@ -63,7 +58,7 @@ def run_script_ranks(
     ``MASTER_PORT`` on a free port, one intra-op thread, the repo on ``PYTHONPATH``, plus ``rank_env(rank)``),
     for scripts that own their process group and exit, unlike the pool's workers; (exit code, output) per
     rank.  ``PL_TRAINER_STRATEGY`` is dropped, so that a Lightning script picks its own strategy."""
-    port = str(_free_port())
+    port = str(launching.free_port())
     procs = []
     for rank in range(world_size):
         env = dict(
@@ -159,7 +154,7 @@ class WorkerPool:
         self.procs, self.conns = [], []
         self.broken = False
         for attempt in range(_INIT_ATTEMPTS):
-            errors = self._start(_free_port())
+            errors = self._start(launching.free_port())
             if not errors:
                 return
             self._kill()

@@ -27,7 +27,6 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from tests import launching
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -58,12 +59,6 @@ if str(EXAMPLES) not in sys.path:
 import common  # noqa: E402  (examples/common.py)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """``cmd`` (each element formatted with {port}) run ``nodes`` times with NODE_RANK-specific {node}."""
@@ -76,7 +71,7 @@ class Launch:
 
 
 def _zero(*options: str) -> tuple[str, ...]:
-    return (*ZERO_LAUNCH, "launch", *options, "--main_process_port", "0")
+    return (*ZERO_LAUNCH, "launch", *options, "--main_process_port", "{port}")
 
 
 ACCELERATE = "lora_finetune_accelerate.py"
@@ -138,7 +133,7 @@ def _env(extra: dict[str, str], cache: Path) -> dict[str, str]:
 def _run_launch(launch: Launch, tmp: Path) -> SimpleNamespace:
     out = tmp / launch.name
     out.mkdir()
-    port = str(_free_port())
+    port = str(launching.free_port())
     args = [
         str(EXAMPLES / launch.script),
         "--output_dir",

@@ -17,14 +17,12 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests import models
+from tests import launching, models
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -55,20 +53,14 @@ def _real_shaped_model(folder: Path, cache: Path) -> None:
     assert model.lm_head.weight.numel() >= 2**20
 
 
-def _free_port() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _command(example: str, stage: int) -> tuple[list[str], dict[str, str]]:
     script = str(EXAMPLES / f"{example}.py")
     if example == "full_finetune":
-        return [*TORCHRUN, "--master_port", _free_port(), script], {"ZERO_PLUGIN_STAGE": str(stage)}
+        return [*TORCHRUN, "--master_port", str(launching.free_port()), script], {"ZERO_PLUGIN_STAGE": str(stage)}
     if example == "lora_finetune_lightning":
         strategy = f"zero{stage}" if stage else "ddp"
         extra = ["--strategy", strategy, "--devices", "2", "--accelerator", "cpu"]
-        return [PY, script, *extra], {"MASTER_PORT": _free_port()}
+        return [PY, script, *extra], {"MASTER_PORT": str(launching.free_port())}
     launch = [*ZERO_LAUNCH, "launch", "--stage", str(stage), "--num_processes", "2", "--main_process_port", "0"]
     return [*launch, "--no_estimate", script], {}
 
@@ -80,7 +72,7 @@ def _run(tmp: Path, example: str, stage: int) -> tuple[int, str, Path]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_PLUGIN_", "ACCELERATE_", "MASTER_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.update(XDG_CACHE_HOME=str(tmp / "xdg"), **extra)
-    proc = subprocess.run([*cmd, *args], env=env, cwd=tmp, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = launching.run([*cmd, *args], env=env, cwd=tmp, timeout=TIMEOUT_S)
     return proc.returncode, proc.stdout + proc.stderr, out
 
 

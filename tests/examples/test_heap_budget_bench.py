@@ -5,28 +5,30 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import launching
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("variant", ["ddp", "zp"])
 def test_heap_budget_reports_each_step(variant):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port())]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(launching.free_port()),
+    ]
     command += ["-m", "benchmarks.heap_budget", "--variant", variant, "--size", "smoke", "--steps", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    out = launching.run(command, cwd=REPO, env=env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["step"] for r in rows] == [0, 1]
@@ -39,12 +41,20 @@ def test_heap_budget_reports_each_step(variant):
 @pytest.mark.parametrize("variant", ["ddp", "zp3"])
 def test_min_step_reports_the_fastest_step(variant):
     """``benchmarks/min_step.py`` (the A/B probe of issue #21's step-time work) runs and reports one line."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port())]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(launching.free_port()),
+    ]
     command += ["-m", "benchmarks.min_step", "--variant", variant, "--size", "smoke", "--steps", "5"]
     if variant != "ddp":
         command += ["--set", "trim_host_heap=false"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    out = launching.run(command, cwd=REPO, env=env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     (row,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert row["variant"] == variant

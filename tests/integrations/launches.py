@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import launching
+
 PY = sys.executable
 CONSOLE = Path(PY).parent / "zero-plugin"
 ZERO_LAUNCH = [str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.launch.cli"]
@@ -27,6 +29,4 @@ def run_script(
     cmd, env = launcher
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **env, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
-    return subprocess.run(
-        [*cmd, str(script), "--out", str(out), *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    return launching.run([*cmd, str(script), "--out", str(out), *args], timeout=timeout, env=env)

@@ -24,7 +24,6 @@ import concurrent.futures
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from tests import launching
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 PY = sys.executable
@@ -82,7 +83,16 @@ STAGE_LAUNCHES = {
     ),
     "stage2": Launch(
         "stage2",
-        (PY, "-m", "zero_plugin.launch.cli", "launch", "--config_file", "{tmp}/stage2.yaml"),
+        (
+            PY,
+            "-m",
+            "zero_plugin.launch.cli",
+            "launch",
+            "--config_file",
+            "{tmp}/stage2.yaml",
+            "--main_process_port",
+            "0",
+        ),
         TRAIN,
         ("--memory_report",),
     ),
@@ -123,7 +133,7 @@ def _clean_env(extra: dict[str, str]) -> dict[str, str]:
 
 def _run(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = LAUNCH_TIMEOUT_S):
     start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    proc = launching.run(cmd, env=env, cwd=cwd, timeout=timeout)
     return SimpleNamespace(
         returncode=proc.returncode, output=proc.stdout + proc.stderr, seconds=time.monotonic() - start, cmd=cmd
     )

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.harness import _free_port
+from tests import launching
 from tests.integrations.test_lazy_load import (
     EXAMPLES,
     FALLBACK,
@@ -51,7 +50,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.* is
 def _run(tmp: Path, name: str, command: list[str], extra_env: dict[str, str] | None = None):
     (tmp / name).mkdir()
     env = {**_env(tmp), **(extra_env or {})}
-    proc = subprocess.run(command, env=env, cwd=tmp / name, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = launching.run(command, env=env, cwd=tmp / name, timeout=TIMEOUT_S)
     drop_weights(tmp / f"{name}_out")
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -75,7 +74,7 @@ def runs(tmp_path_factory):
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(_run, tmp, name, cmd) for name, cmd in commands.items()}
         futures["lightning_lora_plain"] = pool.submit(
-            _run, tmp, "lightning_lora_plain", plain, {"MASTER_PORT": str(_free_port())}
+            _run, tmp, "lightning_lora_plain", plain, {"MASTER_PORT": str(launching.free_port())}
         )
     return tmp, {name: f.result() for name, f in futures.items()}
 

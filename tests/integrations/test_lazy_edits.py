@@ -20,14 +20,13 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests import models
+from tests import launching, models
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "integrations" / "scripts" / "lazy_edits.py"
@@ -88,7 +87,7 @@ def _launch(tmp: Path, name: str, model_args: list[str]) -> tuple[int, str]:
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.update(XDG_CACHE_HOME=str(tmp / "xdg"), **extra)
     args = [str(SCRIPT), *model_args, "--out", str(tmp / name), "--cases", ",".join(CASES)]
-    proc = subprocess.run([*cmd, *args], env=env, cwd=tmp, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = launching.run([*cmd, *args], env=env, cwd=tmp, timeout=TIMEOUT_S)
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -19,7 +19,6 @@ import concurrent.futures
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests import models
+from tests import launching, models
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -98,7 +97,7 @@ def _env(tmp: Path) -> dict[str, str]:
 def _launch(tmp: Path, name: str, args: list[str]) -> SimpleNamespace:
     out = tmp / name
     out.mkdir()
-    proc = subprocess.run([*LAUNCH, *args], env=_env(tmp), cwd=out, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = launching.run([*LAUNCH, *args], env=_env(tmp), cwd=out, timeout=TIMEOUT_S)
     drop_weights(tmp / f"{name}_out")
     return SimpleNamespace(name=name, returncode=proc.returncode, output=proc.stdout + proc.stderr, out=out)
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from tests import qlora
+from tests import launching, qlora
 from tests.unit import qlora_workers as w
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "qlora_accelerate.py"
@@ -26,7 +25,7 @@ ZERO_LAUNCH = [str(CONSOLE)] if CONSOLE.exists() else [PY, "-m", "zero_plugin.la
 def _run(cmd: list[str], cwd: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_PLUGIN_", "ACCELERATE_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    proc = launching.run(cmd, env=env, cwd=cwd, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}"
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from tests import launching
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "trainer_best.py"
 PY = sys.executable
@@ -66,7 +67,7 @@ def _launch(tmp: Path, name: str) -> SimpleNamespace:
     out.mkdir()
     cmd = [*prefix, str(SCRIPT), "--out", str(out), *(a.format(tmp=tmp) for a in args)]
     start = time.monotonic()
-    proc = subprocess.run(cmd, env=_env(extra), cwd=out, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = launching.run(cmd, env=_env(extra), cwd=out, timeout=LAUNCH_TIMEOUT_S)
     return SimpleNamespace(
         name=name,
         out=out,

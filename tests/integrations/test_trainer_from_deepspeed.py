@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
+
+from tests import launching
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "integrations" / "scripts" / "trainer_from_deepspeed.py"
@@ -34,7 +35,7 @@ def test_trainer_resumes_a_deepspeed_zero3_checkpoint_at_stage_3_in_one_process(
     cmd += [str(SCRIPT), "--out", str(out), "--resume", str(ckpt)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_PLUGIN_", "ACCELERATE_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = launching.run(cmd, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads((out / "result.json").read_text())
     expected = json.loads((FIXTURE / "expected.json").read_text())["resumed_losses"]

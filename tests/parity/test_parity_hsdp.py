@@ -189,9 +189,10 @@ def test_torchrun_two_nodes_node_groups(tmp_path):
     import subprocess
     import sys
 
-    from tests.harness import REPO_ROOT, _free_port
+    from tests import launching
+    from tests.harness import REPO_ROOT
 
-    port = str(_free_port())
+    port = str(launching.free_port())
     script = os.path.join(REPO_ROOT, "tests", "parity", "hsdp_torchrun_script.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_PLUGIN_", "MASTER_"))}
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")

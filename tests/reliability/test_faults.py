@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 
 import pytest
 import torch
 
+from tests import launching
 from tests.harness import REPO_ROOT, run_ranks
 from tests.reliability import fault_workers as FW
 
@@ -49,16 +49,10 @@ def test_batchnorm_buffers_stay_consistent_and_zero_size_params_work(stage):
     assert results[0]["tracked"] == results[1]["tracked"] == 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("stage", [2, 3])
 def test_rank_death_is_an_error_on_the_survivor_not_a_hang(stage, tmp_path):
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = launching.free_port()
     procs = [ctx.Process(target=FW.rank_death_main, args=(r, 2, port, str(tmp_path), stage)) for r in range(2)]
     env_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env_path if env_path else "")
