@@ -76,8 +76,7 @@ class ReplicatedEngine(Engine):
         # master last agreed with it
         self._versions = {id(s): s.param._version for s in self.slots if s.separate}
         self.grads_sharded = reducer.sharded
-        reducer.register(basis.model)
-        reducer.after_backward = self.after_backward
+        reducer.register(basis.model, self.after_backward)
 
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
         return self.reducer.owned_grad(slot)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -87,13 +87,16 @@ class GradReducer:
             comm.open_control_channel()  # collective: every rank builds the same reducer at setup
             self._late_agreement = LateFlags(comm)
         self._late: list[Bucket] = []
-        self.after_backward = lambda: None  # the engine's: [Note: per-step state] in zero_plugin/engines/engine.py
+        self.after_backward: Callable[[], None] = lambda: None  # set by register()
         # [Note: deferred has-gradient flags] in presence.py: stages 1-2's buffered completions store what
         # needs the summed flags at the end of backward (no host stall per bucket on CUDA)
         self.deferred = DeferredStores()
 
     # -- hooks --------------------------------------------------------------
-    def register(self, root: nn.Module) -> None:
+    def register(self, root: nn.Module, after_backward: Callable[[], None]) -> None:
+        """Hook the parameters and ``root``; ``after_backward`` (the engine's: [Note: per-step state] in
+        zero_plugin/engines/engine.py) runs once at the end of each backward, after the last reduction."""
+        self.after_backward = after_backward
         for slot in self.slots:
             self._handles.append(slot.param.register_post_accumulate_grad_hook(WeakHook(self._post_accumulate)))
         self._handles.append(root.register_forward_hook(self._on_root_output))
@@ -267,8 +270,8 @@ class ReduceScatterReducer(GradReducer):
         self._set_aside: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._batch: _BatchedStores | None = None  # while a bucket completes: [Note: stores batched per bucket]
 
-    def register(self, root: nn.Module) -> None:
-        super().register(root)
+    def register(self, root: nn.Module, after_backward: Callable[[], None]) -> None:
+        super().register(root, after_backward)
         if self.keep_full_grad:
             for slot in self.slots:
                 self._handles.append(slot.param.register_hook(WeakHook(self._before_accumulate, slot.param)))
