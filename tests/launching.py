@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import socket
 import subprocess
-import time
 
 import psutil
 
@@ -78,25 +78,38 @@ def run(cmd: list[str], *, env: dict[str, str] | None = None, cwd=None, timeout:
 
 
 def _abort_tree(proc: subprocess.Popen) -> tuple[str, str]:
-    """SIGABRT to the workers first (deepest first, so the launcher is still there to pass their output on),
-    then the launcher; whatever is left after a few seconds is killed.  Returns the output read."""
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in reversed(tree):
+    """SIGABRT to every process under the launcher, deepest first (each Python one dumps its stacks and dies;
+    a torchrun-style launcher then reports its workers and exits); whatever is left after a while, orphans
+    included (launchers start their workers in sessions of their own), is killed.  Returns the output read."""
+    seen: dict[int, psutil.Process] = {}
+
+    def under() -> list[psutil.Process]:
         try:
-            p.send_signal(6)
+            found = psutil.Process(proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
-            pass
-    time.sleep(2)
-    proc.send_signal(6)
+            found = []
+        for p in found:
+            seen.setdefault(p.pid, p)
+        return found
+
+    for p in reversed(under()):
+        _signal(p, signal.SIGABRT)
     try:
-        return proc.communicate(timeout=20)
+        return proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
-        for p in [*tree, psutil.Process(proc.pid)]:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        return proc.communicate()
+        pass
+    under()
+    for p in seen.values():
+        _signal(p, signal.SIGKILL)
+    proc.kill()
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # something outside the tree still holds the pipes
+        return "", "[tests.launching] the command's output could not be read to its end"
+
+
+def _signal(p: psutil.Process, sig: int) -> None:
+    try:
+        p.send_signal(sig)  # psutil checks the pid still names the same process
+    except psutil.NoSuchProcess:
+        pass
