@@ -13,20 +13,13 @@ import pytest
 from tests import launching
 
 REPO = Path(__file__).resolve().parents[2]
+# port 0: launching.run gives the launch a port of its own (tests/launching.py)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0"]
 
 
 @pytest.mark.parametrize("variant", ["ddp", "zp"])
 def test_heap_budget_reports_each_step(variant):
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(launching.free_port()),
-    ]
-    command += ["-m", "benchmarks.heap_budget", "--variant", variant, "--size", "smoke", "--steps", "2"]
+    command = [*TORCHRUN, "-m", "benchmarks.heap_budget", "--variant", variant, "--size", "smoke", "--steps", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = launching.run(command, cwd=REPO, env=env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -41,16 +34,7 @@ def test_heap_budget_reports_each_step(variant):
 @pytest.mark.parametrize("variant", ["ddp", "zp3"])
 def test_min_step_reports_the_fastest_step(variant):
     """``benchmarks/min_step.py`` (the A/B probe of issue #21's step-time work) runs and reports one line."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(launching.free_port()),
-    ]
-    command += ["-m", "benchmarks.min_step", "--variant", variant, "--size", "smoke", "--steps", "5"]
+    command = [*TORCHRUN, "-m", "benchmarks.min_step", "--variant", variant, "--size", "smoke", "--steps", "5"]
     if variant != "ddp":
         command += ["--set", "trim_host_heap=false"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
