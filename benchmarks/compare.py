@@ -64,7 +64,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant per round (default 10; smoke 5)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first, >= 1 (default 3; smoke 2)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed steps first, >= 2 (default 3; smoke 2): the forward right after the first optimizer step "
+        "runs 1.6-2x a steady one at 370m (benchmarks/results/ab-host-cost-370m-forward.md)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
@@ -88,8 +94,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     quick = args.size == "smoke"  # a quick check: under ~3 minutes on 2 cores
     args.steps = args.steps if args.steps is not None else (5 if quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (2 if quick else 3)
-    if args.warmup < 1 or args.steps < 1 or args.rounds < 1 or args.world_size < 1:
-        p.error("--warmup, --steps, --rounds and --world-size must be >= 1")
+    if args.warmup < 2:
+        p.error("--warmup must be >= 2: the forward after the first optimizer step is not a steady one")
+    if args.steps < 1 or args.rounds < 1 or args.world_size < 1:
+        p.error("--steps, --rounds and --world-size must be >= 1")
     return args
 
 
