@@ -43,7 +43,7 @@ TWO = ["--num_processes", "2", "--main_process_port", "0"]
 CPU_ENV = {"ACCELERATE_USE_CPU": "true"}
 LAUNCH_TIMEOUT_S = 600
 # The plain-DDP references run no zero_plugin code; one hung once in CI (600 s, no output, cause unknown): they
-# get a shorter timeout (they take ~10 s alone, ~60 s beside the other launches) and one more try, the hung
+# get a shorter timeout (they take ~10 s alone, ~20 s beside the other launches) and one more try, the hung
 # try's stacks kept in its folder (hang-<n>.log) and printed.
 REFERENCE_TIMEOUT_S = 300
 LOSS_RTOL = 1e-4
