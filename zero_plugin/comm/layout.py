@@ -88,6 +88,7 @@ __all__ = [
     "gather_in_place",
     "each",
     "gather_buffered",
+    "finish",
     "reduce_in_place",
     "reduce_buffered",
     "all_reduce_flat",
@@ -691,7 +692,7 @@ class _InPlace(Layout):
     def gather_all(self, comm, members, buckets, ends, what, max_pending, tag=""):
         """One collective: it holds no buffer, so nothing bounds it, and its point-to-point transfers all go
         at once ([Note: point-to-point exchange] in ``collectives.py``)."""
-        _finish(gather_in_place(comm, members, ends.open_full(members), tag=tag), what, ends)
+        finish(gather_in_place(comm, members, ends.open_full(members), tag=tag), what, ends)
 
     def reduce(self, comm, members, dtype, device, release_grads, grad_of=_param_grad, tag="", **_buffered):
         return reduce_in_place(comm, members, dtype, device, release_grads, tag=tag, grad_of=grad_of)
@@ -737,9 +738,9 @@ class _Buffered(Layout):
             for row in ends.rows(bucket):
                 pending.append(_gather_row(comm, row, ends, FRESH, tag))
                 if len(pending) > max_pending:
-                    _finish(pending.pop(0), what, ends)
+                    finish(pending.pop(0), what, ends)
         for record in pending:
-            _finish(record, what, ends)
+            finish(record, what, ends)
 
     def reduce(self, comm, members, dtype, device, release_grads, grad_of=_param_grad, tag="", **buffered):
         return reduce_buffered(comm, members, dtype, device, release_grads, tag=tag, grad_of=grad_of, **buffered)
@@ -777,7 +778,8 @@ def _gather_row(comm: Comm, row: GatherRow, ends: GatherEnds, buffers: Buffers, 
     return gather_buffered(comm, row.members, row.dtype, row.device, ends.fill, buffers, row.trailer, tag, row.laid_out)
 
 
-def _finish(record: InPlaceGather | BufferedGather, what: str, ends: GatherEnds) -> None:
+def finish(record: InPlaceGather | BufferedGather, what: str, ends: GatherEnds) -> None:
+    """A gather launched off any side stream, completed and its buffers let go."""
     record.complete(what, ends)
     record.release()
 

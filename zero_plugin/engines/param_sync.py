@@ -61,8 +61,7 @@ class ParamAllGather:
             step(bucket.slots)
             pending += self.layout.gather(self.comm, bucket.slots, self._ends, tag=_TAG)
         for gather in pending:
-            gather.complete(_WHAT, self._ends)
-            gather.release()
+            comm_layout.finish(gather, _WHAT, self._ends)
 
 
 class _SyncEnds:
