@@ -18,7 +18,9 @@ from .engines.frozen import FrozenGuard
 from .loading import materialize, quantized
 from .optim.clip import clip_owned_grads
 from .optim.offload import use_fast_cpu_kernels
+from .optim.partition import choose_partition
 from .optim.state import region_of
+from .optim.whole_params import WholeParams
 from .optim.zero_optimizer import ZeroOptimizer
 from .stages import build_engine, build_inference_engine
 
@@ -69,21 +71,30 @@ def setup(
         source = materialize.recorded_source(model)  # [Note: recorded sources] in materialize.py
     if optimizer is None:
         return _setup_for_evaluation(model, config, comm, source, group), None
+    partition = choose_partition(optimizer, config.optimizer_partition, config.stage)  # before any sharding
     if config.stage < 3:
         materialize.materialize_all(model, source, comm)
         validate.broadcast_module_state(model, comm)
     engine = build_engine(model, trainable, config, _engine_comm(comm, config, group), source)
     materialize.note_set_up(model)
-    _rebind_optimizer(optimizer, engine)
+    whole = _whole_params(engine, partition)
+    _rebind_optimizer(optimizer, engine, whole)
     if config.offload_optimizer == "cpu":
         use_fast_cpu_kernels(optimizer)
     register_engine(model, engine)
     engine.frozen_guard = FrozenGuard.attach(model, [s.param for s in engine.slots])  # [Note: frozen at setup]
     engine.buffer_sync = BufferSync.attach(model, comm)
     _cast_inputs_of(model, engine, config)
-    zero_optimizer = ZeroOptimizer(optimizer, engine)
+    zero_optimizer = ZeroOptimizer(optimizer, engine, whole)
     engine.optimizer = zero_optimizer
     return model, zero_optimizer
+
+
+def _whole_params(engine, partition: str) -> WholeParams | None:
+    """The parameter partition's whole masters ([Note: optimizer partitions] in optim/partition.py), or None."""
+    if partition != "parameters":
+        return None
+    return WholeParams(engine.slots, engine.comm, [engine.full_shape(s.param) for s in engine.slots])
 
 
 def _setup_for_evaluation(model: nn.Module, config: ZeroConfig, comm: Comm, source: Any, group: Any) -> nn.Module:
@@ -165,10 +176,11 @@ def rebind_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Zero
             f"zp.rebind_optimizer: the optimizer must train exactly the parameters set up with the "
             f"model; missing {sorted(wanted - got)[:3]}, extra {sorted(got - wanted)[:3]}"
         )
-    _rebind_optimizer(optimizer, engine)
+    whole = _whole_params(engine, choose_partition(optimizer, engine.config.optimizer_partition, engine.config.stage))
+    _rebind_optimizer(optimizer, engine, whole)
     if engine.config.offload_optimizer == "cpu":
         use_fast_cpu_kernels(optimizer)
-    zero_optimizer = ZeroOptimizer(optimizer, engine)
+    zero_optimizer = ZeroOptimizer(optimizer, engine, whole)
     engine.optimizer = zero_optimizer
     return zero_optimizer
 
@@ -182,18 +194,24 @@ def _cast_inputs(dtype: torch.dtype, module: nn.Module, args, kwargs):
     return torch.utils._pytree.tree_map(cast, (args, kwargs))
 
 
-def _rebind_optimizer(optimizer: torch.optim.Optimizer, engine) -> None:
-    """Point the user's param groups at the masters, carrying over any existing state."""
-    by_param = {id(s.param): s for s in engine.slots}
+def _rebind_optimizer(optimizer: torch.optim.Optimizer, engine, whole: WholeParams | None) -> None:
+    """Point the user's param groups at the masters (the parameter partition: the whole masters), carrying over
+    any existing state (the parameter partition: on the owner only, whole)."""
+    by_param = {id(s.param): (i, s) for i, s in enumerate(engine.slots)}
     old_state = optimizer.state
     new_state: dict = type(old_state)() if not isinstance(old_state, dict) else {}
     for group in optimizer.param_groups:
         masters = []
         for p in group["params"]:
-            slot = by_param[id(p)]
-            masters.append(slot.master)
-            if p in old_state:
-                new_state[slot.master] = {k: region_of(v, slot) for k, v in old_state[p].items()}
+            i, slot = by_param[id(p)]
+            master = slot.master if whole is None else whole.wholes[i]
+            masters.append(master)
+            if p not in old_state:
+                continue
+            if whole is None:
+                new_state[master] = {k: region_of(v, slot) for k, v in old_state[p].items()}
+            elif whole.owns(i):
+                new_state[master] = dict(old_state[p])
         group["params"] = masters
     optimizer.state.clear()
     optimizer.state.update(new_state)

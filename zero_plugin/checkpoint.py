@@ -22,6 +22,7 @@ every rank runs on one node).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -47,7 +48,9 @@ def save_checkpoint(
     the new one is complete.
     """
     engine = engine_of(model, "save_checkpoint")
-    _save(path, engine, _inner(engine, optimizer, "save_checkpoint"), extra, guard=_guard(optimizer))
+    inner = _inner(engine, optimizer, "save_checkpoint")
+    with _element_view(optimizer):  # one format for both partitions: [Note: the element view ...] in whole_params.py
+        _save(path, engine, inner, extra, guard=_guard(optimizer))
 
 
 def load_checkpoint(
@@ -59,7 +62,9 @@ def load_checkpoint(
     skips the sha256 check of the files (their sizes are still checked).
     """
     engine = engine_of(model, "load_checkpoint")
-    return _load(path, engine, _inner(engine, optimizer, "load_checkpoint"), verify=verify, guard=_guard(optimizer))
+    inner = _inner(engine, optimizer, "load_checkpoint")
+    with _element_view(optimizer):  # loaded in the element form, assembled into whole masters on exit
+        return _load(path, engine, inner, verify=verify, guard=_guard(optimizer))
 
 
 def save_peft_adapter(model: nn.Module, directory: str | os.PathLike, **save_pretrained_kwargs: Any) -> None:
@@ -92,6 +97,12 @@ def _inner(engine, optimizer: torch.optim.Optimizer | None, verb: str) -> torch.
     if getattr(optimizer, "engine", None) is not engine or not hasattr(optimizer, "inner"):
         raise ValueError(f"zp.{verb}: pass the ZeroOptimizer that zp.setup returned together with this model")
     return optimizer.inner
+
+
+def _element_view(optimizer) -> contextlib.AbstractContextManager:
+    """The ZeroOptimizer's state in the element partition's form ([Note: optimizer partitions] in
+    optim/partition.py); a no-op without an optimizer or in the element partition."""
+    return contextlib.nullcontext() if optimizer is None else optimizer.element_view()
 
 
 def _guard(optimizer) -> Any:

@@ -68,7 +68,8 @@ class ZeroConfig:
     """ZeRO stage (Rajbhandari et al. 2020, section 5): 0 = DDP baseline, 1 = shard optimizer state (P_os),
     2 = + gradients (P_os+g), 3 = + parameters (P_os+g+p). Default 2."""
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
-    """Optimizer state and parameter shards on the host: ``offload_optimizer``, ``offload_params``."""
+    """Optimizer state and parameter shards on the host, and the optimizer's partition over the ranks:
+    ``offload_optimizer``, ``offload_params``, ``optimizer_partition``."""
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     """dtypes, loss scaling, clipping: ``param_dtype``, ``reduce_dtype``, ``master_dtype``, ``clip_grad_norm``,
     ``loss_scaling``, ``loss_scale``, ``loss_scale_init``, ``loss_scale_growth_interval``."""
@@ -249,6 +250,28 @@ class ZeroConfig:
             return cls.from_dict(data)
         except ValueError as exc:
             raise ValueError(f"{str(path)!r}: {exc}") from exc
+
+    @classmethod
+    def from_deepspeed(
+        cls,
+        path_or_dict: str | os.PathLike | Mapping[str, Any],
+        *,
+        world_size: int | None = None,
+        **resolved_autos: Any,
+    ) -> ZeroConfig:
+        """A DeepSpeed configuration (``ds_config.json`` or its dict) read through the one table of DeepSpeed keys
+        (``config_deepspeed.py``, listed in docs/deepspeed.md): mapped keys set fields, ignored ones are named in
+        the report, refused ones raise ``ValueError`` naming the key and the fix, unknown ones warn once.
+        ``resolved_autos``: values for ``"auto"`` entries, by top-level DeepSpeed key, nested as in the file
+        (``gradient_clipping=1.0, bf16={"enabled": False}``); ``world_size`` checks ``train_batch_size``."""
+        from .config_deepspeed import translate
+
+        translation = translate(path_or_dict, resolved=resolved_autos, world_size=world_size)
+        try:
+            return cls.from_dict(translation.settings)
+        except ValueError as exc:
+            keys = ", ".join(f"{key} -> {field}" for field, key in translation.origins.items() if field in str(exc))
+            raise ValueError(f"DeepSpeed config {translation.source}: {exc} (set by {keys})") from exc
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ZeroConfig:

@@ -91,6 +91,14 @@ class OffloadConfig(_Group):
     Default "none"."""
     params: bool = setting(False, values.BOOL, flat="offload_params")
     """Stage 3 only: keep parameter shards on CPU between uses. Default False."""
+    optimizer_partition: str = setting("auto", values.PARTITION)
+    """How stages 1-3 split the optimizer's work and state over the ranks ([Note: optimizer partitions] in
+    optim/partition.py): "elements" steps each rank's flat region of every parameter (exact only for optimizers
+    whose update is elementwise: SGD, Adam/AdamW, ...); "parameters" gives each parameter whole, in its real
+    shape, to one owning rank, which steps it (shape-aware optimizers: Adafactor, Muon, LAMB, 8-bit
+    bitsandbytes); "auto" picks "elements" for the optimizers known to be elementwise and "parameters" for every
+    other. Forcing "elements" on an optimizer known to read a parameter's shape is refused. Ignored at stage 0
+    (whole parameters on every rank). Default "auto"."""
 
     def __bool__(self) -> bool:
         return self.optimizer == "cpu"

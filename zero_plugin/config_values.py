@@ -113,6 +113,15 @@ def as_offload(field: str, value: Any) -> str:
     raise error(field, '"none" or "cpu" (or None, True, False)', value)
 
 
+PARTITIONS = ("auto", "elements", "parameters")
+
+
+def as_partition(field: str, value: Any) -> str:
+    if isinstance(value, str) and value.strip().lower() in PARTITIONS:
+        return value.strip().lower()
+    raise error(field, '"auto", "elements" or "parameters"', value)
+
+
 def as_unit_classes(field: str, value: Any) -> tuple:
     if isinstance(value, (str, type)):
         value = (value,)
@@ -195,6 +204,7 @@ OFFLOAD = Kind(
     lambda t: _text_bool(t) if t.lower() in _TRUE_TEXT | _FALSE_TEXT else t,
     '"none", "cpu", "true" or "false"',
 )
+PARTITION = Kind(as_partition)
 GROUP_SIZE = Kind(as_group_size, _or_none(_text_group_size), '"node", an integer or none')
 LOSS_SCALE = Kind(as_loss_scale, lambda t: "dynamic" if t.lower() == "dynamic" else float(t), '"dynamic" or a number')
 UNIT_CLASSES = Kind(

@@ -432,6 +432,21 @@ class Comm:
         pending.wait()
         return None
 
+    def exchange(
+        self, sends: dict[int, list[torch.Tensor]], receives: dict[int, list[torch.Tensor]], tag: str = ""
+    ) -> None:
+        """Blocking point-to-point exchange ([Note: point-to-point exchange]): ``sends[peer]`` go to ``peer``,
+        ``receives[peer]`` are filled from it (contiguous tensors; a peer missing from either dict exchanges
+        nothing that way).  Both sides must list the same sizes in the same order.  Counted under
+        ``"exchange"`` as the bytes this rank sends (the parameter partition's gathers to owners and scatters
+        back: [Note: optimizer partitions] in ``optim/partition.py``)."""
+        self._record("exchange", sum(t.numel() * t.element_size() for ts in sends.values() for t in ts))
+        self._note("exchange", tag, sum(t.numel() for ts in sends.values() for t in ts))
+        if self.world_size == 1:
+            return
+        works = self._exchange(lambda peer: sends.get(peer, []), lambda peer: receives.get(peer, []))
+        self.wait(_Works(works), f"point-to-point exchange {tag!r}")
+
     def _exchange(self, sends_to, receives_from) -> list:
         """[Note: point-to-point exchange]: for each peer in rank order, send it ``sends_to(peer)`` and receive
         ``receives_from(peer)`` (lists of contiguous tensors), asynchronously; the handles in issue order."""

@@ -8,7 +8,7 @@ every rank and passes through unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,6 +26,8 @@ __all__ = [
 
 def _ordered_slots(opt: Any) -> list[MasterParam]:
     by_master = {id(s.master): s for s in opt.engine.slots}
+    if opt.whole is not None:  # the parameter partition's whole masters ([Note: optimizer partitions])
+        by_master.update({id(w): s for w, s in zip(opt.whole.wholes, opt.engine.slots)})
     return [by_master[id(p)] for g in opt.inner.param_groups for p in g["params"]]
 
 
@@ -79,8 +81,9 @@ def consolidate_optimizer_state(opt: Any, to_rank: int | None) -> dict:
     return {"state": full_state, "param_groups": groups}
 
 
-def shard_optimizer_state(opt: Any, full_sd: dict) -> dict:
-    """Slice a full optimizer state dict down to this rank's regions (no communication)."""
+def shard_optimizer_state(opt: Any, full_sd: dict, owns: Callable[[int], bool] | None = None) -> dict:
+    """Slice a full optimizer state dict down to this rank's regions (no communication); with ``owns`` (the
+    parameter partition: ``owns(slot index)``), keep the full entries of the parameters this rank owns."""
     if "state" not in full_sd or "param_groups" not in full_sd:
         raise ValueError("ZeroOptimizer.load_state_dict: expected a dict with 'state' and 'param_groups'")
     slots = _ordered_slots(opt)
@@ -97,7 +100,10 @@ def shard_optimizer_state(opt: Any, full_sd: dict) -> dict:
         entry = full_sd["state"].get(full_idx)
         if entry is None:
             continue
-        state[pos] = {k: _slice_value(k, v, slot) for k, v in entry.items()}
+        if owns is None:
+            state[pos] = {k: _slice_value(k, v, slot) for k, v in entry.items()}
+        elif owns(opt.whole.index_of(slot.master)):
+            state[pos] = {k: _whole_value(k, v, slot) for k, v in entry.items()}
     groups = []
     for pos_group, (g_full, _g_local) in enumerate(zip(full_sd["param_groups"], opt.inner.param_groups)):
         g = {k: v for k, v in g_full.items() if k not in ("params", "param_names")}
@@ -105,6 +111,12 @@ def shard_optimizer_state(opt: Any, full_sd: dict) -> dict:
         g["params"] = list(range(start, start + len(g_full["params"])))
         groups.append(g)
     return {"state": state, "param_groups": groups}
+
+
+def _whole_value(key: str, value: Any, slot: MasterParam) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == slot.layout.numel:
+        return value.detach().clone()
+    return value
 
 
 def region_of(value: Any, slot: MasterParam) -> Any:

@@ -14,8 +14,9 @@ The inf/NaN check then reuses the configured clip's norm instead of reading the 
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -24,6 +25,7 @@ from .clip import clip_owned_grads
 from .cpu_step import fused_cpu_step
 from .loss_scale import GradGuard, scaler_state_problem
 from .state import class_mismatch, consolidate_optimizer_state, optimizer_class, shard_optimizer_state
+from .whole_params import WholeParams
 
 __all__ = ["ZeroOptimizer"]
 
@@ -31,10 +33,12 @@ __all__ = ["ZeroOptimizer"]
 class ZeroOptimizer(torch.optim.Optimizer):
     """Steps this rank's shard with the wrapped optimizer, then lets the engine re-sync parameters."""
 
-    def __init__(self, inner: torch.optim.Optimizer, engine: Any) -> None:
+    def __init__(self, inner: torch.optim.Optimizer, engine: Any, whole: WholeParams | None = None) -> None:
         # Optimizer.__init__ would re-register the params; we share the inner ones instead.
         self.inner = inner
         self.engine = engine
+        # [Note: optimizer partitions] in partition.py: None steps the element partition's region masters
+        self.whole = whole
         self.defaults = inner.defaults
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
@@ -56,7 +60,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # [Note: cache-blocked offload step]: with offload, separate host masters are stepped block by block,
         # gradients cast in (CPU-only) or waited for (CUDA) and masters written back on the way.
         self.offloaded = cfg.offload_optimizer == "cpu"
-        self.blocked = BlockedStep(engine.slots) if self.offloaded and BlockedStep.wanted(engine.slots) else None
+        wants_blocked = self.offloaded and whole is None and BlockedStep.wanted(engine.slots)
+        self.blocked = BlockedStep(engine.slots) if wants_blocked else None
+
+    @property
+    def partition(self) -> str:
+        """``"elements"`` or ``"parameters"`` ([Note: optimizer partitions] in partition.py)."""
+        return "elements" if self.whole is None else "parameters"
 
     # param_groups/state are properties so that both views always agree.
     @property
@@ -91,6 +101,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self.guard.should_step():
             self.engine.zero_grad(set_to_none=True)  # the skipped step's gradients are discarded
             return loss
+        if self.whole is not None:
+            self.engine.before_step()
+            self._step_whole()
+            self.engine.after_step()
+            return loss
         blocked = self.blocked is not None and self.blocked.applies(self.inner)
         pipelined = not blocked and self.engine.can_step_pipelined(self.inner)
         self.engine.before_step(blocked=blocked)
@@ -103,6 +118,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.inner.step()
         self.engine.after_step()
         return loss
+
+    def _step_whole(self) -> None:
+        """The parameter partition's step; an error inside the user's optimizer is re-raised saying what it saw."""
+        try:
+            self.whole.step(self.inner)
+        except Exception as exc:
+            raise type(exc)(
+                f"{exc}\n(zero_plugin: {optimizer_class(self.inner)}.step() ran under ZeroConfig.optimizer_partition="
+                "'parameters': this rank stepped the whole parameters it owns, in their real shapes, with their "
+                "full reduced gradients; the parameters other ranks own have no gradient here)"
+            ) from exc
 
     def _clip_configured(self) -> None:
         """``ZeroConfig.clip_grad_norm``, if set, applied before the check ([Note: configured clipping])."""
@@ -143,11 +169,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _record(self) -> dict:
         return {"optimizer_class": optimizer_class(self.inner), "grad_guard": self.guard.state_dict()}
 
+    @contextlib.contextmanager
+    def element_view(self) -> Iterator[None]:
+        """Collective in the parameter partition: inside, the wrapped optimizer holds the element partition's
+        region masters and state, the form checkpoints and full state dicts are read from and written to
+        ([Note: the element view of parameter-partition state] in whole_params.py)."""
+        if self.whole is None:
+            yield
+            return
+        with self.whole.element_view(self.inner):
+            yield
+
     def state_dict(self) -> dict:
         """This rank's shard: the wrapped optimizer's state dict plus a ``zero_plugin`` record (layout, class,
         loss scaler)."""
         sd = self.inner.state_dict()
-        sd["zero_plugin"] = {**self.engine.shard_metadata(), **self._record()}
+        sd["zero_plugin"] = {**self.engine.shard_metadata(), "partition": self.partition, **self._record()}
         return sd
 
     def consolidate_state_dict(self, to_rank: int | None = 0) -> dict:
@@ -156,7 +193,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Ranks other than ``to_rank`` get ``{}`` (``to_rank=None``: every rank gets it).
         """
-        full = consolidate_optimizer_state(self, to_rank)
+        with self.element_view():
+            full = consolidate_optimizer_state(self, to_rank)
         if full:
             full["zero_plugin"] = {"sharded": False, **self._record()}
         return full
@@ -168,10 +206,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._check_record(meta)
         if meta.get("sharded", False):
             self.engine.check_shard_metadata(meta)
+            saved = meta.get("partition", "elements")
+            if saved == "parameters" and self.whole is None:
+                raise ValueError(
+                    "ZeroOptimizer.load_state_dict: this shard was saved under optimizer_partition='parameters' "
+                    "(whole parameters on their owners) and this optimizer steps regions ('elements'); load a full "
+                    "state dict (consolidate_state_dict) or use zp.save_checkpoint / zp.load_checkpoint, which "
+                    "convert between partitions"
+                )
             inner_sd = {k: v for k, v in state_dict.items() if k != "zero_plugin"}
+            # an element-partition shard into the parameter partition: loaded in its own form, then assembled
+            view = self.element_view() if saved == "elements" else contextlib.nullcontext()
+            with view:
+                self.inner.load_state_dict(inner_sd)
         else:
-            inner_sd = shard_optimizer_state(self, state_dict)
-        self.inner.load_state_dict(inner_sd)
+            owns = None if self.whole is None else self.whole.owns
+            self.inner.load_state_dict(shard_optimizer_state(self, state_dict, owns))
         if "grad_guard" in meta:  # absent from plain torch dicts and from dicts saved before it was recorded
             self.guard.load_state_dict(meta["grad_guard"])
 
