@@ -1,6 +1,6 @@
 """Model, data, reference and rank function of ``tests/parity/test_bucket_views.py``.
 
-Stage 0 keeps gradients as views of its buckets' buffers ([Note: gradients as bucket views] in
+Stages 0 and 1 keep gradients as views of their buckets' buffers ([Note: gradients as bucket views] in
 ``zero_plugin/grads/views.py``).  The schedule walks every way a gradient reaches a bucket: a fresh one
 after ``zero_grad(set_to_none=True)`` (copied in), one accumulated into the view after
 ``zero_grad(set_to_none=False)``, micro-batches under ``zp.no_sync``, and two synced backwards before one
@@ -84,13 +84,21 @@ def reference(world_size: int) -> list[dict]:
     return out
 
 
-def train_worker() -> list[dict]:
+def train_worker(stage: int = 0, buffered: bool = False) -> list[dict]:
+    """Per step: the gradients before it (stage 1 also each parameter's owned region, ``owned``), whether
+    each ``param.grad`` lies in a bucket buffer and where (``ptrs``), the buffers' addresses, and the
+    parameters after it."""
+    from tests.unit.memory_comm_workers import collectives_layout
+
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model()
-    model, opt = zp.setup(
-        model, torch.optim.SGD(model.parameters(), lr=LR), zp.ZeroConfig(stage=0, bucket_size_mb=1e-4)
-    )
-    buffers = engine_of(model, "test").reducer.views.tensors
+    with collectives_layout(buffered):
+        model, opt = zp.setup(
+            model, torch.optim.SGD(model.parameters(), lr=LR), zp.ZeroConfig(stage=stage, bucket_size_mb=1e-4)
+        )
+    engine = engine_of(model, "test")
+    buffers = engine.reducer.views.tensors
+    names = {id(p): n for n, p in model.named_parameters()}
     out = []
     for (set_to_none, micro, earlier), step_batches in zip(SCHEDULE, batches(world_size)):
         opt.zero_grad(set_to_none=set_to_none)
@@ -102,18 +110,23 @@ def train_worker() -> list[dict]:
             else:
                 loss.backward()
         grads = _grads(model)
+        owned = {names[id(s.param)]: engine.owned_grad(s) for s in engine.slots}
+        owned = {n: None if g is None else g.detach().clone() for n, g in owned.items()}
         ranges = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers()]
         in_buffer = {
             n: any(lo <= p.grad.data_ptr() < hi for lo, hi in ranges)
             for n, p in model.named_parameters()
             if p.grad is not None
         }
+        ptrs = {n: p.grad.data_ptr() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         out.append(
             {
                 "grads": grads,
+                "owned": owned,
                 "in_buffer": in_buffer,
-                "buckets": len(ranges),
+                "ptrs": ptrs,
+                "buffers": [lo for lo, _ in ranges],
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             }
         )

@@ -17,7 +17,8 @@ a parameter used on some ranks only gets the average with zeros from the others.
 Stage composition (see ``zero_plugin/stages.py``):
   * stage 0 -> :class:`AllReduceReducer`: every rank keeps the full averaged grad in ``param.grad``;
   * stage 1 -> :class:`ReduceScatterReducer(keep_full_grad=True)`: the averaged owned region
-    is written into ``param.grad`` in place (full gradients stay allocated, ZeRO-1);
+    is written into ``param.grad`` in place (full gradients stay allocated, ZeRO-1, as views of the
+    buckets' persistent buffers: [Note: gradients as bucket views] in ``views.py``);
   * stage 2 -> :class:`ReduceScatterReducer(keep_full_grad=False)`: the averaged owned region
     goes to a shard-sized gradient and ``param.grad`` is freed (ZeRO-2).
 
@@ -77,6 +78,9 @@ class GradReducer:
         self.reduce_dtype = reduce_dtype
         self.buckets = plan_buckets(slots, bucket_bytes, sharded=self.sharded)
         self._where = {id(s.param): (b, i) for b in self.buckets for i, s in enumerate(b.slots)}
+        # [Note: gradients as bucket views] in views.py: the buckets whose gradients are views of a buffer
+        self.views = BucketViews(reduce_dtype)
+        self._viewed = {id(b) for b in self.buckets if self._keeps_views(b)}
         self.owned: dict[int, torch.Tensor] = {}  # id(param) -> reduced grad of the owned region
         self.require_sync = True
         self._callback_queued = False
@@ -132,6 +136,8 @@ class GradReducer:
         if bucket.launched:
             self._late_gradient(bucket, index)
             return
+        if id(bucket) in self._viewed:
+            self._adopt(bucket, index)
         bucket.ready.add(index)
         if len(bucket.ready) == len(bucket.slots):
             self.schedule.mark_ready(bucket)
@@ -186,9 +192,17 @@ class GradReducer:
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """Every gradient tensor this reducer keeps alive (for memory accounting)."""
-        return list(self.owned.values())
+        return list(self.owned.values()) + self.views.tensors()
 
     # -- per-kind -----------------------------------------------------------
+    def _keeps_views(self, bucket: Bucket) -> bool:
+        """Whether ``bucket``'s gradients are views of a persistent buffer ([Note: gradients as bucket views])."""
+        return False
+
+    def _adopt(self, bucket: Bucket, index: int) -> None:
+        """From the gradient hook of a viewed bucket: the gradient into its view, while it is warm in cache."""
+        self.views.adopt(bucket, index)
+
     def _launch(self, bucket: Bucket):
         """Copy in and issue the bucket's collective; its record ([Note: collective layouts] in
         ``comm/layout.py``)."""
@@ -206,10 +220,8 @@ class AllReduceReducer(GradReducer):
     """Stage 0 (DDP): average full gradients with a bucketed all-reduce; gradients stay views of the
     buckets' buffers where the dtypes allow ([Note: gradients as bucket views] in ``views.py``)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.views = BucketViews(self.reduce_dtype)
-        self._viewed = {id(b) for b in self.buckets if self.views.applies(b)}
+    def _keeps_views(self, bucket: Bucket) -> bool:
+        return self.views.applies(bucket)
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> comm_layout.FlatAllReduce:
@@ -220,13 +232,6 @@ class AllReduceReducer(GradReducer):
             self.comm, bucket.slots, self._buffer_dtype(bucket), bucket.slots[0].param.device
         )
 
-    def _post_accumulate(self, param: torch.Tensor) -> None:
-        if self.require_sync:
-            bucket, index = self._where[id(param)]
-            if id(bucket) in self._viewed and not bucket.launched:
-                self.views.adopt(bucket, index)
-        super()._post_accumulate(param)
-
     @torch.no_grad()
     def _complete(self, bucket: Bucket, pending: comm_layout.FlatAllReduce) -> None:
         # Flags read here, not deferred: this store overwrites param.grad, so storing a late re-reduction
@@ -235,9 +240,6 @@ class AllReduceReducer(GradReducer):
 
     def _store_view(self, slot: MasterParam, reduced: torch.Tensor) -> None:
         self.owned[id(slot.param)] = store_view(slot, reduced)
-
-    def grad_tensors(self) -> list[torch.Tensor]:
-        return super().grad_tensors() + self.views.tensors()
 
     def _store(self, slot: MasterParam, reduced: torch.Tensor) -> None:
         """The average into ``param.grad``; never called for a parameter unused on every rank, which keeps no
@@ -262,8 +264,8 @@ class ReduceScatterReducer(GradReducer):
 
     def __init__(self, *args, keep_full_grad: bool, **kwargs) -> None:
         self.supports_late = not keep_full_grad
-        super().__init__(*args, **kwargs)
         self.keep_full_grad = keep_full_grad
+        super().__init__(*args, **kwargs)
         # stage 1, [Note: reduced regions and later backwards]: id(param) -> the param.grad a reduction of
         # this step took in; (param, that grad) set aside while a backward reduces the parameter as absent
         self._consumed: dict[int, torch.Tensor] = {}
@@ -275,6 +277,18 @@ class ReduceScatterReducer(GradReducer):
         if self.keep_full_grad:
             for slot in self.slots:
                 self._handles.append(slot.param.register_hook(WeakHook(self._before_accumulate, slot.param)))
+
+    def _keeps_views(self, bucket: Bucket) -> bool:
+        return self.keep_full_grad and self.views.applies(bucket)  # stage 2 lets its full gradients go
+
+    def _adopt(self, bucket: Bucket, index: int) -> None:
+        """Stage 1: not while the view holds an average of this step (a second synced backward): the fresh
+        gradient is then reduced where it is ([Note: gradients as bucket views] in views.py).  A gradient
+        copied in is fresh, whatever the view held: no reduction has taken it."""
+        param = bucket.slots[index].param
+        if id(param) not in self.owned:
+            self.views.adopt(bucket, index)
+            self._consumed.pop(id(param), None)
 
     def _before_accumulate(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         if param.grad is not None and param.grad is self._consumed.get(id(param)):
@@ -320,6 +334,11 @@ class ReduceScatterReducer(GradReducer):
         self._consumed.clear()
         super().zero_grad(set_to_none)
 
+    def _free_view(self, slot: MasterParam) -> torch.Tensor | None:
+        """The view of ``slot``'s bucket, where it has one (called only where it holds no average)."""
+        bucket, index = self._where[id(slot.param)]
+        return self.views.view(bucket, index) if id(bucket) in self._viewed else None
+
     def _late_gradient(self, bucket: Bucket, index: int) -> None:
         if self.keep_full_grad:
             super()._late_gradient(bucket, index)
@@ -348,8 +367,9 @@ class ReduceScatterReducer(GradReducer):
         batch = self._batch or _UNBATCHED
         previous = self.owned.get(id(p))  # an earlier reduction in this step
         if self.keep_full_grad and reduced.dtype == p.dtype:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+            if p.grad is None:  # no gradient on this rank: zeros, in its view where that holds no average
+                view = self._free_view(slot) if previous is None else None
+                p.grad = view.zero_() if view is not None else torch.zeros_like(p)
                 self._consumed[id(p)] = p.grad  # holds a reduction's result: never reduced again
             region = slot.layout.local_view(p.grad)
             if region.data_ptr() != reduced.data_ptr():  # reduced in place into p.grad: already there

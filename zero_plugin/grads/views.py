@@ -1,17 +1,29 @@
-"""Stage 0: gradients kept as views of persistent bucket buffers, as DDP's ``gradient_as_bucket_view``.
+"""Stages 0 and 1: gradients kept as views of persistent bucket buffers, as DDP's ``gradient_as_bucket_view``.
 
 [Note: gradients as bucket views]
 Stage 0 used to copy each bucket's gradients into a fresh flat buffer, all-reduce it, then copy the
 average back into ``param.grad``: two passes over Ψ, plus the page faults of a new Ψ-sized buffer every
-backward.  Now each bucket owns one buffer for the whole run (``width`` elements, every parameter whole
-at its offset, then one has-gradient flag per parameter, the layout of ``FlatAllReduce`` in
-``comm/layout.py``), and after a reduction ``param.grad`` *is* the parameter's view of it.  Copy-in
-(from the gradient hook, while the gradient is warm in cache, or at the launch) happens only for a
-gradient that is not that view already (a fresh one after ``zero_grad(set_to_none=True)``,
-which autograd allocated; the fresh tensor is then let go); a gradient accumulated into the view
-(``zero_grad(set_to_none=False)``, accumulation, a second backward) is reduced where it is, and the
-average is written in place, with no copy-out.  Values are those of the copying path bit for bit: the
-same buffer is summed by the same collective and divided by the same N.
+backward.  Now each bucket owns one buffer for the whole run (every parameter whole at its offset, then one
+has-gradient flag per parameter, the layout of ``FlatAllReduce`` in ``comm/layout.py``), and after a
+reduction ``param.grad`` *is* the parameter's view of it.  Copy-in (from the gradient hook, while the
+gradient is warm in cache, or at the launch) happens only for a gradient that is not that view already (a
+fresh one after ``zero_grad(set_to_none=True)``, which autograd allocated; the fresh tensor is then let
+go); a gradient accumulated into the view (``zero_grad(set_to_none=False)``, accumulation, a second
+backward) is reduced where it is, and the average is written in place, with no copy-out.  Values are those
+of the copying path bit for bit: the same buffer is summed by the same collective and divided by the same N.
+
+Stage 1 (issue #49) keeps its full gradients in the same buffers (parameters whole, not the shard columns
+its buckets are planned in), copied in from the gradient hook alike, instead of a fresh Ψ every backward
+that lived until ``zero_grad``.  In place (gloo) each rank's region of the views is summed where it is and
+the average stays there: nothing is copied in or out.  Buffered (NCCL) the copy-in into the rank-major rows
+reads the views (a reduce-scatter needs each rank's chunks side by side, which no view of whole parameters
+is) and the average is copied into the owned region of the view.  Stage 1's views keep
+[Note: reduced regions and later backwards] in ``reducer.py``: a fresh gradient is copied into a view only
+while the view holds no average of this step (``owned``), and is then fresh whatever the view held before; a
+second synced backward before the step keeps its fresh gradient where autograd put it (allocated, as
+before), reduces it there and adds the view's average.  A rank without a gradient that another rank had
+gets zeros in its view.  Stage 2 keeps no full gradient, so it has no views.
+
 Consequences, the same as DDP's: the buffers hold Ψ elements between steps even when ``param.grad`` was
 set to None (counted in ``memory_report``'s gradients through ``grad_tensors``), and a reference to a
 ``param.grad`` kept across steps sees the next step's gradient.  Only buckets whose parameters share the
@@ -36,7 +48,7 @@ class BucketViews:
     def __init__(self, reduce_dtype: torch.dtype | None) -> None:
         self.reduce_dtype = reduce_dtype
         self._buffers: dict[int, torch.Tensor] = {}  # id(bucket) -> width + len(slots) elements
-        self._offsets: dict[int, list[int]] = {}  # id(bucket) -> each slot's offset in it
+        self._packed: dict[int, tuple[list[int], int]] = {}  # id(bucket) -> each slot's offset, total width
 
     def applies(self, bucket: Bucket) -> bool:
         p0 = bucket.slots[0].param
@@ -47,15 +59,27 @@ class BucketViews:
         buf = self._buffers.get(id(bucket))
         if buf is None:
             p0 = bucket.slots[0].param
-            buf = torch.empty(bucket.width + len(bucket.slots), dtype=p0.dtype, device=p0.device)
+            buf = torch.empty(self.width(bucket) + len(bucket.slots), dtype=p0.dtype, device=p0.device)
             self._buffers[id(bucket)] = buf
         return buf
 
     def offsets(self, bucket: Bucket) -> list[int]:
-        offsets = self._offsets.get(id(bucket))
-        if offsets is None:
-            offsets = self._offsets[id(bucket)] = packed_offsets(s.layout.numel for s in bucket.slots)[0]
-        return offsets
+        return self._pack(bucket)[0]
+
+    def width(self, bucket: Bucket) -> int:
+        """Every parameter whole, side by side (stage 0's ``bucket.width``; stage 1's bucket is planned in
+        shard columns, so its ``width`` is not this)."""
+        return self._pack(bucket)[1]
+
+    def _pack(self, bucket: Bucket) -> tuple[list[int], int]:
+        packed = self._packed.get(id(bucket))
+        if packed is None:
+            packed = self._packed[id(bucket)] = packed_offsets(s.layout.numel for s in bucket.slots)
+        return packed
+
+    def view(self, bucket: Bucket, index: int) -> torch.Tensor:
+        """Slot ``index``'s view of the bucket's buffer, shaped as its parameter."""
+        return _view(self.buffer(bucket), bucket.slots[index], self.offsets(bucket)[index])
 
     @torch.no_grad()
     def adopt(self, bucket: Bucket, index: int) -> None:
@@ -64,20 +88,20 @@ class BucketViews:
         slot = bucket.slots[index]
         grad = slot.param.grad
         if grad is not None:
-            view = _view(self.buffer(bucket), slot, self.offsets(bucket)[index])
+            view = self.view(bucket, index)
             if not _is(grad, view):
                 view.copy_(grad)
                 slot.param.grad = view
 
     @torch.no_grad()
     def fill(self, bucket: Bucket) -> torch.Tensor:
-        """Copy-in where still needed: every gradient into its view (``param.grad`` becomes the view),
-        zeros where this rank has none, then the flags; the filled buffer."""
-        buf = self.buffer(bucket)
+        """Stage 0's copy-in where still needed: every gradient into its view (``param.grad`` becomes the
+        view), zeros where this rank has none, then the flags; the filled buffer."""
+        buf, width = self.buffer(bucket), self.width(bucket)
         for i, (slot, off) in enumerate(zip(bucket.slots, self.offsets(bucket))):
             view = _view(buf, slot, off)
             grad = slot.param.grad
-            buf[bucket.width + i] = float(grad is not None)  # a scalar fill: no pageable copy on CUDA
+            buf[width + i] = float(grad is not None)  # a scalar fill: no pageable copy on CUDA
             if grad is None:
                 view.zero_()
             elif not _is(grad, view):
