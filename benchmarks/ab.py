@@ -39,8 +39,8 @@ def _export(rev: str, into: Path) -> None:
 
 
 def _per_round(raw: dict, variant: str, kind: str) -> dict[int, float]:
-    """Median step of ``variant`` in each round (``kind``: "total" wall seconds or "cpu" process CPU seconds),
-    over all its timed steps and ranks."""
+    """Median step of ``variant`` in each round (``kind``: "total" wall seconds, "cpu" process CPU seconds or
+    "faults" minor page faults), over all its timed steps and ranks."""
     steps: dict[int, list[float]] = {}
     for rec in raw["records"]:
         if rec["variant"] == variant:
@@ -67,7 +67,23 @@ def _ratios(report: Path, stages: list[int]) -> list[str]:
                 f"{statistics.median(base.values()):.4f} s at the base revision: {overall:.3f}x; "
                 f"per round {', '.join(f'{x:.3f}' for x in paired)} (median {statistics.median(paired):.3f}x)"
             )
+        lines += _fault_line(raw, stage)
     return lines
+
+
+def _fault_line(raw: dict, stage: int) -> list[str]:
+    """Minor page faults per step and rank (median), this tree, the base and DDP: not moved by the load."""
+    medians = {}
+    for name in (f"zp{stage}", f"zp{stage}_base", "ddp"):
+        per_round = _per_round(raw, name, "faults")
+        if not per_round:
+            return []  # a report recorded before faults were counted
+        medians[name] = statistics.median(per_round.values())
+    new, base, ddp = medians.values()
+    return [
+        f"stage {stage} page faults per step and rank: {new / 1e3:.1f}k vs {base / 1e3:.1f}k at the base "
+        f"revision ({new / base:.3f}x); DDP {ddp / 1e3:.1f}k ({new / ddp:.2f}x DDP, base {base / ddp:.2f}x DDP)"
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

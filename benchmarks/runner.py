@@ -7,9 +7,9 @@ other variants of its round through ``ref-round<N>.pt`` in the run's folder.
 Per variant and round: free memory, reset the RSS high-water mark, build a
 fresh model from the seed, wrap it, run warm-up then timed steps on
 pre-generated batches, and record phase times, model-state bytes (after the
-first timed backward, before its step; untimed), logical
-communication of the timed steps, peak RSS increase and the parameters'
-distance to DDP's at the end of the same round.
+first timed backward, before its step; untimed), minor page faults per
+phase, logical communication of the timed steps, peak RSS increase and the
+parameters' distance to DDP's at the end of the same round.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -154,12 +155,20 @@ def _train(variant, batches: list[torch.Tensor], cfg: RunConfig, profiler, rss: 
     }
 
 
+def _faults() -> int:
+    """Minor page faults of this process so far, all threads (``ru_minflt``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _one_step(variant, ids: torch.Tensor, measure: bool, rss: RssPeak | None) -> tuple[dict[str, float], float, dict]:
-    """forward, backward, step, zero_grad, each timed in wall and process-CPU seconds.
+    """forward, backward, step, zero_grad, each timed in wall and process-CPU seconds, and the minor page
+    faults each took (``faults_<phase>``, ``faults``).
 
     CPU time counts all threads of this process (gloo's included); unlike wall time it barely
-    moves when other jobs share the cores.  Model states are measured, untimed, before the step.
-    With ``rss`` (--profile), ``rss_<phase>`` is the phase's peak RSS above the variant's baseline.
+    moves when other jobs share the cores.  A page fault is the kernel handing the process a fresh page,
+    mostly memory the allocator took from the OS for this step (a buffer allocated afresh rather than
+    reused): a count that the machine's load does not move.  Model states are measured, untimed, before
+    the step.  With ``rss`` (--profile), ``rss_<phase>`` is the phase's peak RSS above the variant's baseline.
     """
     box: dict = {}
     actions = {
@@ -172,13 +181,15 @@ def _one_step(variant, ids: torch.Tensor, measure: bool, rss: RssPeak | None) ->
     for phase in PHASES:
         if phase == "step" and measure:
             state = _measure_state(variant)
-        c0, t0 = time.process_time(), time.perf_counter()
+        f0, c0, t0 = _faults(), time.process_time(), time.perf_counter()
         actions[phase]()
         out[phase], out[f"cpu_{phase}"] = time.perf_counter() - t0, time.process_time() - c0
+        out[f"faults_{phase}"] = _faults() - f0
         if rss is not None:
             out[f"rss_{phase}"] = rss.checkpoint()
     out["total"] = sum(out[p] for p in PHASES)
     out["cpu"] = sum(out[f"cpu_{p}"] for p in PHASES)
+    out["faults"] = sum(out[f"faults_{p}"] for p in PHASES)
     return out, float(box["loss"].detach()), state
 
 
