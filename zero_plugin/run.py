@@ -30,8 +30,11 @@ and the group destroyed.  Skipping finalisation loses nothing the handlers and f
 
 [Note: what zero_plugin.run patches]  In this process only, and nothing in torch:
 * ``accelerate.Accelerator`` and ``accelerate.accelerator.Accelerator`` -> zero_plugin's subclass;
-* once ``transformers.trainer`` is imported: its ``Accelerator`` name and six ``Trainer``
-  checkpoint methods (``zero_plugin/integrations/hf_trainer.py``, ``install``);
+* once ``transformers.training_args`` is imported: ``TrainingArguments.__post_init__``, so that
+  ``deepspeed=...`` becomes a ``ZeroConfig`` instead of a DeepSpeed plugin
+  (``zero_plugin/integrations/deepspeed_config.py``, ``install``);
+* once ``transformers.trainer`` is imported: its ``Accelerator`` name and ten ``Trainer`` methods
+  (checkpoints, the DeepSpeed optimizer / schedule: ``zero_plugin/integrations/hf_trainer.py``, ``install``);
 * once ``trl.generation.vllm_generation`` is imported: ``VLLMGeneration._iter_named_params``, the weights
   GRPO / RLOO push to vLLM, gathered one unit at a time at stage 3 (``zero_plugin/integrations/trl_vllm.py``);
 * once Lightning is imported: the zero strategy names are registered (nothing is patched);
@@ -67,12 +70,13 @@ def install() -> None:
     import accelerate
     import accelerate.accelerator
 
-    from .integrations import hf_trainer, trl_vllm
+    from .integrations import deepspeed_config, hf_trainer, trl_vllm
     from .integrations.accelerate import Accelerator
     from .loading import lazy_pretrained
 
     accelerate.Accelerator = Accelerator
     accelerate.accelerator.Accelerator = Accelerator
+    _after_import("transformers.training_args", deepspeed_config.install)
     _after_import("transformers.trainer", hf_trainer.install)
     _after_import("trl.generation.vllm_generation", trl_vllm.install)
     if _loads_lazily(ZeroConfig.from_env(), int(os.environ.get("RANK", "0"))):

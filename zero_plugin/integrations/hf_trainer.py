@@ -20,6 +20,10 @@ are the Trainer methods that assume every rank holds the full model or optimizer
   (``auto_find_batch_size``) or need what the checkpoint lacks.
 * ``_move_model_to_device``: ``Trainer.__init__`` moves the whole model to the device; a lazily loaded
   model has meta parameters, and stage 3 places one unit at a time (``place_before_setup``).
+* ``_build_accelerator_args``, ``create_optimizer``, ``create_scheduler``: a ``TrainingArguments(deepspeed=...)``
+  taken over by ``deepspeed_config.py`` gives the Accelerator its ``ZeroConfig``, and its ``optimizer`` /
+  ``scheduler`` sections the optimizer and schedule DeepSpeed would have built (torch's AdamW over every
+  trainable parameter in one group; DeepSpeed's warm-up rates step for step).
 
 :func:`install` patches these onto ``transformers.Trainer`` in one place; each override falls
 back to the original method when the Trainer's accelerator is not zero_plugin's.
@@ -39,7 +43,7 @@ from zero_plugin.ckpt.deepspeed_reader import find_tag_dir
 from zero_plugin.ckpt.rng import capture_rng, restore_rng
 from zero_plugin.state_dict import raw_state_dict
 
-from . import common
+from . import common, deepspeed_config
 from .accelerate import Accelerator as ZeroAccelerator
 from .accelerate import place_before_setup
 from .optimizer_stub import is_stub, write_stub
@@ -88,6 +92,8 @@ def _check_supported(args: Any) -> None:
         "fsdp": "zero_plugin replaces FSDP; choose the ZeRO stage with zero-plugin launch --stage",
     }
     for name, why in refused.items():
+        if name == "deepspeed" and deepspeed_config.taken_over(args) is not None:
+            continue  # translated to a ZeroConfig (deepspeed_config.py)
         if getattr(args, name, None):
             raise ValueError(f"zero_plugin: TrainingArguments.{name}={getattr(args, name)!r} is not supported: {why}")
 
@@ -241,7 +247,45 @@ def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
     place_before_setup(model, device, self.accelerator.zero_config.stage)
 
 
+def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+    args = _ORIGINALS["_build_accelerator_args"](self, **kwargs)
+    taken = deepspeed_config.taken_over(self.args)
+    if taken is not None and trainer_accelerator() is ZeroAccelerator:
+        args["zero_plugin"] = taken.config
+    return args
+
+
+def trainer_accelerator() -> type:
+    from transformers import trainer as trainer_module
+
+    return trainer_module.Accelerator
+
+
+def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+    taken = deepspeed_config.taken_over(self.args)
+    if taken is None or taken.optimizer is None or self.optimizer is not None:
+        return _ORIGINALS["create_optimizer"](self, model)
+    # DeepSpeed builds its optimizer over every trainable parameter in one group (transformers' deepspeed_init).
+    params = [p for p in (self.model if model is None else model).parameters() if p.requires_grad]
+    self.optimizer = taken.optimizer.build(params)
+    return self.optimizer
+
+
+def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+    taken = deepspeed_config.taken_over(self.args)
+    if taken is None or taken.schedule is None or self.lr_scheduler is not None:
+        return _ORIGINALS["create_scheduler"](self, num_training_steps, optimizer)
+    warmup = self.args.get_warmup_steps(num_training_steps)
+    schedule = taken.schedule.resolved(num_training_steps, warmup, self.args.learning_rate)
+    self.lr_scheduler = schedule.build(self.optimizer if optimizer is None else optimizer)
+    self._created_lr_scheduler = True
+    return self.lr_scheduler
+
+
 _OVERRIDES: dict[str, Callable] = {
+    "_build_accelerator_args": _build_accelerator_args,
+    "create_optimizer": create_optimizer,
+    "create_scheduler": create_scheduler,
     "_move_model_to_device": _move_model_to_device,
     "create_accelerator_and_postprocess": create_accelerator_and_postprocess,
     "save_model": save_model,
@@ -255,8 +299,8 @@ _OVERRIDES: dict[str, Callable] = {
 def install() -> None:
     """Make ``transformers.Trainer`` use zero_plugin's Accelerator and checkpoint methods (idempotent).
 
-    The one place where transformers is patched: the ``Accelerator`` name ``transformers.trainer``
-    imported from accelerate, and the seven Trainer methods in ``_OVERRIDES`` (subclasses such as
+    The one place where transformers' Trainer is patched: the ``Accelerator`` name ``transformers.trainer``
+    imported from accelerate, and the ten Trainer methods in ``_OVERRIDES`` (subclasses such as
     ``Seq2SeqTrainer`` inherit them).  Each override defers to the original unless the Trainer's
     accelerator is zero_plugin's.
     """

@@ -1,5 +1,5 @@
 """``zero-plugin`` command line: ``estimate`` (see ``estimate_command.py``), ``launch`` (see ``run.py``),
-``consolidate`` (see ``ckpt/consolidate.py``)."""
+``consolidate`` (see ``ckpt/consolidate.py``), ``config --from-deepspeed`` (see ``config_deepspeed.py``)."""
 
 from __future__ import annotations
 
@@ -79,6 +79,65 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_config(sub) -> None:
+    p = sub.add_parser(
+        "config",
+        help="print the zero_plugin YAML equivalent to a DeepSpeed config",
+        description="Read a DeepSpeed JSON (ds_config.json) through zero_plugin's table of DeepSpeed keys "
+        "(docs/deepspeed.md) and print the equivalent zero_plugin YAML (for --zero_config, or a zero_plugin: "
+        "section); ZeroConfig.from_file of it equals ZeroConfig.from_deepspeed of the JSON. What lies outside "
+        "ZeroConfig (the optimizer and scheduler sections, batch sizes) is printed as comments; refused keys "
+        "fail naming the key and the fix.",
+    )
+    p.add_argument("--from-deepspeed", required=True, metavar="DS_JSON", help="the DeepSpeed configuration file")
+    p.add_argument(
+        "--auto",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help='a value for an "auto" entry, by its dotted DeepSpeed key and a JSON value (repeatable), e.g. '
+        "--auto gradient_clipping=1.0 --auto bf16.enabled=true",
+    )
+    p.add_argument("--world-size", type=int, default=None, help="checks train_batch_size against it")
+    p.set_defaults(run=_config)
+
+
+def _resolved_autos(pairs: list[str]) -> dict:
+    import json
+
+    out: dict = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--auto {pair!r}: expected KEY=VALUE, e.g. gradient_clipping=1.0")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def _config(args: argparse.Namespace) -> int:
+    from ..config import ZeroConfig
+    from ..config_deepspeed import translate
+    from ..integrations.deepspeed_config import to_yaml
+
+    try:
+        autos = _resolved_autos(args.auto)
+        translation = translate(args.from_deepspeed, resolved=autos, world_size=args.world_size)
+        config = ZeroConfig.from_dict(translation.settings)
+    except (ValueError, OSError) as exc:
+        print(f"zero-plugin config: error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(to_yaml(config, translation))
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     from .launcher import launch
 
@@ -100,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("argv", nargs=argparse.REMAINDER)
     launch.set_defaults(run=_launch)
     _add_consolidate(sub)
+    _add_config(sub)
     args = ap.parse_args(argv)
     return args.run(args)
 

@@ -17,8 +17,21 @@ from ..config import ZeroConfig
 __all__ = ["launch"]
 
 _SECTION = "zero_plugin"
-_REPLACED = {"use_deepspeed": "DeepSpeed", "use_fsdp": "FSDP", "use_megatron_lm": "Megatron-LM", "tpu": "TPU"}
-_REPLACED_TYPES = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP", "MEGATRON_LM": "Megatron-LM", "XLA": "TPU"}
+_REPLACED = {"use_fsdp": "FSDP", "use_megatron_lm": "Megatron-LM", "tpu": "TPU"}
+_REPLACED_TYPES = {"FSDP": "FSDP", "MEGATRON_LM": "Megatron-LM", "XLA": "TPU"}
+# accelerate launch's DeepSpeed options, read by _take_deepspeed (deepspeed_config.from_accelerate)
+_DEEPSPEED_FLAGS = (
+    "deepspeed_config_file",
+    "zero_stage",
+    "offload_optimizer_device",
+    "offload_param_device",
+    "offload_optimizer_nvme_path",
+    "offload_param_nvme_path",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "zero3_init_flag",
+    "zero3_save_16bit_model",
+)
 
 
 def _launch_parser() -> argparse.ArgumentParser:
@@ -53,6 +66,7 @@ def launch(argv: list[str]) -> int:
     try:
         args.config_file, section, accelerate_settings = _split_accelerate_config(args.config_file, temp_files)
         env = _zero_environment(args, section)
+        _take_deepspeed(args, accelerate_settings, env, temp_files)
         script_args = list(args.training_script_args)
         _prepare_accelerate_args(args, accelerate_settings, env)
     except ValueError as exc:
@@ -95,7 +109,9 @@ def _split_accelerate_config(path: str | None, temp_files: list[str]) -> tuple[s
     """(config file for Accelerate, file holding a ``zero_plugin:`` section or None, Accelerate's settings).
 
     Accelerate rejects unknown keys, so a config carrying a ``zero_plugin:`` section is copied
-    without it into a temporary file for Accelerate; the children read the section from the original.
+    without it into a temporary file for Accelerate; the children read the section from the original.  A
+    ``distributed_type: DEEPSPEED`` config is copied as a plain multi-process one (its ``deepspeed_config:``
+    is read by ``_take_deepspeed``, from the settings returned).
     """
     from accelerate.commands.config.config_args import default_config_file
 
@@ -112,21 +128,74 @@ def _split_accelerate_config(path: str | None, temp_files: list[str]) -> tuple[s
             raise ValueError(f"--config_file {source!r}: cannot parse: {exc}") from None
     data = data if isinstance(data, dict) else {}
     rest = {k: v for k, v in data.items() if k != _SECTION}
-    if _SECTION not in data:
+    for_accelerate = _without_deepspeed(rest)
+    if _SECTION not in data and for_accelerate == rest:
         return path, None, rest
     fd, copy = tempfile.mkstemp(prefix="zero_plugin_accelerate_", suffix=".json" if is_json else ".yaml")
     temp_files.append(copy)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(rest, f) if is_json else yaml.safe_dump(rest, f)
-    return copy, source, rest
+        json.dump(for_accelerate, f) if is_json else yaml.safe_dump(for_accelerate, f)
+    return copy, source if _SECTION in data else None, rest
+
+
+def _distributed_type(settings: dict) -> str:
+    return str(settings.get("distributed_type", "NO")).split(".")[-1].upper()
+
+
+def _without_deepspeed(settings: dict) -> dict:
+    """Accelerate's settings with DeepSpeed replaced by plain processes (zero_plugin shards instead)."""
+    if _distributed_type(settings) != "DEEPSPEED":
+        return settings
+    out = {k: v for k, v in settings.items() if k != "deepspeed_config"}
+    out["distributed_type"] = "MULTI_GPU" if _has_accelerator_devices() else "MULTI_CPU"
+    return out
+
+
+def _take_deepspeed(args: argparse.Namespace, settings: dict, env: dict[str, str], temp_files: list[str]) -> None:
+    """An Accelerate DEEPSPEED config or ``--use_deepspeed`` (with ``--deepspeed_config_file`` or the other
+    DeepSpeed flags) becomes the children's ``ZeroConfig`` (``integrations/deepspeed_config.py``): checked against
+    zero_plugin's own settings, written as ``ZERO_PLUGIN_CONFIG``, and printed once, here."""
+    from ..config_deepspeed import translate
+    from ..integrations import deepspeed_config as ds
+
+    from_config = _distributed_type(settings) == "DEEPSPEED"
+    if not (args.use_deepspeed or from_config):
+        return
+    flags = {name: getattr(args, name, None) for name in _DEEPSPEED_FLAGS}
+    data, autos, name = ds.from_accelerate(settings.get("deepspeed_config") or {} if from_config else {}, flags)
+    sections = [s for s in ("optimizer", "scheduler") if s in data]
+    if sections:
+        raise ValueError(
+            f"DeepSpeed config {name}: zero-plugin launch applies the {' and '.join(sections)} section(s) only "
+            "through the HF Trainer (TrainingArguments(deepspeed=...), the script's --deepspeed); for an "
+            "Accelerate script remove them and build the optimizer / scheduler in the script"
+        )
+    autos.update(ds.precision_autos(args.mixed_precision or settings.get("mixed_precision")))
+    processes = args.num_processes if args.num_processes is not None else settings.get("num_processes", 1)
+    machines = args.num_machines if args.num_machines is not None else settings.get("num_machines", 1)
+    translation = translate(data, resolved=autos, world_size=int(processes) * int(machines), name=name)
+    config = ds.merged_config(translation, ds.explicit_settings({**os.environ, **env}))
+    fd, path = tempfile.mkstemp(prefix="zero_plugin_from_deepspeed_", suffix=".yaml")
+    temp_files.append(path)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(ds.to_yaml(config, translation))
+    env["ZERO_PLUGIN_CONFIG"] = path
+    accumulation = translation.batch.get("gradient_accumulation_steps")
+    if accumulation is not None:
+        env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(accumulation)
+    print(ds.report(translation, config), file=sys.stderr, flush=True)
+    args.use_deepspeed = False
+    for flag in _DEEPSPEED_FLAGS:
+        setattr(args, flag, None)
 
 
 def _prepare_accelerate_args(args: argparse.Namespace, defaults: dict, env: dict[str, str]) -> None:
-    """Refuse DeepSpeed/FSDP, apply [Note: Accelerate on a CPU-only machine], run the script via zero_plugin.run."""
+    """Refuse FSDP / Megatron-LM / TPU, apply [Note: Accelerate on a CPU-only machine], run the script via
+    zero_plugin.run (DeepSpeed was taken over by ``_take_deepspeed``)."""
     for flag, name in _REPLACED.items():
         if getattr(args, flag, False):
             raise ValueError(f"--{flag} asks Accelerate for {name}, which zero_plugin replaces; drop it")
-    dist_type = str(defaults.get("distributed_type", "NO")).split(".")[-1].upper()
+    dist_type = _distributed_type(defaults)
     if dist_type in _REPLACED_TYPES and not args.multi_gpu:
         raise ValueError(
             f"the Accelerate config sets distributed_type: {dist_type}, which zero_plugin replaces; "
