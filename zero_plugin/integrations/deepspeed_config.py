@@ -48,7 +48,7 @@ def explicit_settings(environ: Mapping[str, str] | None = None) -> dict[str, tup
                 out[key] = (value, f"{path}: {key}")
     for var, field in sources.env_overrides(env, ("stage", *FLAT_NAMES)).items():
         flag = {"ZERO_PLUGIN_STAGE": "--stage", "ZERO_PLUGIN_OFFLOAD": "--offload"}.get(var)
-        out[field] = (env[var], f"{flag} {env[var]} ({var})" if flag else f"{var}={env[var]}")
+        out[field] = (env[var], f"{flag} {env[var]} / {var}={env[var]}" if flag else f"{var}={env[var]}")
     return out
 
 
