@@ -6,6 +6,10 @@
   launch form; only the launch differs (zero_plugin runs add ``--memory_report``, which only writes a
   report).  Every stage matches DDP (losses, clip norms, final weights by update norm), replays epoch 2
   exactly after ``load_state``, and each rank's ``zp.memory_report`` matches the ZeRO theory for the stage.
+* The same Accelerate script under a DeepSpeed configuration given the DeepSpeed way (issue 53): an Accelerate
+  ``DEEPSPEED`` config (stage 3, optimizer offload) and ``--use_deepspeed --deepspeed_config_file`` (stage 2,
+  optimizer offload, clipping 1.0) hold the mapped ``ZeroConfig`` and match ``stage3_offload`` / ``stage2`` step
+  for step (the other doors: ``test_deepspeed_doors.py``).
 * ``scripts/trainer_lora.py`` (plain ``transformers.Trainer`` + PEFT LoRA) at stage 3: matches DDP,
   a run resumed from its step-4 checkpoint ends where the uninterrupted run ends, and the saved adapter
   reloads with ``PeftModel.from_pretrained`` to identical logits.
@@ -114,6 +118,43 @@ STAGE_LAUNCHES = {
         ("--memory_report",),
     ),
 }
+# Issue 53: the same script under a DeepSpeed configuration, given the DeepSpeed way to zero-plugin launch.
+DEEPSPEED_YAML = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 3
+  offload_optimizer_device: cpu
+  offload_param_device: none
+  zero3_init_flag: true
+num_processes: 2
+mixed_precision: 'no'
+use_cpu: true
+main_process_port: 0
+"""
+DEEPSPEED_STAGE2_JSON = {
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "overlap_comm": True},
+    "gradient_clipping": 1.0,
+    "bf16": {"enabled": "auto"},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+}
+DEEPSPEED_LAUNCHES = {
+    # the Accelerate DEEPSPEED config (stage 3, optimizer offload) <-> stage3_offload (--stage 3 --offload cpu)
+    "deepspeed_config": Launch(
+        "deepspeed_config",
+        (*ZERO_LAUNCH, "launch", "--config_file", "{tmp}/deepspeed.yaml", "--main_process_port", "0"),
+        TRAIN,
+        ("--memory_report",),
+    ),
+    # --use_deepspeed --deepspeed_config_file (stage 2, optimizer offload, clipping 1.0) <-> stage2 (--stage 2)
+    "deepspeed_flags": Launch(
+        "deepspeed_flags",
+        (*ZERO_LAUNCH, "launch", "--use_deepspeed", "--deepspeed_config_file", "{tmp}/ds_stage2.json", *TWO),
+        TRAIN,
+        ("--memory_report",),
+    ),
+}
 TRAINER = "trainer_lora.py"
 TRAINER_LAUNCHES = {
     "trainer": Launch("trainer", (*ZERO_LAUNCH, "launch", "--stage", "3", *TWO), TRAINER),
@@ -194,7 +235,10 @@ class Runner:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launches")
     (tmp / "stage2.yaml").write_text(STAGE2_YAML)
+    (tmp / "deepspeed.yaml").write_text(DEEPSPEED_YAML)
+    (tmp / "ds_stage2.json").write_text(json.dumps(DEEPSPEED_STAGE2_JSON))
     stages = [STAGE_LAUNCHES[n] for n in ("ddp", "stage3", "stage2", "stage0", "stage1", "stage3_offload")]
+    stages += list(DEEPSPEED_LAUNCHES.values())
     chains = [[TRAINER_LAUNCHES["trainer"], TRAINER_LAUNCHES["trainer_resumed"]], [TRAINER_LAUNCHES["trainer_ddp"]]]
     runner = Runner(tmp, chains + [[s] for s in stages])
     yield runner
@@ -278,6 +322,36 @@ def test_memory_report_matches_theory(runs, name):
             host = report["placement"]["host"]
             assert abs(host["total"] - report["placement"]["theory"]["host"]) <= 4 * 64, report["placement"]
             assert host["total"] >= report["measured"]["optimizer"] > 0
+
+
+# -- DeepSpeed configurations (issue 53) ---------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, equivalent, want",
+    [
+        ("deepspeed_config", "stage3_offload", {"stage": 3, "offload_optimizer": "cpu", "clip_grad_norm": 1.0}),
+        ("deepspeed_flags", "stage2", {"stage": 2, "offload_optimizer": "cpu", "clip_grad_norm": 1.0}),
+    ],
+)
+def test_deepspeed_configuration_runs_as_its_zero_plugin_equivalent(runs, name, equivalent, want):
+    run, twin, ddp = runs.result(name), runs.result(equivalent), runs.result("ddp")
+    info = json.loads((run.out / "result.json").read_text())
+    twin_info = json.loads((twin.out / "result.json").read_text())
+    assert info["accelerator_class"] == "zero_plugin.integrations.accelerate.Accelerator"
+    assert info["distributed_type"] == "DistributedType.MULTI_CPU" and info["num_processes"] == 2
+    assert {k: info["zero_config"][k] for k in want} == want  # what zp.setup and its ZeroOptimizer got
+    # Said once, by the launcher, before the processes started.
+    assert run.output.count("zero_plugin: DeepSpeed config") == 1, run.output[-3000:]
+    assert f"ZeroConfig(stage={want['stage']}, offload_optimizer='cpu'" in run.output
+    # Optimizer offload moves the states, not the numbers; the clip in the step repeats the script's own at 1.0.
+    for epoch in ("epoch1", "epoch2", "replay"):
+        for key in ("losses", "grad_norms"):
+            got = info["epochs"][epoch][key]
+            _assert_close_lists(got, twin_info["epochs"][epoch][key], 1e-5, f"{name} vs {equivalent} {epoch} {key}")
+            _assert_close_lists(got, json.loads((ddp.out / "result.json").read_text())["epochs"][epoch][key],
+                                LOSS_RTOL, f"{name} vs DDP {epoch} {key}")  # fmt: skip
+    for rank in range(2):
+        report = json.loads((run.out / f"memory_rank{rank}.json").read_text())
+        assert report["stage"] == want["stage"] and report["placement"]["host"]["total"] > 0
 
 
 # -- HF Trainer + PEFT at stage 3 ----------------------------------------------------------------
