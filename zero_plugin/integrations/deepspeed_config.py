@@ -152,11 +152,15 @@ def from_accelerate(section: Mapping[str, Any], flags: Mapping[str, Any]) -> tup
     if unknown:
         raise ValueError(f"Accelerate's deepspeed_config: unknown key(s) {', '.join(map(repr, unknown))}")
     path = given.get("deepspeed_config_file")
+    path = None if str(path).lower() in ("none", "") else path  # Accelerate's config writes 'none' for unset
     autos = {"gradient_clipping": float(given.get("gradient_clipping", 1.0))}
     if "gradient_accumulation_steps" in given:
         autos["gradient_accumulation_steps"] = int(given["gradient_accumulation_steps"])
     if path:
-        data, name = read_deepspeed(path)
+        try:
+            data, name = read_deepspeed(path)
+        except FileNotFoundError as exc:
+            raise ValueError(f"--deepspeed_config_file / deepspeed_config_file: {exc}") from None
         if "zero3_init_flag" in given:
             data["zero3_init_flag"] = _bool(given["zero3_init_flag"])
         return data, autos, name
