@@ -587,14 +587,7 @@ def translate(
     ``ValueError``.
     """
     data, source = read_deepspeed(path_or_dict, name)
-    mismatches: list[str] = []
-    data = _fill(data, dict(resolved or {}), "", mismatches)
-    if mismatches:
-        raise ValueError(
-            f"DeepSpeed config {source}: values that disagree with the run's own settings: "
-            + "; ".join(mismatches)
-            + '; set these DeepSpeed values to "auto" (or to the same values)'
-        )
+    data = _resolve(data, resolved, source)
     ctx = Context(data)
     settings: dict[str, Any] = {}
     origins: dict[str, str] = {}
@@ -604,37 +597,16 @@ def translate(
         if row is None:
             unknown.append(key)
             continue
-        if value == AUTO and row.rule is not None and not row.section:
-            if row.auto_ok:
-                ignored.append(
-                    (
-                        key,
-                        "auto: unchecked, the script's batch sizes apply"
-                        if key in _BATCH
-                        else "auto: zero_plugin's default",
-                    )
-                )
-                continue
-            refused.append(
-                f"{key}='auto': only the HF Trainer resolves it; give a value in the file, or resolve it "
-                f"(ZeroConfig.from_deepspeed(..., {_nested_hint(key)}), zero-plugin config --auto {key}=VALUE)"
-            )
-            continue
-        if row.rule is None:
-            ignored.append((key, row.doc))
-            continue
-        try:
-            out = row.rule(value, ctx)
-        except Refused as exc:
-            refused.append(f"{key}={_show(value)}: {exc}")
-            continue
-        except Ignored as exc:
-            ignored.append((key, str(exc)))
-            continue
-        for field, field_value in out.items():
-            assert field in FLAT_NAMES or field == "stage", f"row {key} maps to unknown field {field}"
-            settings[field], origins[field] = field_value, key
-        mapped.append((key, value))
+        outcome, detail = _judge(row, key, value, ctx)
+        if outcome == _MAPPED:
+            for field, field_value in detail.items():
+                assert field in FLAT_NAMES or field == "stage", f"row {key} maps to unknown field {field}"
+                settings[field], origins[field] = field_value, key
+            mapped.append((key, value))
+        elif outcome == _IGNORED:
+            ignored.append((key, detail))
+        else:
+            refused.append(detail)
     batch = _check_batch(ctx, world_size, refused)
     if refused:
         raise ValueError(f"DeepSpeed config {source}: refused: " + "; ".join(refused))
@@ -655,6 +627,40 @@ def translate(
         schedule=_schedule(ctx),
         batch=batch,
     )
+
+
+def _resolve(data: dict, resolved: Mapping[str, Any] | None, source: str) -> dict:
+    """``data`` with its ``"auto"`` entries resolved; a concrete value that differs from the resolved one is
+    refused, as transformers' ``fill_match`` refuses it."""
+    mismatches: list[str] = []
+    data = _fill(data, dict(resolved or {}), "", mismatches)
+    if mismatches:
+        raise ValueError(
+            f"DeepSpeed config {source}: values that disagree with the run's own settings: "
+            + "; ".join(mismatches)
+            + '; set these DeepSpeed values to "auto" (or to the same values)'
+        )
+    return data
+
+
+def _judge(row: Row, key: str, value: Any, ctx: Context) -> tuple[str, Any]:
+    """One key's outcome: (mapped, its fields), (ignored, why) or (refused, the message naming key, value, fix)."""
+    if value == AUTO and row.rule is not None and not row.section:
+        if not row.auto_ok:
+            return _REFUSED, (
+                f"{key}='auto': only the HF Trainer resolves it; give a value in the file, or resolve it "
+                f"(ZeroConfig.from_deepspeed(..., {_nested_hint(key)}), zero-plugin config --auto {key}=VALUE)"
+            )
+        why = "auto: unchecked, the script's batch sizes apply" if key in _BATCH else "auto: zero_plugin's default"
+        return _IGNORED, why
+    if row.rule is None:
+        return _IGNORED, row.doc
+    try:
+        return _MAPPED, row.rule(value, ctx)
+    except Refused as exc:
+        return _REFUSED, f"{key}={_show(value)}: {exc}"
+    except Ignored as exc:
+        return _IGNORED, str(exc)
 
 
 def _nested_hint(key: str) -> str:
