@@ -558,12 +558,16 @@ class DeepSpeedTranslation:
     schedule: ScheduleSpec | None
     batch: dict
     """``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``train_batch_size``: those set."""
+    defaulted: tuple = ()
+    """Fields in ``settings`` set by DeepSpeed's own default for a key the configuration leaves out (``stage`` 0
+    without ``zero_optimization.stage``): a zero_plugin setting given explicitly overrides them, no conflict."""
 
     def report(self, config: str | None = None) -> str:
         """What rank 0 prints: the config (as the caller writes it), then the DeepSpeed keys mapped and ignored."""
         lines = [f"zero_plugin: DeepSpeed config {self.source} runs as:"]
         if config is not None:
             lines.append(f"  {config}")
+        lines += [f"  default: {self.origins[field]}" for field in self.defaulted]
         lines += [f"  mapped:  {key} = {json.dumps(value)}" for key, value in self.mapped]
         lines += [f"  ignored: {key} ({why})" for key, why in self.ignored]
         lines += [f"  unknown (ignored): {key}" for key in self.unknown]
@@ -608,6 +612,9 @@ def translate(
         else:
             refused.append(detail)
     batch = _check_batch(ctx, world_size, refused)
+    defaulted = () if "stage" in settings else ("stage",)
+    if defaulted:  # DeepSpeed's own default: without a stage, ZeRO is off
+        settings["stage"], origins["stage"] = 0, "zero_optimization.stage (absent: DeepSpeed's default 0)"
     if refused:
         raise ValueError(f"DeepSpeed config {source}: refused: " + "; ".join(refused))
     if unknown and warn_unknown:
@@ -626,6 +633,7 @@ def translate(
         optimizer=_optimizer(ctx),
         schedule=_schedule(ctx),
         batch=batch,
+        defaulted=defaulted,
     )
 
 

@@ -151,6 +151,12 @@ def test_launch_maps_the_deepspeed_flags(monkeypatch, tmp_path):
         stage=2, offload_optimizer="cpu", clip_grad_norm=2.0
     )
     assert env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4"
+    # A file without gradient_accumulation_steps: 1, as Accelerate makes it (the script's own value is overridden).
+    (tmp_path / "ds1.json").write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    args, env, files = _build(
+        ["--use_deepspeed", "--deepspeed_config_file", "ds1.json", "train.py"], monkeypatch, tmp_path
+    )
+    assert env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "1"
     # Flags alone: Accelerate's defaults (stage 2, clipping 1.0) under the flags given.
     args, env, files = _build(["--use_deepspeed", "--zero_stage", "1", "train.py"], monkeypatch, tmp_path)
     (tmp_path / "zero.yaml").write_text(files[env["ZERO_PLUGIN_CONFIG"]])

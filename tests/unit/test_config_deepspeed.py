@@ -176,6 +176,18 @@ def test_a_resolved_value_that_disagrees_with_the_file_is_refused():
     assert t.optimizer is None and t.settings == {"stage": 1}
 
 
+def test_a_configuration_without_a_stage_is_deepspeeds_stage_0():
+    from zero_plugin.integrations.deepspeed_config import merged_config
+
+    t = translate({"gradient_clipping": 1.0})
+    assert t.settings == {"stage": 0, "clip_grad_norm": 1.0} and t.defaulted == ("stage",)
+    assert "default: zero_optimization.stage (absent: DeepSpeed's default 0)" in t.report()
+    # zero_plugin's own --stage then decides, no conflict; a stage the file gives must agree.
+    assert merged_config(t, {"stage": ("3", "--stage 3")}).stage == 3
+    with pytest.raises(ValueError, match="disagree"):
+        merged_config(translate({"zero_optimization": {"stage": 2}}), {"stage": ("3", "--stage 3")})
+
+
 def test_unknown_keys_warn_once_naming_them():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

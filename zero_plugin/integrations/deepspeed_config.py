@@ -65,7 +65,7 @@ def merged_config(translation: DeepSpeedTranslation, explicit: Mapping[str, tupl
     naming both."""
     clashes = []
     for field, value in translation.settings.items():
-        if field in explicit:
+        if field in explicit and field not in translation.defaulted:
             given, where = explicit[field]
             if _normalised(field, given) != _normalised(field, value):
                 clashes.append(
@@ -161,6 +161,7 @@ def from_accelerate(section: Mapping[str, Any], flags: Mapping[str, Any]) -> tup
             data, name = read_deepspeed(path)
         except FileNotFoundError as exc:
             raise ValueError(f"--deepspeed_config_file / deepspeed_config_file: {exc}") from None
+        data.setdefault("gradient_accumulation_steps", 1)  # Accelerate's rule for a file that leaves it out
         if "zero3_init_flag" in given:
             data["zero3_init_flag"] = _bool(given["zero3_init_flag"])
         return data, autos, name
