@@ -29,15 +29,18 @@ __all__ = ["setup", "rebind_optimizer", "clip_grad_norm_", "no_sync", "gathered_
 
 def setup(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | tuple | None,
     config: ZeroConfig | None = None,
     group: Any = None,
     *,
     param_source: Any = None,
-) -> tuple[nn.Module, ZeroOptimizer | None]:
+) -> tuple[nn.Module, Any]:
     """Shard ``model`` and ``optimizer`` in place for ``config.stage``; collective over ``group``.
 
-    Returns the same module object and a :class:`ZeroOptimizer` wrapping ``optimizer``.
+    Returns the same module object and a :class:`ZeroOptimizer` wrapping ``optimizer``.  A list (or tuple) of
+    optimizers over disjoint parameters (Muon for the hidden matrices, AdamW for the rest) gives a list (tuple)
+    of ZeroOptimizers, each stepping its own parameters in the partition its optimizer needs ([Note: several
+    optimizers] in ``engines/engine.py``).
     A model built on the meta device (``zp.materialize.empty_model``) is materialised from
     ``param_source`` (see ``zero_plugin/loading/materialize.py``), by default from the files a lazy
     ``from_pretrained`` recorded (``zero_plugin/loading/lazy_pretrained.py``); at stage 3 one unit at a time.
@@ -53,7 +56,8 @@ def setup(
             f"zp.setup: config must be a zp.ZeroConfig, got {type(config).__name__}; "
             "build one with zp.ZeroConfig(stage=...) or ZeroConfig.from_dict(...)"
         )
-    if isinstance(optimizer, ZeroOptimizer):
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if any(isinstance(opt, ZeroOptimizer) for opt in optimizers):
         raise ValueError(
             "zp.setup: this optimizer is already a ZeroOptimizer; pass the original model and optimizer once"
         )
@@ -71,30 +75,52 @@ def setup(
         source = materialize.recorded_source(model)  # [Note: recorded sources] in materialize.py
     if optimizer is None:
         return _setup_for_evaluation(model, config, comm, source, group), None
-    partition = choose_partition(optimizer, config.optimizer_partition, config.stage)  # before any sharding
+    # before any sharding: a refused optimizer changes nothing
+    partitions = [choose_partition(opt, config.optimizer_partition, config.stage) for opt in optimizers]
+    if len(optimizers) > 1 and config.scales_loss:
+        raise ValueError(
+            "zp.setup: several optimizers with loss scaling (fp16) are not supported: the loss scale is one "
+            "optimizer's; train in bf16/fp32 (ZeroConfig.loss_scaling=False) or combine the param groups in one optimizer"
+        )
     if config.stage < 3:
         materialize.materialize_all(model, source, comm)
         validate.broadcast_module_state(model, comm)
     engine = build_engine(model, trainable, config, _engine_comm(comm, config, group), source)
     materialize.note_set_up(model)
-    whole = _whole_params(engine, partition)
-    _rebind_optimizer(optimizer, engine, whole)
-    if config.offload_optimizer == "cpu":
-        use_fast_cpu_kernels(optimizer)
     register_engine(model, engine)
     engine.frozen_guard = FrozenGuard.attach(model, [s.param for s in engine.slots])  # [Note: frozen at setup]
     engine.buffer_sync = BufferSync.attach(model, comm)
     _cast_inputs_of(model, engine, config)
-    zero_optimizer = ZeroOptimizer(optimizer, engine, whole)
-    engine.optimizer = zero_optimizer
-    return model, zero_optimizer
+    wrapped = [
+        _wrap_optimizer(opt, engine, partition, len(optimizers) > 1) for opt, partition in zip(optimizers, partitions)
+    ]
+    engine.optimizer = wrapped[0]
+    if isinstance(optimizer, (list, tuple)):
+        return model, type(optimizer)(wrapped)
+    return model, wrapped[0]
 
 
-def _whole_params(engine, partition: str) -> WholeParams | None:
-    """The parameter partition's whole masters ([Note: optimizer partitions] in optim/partition.py), or None."""
+def _wrap_optimizer(optimizer: torch.optim.Optimizer, engine, partition: str, several: bool) -> ZeroOptimizer:
+    """Rebind one optimizer to its masters and wrap it; ``several``: one of several optimizers over the model,
+    stepping its own slots only ([Note: several optimizers] in engines/engine.py)."""
+    slots = None
+    if several:
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        slots = [s for s in engine.slots if id(s.param) in mine]
+    whole = _whole_params(engine, partition, slots)
+    _rebind_optimizer(optimizer, engine, whole)
+    if engine.config.offload_optimizer == "cpu":
+        use_fast_cpu_kernels(optimizer)
+    return ZeroOptimizer(optimizer, engine, whole, slots)
+
+
+def _whole_params(engine, partition: str, slots: list | None = None) -> WholeParams | None:
+    """The parameter partition's whole masters of ``slots`` (None: all) ([Note: optimizer partitions] in
+    optim/partition.py), or None."""
     if partition != "parameters":
         return None
-    return WholeParams(engine.slots, engine.comm, [engine.full_shape(s.param) for s in engine.slots])
+    slots = engine.slots if slots is None else slots
+    return WholeParams(slots, engine.comm, [engine.full_shape(s.param) for s in slots])
 
 
 def _setup_for_evaluation(model: nn.Module, config: ZeroConfig, comm: Comm, source: Any, group: Any) -> nn.Module:
@@ -176,11 +202,8 @@ def rebind_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Zero
             f"zp.rebind_optimizer: the optimizer must train exactly the parameters set up with the "
             f"model; missing {sorted(wanted - got)[:3]}, extra {sorted(got - wanted)[:3]}"
         )
-    whole = _whole_params(engine, choose_partition(optimizer, engine.config.optimizer_partition, engine.config.stage))
-    _rebind_optimizer(optimizer, engine, whole)
-    if engine.config.offload_optimizer == "cpu":
-        use_fast_cpu_kernels(optimizer)
-    zero_optimizer = ZeroOptimizer(optimizer, engine, whole)
+    partition = choose_partition(optimizer, engine.config.optimizer_partition, engine.config.stage)
+    zero_optimizer = _wrap_optimizer(optimizer, engine, partition, several=False)
     engine.optimizer = zero_optimizer
     return zero_optimizer
 
@@ -197,13 +220,14 @@ def _cast_inputs(dtype: torch.dtype, module: nn.Module, args, kwargs):
 def _rebind_optimizer(optimizer: torch.optim.Optimizer, engine, whole: WholeParams | None) -> None:
     """Point the user's param groups at the masters (the parameter partition: the whole masters), carrying over
     any existing state (the parameter partition: on the owner only, whole)."""
-    by_param = {id(s.param): (i, s) for i, s in enumerate(engine.slots)}
+    by_param = {id(s.param): s for s in engine.slots}
     old_state = optimizer.state
     new_state: dict = type(old_state)() if not isinstance(old_state, dict) else {}
     for group in optimizer.param_groups:
         masters = []
         for p in group["params"]:
-            i, slot = by_param[id(p)]
+            slot = by_param[id(p)]
+            i = None if whole is None else whole.index_of(slot.master)
             master = slot.master if whole is None else whole.wholes[i]
             masters.append(master)
             if p not in old_state:

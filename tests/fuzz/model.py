@@ -94,7 +94,8 @@ def tie_roots(tie_to: list) -> list:
 
 
 def build_optimizer(spec: dict, model: nn.Module) -> torch.optim.Optimizer:
-    """SGD or AdamW over the trainable parameters; ``two_groups`` puts vectors in a second group (lr / 2, no decay)."""
+    """SGD, AdamW, torch's Adafactor or the tests' LAMB (shape-aware: whole-tensor statistics) over the trainable
+    parameters; ``two_groups`` puts vectors in a second group (lr / 2, no decay)."""
     o = spec["optimizer"]
     trainable = [p for p in model.parameters() if p.requires_grad]
     first = [p for p in trainable if p.ndim >= 2]
@@ -105,6 +106,12 @@ def build_optimizer(spec: dict, model: nn.Module) -> torch.optim.Optimizer:
         groups = [{"params": trainable}]
     if o["kind"] == "sgd":
         return torch.optim.SGD(groups, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"])
+    if o["kind"] == "adafactor":
+        return torch.optim.Adafactor(groups, lr=o["lr"], weight_decay=o["weight_decay"])
+    if o["kind"] == "lamb":
+        from tests.parity.shape_aware_workers import Lamb
+
+        return Lamb(groups, lr=o["lr"], weight_decay=o["weight_decay"])
     return torch.optim.AdamW(groups, lr=o["lr"], weight_decay=o["weight_decay"])
 
 

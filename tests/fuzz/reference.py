@@ -96,7 +96,8 @@ def reference_bf16(spec: dict) -> dict:
     pairs = [(m, w) for m, w in zip(master.parameters(), work.parameters()) if m.requires_grad]
     trainable = [m for m, _ in pairs]
     losses, norms, forwards, micro = [], [], [], 0
-    adamw = spec["optimizer"]["kind"] == "adamw"  # SGD's step is proportional to the gradient: nothing to leave out
+    # SGD's step is proportional to the gradient: nothing to leave out; AdamW, Adafactor and LAMB normalise it
+    adamw = spec["optimizer"]["kind"] != "sgd"
     magnitude: dict[int, torch.Tensor] = {}  # id(master) -> sum of |each rank's term| since zero_grad
     terms = 0  # bf16 additions into each gradient since zero_grad with a bf16 sum: N per micro-batch
     micros = 0  # micro-batches since zero_grad

@@ -7,7 +7,7 @@ A spec holds everything a run depends on::
      "bucket_size_mb": 25.0 | 0.0001,                      # stages 0-2: one bucket or one per parameter
      "stage3": {"prefetch_depth": 1, "reshard_after_forward": true, "persistence_threshold": 0,
                 "secondary_shard_size": null | k},              # hpZ (stage 3), k divides world_size
-     "optimizer": {"kind": "sgd" | "adamw", "lr": .., "momentum": .., "weight_decay": .., "two_groups": ..},
+     "optimizer": {"kind": "sgd" | "adamw" | "adafactor" | "lamb", "lr": .., "momentum": .., "weight_decay": .., "two_groups": ..},
      "model": {"d_in": 3, "widths": [5, 7], "d_out": 2, "bias": true, "batch": 2,
                "tie_to": [null, 0],                        # block j's mix.weight is block tie_to[j]'s
                "frozen": ["blocks.0.fc.weight"]},
@@ -138,7 +138,17 @@ def _optimizers():
             "two_groups": st.booleans(),
         }
     )
-    return st.one_of(sgd, adamw)
+    # shape-aware (issue #48): stepped whole by one owning rank at stages 1-3 ([Note: optimizer partitions])
+    shaped = st.fixed_dictionaries(
+        {
+            "kind": st.sampled_from(["adafactor", "lamb"]),
+            "lr": st.sampled_from([0.01, 0.05]),
+            "momentum": st.just(0.0),
+            "weight_decay": st.sampled_from([0.0, 0.1]),
+            "two_groups": st.booleans(),
+        }
+    )
+    return st.one_of(sgd, adamw, shaped)
 
 
 @st.composite

@@ -79,6 +79,25 @@ def build_optimizer(name: str, model) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 
+class MuonAdamW(torch.optim.Optimizer):
+    """The single-process reference of two optimizers over one model: Muon for the matrices, AdamW for the
+    vectors, stepped one after the other (what ``zp.setup(model, [muon, adamw])`` must equal)."""
+
+    def __init__(self, model):
+        self.muon, self.adamw = muon_and_adamw(model)
+        super().__init__([p for p in model.parameters()], {})
+
+    def step(self, closure=None):
+        self.muon.step()
+        self.adamw.step()
+
+
+def muon_and_adamw(model) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    vectors = [p for p in model.parameters() if p.ndim != 2]
+    return torch.optim.Muon(matrices, lr=2e-2, adjust_lr_fn="match_rms_adamw"), torch.optim.AdamW(vectors, lr=1e-2)
+
+
 def reference(name: str, batches: list, steps: int, accum: int, clip: float | None) -> dict:
     return models.reference_train(
         lambda: build_model(name), lambda m: build_optimizer(name, m), batches, steps, accum, clip
@@ -123,6 +142,27 @@ def parity_worker(name: str, cases: list[tuple], batches: list, steps: int) -> l
         sent = zp.comm_stats().get("exchange", {}).get("bytes", 0)
         params = zp.full_state_dict(model)
         out.append({"params": params, "partition": opt.partition, "exchange_bytes": sent})
+    return out
+
+
+def two_optimizers_worker(cases: list[tuple], batches: list, steps: int) -> list[dict]:
+    """Muon (matrices) + AdamW (vectors) over one OddMLP through one ``zp.setup``; each optimizer stepped and
+    zeroed in turn (``for opt in opts: opt.step(); opt.zero_grad()``, so a zero_grad must not touch the other
+    optimizer's gradients)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for stage, offload, accum, clip in cases:
+        model = models.make_odd_mlp()
+        model, opts = zp.setup(model, list(muon_and_adamw(model)), _config(stage, offload, clip))
+        for step in range(steps):
+            micro = batches[step * accum : (step + 1) * accum]
+            for i, batch in enumerate(micro):
+                with zp.no_sync(model) if i < len(micro) - 1 else _nothing():
+                    (models.loss_fn(model, models.shard_batch(batch, rank, world)) / accum).backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        out.append({"params": zp.full_state_dict(model), "partitions": [o.partition for o in opts]})
     return out
 
 
@@ -181,3 +221,52 @@ def state_dict_worker(name: str, stage: int, batches: list, steps: int) -> dict:
         _train(m, o, batches, 1, 1, first=steps)
         results.append(zp.full_state_dict(m))
     return {"full": results[0], "shard": results[1], "same": results[2], "keys": sorted(full["state"].get(0, {}))}
+
+
+def accelerate_two_optimizers_worker(stage: int, batches: list, steps: int, path: str) -> dict:
+    """``accelerator.prepare(model, muon, adamw, loader-free)`` under zero_plugin's Accelerator: both optimizers
+    prepared over one model, stepped in turn; after ``steps - 1`` steps ``save_state``, one more step, then a
+    fresh model + optimizers ``load_state`` and take that step again.  Rank 0: the trained weights of both runs."""
+    import os
+
+    from accelerate.state import AcceleratorState
+
+    from zero_plugin.integrations.accelerate import Accelerator, ZeroPlugin
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+    def build():
+        AcceleratorState._reset_state(True)
+        accelerator = Accelerator(cpu=True, zero_plugin=ZeroPlugin(zp.ZeroConfig(stage=stage)))
+        model = models.make_odd_mlp()
+        muon, adamw = muon_and_adamw(model)
+        return (accelerator, *accelerator.prepare(model, muon, adamw))
+
+    def train(accelerator, model, opts, first, count):
+        for step in range(first, first + count):
+            loss = models.loss_fn(model, models.shard_batch(batches[step], rank, world))
+            accelerator.backward(loss)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+
+    accelerator, model, muon, adamw = build()
+    partitions = [zp_opt.partition for zp_opt in (muon.optimizer, adamw.optimizer)]
+    train(accelerator, model, (muon, adamw), 0, steps - 1)
+    accelerator.save_state(path)
+    train(accelerator, model, (muon, adamw), steps - 1, 1)
+    first = zp.full_state_dict(model)
+    accelerator, model, muon, adamw = build()
+    accelerator.load_state(path)
+    train(accelerator, model, (muon, adamw), steps - 1, 1)
+    return {"params": first, "resumed": zp.full_state_dict(model), "partitions": partitions}
+
+
+def exchange_bytes_worker(stage: int, batches: list) -> int:
+    """One Adafactor step: the bytes this rank sent to owners and back (``comm_stats``'s "exchange")."""
+    model = build_model("torch_adafactor")
+    model, opt = zp.setup(model, build_optimizer("torch_adafactor", model), _config(stage, False, None))
+    zp.reset_comm_stats()
+    _train(model, opt, batches, 1, 1)
+    return zp.comm_stats().get("exchange", {}).get("bytes", 0)

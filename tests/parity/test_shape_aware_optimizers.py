@@ -49,6 +49,47 @@ def test_matches_single_process(name: str, world_size: int) -> None:
         assert diff < TOL, f"{case}: max |diff| {diff:.3g}"
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_muon_and_adamw_over_one_model(world_size: int) -> None:
+    """Two optimizers through one ``zp.setup``: Muon steps the matrices whole on their owners, AdamW the vectors
+    in regions, and the model trains as the two do over one process."""
+    cases = [c for c in CASES if c[3] is None]  # torch's clip_grad_norm_ over both optimizers' parameters
+    results = run_ranks(world_size, W.two_optimizers_worker, cases, batches(world_size), STEPS)[0]
+    for (stage, offload, accum, _clip), got in zip(cases, results):
+        assert got["partitions"] == ["parameters", "elements"]
+        ref = models.reference_train(models.make_odd_mlp, W.MuonAdamW, batches(world_size), STEPS, accum, None)[
+            "params"
+        ]
+        diff = models.max_abs_diff({k: got["params"][k] for k in ref}, ref)
+        assert diff < TOL, f"stage {stage}{' + offload' if offload else ''}, accum {accum}: max |diff| {diff:.3g}"
+
+
+def test_muon_and_adamw_through_accelerate_prepare_save_and_load_state(tmp_path) -> None:
+    got = run_ranks(2, W.accelerate_two_optimizers_worker, 3, batches(2), STEPS, str(tmp_path / "state"))[0]
+    assert got["partitions"] == ["parameters", "elements"]
+    ref = models.reference_train(models.make_odd_mlp, W.MuonAdamW, batches(2), STEPS, 1, None)["params"]
+    for which in ("params", "resumed"):
+        diff = models.max_abs_diff({k: got[which][k] for k in ref}, ref)
+        assert diff < TOL, f"{which}: max |diff| {diff:.3g}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_planner_counts_the_exchange_bytes(world_size: int) -> None:
+    """``Planner.parameter_partition`` (behind ``zero-plugin estimate --optimizer-partition parameters``) gives the
+    bytes the busiest rank sends per step, from the engine's own owner assignment."""
+    import torch
+
+    import zero_plugin as zp
+    from zero_plugin.planner import Planner
+
+    plan = Planner(
+        models.make_odd_mlp(), config=zp.ZeroConfig(), inputs=lambda: ((torch.zeros(2, 7, dtype=torch.float64),), {})
+    )
+    for stage in (1, 3):
+        sent = run_ranks(world_size, W.exchange_bytes_worker, stage, batches(world_size))
+        assert max(sent) == plan.parameter_partition(world_size, stage)["exchange_bytes"], (stage, sent)
+
+
 def test_the_element_partition_is_refused_for_shape_aware_optimizers() -> None:
     for name in ("torch_adafactor", "hf_adafactor", "muon"):
         messages = run_ranks(2, W.refused_worker, name, 2)

@@ -81,9 +81,9 @@ def test_every_flat_name_reads_its_group_field():
 
 
 def test_flat_names_are_the_fields_of_before():
-    """The 31 names existing code, saved configs and ZERO_PLUGIN_* variables use."""
+    """The 31 names existing code, saved configs and ZERO_PLUGIN_* variables use, and optimizer_partition (#48)."""
     assert set(ZeroConfig().to_dict()) == {"stage", *FLAT_NAMES}
-    assert len(FLAT_NAMES) == 31
+    assert len(FLAT_NAMES) == 32 and "optimizer_partition" in FLAT_NAMES
 
 
 # --------------------------------------------------------------------- grouped == flat
@@ -243,7 +243,7 @@ def test_to_dict_is_flat_and_grouped_on_request():
     config = ZeroConfig(**GROUPED)
     flat, grouped = config.to_dict(), config.to_dict(grouped=True)
     assert flat["offload_optimizer"] == "cpu" and flat["param_dtype"] == "bf16" and "offload" not in flat
-    assert grouped["offload"] == {"optimizer": "cpu", "params": True}
+    assert grouped["offload"] == {"optimizer": "cpu", "params": True, "optimizer_partition": "auto"}
     assert grouped["loading"] == {"cpu_ram_efficient": True, "lazy": False}
     assert grouped["stage3"]["unit_classes"] == [f"{__name__}.Block", "GPT2Block"]
     assert set(grouped) == {"stage", *GROUPS}
@@ -356,8 +356,8 @@ def test_environment_renamed_fields_keep_their_variables():
 # ranks, checkpoint metadata and the rank check keep agreeing with configs written either way.  A new field changes
 # every digest; update these with it.
 PINNED = {
-    "default": "9294c6f978e382f65c4e49e36a80e0d208f856fabb62abfa550f7f557cb2809f",
-    "stage3_offload_bf16": "b6c55ecad0b7fc96e0b96aa774aa80b34495d2d0167dce03be4b99d9b152c0bf",
+    "default": "3d744629ab72408920a2147cca31b36d2f24cc2904b7d9096b986b7b6c437f41",
+    "stage3_offload_bf16": "4b9d9f3ee0955802cfdf3243896cb13d321d65549cfe700d7e833983b254e898",
 }
 
 

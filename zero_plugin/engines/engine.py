@@ -107,16 +107,20 @@ class Engine:
         self.step_nonfinite: bool | None = None  # fp16: the inf/NaN answer taken before clamping could hide it
 
     # -- step ---------------------------------------------------------------
-    def before_step(self, blocked: bool = False) -> None:
-        """Give every master its gradient; ``blocked``: for the blocked step ([Note: cache-blocked offload
-        step] in optim/blocked_step.py), which casts gradients and waits for each host copy itself."""
-        for slot in self.slots:
+    # [Note: several optimizers] ``zp.setup(model, [muon, adamw], config)``: one engine, one ZeroOptimizer per
+    # optimizer, each stepping the slots of its own parameters.  ``slots`` (None: every slot) is that subset
+    # in before_step, after_step and zero_grad, so one optimizer's step or zero_grad leaves the other's
+    # gradients in place, as with torch optimizers over disjoint parameters.
+    def before_step(self, blocked: bool = False, slots: list[MasterParam] | None = None) -> None:
+        """Give every master (of ``slots``) its gradient; ``blocked``: for the blocked step ([Note: cache-blocked
+        offload step] in optim/blocked_step.py), which casts gradients and waits for each host copy itself."""
+        for slot in self.slots if slots is None else slots:
             slot.set_grad(self.owned_grad(slot), blocked)
         if not blocked:
             self.wait_for_host_copies()
 
-    def after_step(self) -> None:
-        self.write_back(self.slots)
+    def after_step(self, slots: list[MasterParam] | None = None) -> None:
+        self.write_back(self.slots if slots is None else slots)
 
     @staticmethod
     def write_back(slots: list[MasterParam]) -> None:
@@ -150,13 +154,14 @@ class Engine:
         last forward kept for a backward that did not come.  Stages 0-2 keep nothing; stage 3: [Note: pending
         forward] in stage3/hooks.py."""
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discard every gradient of this step, wherever the stage keeps it, and the step's cached state."""
+    def zero_grad(self, set_to_none: bool = True, slots: list[MasterParam] | None = None) -> None:
+        """Discard every gradient of this step (of ``slots``: [Note: several optimizers]), wherever the stage
+        keeps it, and the step's cached state."""
         refuse_if_offloaded(self, "zero_grad()")  # [Note: parked states] in state_offload.py
-        self.discard_grads(set_to_none)
+        self.discard_grads(set_to_none, slots)
         self.reset_step_state()
 
-    def discard_grads(self, set_to_none: bool) -> None:
+    def discard_grads(self, set_to_none: bool, slots: list[MasterParam] | None = None) -> None:
         raise NotImplementedError
 
     def after_backward(self) -> None:

@@ -40,11 +40,18 @@ class ParamAllGather:
         self._ends = _SyncEnds()
 
     @torch.no_grad()
-    def run(self) -> None:
+    def run(self, slots: list[MasterParam] | None = None) -> None:
+        """Every rank's updated regions into the parameters; ``slots``: only those (one of several optimizers
+        stepped them: [Note: several optimizers] in engine.py), None: all."""
         if self.comm.world_size == 1:
             return  # the masters are the parameters' own (only) region
         buckets = [bucket.slots for bucket in self.buckets]
-        self.layout.gather_all(self.comm, self.slots, buckets, self._ends, _WHAT, _MAX_INFLIGHT, tag=_TAG)
+        members = self.slots
+        if slots is not None and len(slots) != len(self.slots):
+            wanted = {id(slot) for slot in slots}
+            buckets = [kept for kept in ([s for s in b if id(s) in wanted] for b in buckets) if kept]
+            members = [s for b in buckets for s in b]
+        self.layout.gather_all(self.comm, members, buckets, self._ends, _WHAT, _MAX_INFLIGHT, tag=_TAG)
 
     @property
     def pipelines(self) -> bool:

@@ -99,17 +99,21 @@ class ReplicatedEngine(Engine):
                 slot.take_edits(slot.master.to(device=slot.local.device, dtype=slot.local.dtype))
                 self._versions[id(slot)] = version
 
-    def before_step(self, blocked: bool = False) -> None:
+    def before_step(self, blocked: bool = False, slots: list[MasterParam] | None = None) -> None:
         self.take_param_writes()
-        super().before_step(blocked)
+        super().before_step(blocked, slots)
 
-    def after_step(self) -> None:
-        super().after_step()
+    def after_step(self, slots: list[MasterParam] | None = None) -> None:
+        super().after_step(slots)
         # A step consumes the reduced gradients: the next backward starts fresh even
         # when the script zeroes grads with model.zero_grad() (stage 2 keeps none in .grad).
-        self.reducer.owned.clear()
+        if slots is None:
+            self.reducer.owned.clear()
+        else:  # [Note: several optimizers] in engine.py
+            for slot in slots:
+                self.reducer.owned.pop(id(slot.param), None)
         if self.param_sync is not None:
-            self.param_sync.run()
+            self.param_sync.run(slots)
 
     def can_step_pipelined(self, inner: torch.optim.Optimizer) -> bool:
         return (
@@ -131,9 +135,9 @@ class ReplicatedEngine(Engine):
         self.param_sync.run_stepping(step)
         self.reducer.owned.clear()  # as after_step
 
-    def discard_grads(self, set_to_none: bool) -> None:
-        self.reducer.zero_grad(set_to_none)  # param.grad and the reduced grads it indexes (stage 2: the shards)
-        for slot in self.slots:
+    def discard_grads(self, set_to_none: bool, slots: list[MasterParam] | None = None) -> None:
+        self.reducer.zero_grad(set_to_none, slots)  # param.grad and the reduced grads it indexes (stage 2: the shards)
+        for slot in self.slots if slots is None else slots:
             if not slot.is_identity:
                 slot.master.grad = None
 

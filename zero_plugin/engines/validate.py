@@ -18,34 +18,46 @@ from ..config import ZeroConfig
 __all__ = ["trainable_parameters", "check_ranks_agree"]
 
 
-def trainable_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter]]:
-    """(name, param) of every parameter the optimizer trains, in the optimizer's group order.
+def trainable_parameters(
+    model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer]
+) -> list[tuple[str, nn.Parameter]]:
+    """(name, param) of every parameter the optimizer (or the optimizers, in their order: [Note: several
+    optimizers] in engine.py) trains, in group order.
 
     Frozen parameters (``requires_grad=False``) are dropped from the optimizer's
     groups: they get neither gradients nor optimizer state.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"zp.setup: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"zp.setup: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ValueError(f"zp.setup: optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
+    if not optimizers:
+        raise ValueError("zp.setup: got an empty list of optimizers; pass one optimizer, a list of them, or None")
     names = {id(p): n for n, p in model.named_parameters()}
     seen: set[int] = set()
     out = []
-    for gi, group in enumerate(optimizer.param_groups):
-        kept = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ValueError(
-                    f"zp.setup: optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a "
-                    "parameter of the model; build the optimizer from model.parameters()"
-                )
-            if id(p) in seen:
-                raise ValueError(f"zp.setup: parameter {names[id(p)]!r} appears in more than one param group")
-            seen.add(id(p))
-            if p.requires_grad:
-                kept.append(p)
-                out.append((names[id(p)], p))
-        group["params"] = kept
+    for oi, opt in enumerate(optimizers):
+        where = f"optimizer {oi} " if len(optimizers) > 1 else "optimizer "
+        for gi, group in enumerate(opt.param_groups):
+            kept = []
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError(
+                        f"zp.setup: {where}param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a "
+                        "parameter of the model; build the optimizer from model.parameters()"
+                    )
+                if id(p) in seen:
+                    raise ValueError(
+                        f"zp.setup: parameter {names[id(p)]!r} appears in more than one param group"
+                        + (" or optimizer; give each parameter to one optimizer" if len(optimizers) > 1 else "")
+                    )
+                seen.add(id(p))
+                if p.requires_grad:
+                    kept.append(p)
+                    out.append((names[id(p)], p))
+            group["params"] = kept
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
     if missing:
         raise ValueError(

@@ -182,9 +182,14 @@ class GradReducer:
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
         return self.owned.get(id(slot.param))
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.owned.clear()
-        for slot in self.slots:
+    def zero_grad(self, set_to_none: bool = True, slots: list[MasterParam] | None = None) -> None:
+        """Discard the gradients of ``slots`` (None: all; a subset: one of several optimizers over the model)."""
+        if slots is None:
+            self.owned.clear()
+        else:
+            for slot in slots:
+                self.owned.pop(id(slot.param), None)
+        for slot in self.slots if slots is None else slots:
             if set_to_none:
                 slot.param.grad = None
             elif slot.param.grad is not None:
@@ -330,9 +335,13 @@ class ReduceScatterReducer(GradReducer):
                 p.grad = grad
         self._set_aside.clear()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._consumed.clear()
-        super().zero_grad(set_to_none)
+    def zero_grad(self, set_to_none: bool = True, slots: list[MasterParam] | None = None) -> None:
+        if slots is None:
+            self._consumed.clear()
+        else:
+            for slot in slots:
+                self._consumed.pop(id(slot.param), None)
+        super().zero_grad(set_to_none, slots)
 
     def _free_view(self, slot: MasterParam) -> torch.Tensor | None:
         """The view of ``slot``'s bucket, where it has one (called only where it holds no average)."""

@@ -153,12 +153,17 @@ class Accelerator(_AccelerateAccelerator):
         """
         args = list(args)
         placements = device_placement or [None] * len(args)
-        for model_index, optimizer_index in self._pairs_to_set_up(args):
-            args[optimizer_index] = self._set_up(args[model_index], args[optimizer_index], placements[model_index])
+        for model_index, optimizer_indices in self._pairs_to_set_up(args):
+            optimizers = [args[j] for j in optimizer_indices]
+            wrapped = self._set_up(args[model_index], optimizers, placements[model_index])
+            for j, zero_optimizer in zip(optimizer_indices, wrapped):
+                args[j] = zero_optimizer
         return super().prepare(*args, device_placement=device_placement)
 
-    def _pairs_to_set_up(self, args: list[Any]) -> list[tuple[int, int]]:
-        """(model index, optimizer index) of each trainable model not yet set up and the optimizer that owns it."""
+    def _pairs_to_set_up(self, args: list[Any]) -> list[tuple[int, list[int]]]:
+        """(model index, optimizer indices) of each trainable model not yet set up and the optimizers over its
+        parameters: one, or several over disjoint parameters (Muon + AdamW: [Note: several optimizers] in
+        ``engines/engine.py``)."""
         fresh_optimizers = {
             i: a
             for i, a in enumerate(args)
@@ -174,27 +179,26 @@ class Accelerator(_AccelerateAccelerator):
                 for j, opt in fresh_optimizers.items()
                 if all(id(p) in ids for g in opt.param_groups for p in g["params"])
             ]
-            if len(owners) != 1:
-                found = "no optimizer" if not owners else f"{len(owners)} optimizers"
+            if not owners:
                 raise ValueError(
-                    f"zero_plugin: prepare() got a trainable {type(obj).__name__} and {found} over its "
-                    f"parameters; zp.setup shards a model together with its one optimizer, so "
-                    f"{_PAIR_HINT}"
+                    f"zero_plugin: prepare() got a trainable {type(obj).__name__} and no optimizer over its "
+                    f"parameters; zp.setup shards a model together with its optimizers, so {_PAIR_HINT}"
                 )
-            pairs.append((i, owners[0]))
-            del fresh_optimizers[owners[0]]
+            pairs.append((i, owners))
+            for j in owners:
+                del fresh_optimizers[j]
         if fresh_optimizers:
             raise ValueError(
                 f"zero_plugin: prepare() got an optimizer whose model is not in the same call; {_PAIR_HINT}"
             )
         return pairs
 
-    def _set_up(self, model: nn.Module, optimizer: torch.optim.Optimizer, device_placement: bool | None):
+    def _set_up(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], device_placement: bool | None):
         place = self.device_placement if device_placement is None else device_placement
         if place and self.device.type != "cpu":
             place_before_setup(model, self.device, self.zero_config.stage)
-        _, zero_optimizer = zp.setup(model, optimizer, self.zero_config)
-        return zero_optimizer
+        _, zero_optimizers = zp.setup(model, optimizers if len(optimizers) > 1 else optimizers[0], self.zero_config)
+        return zero_optimizers if len(optimizers) > 1 else [zero_optimizers]
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         """No DDP wrapper: a set-up model only gets Accelerate's autocast / compile (its evaluation mode).

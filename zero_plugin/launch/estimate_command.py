@@ -290,6 +290,18 @@ def _plot(plan, args: argparse.Namespace, settings) -> None:
     plt.close(fig)
 
 
+def _partition_line(plan, world_size: int) -> str:
+    """What the parameter partition adds to the rows above (stage 3's numbers; stages 1-2 send less)."""
+    cost = plan.parameter_partition(world_size, 3)
+    gib = 2**30
+    return (
+        f"optimizer_partition='parameters' (Adafactor, Muon, LAMB, 8-bit bitsandbytes: docs/optimizers.md): the busiest "
+        f"owner holds {cost['state_share']:.1%} of the optimizer state (the rows count {1 / world_size:.1%}), plus "
+        f"{cost['step_bytes'] / gib:.2f} GiB of whole masters and gradients during the step; per step a rank sends "
+        f"up to {cost['exchange_bytes'] / gib:.2f} GiB more (regions to owners and back, point to point)"
+    )
+
+
 def _estimate(args: argparse.Namespace) -> int:
     args.world_size_given = args.world_size is not None
     args.world_size = 8 if args.world_size is None else args.world_size
@@ -306,6 +318,8 @@ def _estimate(args: argparse.Namespace) -> int:
         print("\n".join(_header(plan, args) + [""] + _table(rows)))
         if args.nodes is not None or args.gpus_per_node is not None or args.accum != 1:
             print("\n" + "\n".join(_comm_lines(plan, args)))
+        if args.optimizer_partition == "parameters":
+            print("\n" + _partition_line(plan, args.world_size))
         status = 0
         if args.fit:
             gpu_mem = args.gpu_mem if args.device == "cuda" else None
@@ -374,6 +388,12 @@ def add_estimate(sub) -> None:
         help="rows without (none) or with (cpu) optimizer offload, or both (default)",
     )
     est.add_argument("--offload-params", action="store_true", help="add stage 3 with parameters offloaded")
+    est.add_argument(
+        "--optimizer-partition",
+        choices=["elements", "parameters"],
+        default="elements",
+        help="parameters: also say what stepping whole parameters on owners costs (shape-aware optimizers)",
+    )
     est.add_argument("--batch", type=int, help="sequences per rank (with --seq: activations)")
     est.add_argument("--seq", type=int, help="tokens per sequence")
     est.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block")

@@ -33,10 +33,16 @@ __all__ = ["ZeroOptimizer"]
 class ZeroOptimizer(torch.optim.Optimizer):
     """Steps this rank's shard with the wrapped optimizer, then lets the engine re-sync parameters."""
 
-    def __init__(self, inner: torch.optim.Optimizer, engine: Any, whole: WholeParams | None = None) -> None:
+    def __init__(
+        self, inner: torch.optim.Optimizer, engine: Any, whole: WholeParams | None = None, slots: list | None = None
+    ) -> None:
         # Optimizer.__init__ would re-register the params; we share the inner ones instead.
         self.inner = inner
         self.engine = engine
+        # the engine's slots this optimizer steps: all of them, or its own with several optimizers over one model
+        # ([Note: several optimizers] in engines/engine.py)
+        self.slots = engine.slots if slots is None else slots
+        self._subset = None if slots is None or len(slots) == len(engine.slots) else slots
         # [Note: optimizer partitions] in partition.py: None steps the element partition's region masters
         self.whole = whole
         self.defaults = inner.defaults
@@ -60,8 +66,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # [Note: cache-blocked offload step]: with offload, separate host masters are stepped block by block,
         # gradients cast in (CPU-only) or waited for (CUDA) and masters written back on the way.
         self.offloaded = cfg.offload_optimizer == "cpu"
-        wants_blocked = self.offloaded and whole is None and BlockedStep.wanted(engine.slots)
-        self.blocked = BlockedStep(engine.slots) if wants_blocked else None
+        wants_blocked = self.offloaded and whole is None and BlockedStep.wanted(self.slots)
+        self.blocked = BlockedStep(self.slots) if wants_blocked else None
 
     @property
     def partition(self) -> str:
@@ -102,13 +108,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.engine.zero_grad(set_to_none=True)  # the skipped step's gradients are discarded
             return loss
         if self.whole is not None:
-            self.engine.before_step()
+            self.engine.before_step(slots=self._subset)
             self._step_whole()
-            self.engine.after_step()
+            self.engine.after_step(self._subset)
             return loss
         blocked = self.blocked is not None and self.blocked.applies(self.inner)
         pipelined = not blocked and self.engine.can_step_pipelined(self.inner)
-        self.engine.before_step(blocked=blocked)
+        self.engine.before_step(blocked=blocked, slots=self._subset)
         if blocked:
             self.blocked.step(self.inner)
         elif pipelined:  # [Note: pipelined step]: the step and after_step, bucket by bucket
@@ -116,7 +122,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return loss
         elif not (self.offloaded and fused_cpu_step(self.inner)):  # [Note: direct fused step]
             self.inner.step()
-        self.engine.after_step()
+        self.engine.after_step(self._subset)
         return loss
 
     def _step_whole(self) -> None:
@@ -155,7 +161,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.guard.unscale()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad(set_to_none)
+        self.engine.zero_grad(set_to_none, self._subset)
 
     def add_param_group(self, param_group: dict) -> None:
         raise NotImplementedError(

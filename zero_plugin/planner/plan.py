@@ -223,6 +223,39 @@ class Planner:
             return 0.0
         return float(self.counts["trainable"] * self.reduce_bytes(s.config))
 
+    def parameter_partition(self, world_size: int, stage: int) -> dict[str, Any]:
+        """What ``ZeroConfig.optimizer_partition="parameters"`` adds at ``stage`` (1-3) on ``world_size`` ranks
+        ([Note: optimizer partitions] in optim/partition.py), from the same owner assignment the engine makes:
+        ``owned`` (elements of the busiest owner), ``step_bytes`` (its whole masters and gradients during the
+        step, in the masters' dtype), ``exchange_bytes`` (the most one rank sends per step: its regions of the
+        gradients, and of the masters where the owner cannot read them from its full parameter, to the owners,
+        and as owner the stepped regions back) and ``state_share`` (the busiest owner's share of the optimizer
+        state; 1/N is the element partition's)."""
+        from ..optim.partition import assign_owners
+        from ..tensors.flat import ShardLayout
+
+        numels = [p.numel for p in self.params if p.requires_grad]
+        owners = assign_owners(numels, world_size)
+        owned = [0] * world_size
+        sent = [0] * world_size
+        # stages 1-2 without separate masters: the owner's full parameter already holds the values
+        regions_per_param = 1 if stage < 3 and not self.mixed else 2
+        for numel, owner in zip(numels, owners):
+            owned[owner] += numel
+            for rank in range(world_size):
+                lo, hi = ShardLayout(numel, world_size, rank).bounds()
+                if rank != owner:
+                    sent[rank] += regions_per_param * (hi - lo)
+            lo, hi = ShardLayout(numel, world_size, owner).bounds()
+            sent[owner] += numel - (hi - lo)
+        total = max(sum(numels), 1)
+        return {
+            "owned": max(owned),
+            "step_bytes": 2 * max(owned) * self.master_bytes,
+            "exchange_bytes": max(sent) * self.master_bytes,
+            "state_share": max(owned) / total,
+        }
+
     def rows(self, world_size: int, settings=SETTINGS) -> list[dict[str, Any]]:
         return [self.estimate(world_size, st, offload=off, offload_params=op) for st, off, op in settings]
 

@@ -269,10 +269,10 @@ class Stage3Engine(Engine):
         if self.runtime.kept is not None:  # [Note: deferred reduction] in accumulate.py
             self.runtime.kept.check_reduced(verb)
 
-    def before_step(self, blocked: bool = False) -> None:
+    def before_step(self, blocked: bool = False, slots: list[MasterParam] | None = None) -> None:
         self._check_reduced("optimizer.step()")
         self.forget_forward()  # units kept gathered for a backward that did not come: [Note: pending forward]
-        for slot in self.slots:
+        for slot in self.slots if slots is None else slots:  # [Note: several optimizers] in engines/engine.py
             grad = self.sharded[id(slot.param)].sharded_grad
             if slot.is_identity:
                 slot.param.grad = grad
@@ -281,18 +281,18 @@ class Stage3Engine(Engine):
         if not blocked:  # the blocked step waits for each host copy itself
             self.wait_for_host_copies()
 
-    def after_step(self) -> None:
-        for slot in self.slots:
+    def after_step(self, slots: list[MasterParam] | None = None) -> None:
+        for slot in self.slots if slots is None else slots:
             slot.param.grad = None
             self.sharded[id(slot.param)].sharded_grad = None
             if not slot.is_identity:
                 slot.write_back()
                 slot.master.grad = None
 
-    def discard_grads(self, set_to_none: bool) -> None:
-        if self.runtime.kept is not None:
+    def discard_grads(self, set_to_none: bool, slots: list[MasterParam] | None = None) -> None:
+        if self.runtime.kept is not None and slots is None:
             self.runtime.kept.discard()
-        for slot in self.slots:
+        for slot in self.slots if slots is None else slots:
             sp = self.sharded[id(slot.param)]
             slot.param.grad = None
             if set_to_none or sp.sharded_grad is None:
