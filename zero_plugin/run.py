@@ -32,7 +32,8 @@ and the group destroyed.  Skipping finalisation loses nothing the handlers and f
 * ``accelerate.Accelerator`` and ``accelerate.accelerator.Accelerator`` -> zero_plugin's subclass;
 * once ``transformers.training_args`` is imported: ``TrainingArguments.__post_init__``, so that
   ``deepspeed=...`` becomes a ``ZeroConfig`` instead of a DeepSpeed plugin
-  (``zero_plugin/integrations/deepspeed_config.py``, ``install``);
+  (``zero_plugin/integrations/deepspeed_config.py``, ``install``), and, when that config loads lazily (stage 3),
+  the lazy ``from_pretrained`` below;
 * once ``transformers.trainer`` is imported: its ``Accelerator`` name and ten ``Trainer`` methods
   (checkpoints, the DeepSpeed optimizer / schedule: ``zero_plugin/integrations/hf_trainer.py``, ``install``);
 * once ``trl.generation.vllm_generation`` is imported: ``VLLMGeneration._iter_named_params``, the weights
@@ -72,20 +73,27 @@ def install() -> None:
 
     from .integrations import deepspeed_config, hf_trainer, trl_vllm
     from .integrations.accelerate import Accelerator
-    from .loading import lazy_pretrained
 
     accelerate.Accelerator = Accelerator
     accelerate.accelerator.Accelerator = Accelerator
-    _after_import("transformers.training_args", deepspeed_config.install)
+    _after_import("transformers.training_args", lambda: deepspeed_config.install(on_take_over=_install_lazy_loading))
     _after_import("transformers.trainer", hf_trainer.install)
     _after_import("trl.generation.vllm_generation", trl_vllm.install)
-    if _loads_lazily(ZeroConfig.from_env(), int(os.environ.get("RANK", "0"))):
-        _after_import("transformers.modeling_utils", lazy_pretrained.install_transformers)
-        _after_import("peft.tuners.tuners_utils", lazy_pretrained.install_peft)
+    _install_lazy_loading(ZeroConfig.from_env())
     # Lightning: register the zero1..zero3_offload strategy names as soon as the script imports Lightning,
     # so PL_TRAINER_STRATEGY=zero3 / LT_STRATEGY=zero3 switch an unmodified script.
     for package in ("lightning", "pytorch_lightning", "lightning_fabric"):
         _after_import(package, _lightning_registrar(package))
+
+
+def _install_lazy_loading(config: ZeroConfig) -> None:
+    """The lazy ``from_pretrained`` for ``config``: the environment's at start, or the one a
+    ``TrainingArguments(deepspeed=...)`` resolves to (built before the model, as DeepSpeed's ZeRO-3 requires)."""
+    from .loading import lazy_pretrained
+
+    if _loads_lazily(config, int(os.environ.get("RANK", "0"))):
+        _after_import("transformers.modeling_utils", lazy_pretrained.install_transformers)
+        _after_import("peft.tuners.tuners_utils", lazy_pretrained.install_peft)
 
 
 def _loads_lazily(config: ZeroConfig, rank: int) -> bool:

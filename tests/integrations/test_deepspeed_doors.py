@@ -54,11 +54,16 @@ def _close(got: list[float], want: list[float], what: str) -> None:
 # -- the HF Trainer's --deepspeed, one launch --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
+    from transformers import LlamaForCausalLM, set_seed
+
+    from tests.models import llama_config
+
     out = tmp_path_factory.mktemp("trainer_deepspeed")
+    set_seed(0)
+    LlamaForCausalLM(llama_config(128, 64, use_cache=False)).save_pretrained(out / "base")
     cmd = [*ZERO_LAUNCH, "launch", "--num_processes", "2", "--main_process_port", "0", "--no_estimate"]
-    proc = launching.run(
-        [*cmd, str(SCRIPTS / "trainer_deepspeed.py"), "--out", str(out)], env=_env(), cwd=out, timeout=600
-    )
+    script = [str(SCRIPTS / "trainer_deepspeed.py"), "--out", str(out), "--base", str(out / "base")]
+    proc = launching.run([*cmd, *script], env=_env(), cwd=out, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((out / "result.json").read_text()), proc.stdout + proc.stderr
 
@@ -85,6 +90,8 @@ def test_trainer_deepspeed_json_equals_the_zero_plugin_run(trainer_runs, deepspe
     else:  # no scheduler section: the Trainer's own linear schedule
         assert ds["learning_rates"][:4] == pytest.approx([0.0, 1e-3, 2e-3, 3e-3])
     assert output.count("zero_plugin: DeepSpeed config") == 3  # rank 0, once per configuration
+    if deepspeed == "ds_zero3":  # the ZeRO-3 JSON, given before from_pretrained, loads the model lazily
+        assert ds["lazily_loaded"]
 
 
 # -- zero-plugin launch, built in this process -------------------------------------------------------------

@@ -20,7 +20,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import yaml
 
@@ -238,12 +238,18 @@ def take_over(args: Any, deepspeed: Any) -> TakenOver:
     return TakenOver(config, translation.optimizer, translation.schedule, translation)
 
 
-def install() -> None:
+_ON_TAKE_OVER: list[Callable[[ZeroConfig], None]] = []
+
+
+def install(on_take_over: Callable[[ZeroConfig], None] | None = None) -> None:
     """``TrainingArguments.__post_init__`` with ``deepspeed`` set: run it as without DeepSpeed (transformers would
     import it and build its plugin), then record the translation on the arguments; ``args.deepspeed`` keeps the
-    user's value.  Idempotent; subclasses (``Seq2SeqTrainingArguments``, TRL's configs) call it through super()."""
+    user's value.  ``on_take_over(config)`` then runs (``zero_plugin.run``: the lazy ``from_pretrained`` at stage
+    3).  Idempotent; subclasses (``Seq2SeqTrainingArguments``, TRL's configs) call it through super()."""
     from transformers import training_args
 
+    if on_take_over is not None and on_take_over not in _ON_TAKE_OVER:
+        _ON_TAKE_OVER.append(on_take_over)
     cls = training_args.TrainingArguments
     if getattr(cls, "_zero_plugin_takes_deepspeed", False):
         return
@@ -258,7 +264,10 @@ def install() -> None:
             original(self)
         finally:
             self.deepspeed = given
-        setattr(self, _ATTRIBUTE, take_over(self, given))
+        taken = take_over(self, given)
+        setattr(self, _ATTRIBUTE, taken)
+        for callback in _ON_TAKE_OVER:
+            callback(taken.config)
 
     cls.__post_init__ = __post_init__
     cls._zero_plugin_takes_deepspeed = True

@@ -6,12 +6,15 @@ each beside the same training configured the zero_plugin way.
   ``stage2``: no DeepSpeed, ``ZERO_PLUGIN_STAGE=2`` + ``ZERO_PLUGIN_OFFLOAD=cpu`` (what ``--stage 2 --offload cpu``
   sets) and, built by hand, what the JSON's ``optimizer`` / ``scheduler`` sections make DeepSpeed build: torch's
   AdamW over every parameter in one group with the Trainer's hyper-parameters, and DeepSpeed's WarmupLR rates.
-* ``ds_zero3``: the ZeRO-3 JSON through the command line (``HfArgumentParser`` parsing ``--deepspeed``);
-  ``stage3``: ``--stage 3 --offload cpu`` + ``offload_params``, the same hand-built optimizer and schedule.
+* ``ds_zero3``: the ZeRO-3 JSON through the command line (``HfArgumentParser`` parsing ``--deepspeed``), the model
+  then loaded with ``from_pretrained`` (lazily, as a ZeRO-3 DeepSpeed config makes transformers load it with
+  ``zero.Init``); ``stage3``: ``--stage 3 --offload cpu`` + ``offload_params``, the same hand-built optimizer and
+  schedule, the same checkpoint.
 * ``ds_optimizer``: a JSON with only a stage and an ``optimizer`` section (explicit values, no scheduler: the
   Trainer's linear schedule); ``adamw_by_hand``: ``--stage 2`` and that AdamW built by hand.
 
-The ``ZERO_PLUGIN_*`` variables are set here, per run, only because one launch trains all six; the DeepSpeed runs
+The ZeRO-3 pair runs first: a lazy ``from_pretrained`` needs a process where nothing was set up yet.  The
+``ZERO_PLUGIN_*`` variables are set here, per run, only because one launch trains all six; the DeepSpeed runs
 have none (a ``--stage`` that disagreed with a JSON would be refused).  Rank 0 writes OUT/result.json.
 """
 
@@ -84,9 +87,13 @@ def set_zero_env(**variables):
     os.environ.update(variables)
 
 
-def train(args, optimizer_for=None, schedule_for=None):
+def train(args, optimizer_for=None, schedule_for=None, pretrained=None):
     set_seed(0)
-    model = LlamaForCausalLM(llama_config(128, 64, use_cache=False))
+    if pretrained is None:
+        model = LlamaForCausalLM(llama_config(128, 64, use_cache=False))
+    else:  # after TrainingArguments, as DeepSpeed's ZeRO-3 asks: loaded lazily when its config says stage 3
+        model = LlamaForCausalLM.from_pretrained(pretrained)
+    lazily_loaded = any(p.is_meta for p in model.parameters())
     optimizer = optimizer_for(model) if optimizer_for else None
     schedule = schedule_for(optimizer) if schedule_for else None
     trainer = Trainer(model=model, args=args, train_dataset=Sequences(64, seed=1), optimizers=(optimizer, schedule))
@@ -104,14 +111,26 @@ def train(args, optimizer_for=None, schedule_for=None):
         "betas": [list(g["betas"]) for g in zero.param_groups],
         "scheduler": type(trainer.lr_scheduler).__name__,
         "deepspeed_kept": args.deepspeed is not None,
+        "lazily_loaded": lazily_loaded,
     }
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--base", required=True, help="a save_pretrained folder of the model, for the ZeRO-3 runs")
     cli = ap.parse_args()
     runs = {}
+
+    set_zero_env()
+    command_line = [f"--{k}={v}" for k, v in arguments(cli.out).items() if k not in ("report_to",)]
+    command_line += ["--report_to", "none", "--deepspeed", os.path.join(CONFIGS, "ds_config_zero3.json")]
+    (parsed,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args=command_line)
+    runs["ds_zero3"] = train(parsed, pretrained=cli.base)
+    set_zero_env(ZERO_PLUGIN_STAGE="3", ZERO_PLUGIN_OFFLOAD="cpu", ZERO_PLUGIN_OFFLOAD_PARAMS="true")
+    runs["stage3"] = train(
+        TrainingArguments(**arguments(cli.out)), adamw_by_hand, warmup_lr_by_hand, pretrained=cli.base
+    )
 
     set_zero_env()
     runs["ds_zero2"] = train(
@@ -119,14 +138,6 @@ def main():
     )
     set_zero_env(ZERO_PLUGIN_STAGE="2", ZERO_PLUGIN_OFFLOAD="cpu")
     runs["stage2"] = train(TrainingArguments(**arguments(cli.out)), adamw_by_hand, warmup_lr_by_hand)
-
-    set_zero_env()
-    command_line = [f"--{k}={v}" for k, v in arguments(cli.out).items() if k not in ("report_to",)]
-    command_line += ["--report_to", "none", "--deepspeed", os.path.join(CONFIGS, "ds_config_zero3.json")]
-    (parsed,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args=command_line)
-    runs["ds_zero3"] = train(parsed)
-    set_zero_env(ZERO_PLUGIN_STAGE="3", ZERO_PLUGIN_OFFLOAD="cpu", ZERO_PLUGIN_OFFLOAD_PARAMS="true")
-    runs["stage3"] = train(TrainingArguments(**arguments(cli.out)), adamw_by_hand, warmup_lr_by_hand)
 
     set_zero_env()
     optimizer_only = {
