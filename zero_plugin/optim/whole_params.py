@@ -99,6 +99,27 @@ class WholeParams:
                 self.wholes[i].grad = None
                 _free(self.wholes[i])
 
+    def _exchange(
+        self, sends: dict[int, list[torch.Tensor]], receives: dict[int, list[torch.Tensor]], tag: str
+    ) -> None:
+        """``Comm.exchange`` of tensors wherever they live: what is not a contiguous tensor on the group's device
+        (host masters under offload with NCCL, a strided region) travels through a staging copy."""
+        wire = self.comm.device
+        sends = {peer: [t.to(wire).contiguous() for t in ts] for peer, ts in sends.items()}
+        landing: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged: dict[int, list[torch.Tensor]] = {}
+        for peer, ts in receives.items():
+            for t in ts:
+                if t.device == wire and t.is_contiguous():
+                    staged.setdefault(peer, []).append(t)
+                else:
+                    stage = torch.empty(t.shape, dtype=t.dtype, device=wire)
+                    staged.setdefault(peer, []).append(stage)
+                    landing.append((t, stage))
+        self.comm.exchange(sends, staged, tag=tag)
+        for t, stage in landing:
+            t.copy_(stage)
+
     def _regions(self, i: int, full: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's region of the flat ``full`` tensor, by rank."""
         flat = full.view(-1)
@@ -128,14 +149,13 @@ class WholeParams:
             for peer in range(self.comm.world_size):
                 if peer != rank:
                     receives.setdefault(peer, []).extend(([] if local_values else [values[peer]]) + [grads[peer]])
-        self.comm.exchange(sends, receives, tag=_GATHER)
+        self._exchange(sends, receives, _GATHER)
 
     def _scatter(self, stepped: list[int]) -> None:
         """Each owner sends every rank its region of the stepped whole master."""
         sends: dict[int, list[torch.Tensor]] = {}
         receives: dict[int, list[torch.Tensor]] = {}
         rank = self.comm.rank
-        landing: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in stepped:
             slot, owner = self.slots[i], self.owners[i]
             region = slot.master.detach().reshape(-1)
@@ -146,13 +166,8 @@ class WholeParams:
                     if peer != rank:
                         sends.setdefault(peer, []).append(regions[peer])
             else:
-                target = region if region.is_contiguous() else torch.empty_like(region)
-                receives.setdefault(owner, []).append(target)
-                if target is not region:
-                    landing.append((region, target))
-        self.comm.exchange(sends, receives, tag=_SCATTER)
-        for region, target in landing:
-            region.copy_(target)
+                receives.setdefault(owner, []).append(region)
+        self._exchange(sends, receives, _SCATTER)
 
     # -- state in the element partition's form --------------------------------------------------------------
     @contextlib.contextmanager
@@ -216,7 +231,7 @@ class WholeParams:
                 else:
                     receives.setdefault(owner, []).append(region.view(-1))
             out[slot.master] = entry
-        self.comm.exchange(sends, receives, tag=_STATE)
+        self._exchange(sends, receives, _STATE)
         return out
 
     def _from_regions(self, element_state: Any) -> Any:
@@ -256,7 +271,7 @@ class WholeParams:
                         receives.setdefault(peer, []).append(regions[peer])
                 kept[key] = full
             out[whole] = kept
-        self.comm.exchange(sends, receives, tag=_STATE)
+        self._exchange(sends, receives, _STATE)
         return out
 
     # -- full (unsharded) state dicts ---------------------------------------------------------------------------
