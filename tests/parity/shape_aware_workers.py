@@ -270,3 +270,21 @@ def exchange_bytes_worker(stage: int, batches: list) -> int:
     zp.reset_comm_stats()
     _train(model, opt, batches, 1, 1)
     return zp.comm_stats().get("exchange", {}).get("bytes", 0)
+
+
+def mixed_precision_worker(name: str, stages: list[int], batches: list, steps: int) -> list[dict]:
+    """bf16 parameters with fp32 masters (separate from the parameters at every stage): the whole masters are
+    assembled from the fp32 regions, not from the bf16 parameter.  Rank 0: the fp32 masters (full state dict)."""
+    out = []
+    for stage in stages:
+        model = build_model(name).float()
+        config = zp.ZeroConfig(stage=stage, param_dtype=torch.bfloat16)
+        model, opt = zp.setup(model, build_optimizer(name, model), config)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for step in range(steps):
+            x, y = models.shard_batch(batches[step], rank, world)
+            torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y.float()).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append({"params": {k: v.float() for k, v in zp.full_state_dict(model).items()}, "partition": opt.partition})
+    return out
