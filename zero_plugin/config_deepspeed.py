@@ -581,14 +581,16 @@ def translate(
     world_size: int | None = None,
     warn_unknown: bool = True,
     name: str | None = None,
+    later_autos: bool = False,
 ) -> DeepSpeedTranslation:
     """Read a DeepSpeed configuration through :data:`TABLE`.
 
     ``resolved``: values for ``"auto"`` entries, as top-level DeepSpeed keys whose mappings nest like the file's
     (``{"gradient_clipping": 1.0, "bf16": {"enabled": False}}``); a resolved value where the file has a different
     concrete one is refused (transformers refuses that mismatch too).  ``world_size``: checks
-    ``train_batch_size``; ``name``: how messages name the configuration.  Every refused key is named in one
-    ``ValueError``.
+    ``train_batch_size``; ``name``: how messages name the configuration; ``later_autos``: an ``"auto"`` left
+    unresolved is skipped, not refused (a check before the values are known, as the launcher's of a Trainer
+    script's ``--deepspeed``).  Every refused key is named in one ``ValueError``.
     """
     data, source = read_deepspeed(path_or_dict, name)
     data = _resolve(data, resolved, source)
@@ -601,7 +603,7 @@ def translate(
         if row is None:
             unknown.append(key)
             continue
-        outcome, detail = _judge(row, key, value, ctx)
+        outcome, detail = _judge(row, key, value, ctx, later_autos)
         if outcome == _MAPPED:
             for field, field_value in detail.items():
                 assert field in FLAT_NAMES or field == "stage", f"row {key} maps to unknown field {field}"
@@ -651,16 +653,16 @@ def _resolve(data: dict, resolved: Mapping[str, Any] | None, source: str) -> dic
     return data
 
 
-def _judge(row: Row, key: str, value: Any, ctx: Context) -> tuple[str, Any]:
+def _judge(row: Row, key: str, value: Any, ctx: Context, later_autos: bool = False) -> tuple[str, Any]:
     """One key's outcome: (mapped, its fields), (ignored, why) or (refused, the message naming key, value, fix)."""
     if value == AUTO and row.rule is not None and not row.section:
-        if not row.auto_ok:
+        if not row.auto_ok and not later_autos:
             return _REFUSED, (
                 f"{key}='auto': only the HF Trainer resolves it; give a value in the file, or resolve it "
                 f"(ZeroConfig.from_deepspeed(..., {_nested_hint(key)}), zero-plugin config --auto {key}=VALUE)"
             )
         why = "auto: unchecked, the script's batch sizes apply" if key in _BATCH else "auto: zero_plugin's default"
-        return _IGNORED, why
+        return _IGNORED, why if row.auto_ok else "auto: resolved later"
     if row.rule is None:
         return _IGNORED, row.doc
     try:

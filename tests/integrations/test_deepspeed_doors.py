@@ -200,6 +200,20 @@ def test_launch_refusals_name_the_key(monkeypatch, tmp_path, argv, ds, named):
     assert named in str(info.value), str(info.value)
 
 
+def test_launch_checks_a_trainer_scripts_deepspeed_file(monkeypatch, tmp_path):
+    from zero_plugin.launch import launcher
+
+    args, env, _ = _build(["--stage", "2", "train.py", "--deepspeed", str(ZERO3)], monkeypatch, tmp_path)
+    with pytest.raises(ValueError, match=r"--stage 2 / ZERO_PLUGIN_STAGE=2.*zero_optimization.stage"):
+        launcher._check_trainer_deepspeed(["train.py", "--deepspeed", str(ZERO3)], env)
+    nvme = tmp_path / "nvme.json"
+    nvme.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}))
+    with pytest.raises(ValueError, match=r'offload_param.device="nvme"'):
+        launcher._check_trainer_deepspeed(["train.py", f"--deepspeed={nvme}"], {})
+    launcher._check_trainer_deepspeed(["train.py", "--deepspeed", str(ZERO3)], {})  # autos left to the Trainer
+    launcher._check_trainer_deepspeed(["train.py", "--deepspeed", "missing.json"], {})  # the script's business
+
+
 def test_a_conflicting_stage_is_refused_before_any_process_starts(tmp_path):
     (tmp_path / "ds3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, "gradient_clipping": "auto"}))
     cmd = [

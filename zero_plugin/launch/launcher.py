@@ -68,6 +68,7 @@ def launch(argv: list[str]) -> int:
         env = _zero_environment(args, section)
         _take_deepspeed(args, accelerate_settings, env, temp_files)
         script_args = list(args.training_script_args)
+        _check_trainer_deepspeed(script_args, env)
         _prepare_accelerate_args(args, accelerate_settings, env)
     except ValueError as exc:
         print(f"zero-plugin launch: {exc}", file=sys.stderr)
@@ -187,6 +188,32 @@ def _take_deepspeed(args: argparse.Namespace, settings: dict, env: dict[str, str
     args.use_deepspeed = False
     for flag in _DEEPSPEED_FLAGS:
         setattr(args, flag, None)
+
+
+def _check_trainer_deepspeed(script_args: list[str], env: dict[str, str]) -> None:
+    """A Trainer script's ``--deepspeed FILE.json``: what can be refused before its ``TrainingArguments`` exist
+    (nvme offload, an unknown stage, a setting that disagrees with zero_plugin's own) is refused here, before
+    any process starts; each process translates the file again with the arguments' values
+    (``integrations/deepspeed_config.py``).  A file that cannot be read is left to the script."""
+    from ..config_deepspeed import translate
+    from ..integrations import deepspeed_config as ds
+
+    path = _option_value(script_args, "--deepspeed")
+    if path is None or not path.endswith(".json") or not os.path.isfile(path):
+        return
+    translation = translate(path, warn_unknown=False, later_autos=True)
+    ds.merged_config(translation, ds.explicit_settings({**os.environ, **env}))
+
+
+def _option_value(argv: list[str], option: str) -> str | None:
+    """The value of ``option VALUE`` or ``option=VALUE`` in ``argv`` (the last one given), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == option and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(option + "="):
+            value = arg[len(option) + 1 :]
+    return value
 
 
 def _prepare_accelerate_args(args: argparse.Namespace, defaults: dict, env: dict[str, str]) -> None:
