@@ -33,6 +33,7 @@ from .ckpt.format import CheckpointError
 from .ckpt.load import load as _load
 from .ckpt.save import save as _save
 from .engines.engine import engine_of
+from .tensors.phases import phase
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_peft_adapter", "CheckpointError"]
 
@@ -49,7 +50,8 @@ def save_checkpoint(
     """
     engine = engine_of(model, "save_checkpoint")
     inner = _inner(engine, optimizer, "save_checkpoint")
-    with _element_view(optimizer):  # one format for both partitions: [Note: the element view ...] in whole_params.py
+    # one format for both partitions: [Note: the element view of parameter-partition state] in whole_params.py
+    with phase("checkpoint_save"), _element_view(optimizer):
         _save(path, engine, inner, extra, guard=_guard(optimizer))
 
 
@@ -63,7 +65,7 @@ def load_checkpoint(
     """
     engine = engine_of(model, "load_checkpoint")
     inner = _inner(engine, optimizer, "load_checkpoint")
-    with _element_view(optimizer):  # loaded in the element form, assembled into whole masters on exit
+    with phase("checkpoint_load"), _element_view(optimizer):  # loaded in the element form, assembled on exit
         return _load(path, engine, inner, verify=verify, guard=_guard(optimizer))
 
 

@@ -23,6 +23,7 @@ from ..comm.collectives import Comm
 from ..grads.bucket import plan_buckets
 from ..optim.master import MasterParam
 from ..tensors.flat import ShardLayout, copy_into_chunks
+from ..tensors.phases import phase
 
 __all__ = ["ParamAllGather"]
 
@@ -51,7 +52,8 @@ class ParamAllGather:
             wanted = {id(slot) for slot in slots}
             buckets = [kept for kept in ([s for s in b if id(s) in wanted] for b in buckets) if kept]
             members = [s for b in buckets for s in b]
-        self.layout.gather_all(self.comm, members, buckets, self._ends, _WHAT, _MAX_INFLIGHT, tag=_TAG)
+        with phase("param_all_gather"):  # [Note: profiler phases]
+            self.layout.gather_all(self.comm, members, buckets, self._ends, _WHAT, _MAX_INFLIGHT, tag=_TAG)
 
     @property
     def pipelines(self) -> bool:
@@ -66,9 +68,11 @@ class ParamAllGather:
         pending = []
         for bucket in self.buckets:
             step(bucket.slots)
-            pending += self.layout.gather(self.comm, bucket.slots, self._ends, tag=_TAG)
-        for gather in pending:
-            comm_layout.finish(gather, _WHAT, self._ends)
+            with phase("param_all_gather"):  # [Note: profiler phases]: each bucket's launch, then the waits
+                pending += self.layout.gather(self.comm, bucket.slots, self._ends, tag=_TAG)
+        with phase("param_all_gather"):
+            for gather in pending:
+                comm_layout.finish(gather, _WHAT, self._ends)
 
 
 class _SyncEnds:

@@ -52,6 +52,7 @@ from torch import nn
 from ..comm import layout as comm_layout
 from ..comm.collectives import Comm
 from ..optim.master import MasterParam
+from ..tensors.phases import phase
 from ..tensors.weak_hook import WeakHook
 from .bucket import Bucket, plan_buckets
 from .presence import DeferredStores
@@ -168,7 +169,8 @@ class GradReducer:
 
     def _launch_bucket(self, bucket: Bucket) -> list:
         bucket.launched = True
-        return [self._launch(bucket)]
+        with phase("reduce_bucket"):  # [Note: profiler phases]
+            return [self._launch(bucket)]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -241,7 +243,8 @@ class AllReduceReducer(GradReducer):
     def _complete(self, bucket: Bucket, pending: comm_layout.FlatAllReduce) -> None:
         # Flags read here, not deferred: this store overwrites param.grad, so storing a late re-reduction
         # before an earlier deferred one would keep the stale value ([Note: deferred has-gradient flags]).
-        pending.complete("gradient reduction", self._store_view if id(bucket) in self._viewed else self._store)
+        with phase("reduce_bucket_wait"):
+            pending.complete("gradient reduction", self._store_view if id(bucket) in self._viewed else self._store)
 
     def _store_view(self, slot: MasterParam, reduced: torch.Tensor) -> None:
         self.owned[id(slot.param)] = store_view(slot, reduced)
@@ -363,8 +366,9 @@ class ReduceScatterReducer(GradReducer):
         store = functools.partial(self._store, region_of_temporary=temporary)
         self._batch = _BatchedStores()  # [Note: stores batched per bucket]
         try:
-            pending.complete("gradient reduction", store)
-            self._batch.run()
+            with phase("reduce_bucket_wait"):
+                pending.complete("gradient reduction", store)
+                self._batch.run()
         finally:
             self._batch = None
 

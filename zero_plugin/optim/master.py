@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..tensors.flat import ShardLayout
+from ..tensors.phases import phase
 from .offload import copy_done, pin, to_device, to_host
 
 __all__ = ["MasterParam", "copy_changed"]
@@ -113,7 +114,8 @@ class MasterParam:
         elif grad.device != self.master.device:  # offload: [Note: asynchronous host copies] in offload.py
             if self.host_grad is None:
                 self.host_grad = pin(torch.empty(self.master.shape, dtype=self.master.dtype, device=self.master.device))
-            self.master.grad = to_host(self.host_grad, grad)
+            with phase("offload_to_host"):  # [Note: profiler phases]
+                self.master.grad = to_host(self.host_grad, grad)
             if blocked:
                 self.grad_ready = copy_done(grad.device)
         elif blocked and self.separate:
@@ -131,7 +133,8 @@ class MasterParam:
             self.written_back = False
             return
         if self.separate:
-            to_device(self.local, self.master)
+            with phase("offload_to_device" if self.local.device != self.master.device else "master_write_back"):
+                to_device(self.local, self.master)
 
     def snapshot(self) -> torch.Tensor | None:
         """This rank's region as the parameter holds it, for :meth:`take_edits` (None: the master is that

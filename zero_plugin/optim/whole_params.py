@@ -35,6 +35,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..tensors.phases import phase
 from .master import MasterParam
 from .partition import assign_owners
 
@@ -91,9 +92,11 @@ class WholeParams:
             _fill_storage(whole)
             whole.grad = torch.empty_like(whole)
         try:
-            self._gather(stepped)
+            with phase("owner_gather"):  # [Note: profiler phases]
+                self._gather(stepped)
             inner.step()
-            self._scatter(stepped)
+            with phase("owner_scatter"):
+                self._scatter(stepped)
         finally:
             for i in mine:
                 self.wholes[i].grad = None

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..tensors.phases import phase
 from .blocked_step import BlockedStep
 from .clip import clip_owned_grads
 from .cpu_step import fused_cpu_step
@@ -103,15 +104,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with phase("optimizer_step"):  # [Note: profiler phases] in tensors/phases.py
+            self._step()
+        return loss
+
+    def _step(self) -> None:
+        """Clip, check, step (the partition's way) and hand the updated masters back to the engine."""
         self._clip_configured()
         if not self.guard.should_step():
             self.engine.zero_grad(set_to_none=True)  # the skipped step's gradients are discarded
-            return loss
+            return
         if self.whole is not None:
             self.engine.before_step(slots=self._subset)
             self._step_whole()
             self.engine.after_step(self._subset)
-            return loss
+            return
         blocked = self.blocked is not None and self.blocked.applies(self.inner)
         pipelined = not blocked and self.engine.can_step_pipelined(self.inner)
         self.engine.before_step(blocked=blocked, slots=self._subset)
@@ -119,11 +126,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.blocked.step(self.inner)
         elif pipelined:  # [Note: pipelined step]: the step and after_step, bucket by bucket
             self.engine.step_pipelined(self.inner)
-            return loss
+            return
         elif not (self.offloaded and fused_cpu_step(self.inner)):  # [Note: direct fused step]
             self.inner.step()
         self.engine.after_step(self._subset)
-        return loss
 
     def _step_whole(self) -> None:
         """The parameter partition's step; an error inside the user's optimizer is re-raised saying what it saw."""

@@ -86,6 +86,7 @@ from ..comm import quantized
 from ..comm.collectives import Comm
 from ..comm.streams import StreamSet
 from ..grads.presence import DeferredStores
+from ..tensors.phases import phase
 from .accumulate import FullGradStore
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
@@ -400,7 +401,7 @@ class Unit:
             self._gather_quantized()  # [Note: qwZ gather]
         else:
             self._gather_streams = self.layout.side_streams(self.streams)
-            with self._gather_streams.gather():  # after the compute stream's writes to the shards (the last step)
+            with self._gather_streams.gather(), phase("all_gather"):  # after the compute stream's writes (the step)
                 self._gather.extend(self.layout.gather(self.comm, self.params, self._ends, self.pool, self.name))
         if mode.waits:
             self.wait_unshard()
@@ -430,7 +431,7 @@ class Unit:
         pending, self._gather = self._gather, []
         if pending:
             streams = self._gather_streams
-            with streams.gather():
+            with streams.gather(), phase("all_gather_copy_out"):
                 for p in pending:
                     p.complete(f"all-gather of unit {self.name!r}", self._ends)
                 copied = streams.record()
@@ -489,7 +490,7 @@ class Unit:
                 return [self._reduce_quantized(group, dtype) for dtype, group in groups.items()]
         rows = {dtype: self._kept_row(group, dtype) for dtype, group in groups.items()}
         streams = self.reduce_layout.side_streams(self.streams)
-        with streams.reduce():  # after the compute stream's backward wrote the gradients
+        with streams.reduce(), phase("reduce_scatter"):  # after the compute stream's backward wrote the gradients
             return [
                 self.reduce_layout.reduce(
                     self.reduce_comm,
@@ -536,7 +537,8 @@ class Unit:
         """One completion for every record ([Note: collective layouts]): a result that is a view of the
         record's kept row becomes the shard gradient as it is, any other is added into it ([Note: reduced
         rows kept])."""
-        pending.complete(f"reduce-scatter of unit {self.name!r}", functools.partial(_store_reduced, pending))
+        with phase("reduce_scatter_wait"):
+            pending.complete(f"reduce-scatter of unit {self.name!r}", functools.partial(_store_reduced, pending))
 
 
 class _UnitEnds:
