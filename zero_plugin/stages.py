@@ -11,7 +11,8 @@ stage  masters       reducer (backward)                         after step
 
 Evaluation only (``zp.setup(model, None, config)``): stage 3 shards the parameters with a forward-only
 runtime and nothing else ([Note: evaluation-only models] in ``stage3/inference.py``); stages 0-2 keep
-the model replicated, as DDP does with a model it does not train, and build no engine.
+the model replicated, as DDP does with a model it does not train, and build no engine (``api.py`` does not
+ask for one).
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ def build_engine(
     return ReplicatedEngine(EngineBasis(model, config, comm, slots), reducer, param_sync)
 
 
-def build_inference_engine(model: nn.Module, config: ZeroConfig, comm: Comm, param_source=None) -> Engine | None:
-    """Stage 3: the parameters sharded for evaluation only; stages 0-2: None (the model stays replicated)."""
-    if config.stage < 3:
-        return None
+def build_inference_engine(model: nn.Module, config: ZeroConfig, comm: Comm, param_source=None) -> Engine:
+    """Stage 3: the parameters sharded for evaluation only (stages 0-2 keep the model replicated and build no
+    engine: ``api._setup_for_evaluation`` never calls this for them)."""
+    assert config.stage == 3, "evaluation-only engines exist at stage 3 only"
     from .stage3.engine import build_stage3_engine
     from .stage3.inference import InferenceEngine
 

@@ -58,16 +58,13 @@ rank of the world.  Without a replica group nothing is issued and the divisor is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence
 
 import torch
 
 from ..tensors.flat import ShardLayout, copy_padded_rows
 from .collectives import Comm
 from .streams import NO_STREAMS, StreamSet
-
-if TYPE_CHECKING:
-    from ..grads.presence import DeferredStores
 
 __all__ = [
     "Layout",
@@ -96,6 +93,17 @@ __all__ = [
 ]
 
 Store = Callable[[Any, torch.Tensor], None]  # (member, its averaged result)
+
+
+class DeferredStores(Protocol):
+    """What a reduction hands its results to when the has-gradient flags are read later: ``grads/presence.py``'s
+    ``DeferredStores`` ([Note: deferred has-gradient flags] there), which this layer may not import."""
+
+    def take(
+        self, members: list, flags: torch.Tensor, results: list[torch.Tensor], store: Store, local: list | None = None
+    ) -> None: ...
+
+
 # (members, this rank's padded chunk of each, extra (destination, source) pairs to copy along) for a gather
 Fill = Callable[[list, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]], None]
 
