@@ -72,20 +72,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# The counters, the group cache and the work handles live in their own modules; Comm's methods use them
-# under these module-private names.  comm_stats, reset_comm_stats, physical_calls and release_groups are
+# The counters, the group cache and the work handles live in their own modules (stats, groups, works), which
+# Comm's methods name as modules.  comm_stats, reset_comm_stats, physical_calls and release_groups are
 # re-exported for code that imports them from here.
+from . import groups, stats, works
 from .backends import backend_uses_cuda, moves_data, reduce_scatter_averages, regions_in_place
-from .groups import SAME_RANKS as _SAME_RANKS
 from .groups import release_groups
-from .groups import release_groups_at_exit as _release_groups_at_exit
 from .stats import comm_stats, physical_calls, reset_comm_stats
-from .stats import issued as _issued
-from .stats import record as _record
-from .works import DoneWork as _DoneWork
-from .works import RowWork as _RowWork
-from .works import SumWork as _SumWork
-from .works import Works as _Works
 
 __all__ = [
     "Comm",
@@ -148,7 +141,7 @@ class Comm:
             self.world_size = dist.get_world_size(group)
             self.backend = dist.get_backend(group)
             if self.world_size > 1:
-                _release_groups_at_exit()  # [Note: cached groups at exit]
+                groups.release_groups_at_exit()  # [Note: cached groups at exit]
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
         self._in_place = regions_in_place(self.backend)  # [Note: in-place region gather]
@@ -253,10 +246,10 @@ class Comm:
     @staticmethod
     def _cached_group(ranks: tuple, purpose: str, backend: str, local: bool) -> Any:
         world = dist.GroupMember.WORLD
-        cached = _SAME_RANKS.get((ranks, purpose))
+        cached = groups.SAME_RANKS.get((ranks, purpose))
         if cached is None or cached[0] is not world:
             group = dist.new_group(ranks=list(ranks), backend=backend, use_local_synchronization=local)
-            cached = _SAME_RANKS[(ranks, purpose)] = (world, group)
+            cached = groups.SAME_RANKS[(ranks, purpose)] = (world, group)
         return cached[1]
 
     def control_exchange(self, message: tuple[float, ...], what: str) -> list[tuple[float, ...]]:
@@ -270,8 +263,8 @@ class Comm:
             return None, [tuple(message)] * self.control_size, what
         mine = torch.tensor(message, dtype=torch.float64)
         out = torch.empty(self.control_size * mine.numel(), dtype=torch.float64)
-        _record("control", out.numel() * out.element_size())
-        _issued(_ALL_GATHER_NAME)
+        stats.record("control", out.numel() * out.element_size())
+        stats.issued(_ALL_GATHER_NAME)
         return _ALL_GATHER(out, mine, group=self._control, async_op=True), out, what
 
     def control_finish(self, handle: tuple) -> list[tuple[float, ...]]:
@@ -286,7 +279,7 @@ class Comm:
         if self._control is None:
             return [obj] * self.control_size
         out: list[Any] = [None] * self.control_size
-        _issued("all_gather_object")
+        stats.issued("all_gather_object")
         dist.all_gather_object(out, obj, group=self._control)
         return out
 
@@ -298,7 +291,7 @@ class Comm:
 
     def _wait(self, work, what: str) -> None:
         try:
-            if self.timeout_s is not None and not isinstance(work, _DoneWork):
+            if self.timeout_s is not None and not isinstance(work, works.DoneWork):
                 work.wait(timeout=timedelta(seconds=self.timeout_s))
             else:
                 work.wait()
@@ -314,7 +307,7 @@ class Comm:
             ) from exc
 
     def _record(self, kind: str, nbytes: int) -> None:
-        _record(kind, nbytes, self.label)
+        stats.record(kind, nbytes, self.label)
 
     def _note(self, kind: str, tag: str, numel: int) -> None:
         if self.history is not None:
@@ -325,8 +318,8 @@ class Comm:
         self._record("all_reduce", 2 * tensor.numel() * tensor.element_size())
         self._note("all_reduce", tag, tensor.numel())
         if self.world_size == 1:
-            return _DoneWork() if async_op else None
-        _issued("all_reduce")
+            return works.DoneWork() if async_op else None
+        stats.issued("all_reduce")
         return dist.all_reduce(tensor, op=_reduce_op(op, self.backend), group=self.group, async_op=async_op)
 
     def reduce_scatter(
@@ -338,20 +331,20 @@ class Comm:
         self._note("reduce_scatter", tag, input.numel())
         if self.world_size == 1:
             output.copy_(input)
-            return _DoneWork() if async_op else None
+            return works.DoneWork() if async_op else None
         if self.backend == "gloo" and op in ("sum", "avg"):
             # gloo sends a reduce-scatter as a full all-reduce anyway, and issuing its reduce-scatter costs
             # far more CPU than an in-place all-reduce (benchmarks/collectives.py): reduce in place, keep our row
             # (divided by the world size for "avg", which gloo lacks: sum, then divide).
-            _issued("all_reduce")
+            stats.issued("all_reduce")
             work = dist.all_reduce(input, group=self.group, async_op=True)
             row = input.view(self.world_size, -1)[self.rank]
-            pending = _RowWork(work, output, row, self.world_size if op == "avg" else 1)
+            pending = works.RowWork(work, output, row, self.world_size if op == "avg" else 1)
             if async_op:
                 return pending
             pending.wait()
             return None
-        _issued(_REDUCE_SCATTER_NAME)
+        stats.issued(_REDUCE_SCATTER_NAME)
         return _REDUCE_SCATTER(output, input, op=_reduce_op(op, self.backend), group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""):
@@ -362,8 +355,8 @@ class Comm:
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            return _DoneWork() if async_op else None
-        _issued(_ALL_GATHER_NAME)
+            return works.DoneWork() if async_op else None
+        stats.issued(_ALL_GATHER_NAME)
         return _ALL_GATHER(output, input, group=self.group, async_op=async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""):
@@ -375,8 +368,8 @@ class Comm:
         self._note("all_to_all", tag, input.numel())
         if self.world_size == 1:
             output.copy_(input)
-            return _DoneWork() if async_op else None
-        _issued("all_to_all_single")
+            return works.DoneWork() if async_op else None
+        stats.issued("all_to_all_single")
         return dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
 
     @property
@@ -394,7 +387,7 @@ class Comm:
         nbytes = sum(t.numel() * t.element_size() for views in regions for t in views)
         self._record("all_gather", nbytes)
         self._note("all_gather", tag, numel)
-        pending = _Works(self._exchange(lambda peer: regions[self.rank], lambda peer: regions[peer]))
+        pending = works.Works(self._exchange(lambda peer: regions[self.rank], lambda peer: regions[peer]))
         if async_op:
             return pending
         pending.wait()
@@ -420,13 +413,13 @@ class Comm:
         if flags is not None:
             self._record("all_reduce", 2 * flags.numel() * flags.element_size())
         if self.world_size == 1:
-            return _DoneWork() if async_op else None
+            return works.DoneWork() if async_op else None
         received = _peer_rows(mine, self.world_size - 1)  # the peers in rank order, this rank left out
-        works = self._exchange(lambda peer: regions[peer], lambda peer: received[peer - (peer > self.rank)])
+        handles = self._exchange(lambda peer: regions[peer], lambda peer: received[peer - (peer > self.rank)])
         if flags is not None:
-            _issued("all_reduce")
-            works.append(dist.all_reduce(flags, group=self.group, async_op=True))
-        pending = _SumWork(works, mine, received)
+            stats.issued("all_reduce")
+            handles.append(dist.all_reduce(flags, group=self.group, async_op=True))
+        pending = works.SumWork(handles, mine, received)
         if async_op:
             return pending
         pending.wait()
@@ -444,31 +437,31 @@ class Comm:
         self._note("exchange", tag, sum(t.numel() for ts in sends.values() for t in ts))
         if self.world_size == 1:
             return
-        works = self._exchange(lambda peer: sends.get(peer, []), lambda peer: receives.get(peer, []))
-        self.wait(_Works(works), f"point-to-point exchange {tag!r}")
+        handles = self._exchange(lambda peer: sends.get(peer, []), lambda peer: receives.get(peer, []))
+        self.wait(works.Works(handles), f"point-to-point exchange {tag!r}")
 
     def _exchange(self, sends_to, receives_from) -> list:
         """[Note: point-to-point exchange]: for each peer in rank order, send it ``sends_to(peer)`` and receive
         ``receives_from(peer)`` (lists of contiguous tensors), asynchronously; the handles in issue order."""
-        works = []
+        handles = []
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
             other = self.global_rank(peer)
             for t in sends_to(peer):
                 if t.numel():
-                    _issued("isend")
-                    works.append(dist.isend(t, dst=other, group=self.group, tag=_P2P_TAG))
+                    stats.issued("isend")
+                    handles.append(dist.isend(t, dst=other, group=self.group, tag=_P2P_TAG))
             for t in receives_from(peer):
                 if t.numel():
-                    _issued("irecv")
-                    works.append(dist.irecv(t, src=other, group=self.group, tag=_P2P_TAG))
-        return works
+                    stats.issued("irecv")
+                    handles.append(dist.irecv(t, src=other, group=self.group, tag=_P2P_TAG))
+        return handles
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self._record("broadcast", tensor.numel() * tensor.element_size())
         if self.world_size > 1:
-            _issued("broadcast")
+            stats.issued("broadcast")
             dist.broadcast(tensor, src=self.global_rank(src), group=self.group)
 
     @torch.no_grad()
@@ -492,7 +485,7 @@ class Comm:
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        _issued("all_gather_object")
+        stats.issued("all_gather_object")
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
@@ -501,13 +494,13 @@ class Comm:
         if self.world_size == 1:
             return obj
         box = [obj]
-        _issued("broadcast_object_list")
+        stats.issued("broadcast_object_list")
         dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
         return box[0]
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            _issued("barrier")
+            stats.issued("barrier")
             dist.barrier(group=self.group)
 
     def global_rank(self, group_rank: int) -> int:
