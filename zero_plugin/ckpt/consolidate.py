@@ -30,8 +30,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -39,12 +37,15 @@ import torch
 
 from . import dcp_source, deepspeed_reader
 from . import format as fmt
+from .assemble import full_tensor, write_new_folder
+from .dcp_export import export_dcp
 from .dcp_reader import DcpLayout, find_layout
 from .format import CheckpointError
+from .lightning_file import SHARDS_DIR, consolidate_lightning, is_lightning_checkpoint
 from .load import Reader
 from .verify import read_checked_index
 
-__all__ = ["FORMATS", "consolidate", "assemble", "full_tensor", "write_new_folder"]
+__all__ = ["FORMATS", "consolidate"]
 
 FORMATS = ("safetensors", "hf", "lightning", "dcp")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
@@ -83,15 +84,11 @@ def consolidate(
     if max_shard_bytes < 1:
         raise ValueError(f"consolidate: max_shard_bytes must be positive; got {max_shard_bytes!r}")
     if format == "dcp":  # ours to FSDP2 ([Note: DCP export] in dcp_export.py)
-        from .dcp_export import export_dcp
-
         return export_dcp(checkpoint, out, verify=verify)
     if (dcp := find_layout(os.fspath(checkpoint))) is not None:  # FSDP / torch DCP, read as ours
         return _consolidate_dcp(dcp, os.fspath(out), format=format, dtype=dtype, max_shard_bytes=max_shard_bytes)
     deepspeed = deepspeed_reader.find_tag_dir(os.path.abspath(os.fspath(checkpoint)))
     if format == "lightning":
-        from .lightning_file import consolidate_lightning
-
         if deepspeed is not None:
             raise ValueError("consolidate: a DeepSpeed checkpoint exports as --format safetensors or hf")
 
@@ -129,29 +126,8 @@ def _consolidate_dcp(layout: DcpLayout, out: str, *, format: str, dtype, max_sha
     )
 
 
-def write_new_folder(out: str, write: Callable[[str], list[str]]) -> list[str]:
-    """``write(tmp)`` into ``out.tmp-<id>``, renamed to ``out`` (new, or an empty folder) once complete;
-    returns the paths of the files ``write`` names."""
-    out = os.path.abspath(out)
-    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
-        raise CheckpointError(f"consolidate: {out} already exists and is not an empty folder; choose a new one")
-    tmp = f"{out}.tmp-{uuid.uuid4().hex}"
-    os.makedirs(tmp)
-    try:
-        written = write(tmp)
-        if os.path.isdir(out):
-            os.rmdir(out)  # the empty folder the user named
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return [os.path.join(out, name) for name in written]
-
-
 def _zero_part(checkpoint: str) -> str:
     """A sharded Lightning checkpoint directory holds its zp.save_checkpoint folder under ``zero/``."""
-    from .lightning_file import SHARDS_DIR, is_lightning_checkpoint
-
     return os.path.join(checkpoint, SHARDS_DIR) if is_lightning_checkpoint(checkpoint) else checkpoint
 
 
@@ -309,29 +285,6 @@ def _fetcher(reader: Reader, index: dict, tensors: list[_Tensor]) -> Callable[[s
         return full_tensor(reader, index, t.source).to(t.dtype)
 
     return fetch
-
-
-def full_tensor(reader: Reader, index: dict, source: str) -> torch.Tensor:
-    """One parameter assembled from its pieces in the rank files, or a buffer ([Note: streaming consolidation])."""
-    kind, name = source.split("/", 1)
-    if kind == "b":
-        entry = index["buffers"][name]
-        value = reader.tensor(0, source)
-        if list(value.shape) != list(entry["shape"]):
-            raise CheckpointError(
-                f"{reader.where(0, source)} has shape {list(value.shape)}, the index says {entry['shape']}"
-            )
-        return value
-    entry = index["params"][name]
-    return assemble(reader, source, entry["shards"], fmt.dtype_from_name(entry["dtype"]), entry["shape"])
-
-
-def assemble(reader: Reader, key: str, shards: list, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    """The full tensor ``key`` from its pieces ``[rank file, lo, hi)`` of the flattened whole."""
-    flat = torch.empty(math.prod(shape), dtype=dtype)
-    for i, lo, hi in shards:
-        flat[lo:hi] = reader.slice(i, key, hi - lo, dtype)[:]
-    return flat.view(shape)
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -34,7 +34,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
-from .consolidate import assemble, full_tensor, write_new_folder
+from .assemble import assemble, full_tensor, write_new_folder
 from .format import CheckpointError, dtype_from_name
 from .load import Reader
 from .tree import decode

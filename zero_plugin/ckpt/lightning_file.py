@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from . import format as fmt
-from .consolidate import assemble, full_tensor
+from .assemble import assemble, full_tensor
 from .format import CheckpointError
 from .load import Reader
 from .tree import decode
