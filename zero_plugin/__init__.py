@@ -9,6 +9,7 @@ from .config_groups import CommConfig, DebugConfig, LoadingConfig, OffloadConfig
 from .loading import materialize as materialize  # zp.materialize.* as documented (docs/large-models.md)
 from .memory import memory_report
 from .optim.zero_optimizer import ZeroOptimizer
+from .sequence import SequenceParallelLoader, sequence_parallel_batch, sequence_parallel_loss, sequence_parallel_of
 from .state_dict import full_state_dict, load_full_state_dict
 
 __version__ = "0.1.0"
@@ -36,4 +37,8 @@ __all__ = [
     "reload_states",
     "comm_stats",
     "reset_comm_stats",
+    "sequence_parallel_batch",
+    "sequence_parallel_loss",
+    "sequence_parallel_of",
+    "SequenceParallelLoader",
 ]

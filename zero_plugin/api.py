@@ -22,6 +22,7 @@ from .optim.partition import choose_partition
 from .optim.state import region_of
 from .optim.whole_params import WholeParams
 from .optim.zero_optimizer import ZeroOptimizer
+from .sequence import parallel as sequence_parallel
 from .stages import build_engine, build_inference_engine
 
 __all__ = ["setup", "rebind_optimizer", "clip_grad_norm_", "no_sync", "gathered_parameters"]
@@ -69,6 +70,8 @@ def setup(
     comm = Comm(group, timeout_s=config.timeout_s, debug=config.debug_collectives)
     trainable = validate.trainable_parameters(model, optimizer) if optimizer is not None else []
     validate.check_ranks_agree(model, config, comm)
+    # Ulysses: the attention switched and the groups made before any sharding ([Note: sequence-parallel groups])
+    sequence_parallel.enable(model, comm, config.resolved_sequence_parallel_size(comm.world_size))
     quantized.prepare_quantized(model, comm, comm.device if config.stage == 3 else None)
     source = materialize.as_source(param_source)
     if source is None and materialize.has_meta_params(model):

@@ -74,8 +74,8 @@ class ZeroConfig:
     """dtypes, loss scaling, clipping: ``param_dtype``, ``reduce_dtype``, ``master_dtype``, ``clip_grad_norm``,
     ``loss_scaling``, ``loss_scale``, ``loss_scale_init``, ``loss_scale_growth_interval``."""
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
-    """``bucket_size_mb``, ``timeout_s``, ``shard_group_size`` and ZeRO++ (``quantized_weights``,
-    ``quantized_gradients``, ``quantization_block``, ``secondary_shard_size``)."""
+    """``bucket_size_mb``, ``timeout_s``, ``shard_group_size``, ZeRO++ (``quantized_weights``,
+    ``quantized_gradients``, ``quantization_block``, ``secondary_shard_size``) and ``sequence_parallel_size``."""
     stage3: Stage3Config = dataclasses.field(default_factory=Stage3Config)
     """Units and their schedule: ``prefetch_depth``, ``persistence_threshold``, ``linear_slice_numel``,
     ``reshard_after_forward``, ``accumulate_full_grads``, ``unit_classes``, ``unit_policy``, ``trim_host_heap``,
@@ -174,6 +174,18 @@ class ZeroConfig:
         """hpZ's k for a world of ``world_size`` ranks, or None when off (None, k equal to the world size,
         which gathers over the same ranks anyway, or a one-rank world); "node" as for shard_group_size."""
         return self._resolve_group_size("secondary_shard_size", world_size, environ)
+
+    def resolved_sequence_parallel_size(self, world_size: int) -> int:
+        """Ranks per sequence-parallel group in a world of ``world_size`` ranks (``sequence_parallel_size``, 1 =
+        off); ``ValueError`` unless it divides the world size (checked at setup, where the world is known)."""
+        k = self.sequence_parallel_size
+        if world_size % k:
+            raise ValueError(
+                f"ZeroConfig.sequence_parallel_size={k} must divide the world size {world_size} (each group of "
+                f"{k} consecutive ranks shares its sequences); launch a multiple of {k} processes or pick a "
+                f"divisor of {world_size}"
+            )
+        return k
 
     @staticmethod
     def local_processes(environ: Mapping[str, str] | None = None, default: int = 1) -> int:

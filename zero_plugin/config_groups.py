@@ -156,8 +156,8 @@ class PrecisionConfig(_Group):
 
 @_record
 class CommConfig(_Group):
-    """How the ranks communicate: gradient buckets, the hang timeout, hierarchical sharding and ZeRO++ (Wang et
-    al. 2023: qwZ, qgZ, hpZ; stage 3 only)."""
+    """How the ranks communicate: gradient buckets, the hang timeout, hierarchical sharding, ZeRO++ (Wang et
+    al. 2023: qwZ, qgZ, hpZ; stage 3 only) and the sequence-parallel groups."""
 
     key: ClassVar[str] = "comm"
 
@@ -190,6 +190,15 @@ class CommConfig(_Group):
     backward, no inter-node bytes in backward gathers ([Note: secondary shards] in stage3/secondary.py). An int
     k dividing the world size; "node" = ``LOCAL_WORLD_SIZE``; None = off. Excludes shard_group_size (whose
     gathers stay in the group already). DeepSpeed: ``zero_hpz_partition_size``. Default None."""
+    sequence_parallel_size: int = setting(1, values.integer(1))
+    """Ulysses sequence parallelism (Jacobs et al. 2023, arXiv 2309.14509) for transformers decoder models: each
+    group of this many consecutive ranks trains on the same sequences, each rank holding 1/K of every sequence's
+    tokens; attention runs on the whole sequence through two all-to-alls in the group (heads scattered, sequence
+    gathered, and back: ``zero_plugin/sequence/``). ZeRO still shards and averages over the whole world, so the
+    world size / K groups are the data-parallel ones. ``zp.setup`` switches the model's attention; the batch
+    (``zp.sequence_parallel_batch``) and the loss (``zp.sequence_parallel_loss``) are split and reduced by the
+    caller (docs/long-context.md). An int >= 1 (ranks) that divides the world size (checked at setup); the
+    model's ``num_attention_heads`` must be a multiple of it. 1 = off. Default 1."""
 
 
 @_record

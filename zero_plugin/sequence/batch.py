@@ -1,0 +1,143 @@
+"""The batch split: positions and shifted labels computed on the whole sequences, then this rank's contiguous 1/K
+of every sequence tensor kept.
+
+[Note: sequence-parallel batch]
+A causal LM's loss at token t compares the logits at t with the label at t + 1, and rotary embeddings read t's
+position; once a sequence is cut in K slices, rank r neither sees the label after its last token nor knows where
+its slice starts.  So both are computed before the cut, on the whole sequence: ``position_ids`` 0..s-1 (or the
+batch's own) and ``shift_labels`` = ``labels[:, 1:]`` followed by -100 (transformers' ``shift_labels``), and each
+rank keeps columns [r s/K, (r+1) s/K) of ``input_ids``, ``position_ids`` and ``shift_labels``.  A length that K
+does not divide is padded at the end to the next multiple: the pad tokens come after every real token, so under
+causal attention they change no real token's output, and their labels are -100.  The ranks of a group must hold
+the same batch (a sampler over the data-parallel ranks, ``SequenceParallel.dp_rank`` / ``dp_size``); a cheap
+checksum of ``input_ids`` is compared across the group on every batch so that a sampler over all N ranks fails
+loudly instead of training on mixed-up sequences.  Padding masks are refused: the Ulysses attention masks causally
+only ([Note: Ulysses attention] in ``attention.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from ..comm.collectives import Comm
+from .parallel import sequence_parallel_of
+
+__all__ = ["IGNORE_INDEX", "SequenceParallelLoader", "sequence_parallel_batch", "split_batch"]
+
+IGNORE_INDEX = -100
+"""The label cross-entropy ignores (torch's and transformers' default)."""
+
+
+def split_batch(batch: Mapping[str, Any], rank: int, k: int, pad_token_id: int = 0) -> dict[str, Any]:
+    """[Note: sequence-parallel batch] for rank ``rank`` of ``k``, no communication: ``batch`` holds
+    ``input_ids`` ``[b, s]`` and optionally ``labels``, ``position_ids`` and an all-ones (or None)
+    ``attention_mask``; the result holds this rank's ``[b, ceil(s / k)]`` slices of ``input_ids``,
+    ``position_ids`` and, with labels, ``shift_labels``.  Values that are not tensors pass through."""
+    if "input_ids" not in batch:
+        raise ValueError(f"sequence parallelism: the batch needs input_ids [batch, seq]; got keys {sorted(batch)}")
+    input_ids = batch["input_ids"]
+    if input_ids.dim() != 2:
+        raise ValueError(f"sequence parallelism: input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
+    b, s = input_ids.shape
+    _check_mask(batch.get("attention_mask"))
+    whole: dict[str, torch.Tensor] = {"input_ids": input_ids}
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+    whole["position_ids"] = position_ids.expand(b, s)
+    if batch.get("labels") is not None:
+        labels = batch["labels"]
+        whole["shift_labels"] = torch.cat([labels[:, 1:], labels.new_full((b, 1), IGNORE_INDEX)], dim=1)
+    rest = {}
+    for key, value in batch.items():
+        if key in ("input_ids", "position_ids", "labels", "attention_mask"):
+            continue
+        if isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"sequence parallelism: the batch's {key!r} (shape {tuple(value.shape)}) is a tensor the split does "
+                "not know how to cut; pass input_ids, labels, position_ids and an all-ones attention_mask only"
+            )
+        rest[key] = value
+    return {**rest, **{key: _slice(t, rank, k, _pad_value(key, pad_token_id)) for key, t in whole.items()}}
+
+
+def _check_mask(mask: torch.Tensor | None) -> None:
+    if mask is not None and not bool((mask == 1).all()):
+        raise ValueError(
+            "sequence parallelism: attention_mask has zeros (padding), which the Ulysses attention cannot mask (it "
+            "masks causally over the whole sequence only); pack or pad at the end with labels -100 and no mask "
+            "instead (pad tokens after the last real token change no real token's loss)"
+        )
+
+
+def _pad_value(key: str, pad_token_id: int) -> int:
+    return {"input_ids": pad_token_id, "shift_labels": IGNORE_INDEX}.get(key, -1)
+
+
+def _slice(t: torch.Tensor, rank: int, k: int, pad: int) -> torch.Tensor:
+    """Columns [rank s', (rank+1) s') of ``t`` padded at the end to k s' columns (s' = ceil(s / k)); positions
+    continue past the end (their tokens are never a real token's context)."""
+    s = t.shape[1]
+    per_rank = -(-s // k)
+    if per_rank * k != s:
+        if pad == -1:  # positions: keep counting
+            tail = t[:, -1:] + torch.arange(1, per_rank * k - s + 1, device=t.device)
+        else:
+            tail = t.new_full((t.shape[0], per_rank * k - s), pad)
+        t = torch.cat([t, tail], dim=1)
+    return t[:, rank * per_rank : (rank + 1) * per_rank].contiguous()
+
+
+def _check_same_batch(input_ids: torch.Tensor, comm: Comm) -> None:
+    """The group's ranks hold the same sequences ([Note: sequence-parallel batch]): shape and a position-weighted
+    checksum compared through one small all-gather."""
+    weights = torch.arange(1, input_ids.numel() + 1, device=input_ids.device, dtype=torch.float64)
+    mine = torch.stack(
+        [
+            torch.tensor(float(input_ids.shape[0]), dtype=torch.float64, device=input_ids.device),
+            torch.tensor(float(input_ids.shape[1]), dtype=torch.float64, device=input_ids.device),
+            (input_ids.reshape(-1).to(torch.float64) * weights).sum(),
+        ]
+    )
+    every = torch.empty(comm.world_size * 3, dtype=torch.float64, device=input_ids.device)
+    comm.all_gather(every, mine, tag="sequence batch check")
+    rows = every.view(comm.world_size, 3)
+    if not bool((rows == rows[0]).all()):
+        raise ValueError(
+            "sequence parallelism: the ranks of a sequence-parallel group hold different batches (shape, checksum "
+            f"per rank: {rows.tolist()}); give the group's ranks the same batch: a DistributedSampler with "
+            "num_replicas=SequenceParallel.dp_size and rank=SequenceParallel.dp_rank "
+            "(zp.sequence_parallel_of(model))"
+        )
+
+
+def sequence_parallel_batch(batch: Mapping[str, Any], model: nn.Module, check: bool = True) -> dict[str, Any]:
+    """``split_batch`` for this rank of ``model``'s sequence-parallel group (``zp.setup`` with
+    ``ZeroConfig(sequence_parallel_size=K)``); ``check``: compare the group's batches first (one small
+    all-gather in the group)."""
+    setting = sequence_parallel_of(model)
+    if check:
+        _check_same_batch(batch["input_ids"], setting.comm)
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return split_batch(batch, setting.rank, setting.size, pad_token_id=pad if isinstance(pad, int) else 0)
+
+
+class SequenceParallelLoader:
+    """A data loader's batches through :func:`sequence_parallel_batch`; its ``len`` and ``sampler`` pass through."""
+
+    def __init__(self, loader: Iterable, model: nn.Module, check: bool = True) -> None:
+        sequence_parallel_of(model)  # refuse a model that was not set up for it now, not at the first batch
+        self.loader, self.model, self.check = loader, model, check
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.loader:
+            yield sequence_parallel_batch(batch, self.model, self.check)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)

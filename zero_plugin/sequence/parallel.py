@@ -1,0 +1,108 @@
+"""A model's sequence-parallel setting: its group of K consecutive ranks, made at ``zp.setup``, and the switch of
+its attention to the Ulysses wrapper; found again by the batch split and the loss.
+
+[Note: sequence-parallel groups]
+``ZeroConfig.sequence_parallel_size=K`` cuts the world of N ranks into N / K groups of K consecutive ranks
+(ranks 0..K-1, K..2K-1, ...): the ranks of one group hold the same sequences, each its contiguous 1/K of every
+sequence's tokens, and exchange q, k, v and the attention output among themselves ([Note: Ulysses exchange] in
+``exchange.py``).  The groups are made through ``Comm``'s cache of groups (purpose ``"sequence"``, labelled
+``"sequence"`` in ``comm_stats``), by every rank, for every group, in the same order, as torch's ``new_group``
+requires.  ZeRO itself is unchanged: parameters, gradients and optimizer state are sharded, and gradients averaged,
+over all N ranks, so the data-parallel degree is N / K (rank r's data-parallel rank is r // K) and the loss carries
+the factor that makes that average the data-parallel mean ([Note: sequence-parallel loss] in ``loss.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+from torch import nn
+
+from ..comm.collectives import Comm
+
+__all__ = ["SequenceParallel", "enable", "sequence_parallel_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceParallel:
+    """One model's sequence parallelism on this rank ([Note: sequence-parallel groups])."""
+
+    comm: Comm
+    """The group of ``size`` consecutive ranks that share this rank's sequences."""
+    original_attention: str
+    """The model's ``attn_implementation`` before the switch, which the wrapper runs on the whole sequence."""
+
+    @property
+    def size(self) -> int:
+        """K, the ranks per sequence-parallel group."""
+        return self.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        """This rank's place in its group: it holds the ``rank``-th 1/K of every sequence."""
+        return self.comm.rank
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank (its group's index): what a ``DistributedSampler``'s ``rank`` is."""
+        return self.comm.global_rank(0) // self.size
+
+    @property
+    def dp_size(self) -> int:
+        """The number of groups, the data-parallel degree: a ``DistributedSampler``'s ``num_replicas``."""
+        return self.comm.world.world_size // self.size
+
+
+_OF_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def sequence_parallel_of(model: nn.Module) -> SequenceParallel:
+    """The setting ``zp.setup`` recorded for ``model``; ``ValueError`` if it has none."""
+    found = _OF_MODEL.get(model)
+    if found is None:
+        raise ValueError(
+            f"{type(model).__name__} was not set up for sequence parallelism: pass it to zp.setup with "
+            "ZeroConfig(sequence_parallel_size=K), K > 1, first (docs/long-context.md)"
+        )
+    return found
+
+
+def sequence_group(world: Comm, k: int) -> Comm:
+    """This rank's group of ``k`` consecutive ranks of ``world`` (the default group); collective over it: every
+    rank makes every group, in the same order ([Note: sequence-parallel groups])."""
+    mine = None
+    for start in range(0, world.world_size, k):
+        ranks = tuple(range(start, start + k))
+        group = Comm._cached_group(ranks, "sequence", world.backend, local=False)
+        if world.rank in ranks:
+            mine = group
+    comm = Comm(mine, timeout_s=world.timeout_s, label="sequence")
+    comm.world, comm.history = world, world.history
+    return comm
+
+
+def enable(model: nn.Module, world: Comm, k: int) -> SequenceParallel | None:
+    """Switch ``model``'s attention to the Ulysses wrapper over this rank's group of ``k`` consecutive ranks of
+    ``world`` and record the setting (None when ``k`` is 1).  Collective over ``world`` (the groups are made);
+    every check that can refuse runs before any group is made."""
+    from .attention import check_model, switch_attention
+
+    if k == 1:
+        return None
+    done = _OF_MODEL.get(model)
+    if done is not None and done.size == k:  # set up for evaluation first, then for training
+        return done
+    if world.group is not None:
+        raise ValueError(
+            f"ZeroConfig.sequence_parallel_size={k} with zp.setup(group=...) is not supported: the sequence-parallel "
+            "groups are cut from the default process group; call zp.setup without group="
+        )
+    assert world.world_size % k == 0, "ZeroConfig.resolved_sequence_parallel_size checked k | N"
+    pretrained, original = check_model(model, k)
+    setting = SequenceParallel(comm=sequence_group(world, k), original_attention=original)
+    switch_attention(pretrained, setting)
+    _OF_MODEL[model] = setting
+    if pretrained is not model:
+        _OF_MODEL[pretrained] = setting
+    return setting
