@@ -27,17 +27,18 @@ class Case:
     offload: bool = False
     seq: int = 16
     attention: str = "sdpa"
+    checkpointing: bool = False
 
     @property
     def name(self) -> str:
-        extra = "+offload" if self.offload else ""
+        extra = ("+offload" if self.offload else "") + ("+checkpointing" if self.checkpointing else "")
         return f"stage{self.stage}{extra}-K{self.k}-s{self.seq}-{self.attention}"
 
 
 def make_model(attention: str):
     from transformers import LlamaForCausalLM
 
-    config = llama_config(VOCAB, HIDDEN, layers=2, heads=4, kv_heads=2, attn_implementation=attention, use_cache=False)
+    config = llama_config(VOCAB, HIDDEN, layers=2, heads=4, kv_heads=2, attn_implementation=attention)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return LlamaForCausalLM(config).to(torch.float64)
@@ -90,6 +91,8 @@ def train_case(case: Case) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = make_batches(world // case.k, case.seq)
     model = make_model(case.attention)
+    if case.checkpointing:  # the attention's exchanges run again in the recompute, inside backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = zp.ZeroConfig(
         stage=case.stage,
         offload_optimizer="cpu" if case.offload else "none",
