@@ -84,7 +84,11 @@ def reference(case: Case, groups: int) -> dict:
             opt.step()
             opt.zero_grad()
             losses.append([loss.item() for loss in per_group])
-    return {"losses": losses, "theta0": theta0, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    with torch.no_grad():
+        whole = batches[0][0]
+        after = whole_sequence_loss(model(input_ids=whole["input_ids"]).logits, whole["labels"]).item()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "theta0": theta0, "params": params, "loss_after": after}
 
 
 def train_case(case: Case) -> dict:
@@ -119,9 +123,14 @@ def train_case(case: Case) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     stats = zp.comm_stats()
+    with setting.paused(), torch.no_grad():  # the original attention on whole sequences, e.g. an evaluation
+        whole = batches[0][0]
+        paused_loss = whole_sequence_loss(model(input_ids=whole["input_ids"]).logits, whole["labels"]).item()
+    assert model.config._attn_implementation == "zero_plugin_ulysses"
     full = zp.full_state_dict(model)
     return {
         "losses": losses,
+        "paused_loss": paused_loss,
         "all_to_all_calls": stats.get("all_to_all", {}).get("calls", 0),
         "params": {n: t.to(torch.float64) for n, t in full.items() if n in dict(model.named_parameters())},
     }

@@ -153,8 +153,8 @@ def _refuse_unsupported(module: nn.Module, query, key, attention_mask, kwargs: d
     if query.shape[2] != key.shape[2]:
         raise ValueError(
             f"sequence parallelism: keys of length {key.shape[2]} for queries of length {query.shape[2]} (a KV "
-            "cache, as in generate()) are not supported by the Ulysses wrapper; generate with a model set up "
-            "without sequence_parallel_size"
+            "cache, as in generate()) are not supported by the Ulysses wrapper; generate inside "
+            "`with zp.sequence_parallel_of(model).paused():`"
         )
     if kwargs.get("sliding_window") is not None or not getattr(module, "is_causal", True):
         raise ValueError(

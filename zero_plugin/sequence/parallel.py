@@ -14,8 +14,10 @@ the factor that makes that average the data-parallel mean ([Note: sequence-paral
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
+from typing import Any, Iterator
 
 from torch import nn
 
@@ -32,6 +34,8 @@ class SequenceParallel:
     """The group of ``size`` consecutive ranks that share this rank's sequences."""
     original_attention: str
     """The model's ``attn_implementation`` before the switch, which the wrapper runs on the whole sequence."""
+    pretrained: Any = dataclasses.field(repr=False, compare=False)
+    """A weak reference to the transformers model whose attention was switched."""
 
     @property
     def size(self) -> int:
@@ -52,6 +56,20 @@ class SequenceParallel:
     def dp_size(self) -> int:
         """The number of groups, the data-parallel degree: a ``DistributedSampler``'s ``num_replicas``."""
         return self.comm.world.world_size // self.size
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside the block the model runs its original attention on whatever each rank passes (whole sequences:
+        ``generate``, an evaluation without the batch split); the Ulysses wrapper is back on exit.  Not
+        collective, but at stage 3 every rank must still run the same forwards (the units' gathers)."""
+        from .attention import ATTENTION_NAME
+
+        model = self.pretrained()
+        model.set_attn_implementation(self.original_attention)
+        try:
+            yield
+        finally:
+            model.set_attn_implementation(ATTENTION_NAME)
 
 
 _OF_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -100,7 +118,9 @@ def enable(model: nn.Module, world: Comm, k: int) -> SequenceParallel | None:
         )
     assert world.world_size % k == 0, "ZeroConfig.resolved_sequence_parallel_size checked k | N"
     pretrained, original = check_model(model, k)
-    setting = SequenceParallel(comm=sequence_group(world, k), original_attention=original)
+    setting = SequenceParallel(
+        comm=sequence_group(world, k), original_attention=original, pretrained=weakref.ref(pretrained)
+    )
     switch_attention(pretrained, setting)
     _OF_MODEL[model] = setting
     if pretrained is not model:
