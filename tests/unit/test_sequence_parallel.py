@@ -41,12 +41,17 @@ def test_split_pads_a_length_k_does_not_divide_at_the_end():
     assert parts[1]["shift_labels"].tolist() == [[5, 6, 7]]
 
 
-def test_split_refuses_padding_masks_and_unknown_tensors():
+def test_split_refuses_padding_masks_packed_rows_and_unknown_tensors():
     ids = torch.ones(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="attention_mask has zeros"):
         split_batch({"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1, 0]])}, 0, 2)
     with pytest.raises(ValueError, match="'pixel_values'"):
         split_batch({"input_ids": ids, "pixel_values": torch.ones(1, 3)}, 0, 2)
+    with pytest.raises(ValueError, match="packed sequences"):
+        split_batch({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 0, 1]])}, 0, 2)
+    assert split_batch({"input_ids": ids, "position_ids": torch.tensor([[5, 6, 7, 8]])}, 1, 2)[
+        "position_ids"
+    ].tolist() == [[7, 8]]
     with pytest.raises(ValueError, match="needs input_ids"):
         split_batch({"labels": ids}, 0, 2)
 

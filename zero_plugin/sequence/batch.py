@@ -11,8 +11,9 @@ does not divide is padded at the end to the next multiple: the pad tokens come a
 causal attention they change no real token's output, and their labels are -100.  The ranks of a group must hold
 the same batch (a sampler over the data-parallel ranks, ``SequenceParallel.dp_rank`` / ``dp_size``); a cheap
 checksum of ``input_ids`` is compared across the group on every batch so that a sampler over all N ranks fails
-loudly instead of training on mixed-up sequences.  Padding masks are refused: the Ulysses attention masks causally
-only ([Note: Ulysses attention] in ``attention.py``).
+loudly instead of training on mixed-up sequences.  Padding masks and packed rows (positions that restart) are
+refused: the Ulysses attention masks causally over the whole row only ([Note: Ulysses attention] in
+``attention.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def split_batch(batch: Mapping[str, Any], rank: int, k: int, pad_token_id: int =
     position_ids = batch.get("position_ids")
     if position_ids is None:
         position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+    elif s > 1 and not bool((position_ids.diff(dim=-1) == 1).all()):
+        raise ValueError(
+            "sequence parallelism: position_ids restart or jump inside a row (packed sequences), which the Ulysses "
+            "attention cannot keep apart (it masks causally over the whole row); pass one sequence per row"
+        )
     whole["position_ids"] = position_ids.expand(b, s)
     if batch.get("labels") is not None:
         labels = batch["labels"]
