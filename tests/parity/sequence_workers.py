@@ -132,6 +132,7 @@ def train_case(case: Case) -> dict:
         "losses": losses,
         "paused_loss": paused_loss,
         "all_to_all_calls": stats.get("all_to_all", {}).get("calls", 0),
+        "sequence_group_calls": stats.get("sequence_group", {}).get("calls", 0),
         "params": {n: t.to(torch.float64) for n, t in full.items() if n in dict(model.named_parameters())},
     }
 

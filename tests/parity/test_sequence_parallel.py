@@ -63,6 +63,8 @@ def test_losses_and_updates_equal_whole_sequence_training(world):
             # per step and layer: q, k, v and the output, forward and backward (and the recompute's forward)
             calls = w.STEPS * 2 * (12 if case.checkpointing else 8)
             assert out[i]["all_to_all_calls"] == calls, (case.name, out[i]["all_to_all_calls"])
+            # and per step one batch check (all-gather) and one loss all-reduce, all in the "sequence" group
+            assert out[i]["sequence_group_calls"] == calls + 2 * w.STEPS, case.name
             # paused: the original attention on a whole sequence, after training
             assert abs(out[i]["paused_loss"] - ref["loss_after"]) <= tol * ref["loss_after"], case.name
         error = update_norm_error(results[0][i]["params"], ref["params"], ref["theta0"])
