@@ -166,3 +166,16 @@ def mixed_batches() -> str:
     except ValueError as exc:
         return str(exc)
     return "not refused"
+
+
+def unsplit_forward() -> str:
+    """A forward on a batch that did not go through the split (whole, different sequences per rank, as a Trainer
+    loop would pass) is refused by the attention instead of training on mixed-up slices."""
+    model = make_model("sdpa")
+    config = zp.ZeroConfig(stage=2, sequence_parallel_size=2)
+    model, _ = zp.setup(model, torch.optim.SGD(model.parameters(), lr=LR), config)
+    try:
+        model(input_ids=torch.full((1, 8), dist.get_rank()))
+    except ValueError as exc:
+        return str(exc)
+    return "not refused"

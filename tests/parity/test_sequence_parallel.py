@@ -73,10 +73,13 @@ def test_losses_and_updates_equal_whole_sequence_training(world):
 
 def test_refusals():
     """Heads that K does not divide are refused at setup naming both numbers; a group whose ranks got different
-    batches is refused at the batch split; K must divide the world size."""
+    batches is refused at the batch split, a batch that skipped the split at the attention; K must divide the world
+    size."""
     messages = run_ranks(2, w.refused, 2, 3, 1)
     assert all("sequence_parallel_size=2 must divide the model's num_attention_heads=3" in m for m in messages)
     messages = run_ranks(2, w.mixed_batches)
     assert all("hold different batches" in m for m in messages), messages
+    messages = run_ranks(2, w.unsplit_forward)
+    assert all("got 1 x 8 tokens per rank, but the last zp.sequence_parallel_batch gave none" in m for m in messages)
     messages = run_ranks(2, w.refused, 4, 4, 2)
     assert all("sequence_parallel_size=4 must divide the world size 2" in m for m in messages), messages

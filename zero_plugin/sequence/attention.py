@@ -163,6 +163,23 @@ def _refuse_unsupported(module: nn.Module, query, key, attention_mask, kwargs: d
         )
 
 
+def _check_split(setting: Any, query: torch.Tensor) -> None:
+    """[Note: unsplit batches]
+    A batch that did not go through ``zp.sequence_parallel_batch`` (a loop that does not know about sequence
+    parallelism: the HF Trainer, TRL, Accelerate today) holds whole sequences, different on each rank; exchanged as
+    if they were slices they would train on garbage without an error.  So the queries' (batch, length) must be the
+    last split's, or the attention refuses."""
+    seen, split = (query.shape[0], query.shape[2]), setting.split.get("shape")
+    if seen != split:
+        raise ValueError(
+            f"sequence parallelism: the attention got {seen[0]} x {seen[1]} tokens per rank, but the last "
+            f"zp.sequence_parallel_batch gave {'none' if split is None else ' x '.join(map(str, split))}: pass every "
+            "batch through zp.sequence_parallel_batch / zp.SequenceParallelLoader (the HF Trainer, TRL and "
+            "Accelerate loops do not split batches yet), or run whole sequences inside "
+            "`with zp.sequence_parallel_of(model).paused():`"
+        )
+
+
 def ulysses_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -175,6 +192,7 @@ def ulysses_attention(
     rank's slice in, ``[b, s/K, H, d]`` out; collective over the module's sequence-parallel group."""
     setting = _setting_of(module)
     _refuse_unsupported(module, query, key, attention_mask, kwargs)
+    _check_split(setting, query)
     comm, heads, kv_heads = setting.comm, query.shape[1], key.shape[1]
     repeats = _kv_repeats(kv_heads, comm.world_size)
     if repeats > 1:

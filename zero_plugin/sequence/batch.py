@@ -128,7 +128,9 @@ def sequence_parallel_batch(batch: Mapping[str, Any], model: nn.Module, check: b
     if check:
         _check_same_batch(batch["input_ids"], setting.comm)
     pad = getattr(getattr(model, "config", None), "pad_token_id", None)
-    return split_batch(batch, setting.rank, setting.size, pad_token_id=pad if isinstance(pad, int) else 0)
+    split = split_batch(batch, setting.rank, setting.size, pad_token_id=pad if isinstance(pad, int) else 0)
+    setting.split["shape"] = tuple(split["input_ids"].shape)
+    return split
 
 
 class SequenceParallelLoader:

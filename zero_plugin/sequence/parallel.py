@@ -36,6 +36,9 @@ class SequenceParallel:
     """The model's ``attn_implementation`` before the switch, which the wrapper runs on the whole sequence."""
     pretrained: Any = dataclasses.field(repr=False, compare=False)
     """A weak reference to the transformers model whose attention was switched."""
+    split: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    """``{"shape": (batch, tokens per rank)}`` of the last ``zp.sequence_parallel_batch``, which the attention
+    checks its queries against ([Note: unsplit batches] in ``attention.py``)."""
 
     @property
     def size(self) -> int:
