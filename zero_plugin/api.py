@@ -91,13 +91,15 @@ def setup(
     engine = build_engine(model, trainable, config, _engine_comm(comm, config, group), source)
     materialize.note_set_up(model)
     register_engine(model, engine)
-    engine.frozen_guard = FrozenGuard.attach(model, [s.param for s in engine.slots])  # [Note: frozen at setup]
-    engine.buffer_sync = BufferSync.attach(model, comm)
-    _cast_inputs_of(model, engine, config)
+    engine.attach_setup(
+        FrozenGuard.attach(model, [s.param for s in engine.slots]),  # [Note: frozen at setup]
+        BufferSync.attach(model, comm),
+        _cast_inputs_of(model, config),
+    )
     wrapped = [
         _wrap_optimizer(opt, engine, partition, len(optimizers) > 1) for opt, partition in zip(optimizers, partitions)
     ]
-    engine.optimizer = wrapped[0]
+    engine.attach_optimizer(wrapped[0])
     if isinstance(optimizer, (list, tuple)):
         return model, type(optimizer)(wrapped)
     return model, wrapped[0]
@@ -136,7 +138,7 @@ def _setup_for_evaluation(model: nn.Module, config: ZeroConfig, comm: Comm, sour
     engine = build_inference_engine(model, config, _engine_comm(comm, config, group), source)
     materialize.note_set_up(model)
     register_engine(model, engine)
-    _cast_inputs_of(model, engine, config)
+    engine.attach_setup(None, None, _cast_inputs_of(model, config))
     return model
 
 
@@ -182,11 +184,11 @@ def _release_evaluation_only(model: nn.Module) -> None:
         engine.release_full()
 
 
-def _cast_inputs_of(model: nn.Module, engine, config: ZeroConfig) -> None:
-    if config.param_dtype is not None:
-        engine.input_cast_handle = model.register_forward_pre_hook(
-            functools.partial(_cast_inputs, config.param_dtype), with_kwargs=True
-        )
+def _cast_inputs_of(model: nn.Module, config: ZeroConfig) -> Any:
+    """With ``param_dtype``: the forward pre-hook casting the model's floating inputs (its handle), else None."""
+    if config.param_dtype is None:
+        return None
+    return model.register_forward_pre_hook(functools.partial(_cast_inputs, config.param_dtype), with_kwargs=True)
 
 
 def rebind_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> ZeroOptimizer:
@@ -207,7 +209,7 @@ def rebind_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Zero
         )
     partition = choose_partition(optimizer, engine.config.optimizer_partition, engine.config.stage)
     zero_optimizer = _wrap_optimizer(optimizer, engine, partition, several=False)
-    engine.optimizer = zero_optimizer
+    engine.attach_optimizer(zero_optimizer)
     return zero_optimizer
 
 
@@ -249,7 +251,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if not (isinstance(max_norm, (int, float)) and max_norm > 0):
         raise ValueError(f"zp.clip_grad_norm_: max_norm must be a positive number, got {max_norm!r}")
     engine = engine_of(model, "clip_grad_norm_")
-    optimizer = getattr(engine, "optimizer", None)
+    optimizer = engine.optimizer
     if optimizer is not None:
         optimizer.guard.unscale()  # fp16 loss scaling: clip the true gradients
     return clip_owned_grads(engine, max_norm, norm_type)

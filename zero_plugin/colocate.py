@@ -41,12 +41,12 @@ def offload_states(model: nn.Module, include: str | Iterable[str] | None = None)
     that cannot be resized)."""
     categories = _categories(include)
     engine = engine_of(model, "offload_states")
-    if getattr(engine, "offloaded_states", None) is not None:
+    if engine.offloaded_states is not None:
         raise RuntimeError(
             "zp.offload_states: the model states are already offloaded; call zp.reload_states(model) first"
         )
     _settle_stage3(engine)
-    engine.offloaded_states = OffloadedStates.offload(engine, categories)
+    engine.hold_offloaded(OffloadedStates.offload(engine, categories))
     return engine.offloaded_states.summary()
 
 
@@ -54,12 +54,12 @@ def reload_states(model: nn.Module) -> dict:
     """Bring back what :func:`offload_states` moved, into the same tensors; a no-op when nothing is offloaded.
     Returns the bytes per category moved back."""
     engine = engine_of(model, "reload_states")
-    parked = getattr(engine, "offloaded_states", None)
+    parked = engine.offloaded_states
     if parked is None:
         return {}
     moved = parked.moved_bytes()
     parked.reload()
-    engine.offloaded_states = None
+    engine.hold_offloaded(None)
     return moved
 
 
@@ -82,11 +82,8 @@ def _categories(include: str | Iterable[str] | None) -> tuple[str, ...]:
 def _settle_stage3(engine) -> None:
     """Stage 3: no backward may be running, and units a forward kept for a backward that has not come are let go
     first, as before a step ([Note: pending forward] in stage3/hooks.py)."""
-    runtime = getattr(engine, "runtime", None)
-    if runtime is None:
-        return
-    if getattr(engine, "_open_blocks", 0):
+    if engine.open_blocks():
         raise RuntimeError("zp.offload_states: inside zp.gathered_parameters; offload after the block")
-    if getattr(getattr(runtime, "phase", None), "value", None) == "backward":
+    if engine.in_backward():
         raise RuntimeError("zp.offload_states: a backward is running; offload after it finished")
-    engine.forget_forward()
+    engine.forget_forward()  # stages 0-2 keep nothing

@@ -123,7 +123,7 @@ def memory_report(model, optimizer=None) -> dict:
     counter.add("params", held["params"])
     counter.add("grads", held["grads"])
     counter.add("optimizer", list(held["masters"]) + _optimizer_state_tensors(optimizer))
-    parked = getattr(engine, "offloaded_states", None)  # zp.offload_states: the host copies, placed on the host
+    parked = engine.offloaded_states  # zp.offload_states: the host copies, placed on the host
     for category, copies in (parked.host_tensors() if parked is not None else {}).items():
         counter.add(category, copies, on_host=True)
     measured = dict(counter.bytes)
@@ -147,7 +147,7 @@ def _secondary(engine) -> dict:
     """hpZ ([Note: secondary shards] in stage3/secondary.py): the secondary shards, held between a forward and
     its backward only, so not in ``measured`` (model states): ``held`` now, ``between`` from a forward to its
     backward (Ψ/k elements in the compute dtype, every unit released after its forward)."""
-    shards = [u.secondary for u in getattr(engine, "units", ()) if getattr(u, "secondary", None) is not None]
+    shards = [u.secondary for u in engine.units if u.secondary is not None]
     if not shards:
         return {}
     between = sum(m.layout.local_numel * m.sp.unsharded.element_size() for s in shards for m in s.members)

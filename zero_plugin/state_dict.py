@@ -44,7 +44,7 @@ def raw_state_dict(model: nn.Module) -> Iterator[None]:
     and the model's own objects, with no collective ([Note: stage-3 state dicts] in stage3/state_dict_hooks.py).
     For zero_plugin's own callers that want shards (sharded checkpoints); a no-op at stages 0-2."""
     try:
-        hooks = getattr(engine_of(model, "raw_state_dict"), "state_dict_hooks", None)
+        hooks = engine_of(model, "raw_state_dict").state_dict_hooks
     except ValueError:  # not set up: torch's own anyway
         hooks = None
     with hooks.raw() if hooks is not None else contextlib.nullcontext():

@@ -71,7 +71,7 @@ class ParamView:
 
 
 def param_views(engine) -> list[ParamView]:
-    sharded = getattr(engine, "sharded", None) or {}
+    sharded = engine.sharded  # stage 3's ShardedParams; empty at stages 0-2
     slots = {id(s.param): s for s in engine.slots}
     views = []
     for name, p in engine.model.named_parameters():
@@ -147,8 +147,7 @@ def copy_param_in(view: ParamView, values: torch.Tensor, at: int, flat_start: in
 
 
 def check_loadable(engine) -> None:
-    units = getattr(engine, "unsharded_units", None)
-    if units is not None and units():
+    if engine.unsharded_units():
         raise CheckpointError(
             "zp.load_checkpoint: some stage-3 units are gathered; load outside forward/backward "
             "and outside zp.gathered_parameters"

@@ -105,6 +105,62 @@ class Engine:
         self.step_grad_norm: float | None = None  # global norm from clip_grad_norm_, reused by the inf/NaN check
         self.grads_unscaled = False  # fp16: the owned gradients were divided by the loss scale
         self.step_nonfinite: bool | None = None  # fp16: the inf/NaN answer taken before clamping could hide it
+        # What zp.setup attaches once the engine exists (attach_setup / attach_optimizer), and zp.offload_states'
+        # parked copies ([Note: parked states] in state_offload.py): declared here, set only through those verbs.
+        self.optimizer: Any = None  # the ZeroOptimizer (the first of several: [Note: several optimizers])
+        self.frozen_guard: Any = None  # [Note: frozen at setup] in frozen.py
+        self.buffer_sync: Any = None  # engines/buffers.py
+        self.input_cast_handle: Any = None  # param_dtype: the forward pre-hook casting inputs
+        self.offloaded_states: Any = None  # an OffloadedStates while zp.offload_states holds the model states
+        # Stage 3's parts that other modules read, empty at stages 0-2: its units, the ShardedParam of each
+        # parameter (by id), its module state-dict hooks ([Note: stage-3 state dicts])
+        self.units: list = []
+        self.sharded: dict = {}
+        self.state_dict_hooks: Any = None
+
+    # -- what zp.setup attaches ----------------------------------------------------
+    def attach_setup(self, frozen_guard: Any, buffer_sync: Any, input_cast_handle: Any) -> None:
+        """The set-up model's guards and hooks, removed with the engine."""
+        self.frozen_guard, self.buffer_sync, self.input_cast_handle = frozen_guard, buffer_sync, input_cast_handle
+
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """The ZeroOptimizer the public verbs consult (loss scale, clipping); a later rebind replaces it."""
+        self.optimizer = optimizer
+
+    def hold_offloaded(self, states: Any) -> None:
+        """``zp.offload_states``' parked copies, or None once reloaded ([Note: parked states])."""
+        self.offloaded_states = states
+
+    # -- what a step learnt about its gradients ([Note: per-step state]) --------------------------
+    def note_grad_norm(self, norm: float) -> None:
+        """The global gradient norm clipping computed (the inf/NaN check reuses it)."""
+        self.step_grad_norm = norm
+
+    def note_unscaled(self) -> None:
+        """fp16: the owned gradients were divided by the loss scale."""
+        self.grads_unscaled = True
+
+    def note_nonfinite(self, found: bool) -> None:
+        """fp16: the inf/NaN answer, taken before clamping could hide it."""
+        self.step_nonfinite = found
+
+    # -- what other modules ask of any stage ------------------------------------------
+    @property
+    def storage_pool(self) -> Any:
+        """Stage 3 on CPU: the pool lending unsharded storage ([Note: lent storage]); None elsewhere."""
+        return None
+
+    def unsharded_units(self) -> list:
+        """Units gathered now (stage 3); none at stages 0-2."""
+        return []
+
+    def in_backward(self) -> bool:
+        """A backward is running (stage 3's hooks know; stages 0-2 never ask to wait)."""
+        return False
+
+    def open_blocks(self) -> int:
+        """``zp.gathered_parameters`` blocks open now (stage 3)."""
+        return 0
 
     # -- step ---------------------------------------------------------------
     # [Note: several optimizers] ``zp.setup(model, [muon, adamw], config)``: one engine, one ZeroOptimizer per
@@ -235,8 +291,7 @@ class Engine:
         raise NotImplementedError
 
     def remove(self) -> None:
-        for attr in ("frozen_guard", "input_cast_handle"):  # set by zp.setup where the config asks for them
-            handle = getattr(self, attr, None)
+        for handle in (self.frozen_guard, self.input_cast_handle):  # attached by zp.setup where asked for
             if handle is not None:
                 handle.remove()
         unregister_engine(self.model)

@@ -50,7 +50,7 @@ class StatesOffloaded(RuntimeError):
 
 def refuse_if_offloaded(engine, verb: str) -> None:
     """Raise :class:`StatesOffloaded` naming ``verb`` and the fix when ``engine``'s states are parked."""
-    parked = getattr(engine, "offloaded_states", None)
+    parked = engine.offloaded_states
     if parked is not None and verb not in _ALLOWED_VERBS:
         raise StatesOffloaded(
             f"zero_plugin: {verb} while the model states are offloaded to host memory (zp.offload_states: "
@@ -152,7 +152,7 @@ class OffloadedStates:
         self._handles.append(
             _first(model, "_load_state_dict_pre_hooks", model.register_load_state_dict_pre_hook(self._refuse_load))
         )
-        optimizer = getattr(self.engine, "optimizer", None)
+        optimizer = self.engine.optimizer
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._refuse_step))
 
@@ -186,7 +186,7 @@ def _storages_by_category(engine) -> list[tuple[str, torch.UntypedStorage, bool]
     """Each distinct storage with bytes, once, under the first category naming it; and whether it is in host
     memory already ([Note: parked states])."""
     held = engine.model_state_tensors()
-    optimizer = getattr(engine, "optimizer", None)
+    optimizer = engine.optimizer
     state = [v for s in optimizer.state.values() for v in s.values()] if optimizer is not None else []
     tensors = {
         "params": held["params"],
@@ -215,13 +215,11 @@ def _storages_by_category(engine) -> list[tuple[str, torch.UntypedStorage, bool]
 def _drop_cached_buffers(engine) -> None:
     """Memory our pools keep for reuse is memory generation could use: stage 3's collective buffers and lent
     storages; on CUDA, the caching allocator's free blocks."""
-    storage_pool = getattr(getattr(engine, "runtime", None), "storage_pool", None)
-    if storage_pool is not None:
-        storage_pool.clear()
-    for unit in getattr(engine, "units", ()):
-        pool = getattr(unit, "pool", None)
-        if pool is not None:
-            pool.clear()
+    if engine.storage_pool is not None:
+        engine.storage_pool.clear()
+    for unit in engine.units:
+        if unit.pool is not None:
+            unit.pool.clear()
     if engine.compute_device.type == "cuda":
         torch.cuda.empty_cache()
 

@@ -38,7 +38,7 @@ def clip_owned_grads(engine, max_norm: float, norm_type: float = 2.0) -> torch.T
         if engine.grads_sharded:
             engine.comm.all_reduce(acc)
         total_norm = acc[0] ** (1.0 / norm_type)
-    engine.step_grad_norm = float(total_norm)  # global, same on every rank: the step's finite check reuses it
+    engine.note_grad_norm(float(total_norm))  # global, same on every rank: the step's finite check reuses it
     coef = float(max_norm) / (float(total_norm) + 1e-6)
     if coef < 1.0:
         for g in grads:

@@ -63,7 +63,7 @@ class GradGuard:
             inv = 1.0 / self.scale
             for g in self.engine.owned_grads():
                 g.mul_(inv)
-            self.engine.grads_unscaled = True
+            self.engine.note_unscaled()
 
     @torch.no_grad()
     def found_nonfinite(self) -> bool:
@@ -101,7 +101,7 @@ class GradGuard:
         likewise records infs when it unscales, so a clamped overflow still skips the step as under DDP."""
         if self.scaling:
             self.unscale()
-            self.engine.step_nonfinite = self.found_nonfinite()
+            self.engine.note_nonfinite(self.found_nonfinite())
 
     def should_step(self) -> bool:
         """Unscale, check every rank, update the scale; False means skip this step on every rank."""

@@ -37,7 +37,7 @@ from ..optim.master import MasterParam, copy_changed
 from ..optim.offload import host_for
 from ..tensors.flat import ShardLayout
 from .accumulate import FullGradStore
-from .hooks import Stage3Runtime
+from .hooks import Phase, Stage3Runtime
 from .order import OrderGuard
 from .param import ShardedParam, ShardedState
 from .policy import assign_units, backward_reads_weights
@@ -250,6 +250,16 @@ class Stage3Engine(Engine):
     @property
     def compute_device(self) -> torch.device:
         return self.comm.device  # where units are gathered and computed
+
+    @property
+    def storage_pool(self) -> StoragePool | None:
+        return self.runtime.storage_pool  # [Note: lent storage] in storage_pool.py
+
+    def in_backward(self) -> bool:
+        return self.runtime.phase is Phase.BACKWARD
+
+    def open_blocks(self) -> int:
+        return self._open_blocks
 
     def set_streams(self, streams: StreamSet) -> None:
         """Replace every unit's side streams, between steps ([Note: side streams] in streams.py): tests

@@ -240,7 +240,7 @@ def _zero_optimizer_for(optimizer_or_module: Any) -> zp.ZeroOptimizer:
 
 def _training_optimizer(module: nn.Module) -> zp.ZeroOptimizer | None:
     engine = engine_or_none(module)
-    return getattr(engine, "optimizer", None)
+    return engine.optimizer
 
 
 # -- engine lookup ------------------------------------------------------------------
