@@ -28,20 +28,21 @@ class Case:
     seq: int = 16
     attention: str = "sdpa"
     checkpointing: bool = False
+    dtype: torch.dtype = torch.float64
 
     @property
     def name(self) -> str:
         extra = ("+offload" if self.offload else "") + ("+checkpointing" if self.checkpointing else "")
-        return f"stage{self.stage}{extra}-K{self.k}-s{self.seq}-{self.attention}"
+        return f"stage{self.stage}{extra}-K{self.k}-s{self.seq}-{self.attention}-{str(self.dtype)[6:]}"
 
 
-def make_model(attention: str):
+def make_model(attention: str, dtype: torch.dtype = torch.float64):
     from transformers import LlamaForCausalLM
 
     config = llama_config(VOCAB, HIDDEN, layers=2, heads=4, kv_heads=2, attn_implementation=attention)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return LlamaForCausalLM(config).to(torch.float64)
+        return LlamaForCausalLM(config).to(dtype)
 
 
 def make_batches(groups: int, seq: int, seed: int = 1) -> list[list[dict]]:
@@ -71,7 +72,7 @@ def whole_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 def reference(case: Case, groups: int) -> dict:
     """One process, whole sequences: per step the mean over the data-parallel groups of each group's loss."""
     batches = make_batches(groups, case.seq)
-    model = make_model(case.attention)
+    model = make_model(case.attention, case.dtype)
     theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -94,7 +95,7 @@ def reference(case: Case, groups: int) -> dict:
 def train_case(case: Case) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = make_batches(world // case.k, case.seq)
-    model = make_model(case.attention)
+    model = make_model(case.attention, case.dtype)
     if case.checkpointing:  # the attention's exchanges run again in the recompute, inside backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = zp.ZeroConfig(
@@ -113,8 +114,9 @@ def train_case(case: Case) -> dict:
     )
     zp.reset_comm_stats()
     losses = []
-    for step in range(STEPS):
-        batch = zp.sequence_parallel_batch(batches[step][setting.dp_rank], model)
+    loader = zp.SequenceParallelLoader([batches[step][setting.dp_rank] for step in range(STEPS)], model)
+    assert len(loader) == STEPS
+    for batch in loader:
         shift_labels = batch.pop("shift_labels")
         logits = model(**batch).logits
         loss = zp.sequence_parallel_loss(logits, shift_labels, model)

@@ -8,7 +8,8 @@ three SGD steps (so the summed gradients) equal the reference's, both to machine
 One case is looser, for a measured reason: transformers' eager attention takes its softmax in float32, and with a
 length padded from 15 to 16 the float32 row sums run in another order than the reference's 15 columns (loss 2e-9,
 update 1.2e-7 apart; 13 padded to 14, or 18 to 20, come out exact).  Activation checkpointing (the exchanges run
-again in the recompute) at stages 2 and 3.  After training, ``SequenceParallel.paused()`` runs the original
+again in the recompute) at stages 2 and 3.  A float32 model at stage 3 within 1e-6 (measured 1.1e-7 loss,
+1.8e-7 update: the matmuls over s/K rows round differently).  After training, ``SequenceParallel.paused()`` runs the original
 attention on a whole sequence, with the reference's loss.
 
 All cases of one world size run in one pool call (workers reused).
@@ -17,6 +18,7 @@ All cases of one world size run in one pool call (workers reused).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.harness import run_ranks
 from tests.models import update_norm_error
@@ -31,6 +33,7 @@ CASES = {
         C(3, 2, attention="eager", seq=15),
         C(3, 2, offload=True),
         C(2, 2, checkpointing=True),
+        C(3, 2, dtype=torch.float32),
     ],
     4: [
         C(1, 2),
@@ -42,11 +45,12 @@ CASES = {
         C(3, 2, checkpointing=True),
     ],
 }
-EXACT, FLOAT32_SOFTMAX = 1e-12, 1e-6
+EXACT, FLOAT32 = 1e-12, 1e-6
 
 
 def _tolerance(case: w.Case) -> float:
-    return FLOAT32_SOFTMAX if case.attention == "eager" and case.seq % case.k == 1 else EXACT
+    padded_eager = case.attention == "eager" and case.seq % case.k == 1
+    return FLOAT32 if padded_eager or case.dtype == torch.float32 else EXACT
 
 
 @pytest.mark.parametrize("world", [2, 4])
