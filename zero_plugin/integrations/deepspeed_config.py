@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from zero_plugin import config_sources as sources
+from zero_plugin import upstream
 from zero_plugin.config import ZeroConfig
 from zero_plugin.config_deepspeed import DeepSpeedTranslation, OptimizerSpec, ScheduleSpec, read_deepspeed, translate
 from zero_plugin.config_groups import FLAT_NAMES, GROUPS, flat_name, kind_of, label
@@ -253,6 +254,7 @@ def install(on_take_over: Callable[[ZeroConfig], None] | None = None) -> None:
     cls = training_args.TrainingArguments
     if getattr(cls, "_zero_plugin_takes_deepspeed", False):
         return
+    upstream.check("transformers")  # [Note: patched upstream names]
     original = cls.__post_init__
 
     def __post_init__(self) -> None:

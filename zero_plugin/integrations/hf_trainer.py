@@ -43,6 +43,7 @@ from zero_plugin.ckpt.deepspeed_reader import find_tag_dir
 from zero_plugin.ckpt.rng import capture_rng, restore_rng
 from zero_plugin.state_dict import raw_state_dict
 
+from .. import upstream
 from . import common, deepspeed_config
 from .accelerate import Accelerator as ZeroAccelerator
 from .accelerate import place_before_setup
@@ -310,6 +311,7 @@ def install() -> None:
     trainer_cls = trainer_module.Trainer
     if getattr(trainer_cls, "_zero_plugin_installed", False):
         return
+    upstream.check("transformers")  # [Note: patched upstream names]
     for name, override in _OVERRIDES.items():
         _ORIGINALS[name] = getattr(trainer_cls, name)
         setattr(trainer_cls, name, override)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import zero_plugin as zp
+from zero_plugin import upstream
 from zero_plugin.engines.engine import engine_of
 from zero_plugin.stage3.engine import Stage3Engine
 
@@ -50,6 +51,7 @@ def install() -> None:
 
     if "iter_named_params" in _ORIGINAL:
         return
+    upstream.check("trl")  # [Note: patched upstream names]
     _ORIGINAL["iter_named_params"] = VLLMGeneration._iter_named_params
     VLLMGeneration._iter_named_params = _iter_named_params
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import upstream
 from . import materialize
 
 __all__ = ["install", "uninstall", "refuse_forward"]
@@ -48,6 +49,7 @@ def install() -> None:
     from transformers.modeling_utils import PreTrainedModel
 
     if "apply" not in _ORIGINALS:
+        upstream.check("transformers")  # [Note: patched upstream names]
         _ORIGINALS["apply"] = PreTrainedModel.__dict__.get("_apply", _MISSING)
         _ORIGINALS["resize"] = PreTrainedModel.__dict__["_resize_token_embeddings"]
         PreTrainedModel._apply = _apply_keeping_meta
