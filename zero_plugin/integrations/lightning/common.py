@@ -264,7 +264,9 @@ def _only_optimizer(optimizers: Iterable[torch.optim.Optimizer]) -> torch.optim.
     if len(optimizers) != 1:
         raise ValueError(
             f"zero_plugin: the ZeRO strategy supports exactly one optimizer (it is sharded together with the "
-            f"model); got {len(optimizers)}. Put every parameter in one optimizer with several param groups."
+            f"model); got {len(optimizers)}. Put every parameter in one optimizer with several param groups; two "
+            "optimizers of different classes over one model (Muon + AdamW) run through zp.setup(model, [muon, "
+            "adamw], config) or Accelerate's prepare (docs/optimizers.md), not yet through Lightning"
         )
     return optimizers[0]
 
