@@ -96,6 +96,11 @@ def save_peft_adapter(model: nn.Module, directory: str | os.PathLike, **save_pre
 def _inner(engine, optimizer: torch.optim.Optimizer | None, verb: str) -> torch.optim.Optimizer | None:
     if optimizer is None:
         return None
+    if isinstance(optimizer, (list, tuple)):
+        raise ValueError(
+            f"zp.{verb}: pass one ZeroOptimizer; with several over one model (Muon + AdamW), use one checkpoint per "
+            f"optimizer: zp.{verb}(f'{{path}}/opt{{i}}', model, optimizers[i]) (the model is saved with each)"
+        )
     if getattr(optimizer, "engine", None) is not engine or not hasattr(optimizer, "inner"):
         raise ValueError(f"zp.{verb}: pass the ZeroOptimizer that zp.setup returned together with this model")
     return optimizer.inner
