@@ -29,20 +29,36 @@ class Case:
     attention: str = "sdpa"
     checkpointing: bool = False
     dtype: torch.dtype = torch.float64
+    lora: bool = False
 
     @property
     def name(self) -> str:
         extra = ("+offload" if self.offload else "") + ("+checkpointing" if self.checkpointing else "")
+        extra += "+lora" if self.lora else ""
         return f"stage{self.stage}{extra}-K{self.k}-s{self.seq}-{self.attention}-{str(self.dtype)[6:]}"
 
 
-def make_model(attention: str, dtype: torch.dtype = torch.float64):
+def make_model(attention: str, dtype: torch.dtype = torch.float64, lora: bool = False):
+    """The Llama; with ``lora``, PEFT LoRA (r 4) on q_proj and v_proj, lora_B drawn non-zero."""
     from transformers import LlamaForCausalLM
 
     config = llama_config(VOCAB, HIDDEN, layers=2, heads=4, kv_heads=2, attn_implementation=attention)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return LlamaForCausalLM(config).to(dtype)
+        model = LlamaForCausalLM(config).to(dtype)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "lora_B" in name:
+                        param.copy_(0.05 * torch.randn_like(param))
+    return model
+
+
+def trainable(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def make_batches(groups: int, seq: int, seed: int = 1) -> list[list[dict]]:
@@ -72,9 +88,9 @@ def whole_sequence_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 def reference(case: Case, groups: int) -> dict:
     """One process, whole sequences: per step the mean over the data-parallel groups of each group's loss."""
     batches = make_batches(groups, case.seq)
-    model = make_model(case.attention, case.dtype)
+    model = make_model(case.attention, case.dtype, case.lora)
     theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(trainable(model), lr=LR)
     losses = []
     with ranks_threads():
         for step in range(STEPS):
@@ -95,16 +111,16 @@ def reference(case: Case, groups: int) -> dict:
 def train_case(case: Case) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = make_batches(world // case.k, case.seq)
-    model = make_model(case.attention, case.dtype)
+    model = make_model(case.attention, case.dtype, case.lora)
     if case.checkpointing:  # the attention's exchanges run again in the recompute, inside backward
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     config = zp.ZeroConfig(
         stage=case.stage,
         offload_optimizer="cpu" if case.offload else "none",
         offload_params=case.offload and case.stage == 3,
         sequence_parallel_size=case.k,
     )
-    model, opt = zp.setup(model, torch.optim.SGD(model.parameters(), lr=LR), config)
+    model, opt = zp.setup(model, torch.optim.SGD(trainable(model), lr=LR), config)
     setting = zp.sequence_parallel_of(model)
     assert (setting.size, setting.rank, setting.dp_rank, setting.dp_size) == (
         case.k,

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (issue #50) with ZeRO stages 0-3 and 3 + offload, at K = 2 (world 2), K = 2 x
+"""Ulysses sequence parallelism (issue #50) with ZeRO stages 1-3 and 3 + offload, at K = 2 (world 2), K = 2 x
 data-parallel 2 and K = 4 (world 4: the key/value heads repeated, 2 of them for 4 ranks), against the same float64
 Llama (4 heads over 2 key/value heads) trained in one process on the whole sequences, one loss per data-parallel
 group averaged: every rank's loss equals its group's whole-sequence loss at every step, and the parameters after
@@ -9,8 +9,9 @@ One case is looser, for a measured reason: transformers' eager attention takes i
 length padded from 15 to 16 the float32 row sums run in another order than the reference's 15 columns (loss 2e-9,
 update 1.2e-7 apart; 13 padded to 14, or 18 to 20, come out exact).  Activation checkpointing (the exchanges run
 again in the recompute) at stages 2 and 3.  A float32 model at stage 3 within 1e-6 (measured 1.1e-7 loss,
-1.8e-7 update: the matmuls over s/K rows round differently).  After training, ``SequenceParallel.paused()`` runs the original
-attention on a whole sequence, with the reference's loss.
+1.8e-7 update: the matmuls over s/K rows round differently).  A PEFT LoRA model (q_proj, v_proj) at stage 3,
+K = 4.  After training, ``SequenceParallel.paused()`` runs the original attention on a whole sequence, with the
+reference's loss.
 
 All cases of one world size run in one pool call (workers reused).
 """
@@ -27,7 +28,6 @@ from tests.parity import sequence_workers as w
 C = w.Case
 CASES = {
     2: [
-        C(0, 2),
         C(1, 2),
         C(2, 2, attention="eager"),
         C(3, 2, attention="eager", seq=15),
@@ -40,7 +40,7 @@ CASES = {
         C(2, 2, attention="eager"),
         C(3, 2, seq=15),
         C(3, 2, offload=True),
-        C(3, 4),
+        C(3, 4, lora=True),
         C(2, 4, attention="eager", seq=18),
         C(3, 2, checkpointing=True),
     ],
@@ -66,6 +66,8 @@ def test_losses_and_updates_equal_whole_sequence_training(world):
                 assert abs(loss - expected) <= tol * abs(expected), (case.name, rank, step, loss, expected)
             # per step and layer: q, k, v and the output, forward and backward (and the recompute's forward)
             calls = w.STEPS * 2 * (12 if case.checkpointing else 8)
+            if case.lora:  # the first layer's k (frozen k_proj of the frozen embedding) needs no backward
+                calls -= w.STEPS
             assert out[i]["all_to_all_calls"] == calls, (case.name, out[i]["all_to_all_calls"])
             # and per step one batch check (all-gather) and one loss all-reduce, all in the "sequence" group
             assert out[i]["sequence_group_calls"] == calls + 2 * w.STEPS, case.name

@@ -89,7 +89,7 @@ def switch_attention(pretrained: nn.Module, setting: Any) -> None:
     pretrained.set_attn_implementation(ATTENTION_NAME)
     for module in pretrained.modules():
         config = getattr(module, "config", None)
-        if config is not None and id(config) not in _BY_CONFIG:
+        if hasattr(config, "_attn_implementation") and id(config) not in _BY_CONFIG:  # a transformers config
             key = id(config)
             _BY_CONFIG[key] = (weakref.ref(config, lambda _, key=key: _BY_CONFIG.pop(key, None)), setting)
 
@@ -132,7 +132,7 @@ def _original_function(module: nn.Module, name: str):
         return found
     from transformers import AttentionInterface
 
-    return AttentionInterface._global_mapping[name]
+    return AttentionInterface()[name]
 
 
 def _causal_mask(query: torch.Tensor) -> torch.Tensor:
