@@ -454,7 +454,7 @@ def _rows() -> tuple[Row, ...]:
         Row("pipeline", r, "pipeline parallelism has no equivalent here; remove the section", _refuse("zero_plugin is data parallel only (no pipeline stages); remove the pipeline section"), section=True),
         Row("moe", r, "DeepSpeed-MoE expert parallelism has no equivalent here; remove the section", _refuse("zero_plugin has no expert parallelism; remove the moe section"), section=True),
         Row("tensor_parallel", ir, "`autotp_size` <= 1 accepted; tensor parallelism refused", _tensor_parallel, section=True),
-        Row("sequence_parallel_size", ir, "1 accepted; sequence parallelism refused", _at_most_one("zero_plugin has no sequence parallelism; set sequence_parallel_size: 1")),
+        Row("sequence_parallel_size", ir, "1 accepted; sequence parallelism refused", _at_most_one("zero_plugin's sequence parallelism (ZeroConfig.sequence_parallel_size) needs the training loop to split batches and reduce the loss with its own helpers (docs/long-context.md), which a DeepSpeed-configured script does not call; set sequence_parallel_size: 1")),
         Row("elasticity", ir, "disabled accepted; elastic batch sizes refused", _section_disabled("zero_plugin has no elastic training; remove the elasticity section"), section=True),
         Row("autotuning", ir, "disabled accepted; DeepSpeed's autotuner refused (`zero-plugin estimate --fit` advises settings)", _section_disabled("run `zero-plugin estimate --fit` instead of DeepSpeed's autotuner; remove the section"), section=True),
         Row("compression_training", r, "DeepSpeed Compression changes the model; remove the section", _refuse("zero_plugin has no DeepSpeed Compression; remove the compression_training section"), section=True),
