@@ -30,11 +30,13 @@ class Case:
     checkpointing: bool = False
     dtype: torch.dtype = torch.float64
     lora: bool = False
+    options: tuple = ()
+    """Other ZeroConfig fields, as (name, value) pairs."""
 
     @property
     def name(self) -> str:
         extra = ("+offload" if self.offload else "") + ("+checkpointing" if self.checkpointing else "")
-        extra += "+lora" if self.lora else ""
+        extra += ("+lora" if self.lora else "") + "".join(f"+{k}={v}" for k, v in self.options)
         return f"stage{self.stage}{extra}-K{self.k}-s{self.seq}-{self.attention}-{str(self.dtype)[6:]}"
 
 
@@ -119,6 +121,7 @@ def train_case(case: Case) -> dict:
         offload_optimizer="cpu" if case.offload else "none",
         offload_params=case.offload and case.stage == 3,
         sequence_parallel_size=case.k,
+        **dict(case.options),
     )
     model, opt = zp.setup(model, torch.optim.SGD(trainable(model), lr=LR), config)
     setting = zp.sequence_parallel_of(model)
