@@ -11,8 +11,8 @@ update 1.2e-7 apart; 13 padded to 14, or 18 to 20, come out exact).  Activation 
 again in the recompute) at stages 2 and 3.  A float32 model at stage 3 within 1e-6 (measured 1.1e-7 loss,
 1.8e-7 update: the matmuls over s/K rows round differently).  A PEFT LoRA model (q_proj, v_proj) at stage 3,
 K = 4.  Hierarchical sharding (shard_group_size 2) at stage 3 (hpZ, secondary_shard_size 2, and
-prefetch_depth 2 with accumulate_full_grads gave the same figures once, not kept).  After training, ``SequenceParallel.paused()`` runs the original attention on a whole sequence, with the
-reference's loss.
+prefetch_depth 2 with accumulate_full_grads gave the same figures once, not kept).  After training,
+``SequenceParallel.paused()`` runs the original attention on a whole sequence, with the reference's loss.
 
 All cases of one world size run in one pool call (workers reused).
 """
