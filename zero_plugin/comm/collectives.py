@@ -200,18 +200,20 @@ class Comm:
         shard._in_place = shard.replica._in_place = self._in_place
         return shard
 
-    def node_group(self, k: int) -> Comm:
+    def node_group(self, k: int, label: str = "secondary") -> Comm:
         """This rank's group of ``k`` consecutive ranks (hpZ's secondary shards: [Note: secondary shards] in
-        stage3/secondary.py), labelled "secondary" in ``comm_stats``.  Collective over the default group at
-        setup, like :meth:`split`: every rank makes every group, in the same order; cached."""
+        stage3/secondary.py; ``label="sequence"``: Ulysses' sequence-parallel groups, [Note: sequence-parallel
+        groups] in sequence/parallel.py), one group per ``label``, which also names it in ``comm_stats``.
+        Collective over the default group at setup, like :meth:`split`: every rank makes every group, in the same
+        order; cached."""
         assert self.group is None and self.world_size % k == 0, "node_group: default group, k | N"
         mine = None
         for g in range(self.world_size // k):
             ranks = tuple(range(g * k, (g + 1) * k))
-            group = self._cached_group(ranks, "secondary", self.backend, local=False)
+            group = self._cached_group(ranks, label, self.backend, local=False)
             if self.rank in ranks:
                 mine = group
-        comm = Comm(mine, timeout_s=self.timeout_s, label="secondary")
+        comm = Comm(mine, timeout_s=self.timeout_s, label=label)
         comm.history, comm._in_place = self.history, self._in_place
         return comm
 

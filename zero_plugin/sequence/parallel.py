@@ -5,9 +5,9 @@ its attention to the Ulysses wrapper; found again by the batch split and the los
 ``ZeroConfig.sequence_parallel_size=K`` cuts the world of N ranks into N / K groups of K consecutive ranks
 (ranks 0..K-1, K..2K-1, ...): the ranks of one group hold the same sequences, each its contiguous 1/K of every
 sequence's tokens, and exchange q, k, v and the attention output among themselves ([Note: Ulysses exchange] in
-``exchange.py``).  The groups are made through ``Comm``'s cache of groups (purpose ``"sequence"``, labelled
-``"sequence"`` in ``comm_stats``), by every rank, for every group, in the same order, as torch's ``new_group``
-requires.  ZeRO itself is unchanged: parameters, gradients and optimizer state are sharded, and gradients averaged,
+``exchange.py``).  The groups are made by ``Comm.node_group(K, label="sequence")`` (cached, counted under
+``sequence_group`` in ``comm_stats``), by every rank, for every group, in the same order, as torch's
+``new_group`` requires.  ZeRO itself is unchanged: parameters, gradients and optimizer state are sharded, and gradients averaged,
 over all N ranks, so the data-parallel degree is N / K (rank r's data-parallel rank is r // K) and the loss carries
 the factor that makes that average the data-parallel mean ([Note: sequence-parallel loss] in ``loss.py``).
 """
@@ -92,14 +92,8 @@ def sequence_parallel_of(model: nn.Module) -> SequenceParallel:
 def sequence_group(world: Comm, k: int) -> Comm:
     """This rank's group of ``k`` consecutive ranks of ``world`` (the default group); collective over it: every
     rank makes every group, in the same order ([Note: sequence-parallel groups])."""
-    mine = None
-    for start in range(0, world.world_size, k):
-        ranks = tuple(range(start, start + k))
-        group = Comm._cached_group(ranks, "sequence", world.backend, local=False)
-        if world.rank in ranks:
-            mine = group
-    comm = Comm(mine, timeout_s=world.timeout_s, label="sequence")
-    comm.world, comm.history = world, world.history
+    comm = world.node_group(k, label="sequence")
+    comm.world = world
     return comm
 
 
