@@ -7,9 +7,10 @@ its attention to the Ulysses wrapper; found again by the batch split and the los
 sequence's tokens, and exchange q, k, v and the attention output among themselves ([Note: Ulysses exchange] in
 ``exchange.py``).  The groups are made by ``Comm.node_group(K, label="sequence")`` (cached, counted under
 ``sequence_group`` in ``comm_stats``), by every rank, for every group, in the same order, as torch's
-``new_group`` requires.  ZeRO itself is unchanged: parameters, gradients and optimizer state are sharded, and gradients averaged,
-over all N ranks, so the data-parallel degree is N / K (rank r's data-parallel rank is r // K) and the loss carries
-the factor that makes that average the data-parallel mean ([Note: sequence-parallel loss] in ``loss.py``).
+``new_group`` requires.  ZeRO itself is unchanged: parameters, gradients and optimizer state are sharded, and
+gradients averaged, over all N ranks, so the data-parallel degree is N / K (rank r's data-parallel rank is r // K)
+and the loss carries the factor that makes that average the data-parallel mean ([Note: sequence-parallel loss] in
+``loss.py``).
 """
 
 from __future__ import annotations
