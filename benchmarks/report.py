@@ -218,7 +218,8 @@ _DEFINITIONS = [
     "over forward + backward + optimizer.step + zero_grad, median over the timed steps of the largest rank's "
     "count; each is the kernel handing the rank a fresh page, mostly a buffer allocated afresh that the "
     "allocator took from the OS instead of reusing one (about 1.4 us each on this VM). The load on the machine "
-    "does not move it, so it is the steadiest column here.",
+    "does not move it; glibc's heap trimming and mmap threshold do, from step to step, by whole buffers (at "
+    "`blocks34m` a few 16 MiB logits-sized ones, 4k faults each), so compare medians over many steps.",
     "- model states: distinct `untyped_storage().nbytes()` of parameters, gradients and optimizer state "
     "(FSDP2: DTensor local tensors; zero_plugin: also the engine's gradient shards and masters; DeepSpeed: every "
     "tensor reachable from its ZeRO optimizer (gradient partitions, fp32 master partitions, Adam moments, offload "
