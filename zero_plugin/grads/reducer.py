@@ -17,8 +17,8 @@ a parameter used on some ranks only gets the average with zeros from the others.
 Stage composition (see ``zero_plugin/stages.py``):
   * stage 0 -> :class:`AllReduceReducer`: every rank keeps the full averaged grad in ``param.grad``;
   * stage 1 -> :class:`ReduceScatterReducer(keep_full_grad=True)`: the averaged owned region
-    is written into ``param.grad`` in place (full gradients stay allocated, ZeRO-1, as views of the
-    buckets' persistent buffers: [Note: gradients as bucket views] in ``views.py``);
+    is written into ``param.grad`` in place (full gradients stay allocated, ZeRO-1; in the in-place layout as
+    views of the buckets' persistent buffers: [Note: gradients as bucket views] in ``views.py``);
   * stage 2 -> :class:`ReduceScatterReducer(keep_full_grad=False)`: the averaged owned region
     goes to a shard-sized gradient and ``param.grad`` is freed (ZeRO-2).
 
@@ -287,7 +287,10 @@ class ReduceScatterReducer(GradReducer):
                 self._handles.append(slot.param.register_hook(WeakHook(self._before_accumulate, slot.param)))
 
     def _keeps_views(self, bucket: Bucket) -> bool:
-        return self.keep_full_grad and self.views.applies(bucket)  # stage 2 lets its full gradients go
+        """Stage 1 in place only: a buffered reduction copies the gradients into its rows anyway, so a view
+        would add a copy ([Note: gradients as bucket views] in views.py); stage 2 lets its full gradients go."""
+        in_place = self.layout is comm_layout.IN_PLACE  # the one read of which layout: what it costs, not how
+        return self.keep_full_grad and in_place and self.views.applies(bucket)
 
     def _adopt(self, bucket: Bucket, index: int) -> None:
         """Stage 1: not while the view holds an average of this step (a second synced backward): the fresh

@@ -14,14 +14,15 @@ of the copying path bit for bit: the same buffer is summed by the same collectiv
 
 Stage 1 (issue #49) keeps its full gradients in the same buffers (parameters whole, not the shard columns
 its buckets are planned in), copied in from the gradient hook alike, instead of a fresh Ψ every backward
-that lived until ``zero_grad``.  In place (gloo) each rank's region of the views is summed where it is and
-the average stays there: nothing is copied in or out.  Buffered (NCCL) the copy-in into the rank-major rows
-reads the views (a reduce-scatter needs each rank's chunks side by side, which no view of whole parameters
-is) and the average is copied into the owned region of the view.  Stage 1's views keep
-[Note: reduced regions and later backwards] in ``reducer.py``: a fresh gradient is copied into a view only
-while the view holds no average of this step (``owned``), and is then fresh whatever the view held before; a
-second synced backward before the step keeps its fresh gradient where autograd put it (allocated, as
-before), reduces it there and adds the view's average.  A rank without a gradient that another rank had
+that lived until ``zero_grad`` (on the host, a Ψ of pages faulted in again every step).  In place (gloo) each
+rank's region of the views is summed where it is and the average stays there: nothing is copied in or out.
+Buffered (NCCL) stage 1 keeps no views: its reduce-scatter needs each rank's chunks side by side in
+rank-major rows, which no view of whole parameters is, so the rows are a copy either way and a view would
+add one more per parameter, for nothing a caching device allocator would not already give.  Stage 1's views
+keep [Note: reduced regions and later backwards] in ``reducer.py``: a fresh gradient is copied into a view
+only while the view holds no average of this step (``owned``), and is then fresh whatever the view held
+before; a second synced backward before the step keeps its fresh gradient where autograd put it (allocated,
+as before), reduces it there and adds the view's average.  A rank without a gradient that another rank had
 gets zeros in its view.  Stage 2 keeps no full gradient, so it has no views.
 
 Consequences, the same as DDP's: the buffers hold Ψ elements between steps even when ``param.grad`` was
