@@ -25,28 +25,15 @@ import os
 import sys
 
 import torch
-from torch.utils.data import Dataset
 from transformers import HfArgumentParser, LlamaForCausalLM, Trainer, TrainingArguments, set_seed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the repository root
+from trainer_lora import Sequences  # noqa: E402 - this folder is the script's sys.path[0]
+
 from tests.models import llama_config  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "fixtures", "deepspeed_configs")
 LR, WEIGHT_DECAY, WARMUP = 3e-3, 0.01, 3
-
-
-class Sequences(Dataset):
-    def __init__(self, rows, seed, length=16, vocab=128):
-        g = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, vocab, (rows, 1), generator=g)
-        stride = torch.randint(1, 4, (rows, 1), generator=g)
-        self.ids = (start + stride * torch.arange(length)) % vocab
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def arguments(out, **extra):

@@ -9,28 +9,14 @@ import json
 import os
 import sys
 
-import torch
-from torch.utils.data import Dataset
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments, set_seed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # the repository root
+from trainer_lora import Sequences  # noqa: E402 - this folder is the script's sys.path[0]
+
 from tests.models import llama_config  # noqa: E402
 
 VOCAB, HIDDEN = 4096, 256
-
-
-class Sequences(Dataset):
-    def __init__(self, rows, seed, length=16):
-        g = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, VOCAB, (rows, 1), generator=g)
-        stride = torch.randint(1, 4, (rows, 1), generator=g)
-        self.ids = (start + stride * torch.arange(length)) % VOCAB
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def main():
@@ -60,7 +46,7 @@ def main():
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=Sequences(64, seed=1))
+    trainer = Trainer(model=model, args=training_args, train_dataset=Sequences(64, seed=1, vocab=VOCAB))
     trainer.train()
     trainer.save_model(os.path.join(args.out, "final"))
     if trainer.args.process_index == 0:
