@@ -10,6 +10,7 @@ from .loading import materialize as materialize  # zp.materialize.* as documente
 from .memory import memory_report
 from .optim.zero_optimizer import ZeroOptimizer
 from .sequence import SequenceParallelLoader, sequence_parallel_batch, sequence_parallel_loss, sequence_parallel_of
+from .sequence.tiled_loss import tiled_lm_loss
 from .state_dict import full_state_dict, load_full_state_dict
 
 __version__ = "0.1.0"
@@ -41,4 +42,5 @@ __all__ = [
     "sequence_parallel_loss",
     "sequence_parallel_of",
     "SequenceParallelLoader",
+    "tiled_lm_loss",
 ]
