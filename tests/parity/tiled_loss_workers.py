@@ -66,3 +66,32 @@ def train_worker(stage: int, loss: str, batches: list) -> dict:
 
     units = [u.name for u in getattr(engine_of(model, "test"), "units", [])]
     return {"losses": losses, "params": dict(zp.full_state_dict(model)), "units": units}
+
+
+def sequence_parallel_worker(stage: int, tile_tokens: int) -> dict:
+    """tests/parity/sequence_workers.py's float64 Llama at K = 2 on 2 ranks, its loss ``zp.tiled_lm_loss(...,
+    sequence_parallel=model)`` on the backbone's hidden states instead of ``zp.sequence_parallel_loss`` on the
+    logits: the per-step losses every rank saw, the full parameters after training."""
+    from tests.parity import sequence_workers as sw
+
+    model = sw.make_model("sdpa")
+    config = zp.ZeroConfig(stage=stage, sequence_parallel_size=2)
+    model, opt = zp.setup(model, torch.optim.SGD(sw.trainable(model), lr=sw.LR), config)
+    batches = sw.make_batches(1, 16)
+    losses = []
+    for batch in zp.SequenceParallelLoader([batches[step][0] for step in range(sw.STEPS)], model):
+        shift_labels = batch.pop("shift_labels")
+
+        def backbone_and_loss(batch=batch, shift_labels=shift_labels):
+            hidden = model.model(**batch).last_hidden_state
+            return zp.tiled_lm_loss(
+                hidden, model.lm_head, shift_labels, tile_tokens=tile_tokens, sequence_parallel=model
+            )
+
+        loss = through_forward(model, backbone_and_loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    full = zp.full_state_dict(model)
+    return {"losses": losses, "params": {n: full[n] for n, _ in model.named_parameters() if n in full}}
