@@ -109,11 +109,12 @@ PATCHES: tuple[Patch, ...] = (
 
 def resolve(target: str) -> Any:
     """The object at ``target``: the longest importable module prefix, then attributes (``AttributeError`` /
-    ``ImportError`` when it is gone)."""
+    ``ImportError`` when it is gone).  Imports: for tests and tools, not for install functions (:func:`check`)."""
     parts = target.split(".")
     for i in range(len(parts), 0, -1):
+        name = ".".join(parts[:i])
         try:
-            obj = importlib.import_module(".".join(parts[:i]))
+            obj = importlib.import_module(name)
         except ImportError:
             if i == 1:
                 raise
@@ -166,15 +167,39 @@ def problems(library: str | None = None) -> list[str]:
 _WARNED: set[str] = set()
 
 
-def check(library: str) -> None:
-    """Before patching ``library``: one warning per finding of :func:`problems` (once per process), which says
-    the patched behaviour ({why}) may not work with this version."""
-    for finding in problems(library):
-        if finding not in _WARNED:
-            _WARNED.add(finding)
-            warnings.warn(
-                f"zero_plugin: {finding}; zero_plugin's replacement may not work with this version: install a "
-                "checked version, or report it with this message",
-                RuntimeWarning,
-                stacklevel=3,
+def check(prefix: str, owner: Any) -> None:
+    """Before patching: the table's targets under ``prefix`` (a class or module path, e.g.
+    ``"transformers.trainer.Trainer"``) looked up on ``owner``, the class or module the caller already imported
+    (nothing is imported here: install functions run from import hooks, while the library imports itself); one
+    warning per target gone or changed, once per process ([Note: patched upstream names])."""
+    for patch in PATCHES:
+        if not patch.target.startswith(prefix + ".") or "." in patch.target[len(prefix) + 1 :]:
+            continue
+        name = patch.target[len(prefix) + 1 :]
+        oldest, newest = CHECKED[patch.library]
+        where = f"{patch.library} {_version(patch.library)} (zero_plugin checked {oldest} to {newest})"
+        try:
+            obj = inspect.getattr_static(owner, name)
+        except AttributeError:
+            _warn(f"{patch.target}, which {patch.installed_by} replaces, is gone in {where}")
+            continue
+        obj = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+        if patch.parameters is None or getattr(obj, "__module__", "").startswith("zero_plugin."):
+            continue
+        now = parameter_names(obj)
+        if now != patch.parameters:
+            _warn(
+                f"{patch.target}, which {patch.installed_by} replaces, now takes ({now}) instead of "
+                f"({patch.parameters}) in {where}"
             )
+
+
+def _warn(finding: str) -> None:
+    if finding not in _WARNED:
+        _WARNED.add(finding)
+        warnings.warn(
+            f"zero_plugin: {finding}; zero_plugin's replacement may not work with this version: install a checked "
+            "version, or report it with this message",
+            RuntimeWarning,
+            stacklevel=4,
+        )

@@ -74,8 +74,10 @@ def test_a_changed_signature_is_reported_by_name(monkeypatch) -> None:
     assert "Trainer.save_model" in found[0] and "now takes (self, output_dir, _internal_call)" in found[0]
     assert "(self, path)" in found[0] and "checked 5.24.0" in found[0]
     assert "_no_such_method" in found[1] and "is gone" in found[1]
+    from transformers.trainer import Trainer
+
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        upstream.check("transformers")
-        upstream.check("transformers")  # once per finding
-    assert len(seen) == 2 and "Trainer.save_model" in str(seen[0].message)
+        upstream.check("transformers.trainer.Trainer", Trainer)  # looked up on the class given: no import
+        upstream.check("transformers.trainer.Trainer", Trainer)  # once per finding
+    assert len(seen) == 2 and "Trainer.save_model" in str(seen[0].message), [str(w.message) for w in seen]

@@ -254,7 +254,7 @@ def install(on_take_over: Callable[[ZeroConfig], None] | None = None) -> None:
     cls = training_args.TrainingArguments
     if getattr(cls, "_zero_plugin_takes_deepspeed", False):
         return
-    upstream.check("transformers")  # [Note: patched upstream names]
+    upstream.check("transformers.training_args.TrainingArguments", cls)  # [Note: patched upstream names]
     original = cls.__post_init__
 
     def __post_init__(self) -> None:

@@ -311,7 +311,8 @@ def install() -> None:
     trainer_cls = trainer_module.Trainer
     if getattr(trainer_cls, "_zero_plugin_installed", False):
         return
-    upstream.check("transformers")  # [Note: patched upstream names]
+    upstream.check("transformers.trainer.Trainer", trainer_cls)  # [Note: patched upstream names]
+    upstream.check("transformers.trainer", trainer_module)
     for name, override in _OVERRIDES.items():
         _ORIGINALS[name] = getattr(trainer_cls, name)
         setattr(trainer_cls, name, override)

@@ -51,7 +51,7 @@ def install() -> None:
 
     if "iter_named_params" in _ORIGINAL:
         return
-    upstream.check("trl")  # [Note: patched upstream names]
+    upstream.check("trl.generation.vllm_generation.VLLMGeneration", VLLMGeneration)  # [Note: patched upstream names]
     _ORIGINAL["iter_named_params"] = VLLMGeneration._iter_named_params
     VLLMGeneration._iter_named_params = _iter_named_params
 

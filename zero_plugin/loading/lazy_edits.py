@@ -49,7 +49,7 @@ def install() -> None:
     from transformers.modeling_utils import PreTrainedModel
 
     if "apply" not in _ORIGINALS:
-        upstream.check("transformers")  # [Note: patched upstream names]
+        upstream.check("transformers.modeling_utils.PreTrainedModel", PreTrainedModel)  # [Note: patched upstream names]
         _ORIGINALS["apply"] = PreTrainedModel.__dict__.get("_apply", _MISSING)
         _ORIGINALS["resize"] = PreTrainedModel.__dict__["_resize_token_embeddings"]
         PreTrainedModel._apply = _apply_keeping_meta

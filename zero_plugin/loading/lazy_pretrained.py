@@ -67,7 +67,7 @@ def install_transformers() -> None:
     from transformers.modeling_utils import PreTrainedModel
 
     if "load" not in _ORIGINALS:
-        upstream.check("transformers")  # [Note: patched upstream names]
+        upstream.check("transformers.modeling_utils.PreTrainedModel", PreTrainedModel)  # [Note: patched upstream names]
         _ORIGINALS["load"] = PreTrainedModel.__dict__["_load_pretrained_model"]
         PreTrainedModel._load_pretrained_model = staticmethod(_load_lazily)
     lazy_edits.install()
@@ -79,7 +79,8 @@ def install_peft() -> None:
     from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 
     if "move" not in _ORIGINALS:
-        upstream.check("peft")  # [Note: patched upstream names]
+        upstream.check("peft.tuners.tuners_utils.BaseTunerLayer", BaseTunerLayer)  # [Note: patched upstream names]
+        upstream.check("peft.tuners.tuners_utils.BaseTuner", BaseTuner)
         _ORIGINALS["move"] = BaseTunerLayer._move_adapter_to_device_of_base_layer
         _ORIGINALS["inject"] = BaseTuner.inject_adapter
         BaseTunerLayer._move_adapter_to_device_of_base_layer = _snapshot_adapter_on_meta_base
