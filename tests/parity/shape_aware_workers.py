@@ -288,3 +288,29 @@ def mixed_precision_worker(name: str, stages: list[int], batches: list, steps: i
             opt.zero_grad()
         out.append({"params": {k: v.float() for k, v in zp.full_state_dict(model).items()}, "partition": opt.partition})
     return out
+
+
+def idle_owner_worker(stages: list[int], batches: list, steps: int) -> dict:
+    """Two trainable matrices (the rest frozen) over 3 ranks: one rank owns no parameter and steps nothing, yet
+    takes part in every exchange.  Rank 0: the weights per stage; every rank: how many parameters it owns."""
+    out = {}
+    for stage in stages:
+        model = two_matrices_model()
+        model, opt = zp.setup(
+            model,
+            torch.optim.Adafactor([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+            _config(stage, False, None),
+        )
+        _train(model, opt, batches, steps, 1)
+        out[stage] = {
+            "params": zp.full_state_dict(model),
+            "owned": sum(opt.whole.owns(i) for i in range(len(opt.whole.wholes))),
+        }
+    return out
+
+
+def two_matrices_model():
+    model = models.make_odd_mlp()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in ("blocks.1.fc.weight", "head.weight"))
+    return model

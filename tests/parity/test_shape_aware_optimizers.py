@@ -73,6 +73,22 @@ def test_muon_and_adamw_through_accelerate_prepare_save_and_load_state(tmp_path)
         assert diff < TOL, f"{which}: max |diff| {diff:.3g}"
 
 
+def test_a_rank_owning_no_parameter() -> None:
+    """Two trainable matrices over three ranks: the rank that owns neither still exchanges its regions, and the
+    weights match single-process training at stages 1 and 3."""
+    results = run_ranks(3, W.idle_owner_worker, [1, 3], batches(3), STEPS)
+    ref = models.reference_train(
+        W.two_matrices_model,
+        lambda m: W.torch.optim.Adafactor([p for p in m.parameters() if p.requires_grad], lr=1e-2),
+        batches(3),
+        STEPS,
+    )["params"]
+    for stage in (1, 3):
+        assert sorted(r[stage]["owned"] for r in results) == [0, 1, 1], stage
+        diff = models.max_abs_diff({k: results[0][stage]["params"][k] for k in ref}, ref)
+        assert diff < TOL, f"stage {stage}: max |diff| {diff:.3g}"
+
+
 def test_bf16_parameters_with_fp32_masters_match_stage0() -> None:
     """Mixed precision keeps separate fp32 masters (stage 0: whole, on every rank: the data-parallel baseline);
     the parameter partition assembles them from fp32 regions, so stages 1-3 follow stage 0 (bit for bit here)."""
