@@ -58,6 +58,9 @@ SETTINGS = {
 # DPO and GRPO in test_trl_stages.py: its launch here is left out to keep the suite's time (CI under 25 min).
 
 
+_ABORT_AT_EXIT = "terminate called without an active exception"
+
+
 def _launch(name: str, out: Path) -> subprocess.CompletedProcess:
     launcher, trainers = SETTINGS[name]
     return run_script(launcher, SCRIPT, out, "--max_steps", str(STEPS), "--trainers", ",".join(trainers))
@@ -68,6 +71,13 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trl_trainers")
     for name in SETTINGS:  # 2 ranks each: one launch at a time on 2 cores
         proc = _launch(name, root / name)
+        if name == "ddp" and proc.returncode != 0 and _ABORT_AT_EXIT in proc.stdout + proc.stderr:
+            # The plain-DDP reference (no zero_plugin code) trained and then aborted in torch's gloo teardown at
+            # interpreter exit, now and then (CI stop 47 saw it once): run it again; our own launches get no retry.
+            print(f"\nddp reference aborted at exit; its output:\n{proc.stderr[-3000:]}")
+            proc = _launch(name, root / (name + "-again"))
+            (root / name).rename(root / (name + "-aborted"))
+            (root / (name + "-again")).rename(root / name)
         assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return root
 

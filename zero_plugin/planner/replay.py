@@ -216,6 +216,20 @@ class ReplicatedReplay(Replay):
         self.ids = list(range(len(self.buckets)))
         self.schedule = ReductionSchedule(self._launch_one, self.complete, _MAX_PENDING_BUCKETS)
         self.schedule.start(self.ids)
+        # [Note: gradients as bucket views] in grads/views.py: stage 1 in place keeps its full gradients in
+        # persistent bucket buffers, alive from the first backward on (through every later forward); a fresh
+        # gradient is copied into its view and dropped at once.
+        self.views = s.stage == 1 and self.in_place and self.rb == self.pb  # views need the reduce dtype
+        if self.views:
+            self.mem.add("device", "grads", sum(self.plan.params[i].numel for i in self.trainable) * self.pb)
+
+    def on_grad(self, i: int) -> None:
+        if not self.views:
+            self.mem.add("device", "grads", self.plan.params[i].numel * self.pb)
+        b = self.bucket_of[i]
+        self.ready[b] += 1
+        if self.ready[b] == len(self.buckets[b][0]):
+            self.schedule.mark_ready(self.ids[b])
 
     def _buckets(self) -> list[tuple[list[int], int, int]]:
         """(param indices, width, flags) per bucket, cut as ``grads/bucket.py`` cuts them."""
@@ -236,13 +250,6 @@ class ReplicatedReplay(Replay):
         """(input, output) bytes of bucket ``b``'s collective: all-reduce in place, reduce-scatter N:1."""
         _, width, k = self.buckets[b]
         return ((self.n if self.sharded else 1) * (width + k) * self.rb, (width + k) * self.rb if self.sharded else 0)
-
-    def on_grad(self, i: int) -> None:
-        super().on_grad(i)
-        b = self.bucket_of[i]
-        self.ready[b] += 1
-        if self.ready[b] == len(self.buckets[b][0]):
-            self.schedule.mark_ready(self.ids[b])
 
     def bucket_numel(self, b: int) -> int:
         return sum(self.plan.params[i].numel for i in self.buckets[b][0])
