@@ -69,11 +69,8 @@ def test_a_changed_signature_is_reported_by_name(monkeypatch) -> None:
     )
     gone = upstream.Patch("transformers.trainer.Trainer._no_such_method", "self", "zero_plugin.x", "test")
     monkeypatch.setattr(upstream, "PATCHES", (moved, gone))
-    found = upstream.problems("transformers")
-    assert len(found) == 2
-    assert "Trainer.save_model" in found[0] and "now takes (self, output_dir, _internal_call)" in found[0]
-    assert "(self, path)" in found[0] and "checked 5.24.0" in found[0]
-    assert "_no_such_method" in found[1] and "is gone" in found[1]
+    found = upstream.problems("transformers")  # the real Trainer may be patched here: only "gone" is sure
+    assert any("_no_such_method" in f and "is gone" in f for f in found), found
 
     class Trainer:  # the class given (another test of this process may have patched the real one)
         def save_model(self, output_dir=None, _internal_call=False): ...
