@@ -314,3 +314,34 @@ def two_matrices_model():
     for name, p in model.named_parameters():
         p.requires_grad_(name in ("blocks.1.fc.weight", "head.weight"))
     return model
+
+
+def two_optimizers_state_dict_worker(stage: int, batches: list, steps: int, adamw_first: bool) -> dict:
+    """Muon + AdamW over one model (``adamw_first``: passed in that order, so Muon's parameters are not the
+    engine's first slots): each optimizer's consolidated (full) state dict loaded into a fresh pair, then one more
+    step on both pairs; rank 0: the weights of both."""
+
+    def fresh():
+        model = models.make_odd_mlp()
+        pair = list(muon_and_adamw(model))
+        return zp.setup(model, pair[::-1] if adamw_first else pair, _config(stage, False, None))
+
+    def train(model, opts, first, count):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for step in range(first, first + count):
+            models.loss_fn(model, models.shard_batch(batches[step], rank, world)).backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+
+    model, opts = fresh()
+    train(model, opts, 0, steps)
+    full = [opt.consolidate_state_dict(to_rank=None) for opt in opts]
+    weights = zp.full_state_dict(model, rank0_only=False)
+    other, other_opts = fresh()
+    zp.load_full_state_dict(other, weights)
+    for opt, sd in zip(other_opts, full):
+        opt.load_state_dict(sd)
+    train(model, opts, steps, 1)
+    train(other, other_opts, steps, 1)
+    return {"same": zp.full_state_dict(model), "loaded": zp.full_state_dict(other)}

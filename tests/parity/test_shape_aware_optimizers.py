@@ -140,6 +140,15 @@ def test_state_dicts_round_trip() -> None:
             assert diff == 0.0, f"{name}: {form} state dict: max |diff| {diff:.3g}"
 
 
+def test_two_optimizers_full_state_dicts_round_trip() -> None:
+    """Muon's whole masters cover a subset of the engine's slots: its full state dict must land on its own
+    parameters (stage 1 and stage 3, 2 ranks)."""
+    for stage, adamw_first in ((1, True), (3, True), (3, False)):
+        got = run_ranks(2, W.two_optimizers_state_dict_worker, stage, batches(2), 2, adamw_first)[0]
+        diff = models.max_abs_diff(got["loaded"], got["same"])
+        assert diff == 0.0, f"stage {stage}, AdamW first {adamw_first}: max |diff| {diff:.3g}"
+
+
 @pytest.mark.parametrize(
     "name, saved, resumed",
     [

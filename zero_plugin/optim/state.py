@@ -27,7 +27,7 @@ __all__ = [
 def _ordered_slots(opt: Any) -> list[MasterParam]:
     by_master = {id(s.master): s for s in opt.engine.slots}
     if opt.whole is not None:  # the parameter partition's whole masters ([Note: optimizer partitions])
-        by_master.update({id(w): s for w, s in zip(opt.whole.wholes, opt.engine.slots)})
+        by_master.update({id(w): s for w, s in zip(opt.whole.wholes, opt.whole.slots)})
     return [by_master[id(p)] for g in opt.inner.param_groups for p in g["params"]]
 
 
