@@ -76,10 +76,6 @@ class WholeParams:
     def owns(self, i: int) -> bool:
         return self.owners[i] == self.comm.rank
 
-    def owned_numel(self) -> int:
-        """Elements of the parameters this rank owns (its whole masters' size during a step)."""
-        return sum(s.layout.numel for i, s in enumerate(self.slots) if self.owns(i))
-
     # -- the step ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, inner: torch.optim.Optimizer) -> None:
@@ -141,7 +137,7 @@ class WholeParams:
             mine = [] if local_values else [slot.master.detach().reshape(-1)]
             mine.append(slot.master.grad.detach().reshape(-1).to(whole.dtype))
             if owner != rank:
-                sends.setdefault(owner, []).extend(t.contiguous() for t in mine)
+                sends.setdefault(owner, []).extend(mine)  # made contiguous by _exchange
                 continue
             values, grads = self._regions(i, whole), self._regions(i, whole.grad)
             if local_values:
@@ -230,7 +226,7 @@ class WholeParams:
                     region.reshape(-1).copy_(regions[rank])
                     for peer in range(self.comm.world_size):
                         if peer != rank:
-                            sends.setdefault(peer, []).append(regions[peer].contiguous())
+                            sends.setdefault(peer, []).append(regions[peer])
                 else:
                     receives.setdefault(owner, []).append(region.view(-1))
             out[slot.master] = entry
@@ -259,7 +255,7 @@ class WholeParams:
             if owner != rank:
                 for key in region_keys:
                     if slot.layout.local_numel:
-                        sends.setdefault(owner, []).append(entry[key].detach().reshape(-1).contiguous())
+                        sends.setdefault(owner, []).append(entry[key].detach().reshape(-1))
                 continue
             kept = {}
             for key, value in entry.items():
@@ -276,12 +272,6 @@ class WholeParams:
             out[whole] = kept
         self._exchange(sends, receives, _STATE)
         return out
-
-    # -- full (unsharded) state dicts ---------------------------------------------------------------------------
-    def keep_owned(self, state: dict[int, dict]) -> dict[int, dict]:
-        """Of a full state dict's ``{slot index: entry}``, the entries of the parameters this rank owns (full
-        tensors, which are the whole masters' own shape)."""
-        return {i: entry for i, entry in state.items() if self.owns(i)}
 
 
 def _param_shaped(value: Any, whole: torch.Tensor) -> bool:
