@@ -107,11 +107,7 @@ class ReplicatedEngine(Engine):
         super().after_step(slots)
         # A step consumes the reduced gradients: the next backward starts fresh even
         # when the script zeroes grads with model.zero_grad() (stage 2 keeps none in .grad).
-        if slots is None:
-            self.reducer.owned.clear()
-        else:  # [Note: several optimizers] in engine.py
-            for slot in slots:
-                self.reducer.owned.pop(id(slot.param), None)
+        self.reducer.consume(slots)  # [Note: several optimizers] in engine.py
         if self.param_sync is not None:
             self.param_sync.run(slots)
 
@@ -133,7 +129,7 @@ class ReplicatedEngine(Engine):
             self.write_back(slots)
 
         self.param_sync.run_stepping(step)
-        self.reducer.owned.clear()  # as after_step
+        self.reducer.consume()  # as after_step
 
     def discard_grads(self, set_to_none: bool, slots: list[MasterParam] | None = None) -> None:
         self.reducer.zero_grad(set_to_none, slots)  # param.grad and the reduced grads it indexes (stage 2: the shards)

@@ -184,13 +184,18 @@ class GradReducer:
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
         return self.owned.get(id(slot.param))
 
-    def zero_grad(self, set_to_none: bool = True, slots: list[MasterParam] | None = None) -> None:
-        """Discard the gradients of ``slots`` (None: all; a subset: one of several optimizers over the model)."""
+    def consume(self, slots: list[MasterParam] | None = None) -> None:
+        """Let go of the reduced gradients of ``slots`` (None: all; a subset: one of several optimizers over the
+        model), after their step or with zero_grad."""
         if slots is None:
             self.owned.clear()
         else:
             for slot in slots:
                 self.owned.pop(id(slot.param), None)
+
+    def zero_grad(self, set_to_none: bool = True, slots: list[MasterParam] | None = None) -> None:
+        """Discard the gradients of ``slots`` (None: all; a subset: one of several optimizers over the model)."""
+        self.consume(slots)
         for slot in self.slots if slots is None else slots:
             if set_to_none:
                 slot.param.grad = None
