@@ -20,7 +20,7 @@ import importlib
 import importlib.metadata
 import inspect
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["CHECKED", "PATCHES", "Patch", "check", "problems", "resolve"]
 
@@ -138,30 +138,37 @@ def _version(library: str) -> str:
         return "not installed"
 
 
+def _finding(patch: Patch, lookup: Callable[[], Any]) -> str | None:
+    """What no longer matches ``patch`` in the object ``lookup()`` returns (gone, or other parameters), or None;
+    it names the patched function, the installed version and the checked range.  A target that already is
+    zero_plugin's replacement is not compared."""
+    oldest, newest = CHECKED[patch.library]
+    where = f"{patch.library} {_version(patch.library)} (zero_plugin checked {oldest} to {newest})"
+    try:
+        obj = lookup()
+    except (ImportError, AttributeError) as exc:
+        return f"{patch.target}, which {patch.installed_by} replaces, is gone in {where}: {exc}"
+    obj = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+    if patch.parameters is None or getattr(obj, "__module__", "").startswith("zero_plugin."):
+        return None
+    now = parameter_names(obj)
+    if now == patch.parameters:
+        return None
+    return (
+        f"{patch.target}, which {patch.installed_by} replaces, now takes ({now}) instead of ({patch.parameters}) "
+        f"in {where}"
+    )
+
+
 def problems(library: str | None = None) -> list[str]:
-    """What no longer matches the table (of ``library``'s patches, or all): each names the patched function, the
-    installed version and the checked range.  Meant for a process where nothing is patched yet; a target that is
-    already zero_plugin's replacement is not compared."""
-    found = []
-    for patch in PATCHES:
-        if library is not None and patch.library != library:
-            continue
-        oldest, newest = CHECKED[patch.library]
-        where = f"{patch.library} {_version(patch.library)} (zero_plugin checked {oldest} to {newest})"
-        try:
-            obj = resolve(patch.target)
-        except (ImportError, AttributeError) as exc:
-            found.append(f"{patch.target}, which {patch.installed_by} replaces, is gone in {where}: {exc}")
-            continue
-        if patch.parameters is None or getattr(obj, "__module__", "").startswith("zero_plugin."):
-            continue
-        now = parameter_names(obj)
-        if now != patch.parameters:
-            found.append(
-                f"{patch.target}, which {patch.installed_by} replaces, now takes ({now}) instead of "
-                f"({patch.parameters}) in {where}"
-            )
-    return found
+    """What no longer matches the table (of ``library``'s patches, or all), resolving each target by import.
+    Meant for a process where nothing is patched yet."""
+    found = (
+        _finding(patch, lambda patch=patch: resolve(patch.target))
+        for patch in PATCHES
+        if library is None or patch.library == library
+    )
+    return [f for f in found if f is not None]
 
 
 _WARNED: set[str] = set()
@@ -173,25 +180,12 @@ def check(prefix: str, owner: Any) -> None:
     (nothing is imported here: install functions run from import hooks, while the library imports itself); one
     warning per target gone or changed, once per process ([Note: patched upstream names])."""
     for patch in PATCHES:
-        if not patch.target.startswith(prefix + ".") or "." in patch.target[len(prefix) + 1 :]:
-            continue
         name = patch.target[len(prefix) + 1 :]
-        oldest, newest = CHECKED[patch.library]
-        where = f"{patch.library} {_version(patch.library)} (zero_plugin checked {oldest} to {newest})"
-        try:
-            obj = inspect.getattr_static(owner, name)
-        except AttributeError:
-            _warn(f"{patch.target}, which {patch.installed_by} replaces, is gone in {where}")
+        if not patch.target.startswith(prefix + ".") or "." in name:
             continue
-        obj = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
-        if patch.parameters is None or getattr(obj, "__module__", "").startswith("zero_plugin."):
-            continue
-        now = parameter_names(obj)
-        if now != patch.parameters:
-            _warn(
-                f"{patch.target}, which {patch.installed_by} replaces, now takes ({now}) instead of "
-                f"({patch.parameters}) in {where}"
-            )
+        finding = _finding(patch, lambda name=name: inspect.getattr_static(owner, name))
+        if finding is not None:
+            _warn(finding)
 
 
 def _warn(finding: str) -> None:
