@@ -63,6 +63,26 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_T + "_load_from_checkpoint", "self, resume_from_checkpoint, model", _TRAINER, "sharded checkpoints"),
     Patch(_T + "_load_best_model", "self", _TRAINER, "load_best_model_at_end from the sharded folder"),
     Patch(
+        _T + "_get_dataloader",
+        "self, dataset, description, batch_size, sampler_fn, is_training, dataloader_key",
+        _TRAINER,
+        "sequence parallelism: evaluation loaders not split",
+    ),
+    Patch(_T + "get_resumed_dataloader", "self, dataloader, num_batches", _TRAINER, "a split loader skips batches"),
+    Patch(_T + "_get_num_items_in_batch", "self, batch_samples, device", _TRAINER, "split batches' label count"),
+    Patch(
+        _T + "compute_loss",
+        "self, model, inputs, return_outputs, num_items_in_batch",
+        _TRAINER,
+        "split batches' loss over the whole sequences",
+    ),
+    Patch(
+        _T + "evaluation_loop",
+        "self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix",
+        _TRAINER,
+        "evaluation on whole sequences, sequence parallelism paused",
+    ),
+    Patch(
         "transformers.training_args.TrainingArguments.__post_init__",
         "self",
         "zero_plugin.integrations.deepspeed_config",

@@ -21,6 +21,20 @@ ones, from a lazy load, are created there by ``materialize.materialize_all``).  
 model larger than one device could never be prepared.  Only the buffers move (small, never sharded);
 ``stage3/engine.py`` ``_shard_one`` moves each parameter to the compute device as it shards it, one
 unit at a time, so the device holds the shards plus one parameter's full tensor at most.
+
+[Note: sequence-parallel data loaders]
+With ``ZeroConfig.sequence_parallel_size=K`` > 1 the K consecutive ranks of a group train on the same sequences,
+each on its 1/K of every sequence's tokens (docs/long-context.md).  So ``prepare_data_loader`` shards the data
+over the N / K data-parallel groups instead of the N processes (Accelerate's own sharding, with
+``num_processes=N / K`` and ``process_index=rank // K``), and the prepared loader yields
+``zp.sequence_parallel_batch``'s split: ``input_ids``, ``position_ids`` and ``shift_labels`` of this rank's slice.
+The split needs the model's sequence-parallel group, which exists only once the model is prepared (the HF
+Trainer prepares its loader first), so the loader finds it at iteration time: the one model this accelerator set
+up.  The script's loss must then be ``zp.sequence_parallel_loss`` (or ``zp.tiled_lm_loss(...,
+sequence_parallel=model)``), never the model's own ``labels=`` loss on a slice.  A loader for whole sequences
+(evaluation inside ``zp.sequence_parallel_of(model).paused()``) is prepared with
+``prepare_data_loader(loader, sequence_parallel=False)`` (or inside :meth:`Accelerator.whole_sequence_loaders`):
+it is sharded over all N processes, as without sequence parallelism.
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import accelerate.accelerator
 import torch
+from accelerate.data_loader import prepare_data_loader as _accelerate_prepare_data_loader
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from torch import nn
@@ -41,11 +56,12 @@ import zero_plugin as zp
 from zero_plugin.config import ZeroConfig
 from zero_plugin.engines.engine import engine_of
 from zero_plugin.loading import materialize
+from zero_plugin.sequence.parallel import SequenceParallel
 from zero_plugin.stage3.inference import InferenceEngine
 
 from . import common, loss_scaling
 
-__all__ = ["Accelerator", "ZeroPlugin"]
+__all__ = ["Accelerator", "SequenceParallelDataLoader", "ZeroPlugin"]
 
 # Captured at import, before zero_plugin.run rebinds ``accelerate.Accelerator`` to the subclass below.
 _AccelerateAccelerator = accelerate.accelerator.Accelerator
@@ -107,6 +123,7 @@ class Accelerator(_AccelerateAccelerator):
                 f"zero_plugin's Accelerator replaces DeepSpeed/FSDP/Megatron sharding; remove "
                 f"{', '.join(given)} (choose the ZeRO stage with ZeroConfig instead)"
             )
+        self._split_loaders = True  # [Note: sequence-parallel data loaders]
         super().__init__(*args, **kwargs)
         self._check_launch()
         self._route_fp16()
@@ -230,6 +247,82 @@ class Accelerator(_AccelerateAccelerator):
         if place and self.device.type != "cpu":
             place_before_setup(model, self.device, 3)
         zp.setup(model, None, self.zero_config)
+
+    # -- data loaders under sequence parallelism ---------------------------------------------------
+    @property
+    def sequence_parallel_size(self) -> int:
+        """K, the ranks that share each sequence (``ZeroConfig.sequence_parallel_size``, checked against the world
+        size here)."""
+        return self.zero_config.resolved_sequence_parallel_size(self.num_processes)
+
+    def prepare_data_loader(
+        self,
+        data_loader: torch.utils.data.DataLoader,
+        device_placement: bool | None = None,
+        slice_fn_for_dispatch: Any = None,
+        sequence_parallel: bool | None = None,
+    ):
+        """Accelerate's, except with ``sequence_parallel_size`` K > 1: sharded over the data-parallel groups and
+        split per rank ([Note: sequence-parallel data loaders]).  ``sequence_parallel=False``: whole sequences,
+        sharded over all processes (default: True when K > 1, unless inside :meth:`whole_sequence_loaders`)."""
+        split = self._split_loaders if sequence_parallel is None else sequence_parallel
+        if self.sequence_parallel_size == 1 or not split or getattr(data_loader, "_is_accelerate_prepared", False):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if device_placement is None:
+            device_placement = self.device_placement
+        k = self.sequence_parallel_size
+        if self.dispatch_batches or (self.dispatch_batches is None and device_placement and _iterable(data_loader)):
+            raise ValueError(
+                f"zero_plugin: sequence_parallel_size={k} with dispatch_batches (Accelerate's default for an "
+                "IterableDataset) is not supported: its process 0 hands batches out over all processes, not the "
+                "data-parallel groups; pass DataLoaderConfiguration(dispatch_batches=False) (TrainingArguments("
+                "accelerator_config={'dispatch_batches': False})) so that each group reads its own shard"
+            )
+        prepared = _accelerate_prepare_data_loader(
+            data_loader,
+            self.device,
+            num_processes=self.num_processes // k,
+            process_index=self.process_index // k,
+            split_batches=self.split_batches,
+            put_on_device=device_placement,
+            rng_types=self.rng_types.copy(),
+            dispatch_batches=False,
+            even_batches=self.even_batches,
+            use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed,
+            non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader,
+        )
+        self._dataloaders.append(prepared)
+        return SequenceParallelDataLoader(prepared, self)
+
+    @contextlib.contextmanager
+    def whole_sequence_loaders(self) -> Iterator[None]:
+        """Data loaders prepared inside the block are not split (``prepare_data_loader(sequence_parallel=False)``):
+        evaluation loaders whose whole sequences run inside ``zp.sequence_parallel_of(model).paused()``."""
+        before, self._split_loaders = self._split_loaders, False
+        try:
+            yield
+        finally:
+            self._split_loaders = before
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0):
+        """Accelerate's, keeping a sequence-parallel loader's data-parallel shard and split."""
+        if isinstance(dataloader, SequenceParallelDataLoader):
+            return SequenceParallelDataLoader(super().skip_first_batches(dataloader.loader, num_batches), self)
+        return super().skip_first_batches(dataloader, num_batches)
+
+    def sequence_parallel_model(self) -> nn.Module:
+        """The one model this accelerator set up with sequence parallelism, whose group the loaders split for."""
+        found = [m for m, _ in self._zero_pairs() if _sequence_parallel_setting(m) is not None]
+        found += [m for m in self._models if _sequence_parallel_setting(m) is not None and m not in found]
+        if len(found) != 1:
+            raise ValueError(
+                f"zero_plugin: a sequence-parallel data loader (sequence_parallel_size={self.sequence_parallel_size}) "
+                f"needs exactly one model prepared by this Accelerator with sequence parallelism; found {len(found)}: "
+                "prepare the model and its optimizer (accelerator.prepare(model, optimizer, ...)) before iterating"
+            )
+        return found[0]
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
         """An ``AcceleratedOptimizer`` over the ``ZeroOptimizer`` (which already placed its state)."""
@@ -402,6 +495,39 @@ class _ZeroAcceleratedOptimizer(AcceleratedOptimizer):
         if self.gradient_state.sync_gradients:
             self._is_overflow = self.optimizer.skipped_steps > skipped_before
         return result
+
+
+class SequenceParallelDataLoader:
+    """An Accelerate-prepared loader (sharded over the data-parallel groups) whose batches are split for this rank
+    by ``zp.sequence_parallel_batch`` ([Note: sequence-parallel data loaders]); ``len``, ``set_epoch``, the sampler
+    and the rest pass through to the prepared loader."""
+
+    def __init__(self, loader: Any, accelerator: Accelerator) -> None:
+        self.loader, self.accelerator = loader, accelerator
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        model = None
+        for batch in self.loader:
+            if model is None:  # the model is prepared after the loader by the HF Trainer: look it up now
+                model = self.accelerator.sequence_parallel_model()
+            yield zp.sequence_parallel_batch(batch, model)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
+
+
+def _sequence_parallel_setting(model: nn.Module) -> SequenceParallel | None:
+    try:
+        return zp.sequence_parallel_of(model)
+    except ValueError:
+        return None
+
+
+def _iterable(data_loader: Any) -> bool:
+    return isinstance(getattr(data_loader, "dataset", None), torch.utils.data.IterableDataset)
 
 
 @torch.no_grad()

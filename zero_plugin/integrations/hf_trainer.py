@@ -20,6 +20,9 @@ are the Trainer methods that assume every rank holds the full model or optimizer
   (``auto_find_batch_size``) or need what the checkpoint lacks.
 * ``_move_model_to_device``: ``Trainer.__init__`` moves the whole model to the device; a lazily loaded
   model has meta parameters, and stage 3 places one unit at a time (``place_before_setup``).
+* ``_get_dataloader``, ``get_resumed_dataloader``, ``_get_num_items_in_batch``, ``compute_loss``,
+  ``evaluation_loop``: Ulysses sequence parallelism (``ZeroConfig.sequence_parallel_size`` K > 1), [Note: the
+  Trainer under sequence parallelism].
 * ``_build_accelerator_args``, ``create_optimizer``, ``create_scheduler``: a ``TrainingArguments(deepspeed=...)``
   taken over by ``deepspeed_config.py`` gives the Accelerator its ``ZeroConfig``, and its ``optimizer`` /
   ``scheduler`` sections the optimizer and schedule DeepSpeed would have built (torch's AdamW over every
@@ -27,6 +30,31 @@ are the Trainer methods that assume every rank holds the full model or optimizer
 
 :func:`install` patches these onto ``transformers.Trainer`` in one place; each override falls
 back to the original method when the Trainer's accelerator is not zero_plugin's.
+
+[Note: the Trainer under sequence parallelism]
+With K > 1 the training loader is the accelerator's sequence-parallel one ([Note: sequence-parallel data loaders]
+in ``accelerate.py``): sharded over the N / K data-parallel groups, each batch split into this rank's 1/K
+(``input_ids``, ``position_ids``, ``shift_labels``).  The loss must be the whole sequences', so:
+
+* ``_get_num_items_in_batch`` counts the labels of the split batches (``shift_labels`` != -100) over the
+  accumulation steps: summed over all N ranks with ``average_tokens_across_devices`` (each token counted once: the
+  slices of a group are disjoint), else over the rank's group and divided by K.
+* ``compute_loss`` runs the model without ``labels=`` (its own loss would shift inside the slice) and computes
+  this rank's sum S_r of per-token cross-entropies (``token_loss_sum``), normalised as the Trainer normalises the
+  model's own loss without sequence parallelism: S_r / num_items_in_batch, times N with
+  ``average_tokens_across_devices``.  ZeRO averages gradients over the N ranks, so the step's gradient is the sum
+  over every token of the step divided by the step's count of labels, what K = 1 computes; the logged loss (the
+  ranks' mean) is that mean.  Without ``num_items_in_batch`` (a model whose forward takes no loss keyword
+  arguments) the loss is ``zp.sequence_parallel_loss``, each micro-batch's whole-sequence mean, which the Trainer
+  divides by the accumulation steps.  Either way each rank of a group scales its own S_r by the same factor
+  ([Note: sequence-parallel loss] in ``zero_plugin/sequence/loss.py``).
+* A subclass that computes its own loss (TRL's ``SFTTrainer``: its fused LM head reads ``shift_labels`` and
+  divides by ``num_items_in_batch``, times N) gets the same count, so its loss is exact too; one that would get no
+  count is refused, as are ``compute_loss_func``, label smoothing and TRL's MoE auxiliary loss and Liger kernels,
+  which would compute a loss on a slice as if it were a sequence.
+* Evaluation runs on whole sequences: the evaluation loaders are prepared without the split (sharded over all N
+  ranks as without sequence parallelism) and ``evaluation_loop`` runs inside ``zp.sequence_parallel_of(model)
+  .paused()``, so the model's own loss and ``compute_metrics`` see what they see at K = 1.
 """
 
 from __future__ import annotations
@@ -41,12 +69,14 @@ from torch import nn
 import zero_plugin as zp
 from zero_plugin.ckpt.deepspeed_reader import find_tag_dir
 from zero_plugin.ckpt.rng import capture_rng, restore_rng
+from zero_plugin.sequence.batch import IGNORE_INDEX
+from zero_plugin.sequence.loss import token_loss_sum
 from zero_plugin.state_dict import raw_state_dict
 
 from .. import upstream
 from . import common, deepspeed_config
 from .accelerate import Accelerator as ZeroAccelerator
-from .accelerate import place_before_setup
+from .accelerate import SequenceParallelDataLoader, place_before_setup
 from .optimizer_stub import is_stub, write_stub
 
 __all__ = ["install"]
@@ -283,6 +313,116 @@ def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optim
     return self.lr_scheduler
 
 
+# -- sequence parallelism: [Note: the Trainer under sequence parallelism] ------------------------------
+def _sequence_parallel_size(trainer: Any) -> int:
+    return trainer.accelerator.sequence_parallel_size if _uses_zero(trainer) else 1
+
+
+def _check_sequence_parallel_loss(trainer: Any) -> None:
+    """Refuse what would compute a loss on a slice as if it were the sequence."""
+    k = _sequence_parallel_size(trainer)
+    refused = {
+        "compute_loss_func": trainer.compute_loss_func is not None,
+        "label_smoothing_factor": trainer.label_smoother is not None,
+        "TRL's MoE auxiliary loss (output_router_logits)": getattr(trainer, "aux_loss_enabled", False),
+        "use_liger_kernel": getattr(trainer.args, "use_liger_kernel", False),
+    }
+    for name, given in refused.items():
+        if given:
+            raise ValueError(
+                f"zero_plugin: {name} with sequence_parallel_size={k} is not supported: it computes a loss from one "
+                "rank's slice of each sequence as if it were the whole sequence; train without it, or with "
+                "sequence_parallel_size=1 (docs/long-context.md)"
+            )
+
+
+def _get_dataloader(
+    self,
+    dataset: Any,
+    description: str,
+    batch_size: int,
+    sampler_fn: Callable | None = None,
+    is_training: bool = False,
+    dataloader_key: str | None = None,
+):
+    original = _ORIGINALS["_get_dataloader"]
+    if _sequence_parallel_size(self) == 1:
+        return original(self, dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+    if is_training:  # split by the accelerator's prepare
+        _check_sequence_parallel_loss(self)
+        return original(self, dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+    with self.accelerator.whole_sequence_loaders():  # evaluated on whole sequences, in evaluation_loop
+        return original(self, dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+
+
+def get_resumed_dataloader(self, dataloader: Any, num_batches: int):
+    if isinstance(dataloader, SequenceParallelDataLoader):
+        return self.accelerator.skip_first_batches(dataloader, num_batches)
+    return _ORIGINALS["get_resumed_dataloader"](self, dataloader, num_batches)
+
+
+def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+    original = _ORIGINALS["_get_num_items_in_batch"]
+    if _sequence_parallel_size(self) == 1 or not batch_samples or "shift_labels" not in batch_samples[0]:
+        return original(self, batch_samples, device)
+    if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+        if type(self).compute_loss is not compute_loss:  # a subclass's loss, which gets no count
+            raise ValueError(
+                f"zero_plugin: {type(self).__name__} computes its own loss and its model's forward takes no loss "
+                "keyword arguments, so the Trainer gives it no num_items_in_batch and it would divide each rank's "
+                f"slice by the slice's own count; sequence_parallel_size={_sequence_parallel_size(self)} needs "
+                "the count (a model whose forward takes **kwargs), or sequence_parallel_size=1"
+            )
+        return None
+    count = sum((batch["shift_labels"] != IGNORE_INDEX).sum() for batch in batch_samples).to(device)
+    if self.args.average_tokens_across_devices:
+        return self.accelerator.gather(count).sum() if self.args.world_size > 1 else count
+    setting = zp.sequence_parallel_of(self.accelerator.sequence_parallel_model())
+    setting.comm.all_reduce(count, tag="sequence loss count")
+    return count.double() / setting.size
+
+
+def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+    if _sequence_parallel_size(self) == 1 or "shift_labels" not in inputs:
+        return _ORIGINALS["compute_loss"](self, model, inputs, return_outputs, num_items_in_batch)
+    _check_sequence_parallel_loss(self)
+    inputs = dict(inputs)
+    shift_labels = inputs.pop("shift_labels")
+    inputs.pop("labels", None)
+    outputs = model(**inputs)
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+    if num_items_in_batch is None:
+        loss = zp.sequence_parallel_loss(logits, shift_labels, model)
+    else:
+        loss = token_loss_sum(logits, shift_labels) / num_items_in_batch
+        if self.args.average_tokens_across_devices:
+            loss = loss * self.accelerator.num_processes
+    return (loss, outputs) if return_outputs else loss
+
+
+def evaluation_loop(
+    self,
+    dataloader: Any,
+    description: str,
+    prediction_loss_only: bool | None = None,
+    ignore_keys: list[str] | None = None,
+    metric_key_prefix: str = "eval",
+):
+    args = (self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+    original = _ORIGINALS["evaluation_loop"]
+    if _sequence_parallel_size(self) == 1:
+        return original(*args)
+    if self.accelerator.zero_config.stage == 3 and not common.is_set_up(self.model) and not self.accelerator._models:
+        # set up for evaluation here, as the loop would, so that the pause below covers its attention
+        self.accelerator.prepare_model(self.model, evaluation_mode=True)
+    try:
+        setting = zp.sequence_parallel_of(self.model)
+    except ValueError:  # not set up (stages 0-2 before training): the model's own attention runs
+        return original(*args)
+    with setting.paused():
+        return original(*args)
+
+
 _OVERRIDES: dict[str, Callable] = {
     "_build_accelerator_args": _build_accelerator_args,
     "create_optimizer": create_optimizer,
@@ -294,6 +434,11 @@ _OVERRIDES: dict[str, Callable] = {
     "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
     "_load_from_checkpoint": _load_from_checkpoint,
     "_load_best_model": _load_best_model,
+    "_get_dataloader": _get_dataloader,
+    "get_resumed_dataloader": get_resumed_dataloader,
+    "_get_num_items_in_batch": _get_num_items_in_batch,
+    "compute_loss": compute_loss,
+    "evaluation_loop": evaluation_loop,
 }
 
 
@@ -301,7 +446,7 @@ def install() -> None:
     """Make ``transformers.Trainer`` use zero_plugin's Accelerator and checkpoint methods (idempotent).
 
     The one place where transformers' Trainer is patched: the ``Accelerator`` name ``transformers.trainer``
-    imported from accelerate, and the ten Trainer methods in ``_OVERRIDES`` (subclasses such as
+    imported from accelerate, and the fifteen Trainer methods in ``_OVERRIDES`` (subclasses such as
     ``Seq2SeqTrainer`` inherit them).  Each override defers to the original unless the Trainer's
     accelerator is zero_plugin's.
     """

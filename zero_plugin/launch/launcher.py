@@ -49,6 +49,11 @@ def _launch_parser() -> argparse.ArgumentParser:
     )
     group.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (ZERO_PLUGIN_STAGE)")
     group.add_argument("--offload", choices=("none", "cpu"), help="optimizer offload (ZERO_PLUGIN_OFFLOAD)")
+    group.add_argument(
+        "--sequence_parallel_size",
+        type=int,
+        help="ranks per Ulysses sequence-parallel group, K (ZERO_PLUGIN_SEQUENCE_PARALLEL_SIZE; docs/long-context.md)",
+    )
     group.add_argument("--zero_config", help="YAML/JSON file of ZeroConfig fields")
     group.add_argument(
         "--no_estimate",
@@ -99,6 +104,8 @@ def _zero_environment(args: argparse.Namespace, section: str | None) -> dict[str
         env["ZERO_PLUGIN_STAGE"] = str(args.stage)
     if args.offload is not None:
         env["ZERO_PLUGIN_OFFLOAD"] = args.offload
+    if args.sequence_parallel_size is not None:
+        env["ZERO_PLUGIN_SEQUENCE_PARALLEL_SIZE"] = str(args.sequence_parallel_size)
     try:
         ZeroConfig.from_env({**os.environ, **env})
     except (ValueError, FileNotFoundError) as exc:

@@ -27,7 +27,7 @@ from ..comm.collectives import Comm
 from .batch import IGNORE_INDEX
 from .parallel import sequence_parallel_of
 
-__all__ = ["sequence_loss", "sequence_parallel_loss"]
+__all__ = ["sequence_loss", "sequence_parallel_loss", "token_loss_sum"]
 
 
 class _GroupMean(torch.autograd.Function):
@@ -55,13 +55,20 @@ def sequence_loss(logits: torch.Tensor, shift_labels: torch.Tensor, comm: Comm) 
             "must cover the same tokens ([batch, seq/K, vocab] and [batch, seq/K]: the outputs of the batch "
             "split's input_ids and its shift_labels)"
         )
+    labels = shift_labels.to(logits.device)
+    return _GroupMean.apply(token_loss_sum(logits, labels), (labels != IGNORE_INDEX).sum(), comm)
+
+
+def token_loss_sum(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    """S_r of [Note: sequence-parallel loss]: the per-token cross-entropies of this rank's tokens summed, in float32
+    at least, labels -100 left out.  For a loop that normalises the sum itself (the HF Trainer's
+    ``num_items_in_batch``): each rank must then scale its own S_r as the Note says."""
     if logits.element_size() < 4:
         logits = logits.float()
     labels = shift_labels.to(logits.device)
-    local_sum = F.cross_entropy(
+    return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-    return _GroupMean.apply(local_sum, (labels != IGNORE_INDEX).sum(), comm)
 
 
 def sequence_parallel_loss(logits: torch.Tensor, shift_labels: torch.Tensor, model: nn.Module) -> torch.Tensor:
