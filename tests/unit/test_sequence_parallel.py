@@ -41,10 +41,23 @@ def test_split_pads_a_length_k_does_not_divide_at_the_end():
     assert parts[1]["shift_labels"].tolist() == [[5, 6, 7]]
 
 
+def test_split_takes_right_padding_with_ignored_labels_and_drops_the_mask():
+    ids = torch.arange(1, 9).view(2, 4)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    labels = ids.masked_fill(mask == 0, -100)
+    parts = [split_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, r, 2) for r in (0, 1)]
+    assert set(parts[0]) == {"input_ids", "position_ids", "shift_labels"}
+    assert torch.cat([p["shift_labels"] for p in parts], 1).tolist() == [[2, 3, 4, -100], [6, -100, -100, -100]]
+
+
 def test_split_refuses_padding_masks_packed_rows_and_unknown_tensors():
     ids = torch.ones(1, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="attention_mask has zeros"):
+    with pytest.raises(ValueError, match="attention_mask has zeros"):  # no labels to show the pads are ignored
         split_batch({"input_ids": ids, "attention_mask": torch.tensor([[1, 1, 1, 0]])}, 0, 2)
+    with pytest.raises(ValueError, match="attention_mask has zeros"):  # left padding
+        split_batch({"input_ids": ids, "labels": ids, "attention_mask": torch.tensor([[0, 1, 1, 1]])}, 0, 2)
+    with pytest.raises(ValueError, match="attention_mask has zeros"):  # a pad with a label
+        split_batch({"input_ids": ids, "labels": ids, "attention_mask": torch.tensor([[1, 1, 1, 0]])}, 0, 2)
     with pytest.raises(ValueError, match="'pixel_values'"):
         split_batch({"input_ids": ids, "pixel_values": torch.ones(1, 3)}, 0, 2)
     with pytest.raises(ValueError, match="packed sequences"):

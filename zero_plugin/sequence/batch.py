@@ -11,9 +11,13 @@ does not divide is padded at the end to the next multiple: the pad tokens come a
 causal attention they change no real token's output, and their labels are -100.  The ranks of a group must hold
 the same batch (a sampler over the data-parallel ranks, ``SequenceParallel.dp_rank`` / ``dp_size``); a cheap
 checksum of ``input_ids`` is compared across the group on every batch so that a sampler over all N ranks fails
-loudly instead of training on mixed-up sequences.  Padding masks and packed rows (positions that restart) are
-refused: the Ulysses attention masks causally over the whole row only ([Note: Ulysses attention] in
-``attention.py``).
+loudly instead of training on mixed-up sequences.  The Ulysses attention masks causally over the whole row only
+([Note: Ulysses attention] in ``attention.py``), so packed rows (positions that restart) are refused, and so is
+a padding mask, except right padding (each row's ones, then its zeros, as the HF and TRL collators pad) whose
+padded labels are all -100: the pad tokens come after every real token of their row, so causal attention keeps
+them out of every real token's context, and no loss is taken at them or of them (the last real token's shifted
+label is the first pad's -100).  Real tokens' outputs and the loss are then the masked model's; the mask is
+dropped.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def split_batch(batch: Mapping[str, Any], rank: int, k: int, pad_token_id: int =
     if input_ids.dim() != 2:
         raise ValueError(f"sequence parallelism: input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
     b, s = input_ids.shape
-    _check_mask(batch.get("attention_mask"))
+    _check_mask(batch.get("attention_mask"), batch.get("labels"))
     whole: dict[str, torch.Tensor] = {"input_ids": input_ids}
     position_ids = batch.get("position_ids")
     if position_ids is None:
@@ -70,12 +74,16 @@ def split_batch(batch: Mapping[str, Any], rank: int, k: int, pad_token_id: int =
     return {**rest, **{key: _slice(t, rank, k, _pad_value(key, pad_token_id)) for key, t in whole.items()}}
 
 
-def _check_mask(mask: torch.Tensor | None) -> None:
-    if mask is not None and not bool((mask == 1).all()):
+def _check_mask(mask: torch.Tensor | None, labels: torch.Tensor | None) -> None:
+    """Only right padding with -100 labels under it ([Note: sequence-parallel batch])."""
+    if mask is None or bool((mask == 1).all()):
+        return
+    right_padding = bool(((mask == 0) | (mask == 1)).all()) and bool((mask.diff(dim=-1) <= 0).all())
+    if not right_padding or labels is None or bool((labels[mask == 0] != IGNORE_INDEX).any()):
         raise ValueError(
-            "sequence parallelism: attention_mask has zeros (padding), which the Ulysses attention cannot mask (it "
-            "masks causally over the whole sequence only); pack or pad at the end with labels -100 and no mask "
-            "instead (pad tokens after the last real token change no real token's loss)"
+            "sequence parallelism: attention_mask has zeros that are not right padding with labels -100 under "
+            "them, which the Ulysses attention cannot mask (it masks causally over the whole sequence only); pad "
+            "at the end (padding_side='right') with labels -100, one sequence per row"
         )
 
 
