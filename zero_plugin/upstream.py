@@ -77,6 +77,12 @@ PATCHES: tuple[Patch, ...] = (
         "split batches' loss over the whole sequences",
     ),
     Patch(
+        _T + "training_step",
+        "self, model, inputs, num_items_in_batch",
+        _TRAINER,
+        "split micro-batches fetched ahead",
+    ),
+    Patch(
         _T + "evaluation_loop",
         "self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix",
         _TRAINER,

@@ -20,8 +20,8 @@ are the Trainer methods that assume every rank holds the full model or optimizer
   (``auto_find_batch_size``) or need what the checkpoint lacks.
 * ``_move_model_to_device``: ``Trainer.__init__`` moves the whole model to the device; a lazily loaded
   model has meta parameters, and stage 3 places one unit at a time (``place_before_setup``).
-* ``_get_dataloader``, ``get_resumed_dataloader``, ``_get_num_items_in_batch``, ``compute_loss``,
-  ``evaluation_loop``: Ulysses sequence parallelism (``ZeroConfig.sequence_parallel_size`` K > 1), [Note: the
+* ``_get_dataloader``, ``get_resumed_dataloader``, ``_get_num_items_in_batch``, ``training_step``,
+  ``compute_loss``, ``evaluation_loop``: Ulysses sequence parallelism (``ZeroConfig.sequence_parallel_size`` K > 1), [Note: the
   Trainer under sequence parallelism].
 * ``_build_accelerator_args``, ``create_optimizer``, ``create_scheduler``: a ``TrainingArguments(deepspeed=...)``
   taken over by ``deepspeed_config.py`` gives the Accelerator its ``ZeroConfig``, and its ``optimizer`` /
@@ -69,7 +69,7 @@ from torch import nn
 import zero_plugin as zp
 from zero_plugin.ckpt.deepspeed_reader import find_tag_dir
 from zero_plugin.ckpt.rng import capture_rng, restore_rng
-from zero_plugin.sequence.batch import IGNORE_INDEX
+from zero_plugin.sequence.batch import IGNORE_INDEX, expect_batch
 from zero_plugin.sequence.loss import token_loss_sum
 from zero_plugin.state_dict import raw_state_dict
 
@@ -382,6 +382,12 @@ def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
     return count.double() / setting.size
 
 
+def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None):
+    if _sequence_parallel_size(self) > 1 and "shift_labels" in inputs:
+        expect_batch(inputs, model)  # the Trainer split the step's micro-batches before running the first
+    return _ORIGINALS["training_step"](self, model, inputs, num_items_in_batch)
+
+
 def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
     if _sequence_parallel_size(self) == 1 or "shift_labels" not in inputs:
         return _ORIGINALS["compute_loss"](self, model, inputs, return_outputs, num_items_in_batch)
@@ -438,6 +444,7 @@ _OVERRIDES: dict[str, Callable] = {
     "get_resumed_dataloader": get_resumed_dataloader,
     "_get_num_items_in_batch": _get_num_items_in_batch,
     "compute_loss": compute_loss,
+    "training_step": training_step,
     "evaluation_loop": evaluation_loop,
 }
 
@@ -446,7 +453,7 @@ def install() -> None:
     """Make ``transformers.Trainer`` use zero_plugin's Accelerator and checkpoint methods (idempotent).
 
     The one place where transformers' Trainer is patched: the ``Accelerator`` name ``transformers.trainer``
-    imported from accelerate, and the fifteen Trainer methods in ``_OVERRIDES`` (subclasses such as
+    imported from accelerate, and the sixteen Trainer methods in ``_OVERRIDES`` (subclasses such as
     ``Seq2SeqTrainer`` inherit them).  Each override defers to the original unless the Trainer's
     accelerator is zero_plugin's.
     """

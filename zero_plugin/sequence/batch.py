@@ -30,7 +30,7 @@ from torch import nn
 from ..comm.collectives import Comm
 from .parallel import sequence_parallel_of
 
-__all__ = ["IGNORE_INDEX", "SequenceParallelLoader", "sequence_parallel_batch", "split_batch"]
+__all__ = ["IGNORE_INDEX", "SequenceParallelLoader", "expect_batch", "sequence_parallel_batch", "split_batch"]
 
 IGNORE_INDEX = -100
 """The label cross-entropy ignores (torch's and transformers' default)."""
@@ -139,6 +139,14 @@ def sequence_parallel_batch(batch: Mapping[str, Any], model: nn.Module, check: b
     split = split_batch(batch, setting.rank, setting.size, pad_token_id=pad if isinstance(pad, int) else 0)
     setting.split["shape"] = tuple(split["input_ids"].shape)
     return split
+
+
+def expect_batch(split: Mapping[str, Any], model: nn.Module) -> None:
+    """Tell the attention that its next forward runs ``split`` (a result of :func:`sequence_parallel_batch`): for a
+    loop that splits several batches before it runs them (the HF Trainer fetches a gradient-accumulation step's
+    micro-batches first), since the attention checks its tokens against the last split's ([Note: unsplit
+    batches] in ``attention.py``)."""
+    sequence_parallel_of(model).split["shape"] = tuple(split["input_ids"].shape)
 
 
 class SequenceParallelLoader:

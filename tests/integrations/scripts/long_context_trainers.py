@@ -1,0 +1,142 @@
+"""The HF ``Trainer`` (full fine-tune, gradient accumulation, evaluation) and TRL's ``SFTTrainer`` (LoRA) on a tiny
+random Llama, one after the other, under whatever ``zero-plugin launch`` chose (``--sequence_parallel_size K``).
+
+Rows of different lengths (right-padded by the collators, with -100 under the pads and under a "prompt" at the
+start of each HF row), 4 rows per micro-batch over all ranks whatever K (``per_device_train_batch_size`` = 4 /
+data-parallel groups), so that runs differing only in K train on the same rows.  Rank 0 writes OUT/result.json
+(losses, eval loss, the K and loader the Trainer used), OUT/hf_initial.pt and OUT/{hf,trl}_weights.pt (the full
+state dicts before and after training).  No zero_plugin in the training code, except reading K to size the batches.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, set_seed
+from trl import SFTConfig, SFTTrainer
+
+import zero_plugin as zp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+import common  # noqa: E402
+
+GLOBAL_BATCH = 4
+
+
+def tiny_llama(seed: int, vocab: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config)
+
+
+def hf_rows(count: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        length = int(torch.randint(9, 31, (1,), generator=g))  # odd lengths too: K does not divide them all
+        ids = torch.randint(1, 256, (length,), generator=g).tolist()
+        prompt = int(torch.randint(1, 6, (1,), generator=g))
+        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return rows
+
+
+def common_args(out: str, per_device: int) -> dict:
+    return {
+        "output_dir": out,
+        "per_device_train_batch_size": per_device,
+        "per_device_eval_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "max_steps": 3,
+        "learning_rate": 5e-3,
+        "logging_steps": 1,
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "save_strategy": "no",
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+    }
+
+
+def losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    k = zp.ZeroConfig.from_env().resolved_sequence_parallel_size(world)
+    per_device = GLOBAL_BATCH // (world // k)
+    result = {"k": k}
+
+    set_seed(0)
+    rows = hf_rows(24, seed=1)
+    model = tiny_llama(0, 256)
+    if int(os.environ.get("RANK", "0")) == 0:
+        os.makedirs(args.out, exist_ok=True)
+        torch.save(
+            {n: t.detach().clone() for n, t in model.state_dict().items()}, os.path.join(args.out, "hf_initial.pt")
+        )
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(**common_args(os.path.join(args.out, "hf"), per_device)),
+        train_dataset=rows,
+        eval_dataset=hf_rows(6, seed=2),
+        data_collator=common.Collator(0),
+    )
+    trainer.train()
+    result["hf_losses"] = losses(trainer)
+    result["hf_eval_loss"] = trainer.evaluate()["eval_loss"]
+    result["hf_loader"] = type(trainer.get_train_dataloader()).__name__
+    result["hf_sequence_parallel_size"] = trainer.accelerator.sequence_parallel_size
+    hf_state = trainer.accelerator.get_state_dict(trainer.model)
+
+    tokenizer = common.default_tokenizer(common.DEFAULT_DATA, os.path.join(args.out, "cache"))
+    texts = [
+        {"text": " ".join(r["instruction"].split()[: 3 + i % 9])}
+        for i, r in enumerate(common.load_records(common.DEFAULT_DATA)[:24])
+    ]
+    set_seed(0)
+    sft = SFTTrainer(
+        model=tiny_llama(1, len(tokenizer)),
+        # SGD: Adam's first steps turn float noise on near-zero LoRA gradients into whole +-lr updates
+        args=SFTConfig(
+            **{**common_args(os.path.join(args.out, "trl"), per_device), "optim": "sgd", "learning_rate": 0.5},
+            max_length=64,
+            packing=False,
+            bf16=False,  # SFTConfig's default: float32, so that K = 1 and 2 can agree to float32 rounding
+        ),
+        train_dataset=Dataset.from_list(texts),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"),
+    )
+    sft.train()
+    result["trl_losses"] = losses(sft)
+    trl_state = sft.accelerator.get_state_dict(sft.model)
+    if trainer.is_world_process_zero():
+        torch.save(hf_state, os.path.join(args.out, "hf_weights.pt"))
+        torch.save(trl_state, os.path.join(args.out, "trl_weights.pt"))
+        with open(os.path.join(args.out, "result.json"), "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
