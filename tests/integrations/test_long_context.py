@@ -4,7 +4,8 @@ through the HF Trainer, TRL's SFTTrainer and ``examples/long_context_sft.py``, e
 * The done-when launch: ``zero-plugin launch --stage 3 --sequence_parallel_size 2 --num_processes 2
   examples/long_context_sft.py --seq_len 2048 --max_steps 2`` prints the per-step losses of the same launch with
   ``--sequence_parallel_size 1`` (within 1e-4 relative; float32, AdamW).
-* ``scripts/long_context_trainers.py``: the HF Trainer (full fine-tune, AdamW, 2 accumulation steps, rows of
+* ``scripts/long_context_trainers.py``: an Accelerate loop (``accelerator.prepare(loader)`` splits, the script
+  calls ``zp.sequence_parallel_loss``; SGD, losses to 1e-6), the HF Trainer (full fine-tune, AdamW, 2 accumulation steps, rows of
   different lengths right-padded with -100 under the pads and a prompt, evaluation at the end) and TRL's
   SFTTrainer (LoRA, SGD, gradient checkpointing, float32) at stage 3: per-step losses, the evaluation loss and the
   weights after training match K = 1's (Trainer: update-norm error ||w2 - w1|| / ||w1 - w0||; TRL: the LoRA
@@ -71,6 +72,12 @@ def test_launch_prints_the_same_losses_with_and_without_sequence_parallelism(run
     assert _close(losses[2], losses[1], 1e-4), losses
 
 
+def test_accelerate_loop_matches_its_k1_run(runs):
+    got, want = runs["trainers", 2].info["accelerate_losses"], runs["trainers", 1].info["accelerate_losses"]
+    assert len(want) == 4 and want[0] != want[-1]
+    assert _close(got, want, 1e-6), (got, want)
+
+
 def test_trainer_matches_its_k1_run(runs):
     k1, k2 = runs["trainers", 1], runs["trainers", 2]
     assert (k2.info["hf_loader"], k2.info["hf_sequence_parallel_size"]) == ("SequenceParallelDataLoader", 2)
@@ -95,3 +102,22 @@ def test_sft_trainer_matches_its_k1_run(runs):
     trained = sum(float(w1[n].double().norm()) ** 2 for n in lora_b) ** 0.5  # lora_B starts at zero
     error = sum(float((w2[n].double() - w1[n].double()).norm()) ** 2 for n in lora_b) ** 0.5
     assert trained > 0.01 and error / trained < 1e-5, (error, trained)
+
+
+def test_lightning_strategy_matches_its_k1_run():
+    """``ZeroStrategy(config="zero3", sequence_parallel_size=2)``: the sampler over the one data-parallel group,
+    batches split, the module's ``zp.sequence_parallel_loss``: losses (the ranks' mean per step), the validation
+    loss and the weights after 3 SGD steps equal K = 1's (the pool's 2 ranks, in process)."""
+    from tests.harness import run_ranks
+    from tests.integrations import lightning_sequence_workers as workers
+
+    k1, k2 = (run_ranks(2, workers.fit_worker, k) for k in (1, 2))
+    assert [r["replicas"] for r in k1] == [2, 2] and [r["replicas"] for r in k2] == [1, 1]
+    assert k2[0]["losses"] == k2[1]["losses"]  # a group's ranks report their sequences' loss
+    want = [(a + b) / 2 for a, b in zip(k1[0]["losses"], k1[1]["losses"])]
+    assert len(want) == 3 and want[0] != want[-1]
+    assert _close(k2[0]["losses"], want, 1e-6), (k2[0]["losses"], want)
+    assert _close([k2[0]["val_loss"]], [k1[0]["val_loss"]], 1e-6), (k2[0]["val_loss"], k1[0]["val_loss"])
+    w1, w2 = k1[0]["weights"], k2[0]["weights"]
+    assert w1.keys() == w2.keys()
+    assert max(float((w1[n] - w2[n]).abs().max()) for n in w1) < 1e-5

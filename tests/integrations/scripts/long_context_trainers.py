@@ -1,5 +1,5 @@
-"""The HF ``Trainer`` (full fine-tune, gradient accumulation, evaluation) and TRL's ``SFTTrainer`` (LoRA) on a tiny
-random Llama, one after the other, under whatever ``zero-plugin launch`` chose (``--sequence_parallel_size K``).
+"""A plain Accelerate loop, the HF ``Trainer`` (full fine-tune, gradient accumulation, evaluation) and TRL's
+``SFTTrainer`` (LoRA) on tiny random Llamas, one after the other, under whatever ``zero-plugin launch`` chose (``--sequence_parallel_size K``).
 
 Rows of different lengths (right-padded by the collators, with -100 under the pads and under a "prompt" at the
 start of each HF row), 4 rows per micro-batch over all ranks whatever K (``per_device_train_batch_size`` = 4 /
@@ -74,6 +74,36 @@ def common_args(out: str, per_device: int) -> dict:
     }
 
 
+def accelerate_loop(k: int, per_device: int) -> list[float]:
+    """A plain Accelerate loop (SGD, 4 steps): ``accelerator.prepare(loader)`` shards over the data-parallel
+    groups and splits the batches when K > 1, and the loss is then ``zp.sequence_parallel_loss``.  Every row has
+    the same number of labels, so K = 1's mean of the ranks' means is the mean over all rows."""
+    from accelerate import Accelerator  # zero_plugin's, under zero-plugin launch
+
+    accelerator = Accelerator()
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for _ in range(16):
+        ids = torch.randint(1, 256, (23,), generator=g).tolist()  # K does not divide 23
+        rows.append({"input_ids": ids, "labels": [-100] * 3 + ids[3:]})
+    model = tiny_llama(2, 256)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = torch.utils.data.DataLoader(rows, batch_size=per_device, collate_fn=common.Collator(0))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    out = []
+    for batch in loader:
+        if k > 1:
+            shift_labels = batch.pop("shift_labels")
+            loss = zp.sequence_parallel_loss(model(**batch).logits, shift_labels, model)
+        else:
+            loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append(accelerator.reduce(loss.detach(), "mean").item())
+    return out
+
+
 def losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
@@ -85,7 +115,7 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     k = zp.ZeroConfig.from_env().resolved_sequence_parallel_size(world)
     per_device = GLOBAL_BATCH // (world // k)
-    result = {"k": k}
+    result = {"k": k, "accelerate_losses": accelerate_loop(k, per_device)}
 
     set_seed(0)
     rows = hf_rows(24, seed=1)

@@ -137,6 +137,12 @@ class _ZeroStrategyMethods(ZeroProcesses):
             ``empty_init=False``) build parameters on the meta device and setup initialises them one unit at a
             time with each module's own init; False: build them for real on every rank, as DDP does.
             See [Note: meta construction] in ``lightning/common.py``.
+        sequence_parallel_size: Ulysses sequence parallelism over groups of K consecutive ranks (sets
+            ``ZeroConfig.sequence_parallel_size``; None: the config's).  With K > 1 the loaders' distributed
+            sampler is over the N / K data-parallel groups and their batches are split for this rank by
+            ``zp.sequence_parallel_batch`` (training, validation and test alike): the steps get ``input_ids``,
+            ``position_ids`` and ``shift_labels`` of this rank's slice and must compute the loss with
+            ``zp.sequence_parallel_loss(logits, batch["shift_labels"], self)`` (docs/long-context.md).
     """
 
     strategy_name = "zero"
@@ -158,6 +164,7 @@ class _ZeroStrategyMethods(ZeroProcesses):
         timeout: timedelta | None = default_pg_timeout,
         param_source: Any = None,
         meta_init: bool = True,
+        sequence_parallel_size: int | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -167,6 +174,8 @@ class _ZeroStrategyMethods(ZeroProcesses):
             precision_plugin=precision_plugin,
         )
         self._set_options(config, checkpoint, param_source, meta_init, process_group_backend, timeout)
+        if sequence_parallel_size is not None:
+            self.config = self.config.replace(sequence_parallel_size=sequence_parallel_size)
         self.num_nodes = 1
 
     # -- precision: always our wrapper ------------------------------------------------------------
@@ -192,6 +201,21 @@ class _ZeroStrategyMethods(ZeroProcesses):
     def is_distributed(self) -> bool:
         # Read by the connector for custom strategies: turns on the DistributedSampler.
         return True
+
+    # -- data under sequence parallelism -------------------------------------------------------------------
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Over the data-parallel groups: the K ranks of a sequence-parallel group read the same batches."""
+        world = self.num_nodes * self.num_processes
+        k = self.config.resolved_sequence_parallel_size(world)
+        return {"num_replicas": world // k, "rank": self.global_rank // k}
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """With ``sequence_parallel_size`` > 1, each batch split for this rank (on its device: the split compares
+        the group's batches with a collective)."""
+        if self.config.sequence_parallel_size == 1:
+            return dataloader
+        return _SequenceParallelBatches(dataloader, self)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -346,6 +370,31 @@ class _ZeroStrategyMethods(ZeroProcesses):
 
 
 # -- ModelSummary with full parameter counts ----------------------------------------------------------------------
+class _SequenceParallelBatches:
+    """A Lightning loader whose batches go to the strategy's device and through ``zp.sequence_parallel_batch`` for
+    the LightningModule; ``len`` and the rest pass through."""
+
+    def __init__(self, loader: Any, strategy: _ZeroStrategyMethods) -> None:
+        self.loader, self.strategy = loader, strategy
+
+    def __iter__(self):
+        device = self.strategy.root_device
+        for batch in self.loader:
+            if not isinstance(batch, Mapping):
+                raise ValueError(
+                    "ZeroStrategy(sequence_parallel_size > 1) splits batches that are mappings with input_ids "
+                    f"[batch, seq] (and labels, position_ids); the loader gave a {type(batch).__name__}"
+                )
+            batch = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+            yield zp.sequence_parallel_batch(batch, self.strategy.lightning_module)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
+
+
 def _full_numel(module: nn.Module) -> Callable[[nn.Parameter], int]:
     engine = common.engine_or_none(module)
     return engine.full_numel if engine is not None else (lambda p: p.numel())
