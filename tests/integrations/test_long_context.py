@@ -121,3 +121,26 @@ def test_lightning_strategy_matches_its_k1_run():
     w1, w2 = k1[0]["weights"], k2[0]["weights"]
     assert w1.keys() == w2.keys()
     assert max(float((w1[n] - w2[n]).abs().max()) for n in w1) < 1e-5
+
+
+def test_launch_flag_and_accelerate_section_reach_the_config(monkeypatch, tmp_path):
+    """``--sequence_parallel_size`` and a ``zero_plugin:`` section's ``sequence_parallel_size`` reach
+    ``ZeroConfig.from_env`` in the processes as the other settings do; a K that does not divide the processes is
+    refused before any starts (no processes started here)."""
+    from tests.integrations.test_accelerate import _build_launch
+    from zero_plugin.config import ZeroConfig
+    from zero_plugin.launch import launcher
+
+    _, env, _ = _build_launch(["--num_processes", "2", "--sequence_parallel_size", "2", "t.py"], monkeypatch, tmp_path)
+    assert ZeroConfig.from_env(env).sequence_parallel_size == 2
+    (tmp_path / "acc.yaml").write_text("num_processes: 2\nzero_plugin:\n  stage: 3\n  sequence_parallel_size: 2\n")
+    args, env, temp_files = _build_launch(["--config_file", "acc.yaml", "t.py"], monkeypatch, tmp_path)
+    for path in temp_files:
+        os.unlink(path)
+    config = ZeroConfig.from_env(env)
+    assert (config.stage, config.sequence_parallel_size) == (3, 2)
+    with pytest.raises(ValueError, match="sequence_parallel_size=3 must divide the world size 2"):
+        args, env, temp_files = _build_launch(
+            ["--num_processes", "2", "--sequence_parallel_size", "3", "t.py"], monkeypatch, tmp_path
+        )
+        launcher._check_sequence_parallel(args, env)

@@ -75,6 +75,7 @@ def launch(argv: list[str]) -> int:
         script_args = list(args.training_script_args)
         _check_trainer_deepspeed(script_args, env)
         _prepare_accelerate_args(args, accelerate_settings, env)
+        _check_sequence_parallel(args, env)
     except ValueError as exc:
         print(f"zero-plugin launch: {exc}", file=sys.stderr)
         return 2
@@ -111,6 +112,13 @@ def _zero_environment(args: argparse.Namespace, section: str | None) -> dict[str
     except (ValueError, FileNotFoundError) as exc:
         raise ValueError(f"invalid zero_plugin configuration: {exc}") from None
     return env
+
+
+def _check_sequence_parallel(args: argparse.Namespace, env: dict[str, str]) -> None:
+    """``sequence_parallel_size`` (flag, variable or file) must divide the processes started, checked before any
+    starts; a launch whose process count is left to Accelerate's GPU defaults is checked by each process."""
+    if args.num_processes is not None:
+        ZeroConfig.from_env({**os.environ, **env}).resolved_sequence_parallel_size(int(args.num_processes))
 
 
 def _split_accelerate_config(path: str | None, temp_files: list[str]) -> tuple[str | None, str | None, dict]:
