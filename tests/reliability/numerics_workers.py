@@ -149,3 +149,50 @@ def lora_probe_discarded_worker(stage: int, batches: list, probes: list) -> dict
         opt.step()
         opt.zero_grad()
     return zp.full_state_dict(model, rank0_only=False, trainable_only=True)
+
+
+# -- the inf/NaN check folded into stage 0's average ([Note: finite check in the average]) ----------------
+UNCLIPPED_POISONS = ("loss", "grad_in_place", "hook_and_write", "none")
+
+
+def unclipped_poison_worker(stage: int, poison: str, dtype: str = "fp32") -> dict:
+    """Step 0 clean, step 1 poisoned on the last rank only, step 2 clean; no clipping, no loss scaling, so the
+    step's own inf/NaN check decides.  One parameter per bucket.  ``poison``: "loss" (a NaN loss),
+    "grad_in_place" (an inf written into the first parameter's reduced ``param.grad`` after backward),
+    "hook_and_write" (the first parameter's gradient made inf in backward, before its reduction, and the last
+    one's reduced gradient scaled in place by 1.0 after it: the step reads that one and takes the other's
+    answer from its average), "none".  Also the aten ops of each step that compute norms."""
+    torch_dtype = {"fp32": torch.float32, "fp64": torch.float64}[dtype]
+    model = models.make_odd_mlp(dtype=torch_dtype)
+    config = zp.ZeroConfig(stage=stage, bucket_size_mb=1e-6)  # one parameter per bucket
+    model, opt = zp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    first, last = list(model.parameters())[0], list(model.parameters())[-1]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = models.make_batches("mlp", 3, world, 2, dtype=torch_dtype)
+    out = {"changed": [], "skipped": [], "norm_ops": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, batch in enumerate(batches):
+            before = _snapshot(model)
+            loss = models.loss_fn(model, models.shard_batch(batch, rank, world))
+            poisoned = step == 1 and rank == world - 1
+            if poisoned and poison == "loss":
+                loss = loss * float("nan")
+            hook = first.register_hook(lambda g: g + float("inf")) if poisoned and poison == "hook_and_write" else None
+            loss.backward()
+            if hook is not None:
+                hook.remove()
+                last.grad.mul_(1.0)
+            if poisoned and poison == "grad_in_place":
+                first.grad.view(-1)[0] = float("inf")
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                opt.step()
+            opt.zero_grad()
+            out["norm_ops"].append(
+                sorted({e.key for e in prof.key_averages() if "norm" in e.key and e.key.startswith("aten::")})
+            )
+            after = _snapshot(model)
+            out["changed"].append(any(not torch.equal(before[k], after[k]) for k in before))
+            out["skipped"].append(opt.skipped_steps)
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return out

@@ -152,3 +152,29 @@ def test_peft_model_zero_grad_discards_probe_gradients(stage):
     params = run_ranks(2, NW.lora_probe_discarded_worker, stage, batches, probes)[0]
     err = models.update_norm_error({n: params[n] for n in ref["params"]}, ref["params"], ref["init_params"])
     assert err <= 1e-3, f"update-norm error {err:.3g}"
+
+
+# -- the inf/NaN check folded into stage 0's average ([Note: finite check in the average]) -------------------
+@pytest.mark.parametrize("poison", ["loss", "grad_in_place", "hook_and_write"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stage0_unclipped_nonfinite_is_skipped_everywhere(world_size, poison):
+    """No clipping, no scaler: an inf/NaN in the reduced gradients on one rank (from the loss, or written into
+    ``param.grad`` after backward, which the check made while averaging cannot have seen) skips the step on
+    every rank, as before the check was folded into the average."""
+    for r in run_ranks(world_size, NW.unclipped_poison_worker, 0, poison):
+        assert r["changed"] == [True, False, True] and r["skipped"] == [0, 1, 1], r
+        assert any("non-finite gradient" in w for w in r["warnings"]), r["warnings"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
+def test_stage0_step_reads_no_gradient_norm_at_a_power_of_two_world(dtype):
+    """Stage 0 at N = 2: the all-reduce's average (a multiplication by 1/N, exact for a power of two) takes
+    the inf/NaN answer on the way, so the step does no pass of its own over the gradients (issue #49: a
+    foreach norm over Ψ was DDP + optimizer's step plus one read of every gradient).  Where gradients were
+    written after backward the step reads those (test above); at N = 3 division is kept (x / 3 is not x * (1/3))
+    and so is the norm."""
+    for r in run_ranks(2, NW.unclipped_poison_worker, 0, "none", dtype):
+        assert r["skipped"] == [0, 0, 0] and r["changed"] == [True, True, True], r
+        assert r["norm_ops"] == [[], [], []], r["norm_ops"]
+    r3 = run_ranks(3, NW.unclipped_poison_worker, 0, "none", dtype)[0]
+    assert all(ops for ops in r3["norm_ops"]), r3["norm_ops"]

@@ -246,6 +246,12 @@ class Engine:
     def owned_grads(self) -> list[torch.Tensor]:
         return [g for g in (self.owned_grad(s) for s in self.slots) if g is not None]
 
+    def checked_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The owned gradients as the step's inf/NaN check needs them: one-element float32 flags (1: inf/NaN)
+        the reduction already took for some of them, and the rest, to read ([Note: finite check in the
+        average] in comm/layout.py)."""
+        return [], self.owned_grads()
+
     def accumulator(self) -> Any:
         """What ``zp.no_sync`` suspends: the stage's gradient reducer, whose ``no_sync()`` is a context."""
         raise NotImplementedError

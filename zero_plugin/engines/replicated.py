@@ -81,6 +81,9 @@ class ReplicatedEngine(Engine):
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:
         return self.reducer.owned_grad(slot)
 
+    def checked_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self.reducer.checked_grads()
+
     # [Note: writes to parameters behind separate masters]
     # With fp32 masters of lower-precision parameters (or masters on the host), the optimizer steps the
     # master and writes it back into the parameter, so a write to the parameter itself between steps

@@ -202,6 +202,10 @@ class GradReducer:
             elif slot.param.grad is not None:
                 slot.param.grad.zero_()
 
+    def checked_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(inf/NaN flags already taken, gradients still to read) for the step's check: none taken here."""
+        return [], [g for g in (self.owned.get(id(s.param)) for s in self.slots) if g is not None]
+
     def grad_tensors(self) -> list[torch.Tensor]:
         """Every gradient tensor this reducer keeps alive (for memory accounting)."""
         return list(self.owned.values()) + self.views.tensors()
@@ -244,12 +248,39 @@ class AllReduceReducer(GradReducer):
             self.comm, bucket.slots, self._buffer_dtype(bucket), bucket.slots[0].param.device
         )
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # [Note: finite check in the average] in comm/layout.py: id(bucket) -> (its inf/NaN flag, the version of
+        # its buffer the flag describes), for viewed buckets whose last average took the answer
+        self._checked: dict[int, tuple[torch.Tensor, int]] = {}
+
     @torch.no_grad()
     def _complete(self, bucket: Bucket, pending: comm_layout.FlatAllReduce) -> None:
         # Flags read here, not deferred: this store overwrites param.grad, so storing a late re-reduction
         # before an earlier deferred one would keep the stale value ([Note: deferred has-gradient flags]).
         with phase("reduce_bucket_wait"):
-            pending.complete("gradient reduction", self._store_view if id(bucket) in self._viewed else self._store)
+            if id(bucket) not in self._viewed:
+                pending.complete("gradient reduction", self._store)
+                return
+            found = torch.zeros(1, dtype=torch.float32, device=pending.buffer.device)
+            if pending.complete("gradient reduction", self._store_view, found):
+                self._checked[id(bucket)] = (found, pending.buffer._version)
+            else:
+                self._checked.pop(id(bucket), None)
+
+    def checked_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The reduced gradients split for the step's inf/NaN check: the flags the averages took for buckets
+        untouched since ([Note: finite check in the average] in comm/layout.py; a write into any view bumps
+        its buffer's version), and every other reduced gradient, for the check to read."""
+        flags, unchecked = [], []
+        for bucket in self.buckets:
+            grads = [g for g in (self.owned.get(id(s.param)) for s in bucket.slots) if g is not None]
+            checked = self._checked.get(id(bucket))
+            if grads and checked is not None and checked[1] == self.views.buffer(bucket)._version:
+                flags.append(checked[0])
+            else:
+                unchecked += grads
+        return flags, unchecked
 
     def _store_view(self, slot: MasterParam, reduced: torch.Tensor) -> None:
         self.owned[id(slot.param)] = store_view(slot, reduced)

@@ -84,10 +84,14 @@ class GradGuard:
         norm = self.engine.step_grad_norm
         if norm is not None:
             return not math.isfinite(norm)
-        sums = _l2_norms(self.engine.owned_grads())
-        device = sums[0].device if sums else torch.device("cpu")
+        flags, unchecked = self.engine.checked_grads()  # [Note: finite check in the average] in comm/layout.py
+        sums = _l2_norms(unchecked)
+        device = (sums or flags)[0].device if sums or flags else torch.device("cpu")
         if self.engine.comm.device.type == "cuda":
             device = self.engine.comm.device  # NCCL reduces CUDA tensors only
+        if flags:  # inf where a reduction saw one, summed with the norms (0 * inf would be NaN: where, not mul)
+            flag = (flags[0] if len(flags) == 1 else torch.cat(flags)).sum()
+            sums = sums + [torch.where(flag > 0, math.inf, 0.0).to(torch.float32).reshape(1)]
         if sums:  # one vector of norms per precision: cat only where there are two
             total = (sums[0] if len(sums) == 1 else torch.cat(sums)).sum().reshape(1).to(device)
         else:
