@@ -22,6 +22,7 @@ from .optim.partition import choose_partition
 from .optim.state import region_of
 from .optim.whole_params import WholeParams
 from .optim.zero_optimizer import ZeroOptimizer
+from .sequence import offload as activation_offload
 from .sequence import parallel as sequence_parallel
 from .stages import build_engine, build_inference_engine
 
@@ -78,6 +79,8 @@ def setup(
         source = materialize.recorded_source(model)  # [Note: recorded sources] in materialize.py
     if optimizer is None:
         return _setup_for_evaluation(model, config, comm, source, group), None
+    # [Note: activation offload]: refused (every rank alike) when nothing is checkpointed
+    activation_offload.enable(model, config.offload_activations)
     # before any sharding: a refused optimizer changes nothing
     partitions = [choose_partition(opt, config.optimizer_partition, config.stage) for opt in optimizers]
     if len(optimizers) > 1 and config.scales_loss:

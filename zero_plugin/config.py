@@ -69,7 +69,7 @@ class ZeroConfig:
     2 = + gradients (P_os+g), 3 = + parameters (P_os+g+p). Default 2."""
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     """Optimizer state and parameter shards on the host, and the optimizer's partition over the ranks:
-    ``offload_optimizer``, ``offload_params``, ``optimizer_partition``."""
+    ``offload_optimizer``, ``offload_params``, ``optimizer_partition``, ``offload_activations``."""
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     """dtypes, loss scaling, clipping: ``param_dtype``, ``reduce_dtype``, ``master_dtype``, ``clip_grad_norm``,
     ``loss_scaling``, ``loss_scale``, ``loss_scale_init``, ``loss_scale_growth_interval``."""

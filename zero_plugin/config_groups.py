@@ -100,6 +100,14 @@ class OffloadConfig(_Group):
     other. Forcing "elements" on an optimizer known to read a parameter's shape is refused. Ignored at stage 0
     (whole parameters on every rank). Default "auto"."""
 
+    activations: str = setting("none", values.OFFLOAD, flat="offload_activations")
+    """Where the inputs of activation-checkpointed layers wait between forward and the recompute in backward:
+    "none" (the device) or "cpu" (host memory: pinned, copied on a side stream without blocking on CUDA, brought
+    back for the recompute; on CPU the same code runs and moves nothing). Needs the model's activation
+    checkpointing (transformers' ``activation_checkpointing_enable``), checked at setup; any stage, with or
+    without sequence parallelism ([Note: activation offload] in sequence/offload.py, docs/long-context.md).
+    None/False/True normalise. Default "none"."""
+
     def __bool__(self) -> bool:
         return self.optimizer == "cpu"
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import zero_plugin as zp
 from tests.models import llama_config, ranks_threads
+from zero_plugin.sequence.offload import offload_of
 
 VOCAB, HIDDEN, STEPS, BATCH, LR = 61, 32, 3, 2, 0.5
 
@@ -30,12 +31,14 @@ class Case:
     checkpointing: bool = False
     dtype: torch.dtype = torch.float64
     lora: bool = False
+    offload_activations: bool = False
     options: tuple = ()
     """Other ZeroConfig fields, as (name, value) pairs."""
 
     @property
     def name(self) -> str:
         extra = ("+offload" if self.offload else "") + ("+checkpointing" if self.checkpointing else "")
+        extra += "+offload_activations" if self.offload_activations else ""
         extra += ("+lora" if self.lora else "") + "".join(f"+{k}={v}" for k, v in self.options)
         return f"stage{self.stage}{extra}-K{self.k}-s{self.seq}-{self.attention}-{str(self.dtype)[6:]}"
 
@@ -121,6 +124,7 @@ def train_case(case: Case) -> dict:
         offload_optimizer="cpu" if case.offload else "none",
         offload_params=case.offload and case.stage == 3,
         sequence_parallel_size=case.k,
+        offload_activations="cpu" if case.offload_activations else "none",
         **dict(case.options),
     )
     model, opt = zp.setup(model, torch.optim.SGD(trainable(model), lr=LR), config)
@@ -144,6 +148,7 @@ def train_case(case: Case) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     stats = zp.comm_stats()
+    offload = offload_of(model)
     with setting.paused(), torch.no_grad():  # the original attention on whole sequences, e.g. an evaluation
         whole = batches[0][0]
         paused_loss = whole_sequence_loss(model(input_ids=whole["input_ids"]).logits, whole["labels"]).item()
@@ -154,6 +159,7 @@ def train_case(case: Case) -> dict:
         "paused_loss": paused_loss,
         "all_to_all_calls": stats.get("all_to_all", {}).get("calls", 0),
         "sequence_group_calls": stats.get("sequence_group", {}).get("calls", 0),
+        "offload": dataclasses.asdict(offload.stats) if offload is not None else None,
         "params": {n: t.to(torch.float64) for n, t in full.items() if n in dict(model.named_parameters())},
     }
 
@@ -170,6 +176,17 @@ def refused(k: int, heads: int, kv_heads: int) -> str:
     model = LlamaForCausalLM(config)
     try:
         zp.setup(model, torch.optim.SGD(model.parameters(), lr=LR), zp.ZeroConfig(stage=1, sequence_parallel_size=k))
+    except ValueError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def offload_without_checkpointing() -> str:
+    """``offload_activations="cpu"`` on a model that checkpoints nothing is refused at setup."""
+    model = make_model("sdpa")
+    config = zp.ZeroConfig(stage=2, sequence_parallel_size=2, offload_activations="cpu")
+    try:
+        zp.setup(model, torch.optim.SGD(model.parameters(), lr=LR), config)
     except ValueError as exc:
         return str(exc)
     return "not refused"

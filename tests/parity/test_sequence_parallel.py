@@ -15,6 +15,12 @@ prefetch_depth 2 with accumulate_full_grads gave the same figures once, not kept
 ``SequenceParallel.paused()`` runs the original attention on a whole sequence, with the reference's loss.
 
 All cases of one world size run in one pool call (workers reused).
+
+Activation offload (``offload_activations="cpu"``, with checkpointing) at K = 2 on 2 ranks, stages 1, 2, 3 and
+3 + optimizer offload, and PEFT LoRA at stage 3: every rank's losses and the parameters after training are
+bit-identical to the same run without offload (on CPU the checkpointed inputs stay in place, through the same
+hooks), and equal the whole-sequence reference as above; the bytes it counted equal the planner's
+``checkpointed_input_bytes`` (2 layers x 2 sequences x 8 tokens per rank x 32 hidden x 8 bytes, per step).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from tests.harness import run_ranks
 from tests.models import update_norm_error
 from tests.parity import sequence_workers as w
+from zero_plugin.planner.long_context import checkpointed_input_bytes
 
 C = w.Case
 CASES = {
@@ -48,6 +55,11 @@ CASES = {
     ],
 }
 EXACT, FLOAT32 = 1e-12, 1e-6
+OFFLOAD_CASES = [
+    C(stage, 2, offload=offload, checkpointing=True, offload_activations=with_offload)
+    for stage, offload in ((1, False), (2, False), (3, False), (3, True))
+    for with_offload in (False, True)
+] + [C(3, 2, lora=True, checkpointing=True, offload_activations=True)]
 
 
 def _tolerance(case: w.Case) -> float:
@@ -79,6 +91,34 @@ def test_losses_and_updates_equal_whole_sequence_training(world):
         assert error <= tol, (case.name, error)
 
 
+def test_activation_offload_equals_no_offload_and_whole_sequences():
+    results = run_ranks(2, w.train_cases, OFFLOAD_CASES)
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=w.HIDDEN, num_hidden_layers=2)
+    per_step = checkpointed_input_bytes(config, batch=w.BATCH, seq=16, sequence_parallel=2, dtype=torch.float64)
+    assert per_step == 2 * w.BATCH * 8 * w.HIDDEN * 8
+    refs = {}  # stage and offload do not change the reference: one per model
+    for i, case in enumerate(OFFLOAD_CASES):
+        ref = refs.get(case.lora) or refs.setdefault(case.lora, w.reference(case, 1))
+        for rank, out in enumerate(results):
+            for step, loss in enumerate(out[i]["losses"]):
+                expected = ref["losses"][step][0]
+                assert abs(loss - expected) <= EXACT * abs(expected), (case.name, rank, step, loss, expected)
+            stats = out[i]["offload"]
+            if case.offload_activations:
+                assert stats["packed_bytes"] == stats["unpacked_bytes"] == w.STEPS * per_step, (case.name, stats)
+                assert stats["host_peak_bytes"] == per_step and stats["host_bytes"] == 0, (case.name, stats)
+            else:
+                assert stats is None, case.name
+        error = update_norm_error(results[0][i]["params"], ref["params"], ref["theta0"])
+        assert error <= EXACT, (case.name, error)
+        if case.offload_activations and not case.lora:  # against the twin without offload: bit-identical
+            twin = results[0][i - 1]
+            assert [out[i]["losses"] for out in results] == [out[i - 1]["losses"] for out in results], case.name
+            assert all(torch.equal(p, twin["params"][n]) for n, p in results[0][i]["params"].items()), case.name
+
+
 def test_refusals():
     """Heads that K does not divide are refused at setup naming both numbers; a group whose ranks got different
     batches is refused at the batch split, a batch that skipped the split at the attention; K must divide the world
@@ -89,5 +129,7 @@ def test_refusals():
     assert all("hold different batches" in m for m in messages), messages
     messages = run_ranks(2, w.unsplit_forward)
     assert all("got 1 x 8 tokens per rank, but the last zp.sequence_parallel_batch gave none" in m for m in messages)
+    messages = run_ranks(2, w.offload_without_checkpointing)
+    assert all("offload_activations='cpu' moves the inputs of activation-checkpointed layers" in m for m in messages)
     messages = run_ranks(2, w.refused, 4, 4, 2)
     assert all("sequence_parallel_size=4 must divide the world size 2" in m for m in messages), messages

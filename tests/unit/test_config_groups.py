@@ -81,10 +81,11 @@ def test_every_flat_name_reads_its_group_field():
 
 
 def test_flat_names_are_the_fields_of_before():
-    """The 31 names existing code, saved configs and ZERO_PLUGIN_* variables use, optimizer_partition (#48) and
-    sequence_parallel_size (#50)."""
+    """The 31 names existing code, saved configs and ZERO_PLUGIN_* variables use, optimizer_partition (#48),
+    sequence_parallel_size and offload_activations (#50)."""
     assert set(ZeroConfig().to_dict()) == {"stage", *FLAT_NAMES}
-    assert len(FLAT_NAMES) == 33 and {"optimizer_partition", "sequence_parallel_size"} <= FLAT_NAMES.keys()
+    new = {"optimizer_partition", "sequence_parallel_size", "offload_activations"}
+    assert len(FLAT_NAMES) == 34 and new <= FLAT_NAMES.keys()
 
 
 # --------------------------------------------------------------------- grouped == flat
@@ -244,7 +245,12 @@ def test_to_dict_is_flat_and_grouped_on_request():
     config = ZeroConfig(**GROUPED)
     flat, grouped = config.to_dict(), config.to_dict(grouped=True)
     assert flat["offload_optimizer"] == "cpu" and flat["param_dtype"] == "bf16" and "offload" not in flat
-    assert grouped["offload"] == {"optimizer": "cpu", "params": True, "optimizer_partition": "auto"}
+    assert grouped["offload"] == {
+        "optimizer": "cpu",
+        "params": True,
+        "optimizer_partition": "auto",
+        "activations": "none",
+    }
     assert grouped["loading"] == {"cpu_ram_efficient": True, "lazy": False}
     assert grouped["stage3"]["unit_classes"] == [f"{__name__}.Block", "GPT2Block"]
     assert set(grouped) == {"stage", *GROUPS}
@@ -357,8 +363,8 @@ def test_environment_renamed_fields_keep_their_variables():
 # ranks, checkpoint metadata and the rank check keep agreeing with configs written either way.  A new field changes
 # every digest; update these with it.
 PINNED = {
-    "default": "0544f36005d3c25cd0d961d7459e06951f6afef25f9624489ec4a09f24a42e29",
-    "stage3_offload_bf16": "9ea449719375bae4605a23dabebe8e05fabb3776c0e8cf9ab68729630fc1e56e",
+    "default": "6a0ae08820fa526f99ab13db90138e8f8857e0c4232bb1faa655358e31a1570a",
+    "stage3_offload_bf16": "144199d0ff110e92e3ca8535d8697451a78f33504b743aee68f29c37146c2277",
 }
 
 

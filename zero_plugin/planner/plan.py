@@ -45,6 +45,8 @@ see the numbers there for how well it holds).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from typing import Any, Callable
 
 import torch
@@ -52,6 +54,7 @@ import torch
 from ..comm.collectives import regions_in_place
 from ..config import ZeroConfig
 from ..memory import theory_bytes
+from .long_context import long_context_step
 from .replay import Memory, Replay, ReplicatedReplay, Setting, Stage3Replay
 from .trace import ParamInfo, Trace, checkpointing, default_loss, hf_inputs, resolve_model, synthetic_trace, trace_model
 
@@ -89,6 +92,11 @@ class Planner:
     ``config``: the rest of ``ZeroConfig`` (bucket size, prefetch depth, units, reduce dtype).
     ``device``: "cuda" (the default planning target) or "cpu" (what a CPU-only run does: offload copies
     nothing and the optimizer steps one tensor at a time).
+    Long context (``long_context.py``): ``sequence_parallel=K`` traces one rank of a Ulysses group of K, its
+    ceil(seq / K) tokens with attention over the whole ``seq`` for 1/K of the heads (the real wrapper and
+    exchange over a stand-in group) and the loss on its logits; ``offload_activations`` (with checkpointing, on
+    device "cuda") moves the checkpointed layers' inputs to the host (``peak["host"]``); ``tiled_loss`` (tokens
+    per tile) computes the loss with ``zp.tiled_lm_loss`` instead of whole logits.
     """
 
     def __init__(
@@ -104,6 +112,9 @@ class Planner:
         state_per_param: int = 2,
         inputs: Callable | None = None,
         loss_fn: Callable | None = None,
+        sequence_parallel: int = 1,
+        offload_activations: bool = False,
+        tiled_loss: int | None = None,
     ) -> None:
         if device not in ("cuda", "cpu"):
             raise ValueError(f"planner: device must be 'cuda' or 'cpu'; got {device!r}")
@@ -113,6 +124,12 @@ class Planner:
             raise ValueError(
                 f"planner: batch and seq must be given together, as ints >= 1; got batch={batch!r}, seq={seq!r}"
             )
+        if offload_activations and not checkpointing:
+            raise ValueError("planner: offload_activations moves checkpointed layers' inputs: it needs checkpointing")
+        if isinstance(sequence_parallel, bool) or not isinstance(sequence_parallel, int) or sequence_parallel < 1:
+            raise ValueError(f"planner: sequence_parallel must be an int >= 1; got {sequence_parallel!r}")
+        self.sequence_parallel, self.tiled_loss = sequence_parallel, tiled_loss
+        self.offload_activations = offload_activations and device == "cuda"  # on CPU nothing moves
         config = config or ZeroConfig()
         self.config = config.replace(param_dtype=param_dtype) if param_dtype is not None else config
         self.device, self.state_per_param = device, state_per_param
@@ -136,11 +153,19 @@ class Planner:
 
         model = self.model
         modules, owner = assign_units(model, self.config)
+        long = inputs is None and (self.sequence_parallel > 1 or self.tiled_loss is not None)
         make = inputs or hf_inputs(model, self.batch or 1, self.seq or 1)
         was_training = model.training
         model.train()
         try:
-            with checkpointing(model, self.checkpointing):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(checkpointing(model, self.checkpointing))
+                if long:
+                    make, loss_fn = stack.enter_context(
+                        long_context_step(
+                            model, self.batch or 1, self.seq or 1, self.sequence_parallel, self.tiled_loss
+                        )
+                    )
                 trace = trace_model(
                     model,
                     [m for _, m in modules],
@@ -149,6 +174,7 @@ class Planner:
                     make,
                     param_dtype=self.config.param_dtype,
                     loss_fn=loss_fn or default_loss,
+                    offload_activations=self.offload_activations,
                 )
         finally:
             model.train(was_training)
@@ -156,6 +182,13 @@ class Planner:
             trace.events = [("seg", 0, 0) if ev[0] == "seg" else ev for ev in trace.events]
             trace.saved_bytes = trace.forward_bytes = trace.peak_bytes = 0
         return trace
+
+    def with_trace(self, trace: Trace, seq: int) -> Planner:
+        """This plan with another activation trace of the same model (``long_context.py`` extrapolates one
+        to a sequence length it did not trace)."""
+        other = copy.copy(self)
+        other.trace, other.seq = trace, seq
+        return other
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -352,6 +385,7 @@ def _result(plan: Planner, s: Setting, theory: dict[str, float], replay: Replay,
             "end_of_forward": plan.trace.forward_bytes,
             "peak": plan.trace.peak_bytes,
             "at_peak": snapshot["activations"],
+            "offloaded": plan.trace.offloaded_bytes,
         },
         "at_peak": {
             "phase": snapshot["phase"],
@@ -363,7 +397,7 @@ def _result(plan: Planner, s: Setting, theory: dict[str, float], replay: Replay,
         },
         "peak": {
             "device": device_peak,
-            "host": mem.peaks["host"][0],
+            "host": mem.peaks["host"][0] + plan.trace.offloaded_bytes,
             "total": mem.peaks["total"][0],
             "phase": snapshot["phase"],
         },

@@ -113,6 +113,7 @@ class Trace:
     saved_bytes: int = 0  # distinct storages saved for backward (saved_tensors_hooks), end of forward
     forward_bytes: int = 0  # activation bytes alive at the end of forward (what backward starts from)
     peak_bytes: int = 0  # peak activation bytes over forward + backward
+    offloaded_bytes: int = 0  # checkpointed layer inputs parked in host memory at once (activation offload)
 
     @property
     def forward_order(self) -> list[int]:
@@ -292,10 +293,13 @@ def trace_model(
     *,
     param_dtype: torch.dtype | None,
     loss_fn: Callable[[Any], torch.Tensor],
+    offload_activations: bool = False,
 ) -> Trace:
     """Run one forward + backward of ``model`` on fake tensors and return its timeline.
 
-    ``units[0]`` is the model (the root unit); ``owner`` maps id(param) -> unit index.
+    ``units[0]`` is the model (the root unit); ``owner`` maps id(param) -> unit index.  ``offload_activations``:
+    the checkpointed layers' inputs leave the device as ``ZeroConfig.offload_activations="cpu"`` moves them on
+    CUDA (``_TracedOffload``).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -310,10 +314,17 @@ def trace_model(
     live = _LiveBytes(external)
     saved = _SavedBytes(external)
     hooks = _Hooks(live, units, list(fparams.values()))
+    offload = _TracedOffload(live) if offload_activations else None
     try:
         # The fake tensors stand in for the parameters until backward is done: activation
         # checkpointing re-runs the forward inside backward.
-        with mode, live, _eager_masks(), _reparametrize_module(model, {**fparams, **fbuffers}, tie_weights=True):
+        with (
+            mode,
+            live,
+            _eager_masks(),
+            _reparametrize_module(model, {**fparams, **fbuffers}, tie_weights=True),
+            _offloaded_checkpoints(model, offload),
+        ):
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                 loss = loss_fn(model(*args, **kwargs))
             forward_bytes = live.cur
@@ -330,7 +341,60 @@ def trace_model(
         saved_bytes=saved.total,
         forward_bytes=forward_bytes,
         peak_bytes=live.peak,
+        offloaded_bytes=offload.peak if offload is not None else 0,
     )
+
+
+class _TracedOffload:
+    """[Note: activation offload] in ``sequence/offload.py`` as the trace counts it on CUDA: a packed layer input
+    leaves the device count when the next layer's pack lets it go (the compute stream waited for its copy), the
+    last one stays on the device; unpacking a tensor that left allocates it again for the recompute."""
+
+    def __init__(self, live: _LiveBytes) -> None:
+        self.live, self.pending, self.host, self.peak = live, None, 0, 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, nn.Parameter):
+            return t
+        self._let_go()
+        parked = self.pending = [t, True]
+        self.host += t.numel() * t.element_size()
+        self.peak = max(self.peak, self.host)
+        return parked
+
+    def _let_go(self) -> None:
+        if self.pending is not None:
+            t = self.pending[0]
+            self.live.take(t, t.numel() * t.element_size())
+            self.pending[1], self.pending = False, None
+
+    def unpack(self, parked: Any) -> torch.Tensor:
+        if not isinstance(parked, list):
+            return parked
+        t, on_device = parked
+        return t if on_device else t.clone()
+
+
+@contextlib.contextmanager
+def _offloaded_checkpoints(model: nn.Module, offload: _TracedOffload | None):
+    """The model's checkpoint functions run inside ``offload``'s hooks for the trace (none: unchanged)."""
+    from ..sequence.offload import OffloadedCheckpoint
+
+    wrapped = []
+    if offload is not None:
+        for m in model.modules():
+            inner = getattr(m, "_gradient_checkpointing_func", None)
+            if getattr(m, "gradient_checkpointing", False) and callable(inner):
+                wrapped.append((m, inner))
+                m._gradient_checkpointing_func = OffloadedCheckpoint(inner, offload)
+    try:
+        yield
+    finally:
+        for m, inner in wrapped:
+            m._gradient_checkpointing_func = inner
 
 
 # -- model ------------------------------------------------------------------------------------------

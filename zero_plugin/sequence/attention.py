@@ -35,7 +35,7 @@ from torch import nn
 
 from .exchange import exchange
 
-__all__ = ["ATTENTION_NAME", "check_model", "switch_attention", "ulysses_attention"]
+__all__ = ["ATTENTION_NAME", "check_model", "switch_attention", "switch_back", "ulysses_attention"]
 
 ATTENTION_NAME = "zero_plugin_ulysses"
 """The name the wrapper is registered under in transformers' ``AttentionInterface``."""
@@ -92,6 +92,14 @@ def switch_attention(pretrained: nn.Module, setting: Any) -> None:
         if hasattr(config, "_attn_implementation") and id(config) not in _BY_CONFIG:  # a transformers config
             key = id(config)
             _BY_CONFIG[key] = (weakref.ref(config, lambda _, key=key: _BY_CONFIG.pop(key, None)), setting)
+
+
+def switch_back(pretrained: nn.Module, original: str) -> None:
+    """Undo :func:`switch_attention`: ``pretrained`` runs ``original`` again and its configs forget their setting
+    (the memory planner's trace switches a model for one forward + backward)."""
+    pretrained.set_attn_implementation(original)
+    for module in pretrained.modules():
+        _BY_CONFIG.pop(id(getattr(module, "config", None)), None)
 
 
 def _setting_of(module: nn.Module) -> Any:
