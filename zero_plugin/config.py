@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -84,6 +84,45 @@ class ZeroConfig:
     """``zero_plugin.run``'s model loading: ``cpu_ram_efficient_loading``, ``lazy_loading``."""
     debug: DebugConfig = dataclasses.field(default_factory=DebugConfig)
     """``debug_collectives``, ``check_ranks``."""
+
+    if TYPE_CHECKING:
+        # The flat names, declared for type checkers and IDEs: at run time each is a read-only property added below
+        # (``_flat_property``) that reads its group's field.  tests/unit/test_config_groups.py keeps this list equal
+        # to ``FLAT_NAMES``, with the same types.  Inside the package, read the groups (``cfg.offload.optimizer``).
+        offload_optimizer: str  # offload.optimizer
+        offload_params: bool  # offload.params
+        optimizer_partition: str  # offload.optimizer_partition
+        offload_activations: str  # offload.activations
+        param_dtype: torch.dtype | None  # precision.param_dtype
+        reduce_dtype: torch.dtype | None  # precision.reduce_dtype
+        master_dtype: torch.dtype  # precision.master_dtype
+        clip_grad_norm: float | None  # precision.clip_grad_norm
+        loss_scaling: bool | None  # precision.loss_scaling
+        loss_scale: str | float  # precision.loss_scale
+        loss_scale_init: float  # precision.loss_scale_init
+        loss_scale_growth_interval: int  # precision.loss_scale_growth_interval
+        bucket_size_mb: float  # comm.bucket_size_mb
+        timeout_s: float  # comm.timeout_s
+        shard_group_size: int | str | None  # comm.shard_group_size
+        quantized_weights: bool  # comm.quantized_weights
+        quantized_gradients: bool  # comm.quantized_gradients
+        quantization_block: int  # comm.quantization_block
+        secondary_shard_size: int | str | None  # comm.secondary_shard_size
+        sequence_parallel_size: int  # comm.sequence_parallel_size
+        prefetch_depth: int  # stage3.prefetch_depth
+        persistence_threshold: int  # stage3.persistence_threshold
+        linear_slice_numel: int  # stage3.linear_slice_numel
+        reshard_after_forward: bool  # stage3.reshard_after_forward
+        accumulate_full_grads: bool  # stage3.accumulate_full_grads
+        unit_classes: tuple  # stage3.unit_classes
+        unit_policy: Callable[[torch.nn.Module, str], bool] | None  # stage3.unit_policy
+        trim_host_heap: bool  # stage3.trim_host_heap
+        trim_each_unit_above: float  # stage3.trim_each_unit_above
+        state_dict_rank0_only: bool  # stage3.state_dict_rank0_only
+        cpu_ram_efficient_loading: bool  # loading.cpu_ram_efficient
+        lazy_loading: bool  # loading.lazy
+        debug_collectives: bool  # debug.collectives
+        check_ranks: bool  # debug.check_ranks
 
     def __init__(
         self,

@@ -88,6 +88,21 @@ def test_flat_names_are_the_fields_of_before():
     assert len(FLAT_NAMES) == 34 and new <= FLAT_NAMES.keys()
 
 
+def test_flat_names_are_declared_for_type_checkers():
+    """config.py's ``if TYPE_CHECKING:`` block names every flat name with its field's type, so an IDE or mypy sees
+    ``cfg.offload_optimizer``; a new setting without its line there fails here."""
+    import ast
+    import inspect
+
+    import zero_plugin.config as module
+
+    tree = ast.parse(inspect.getsource(module))
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ZeroConfig"]
+    (block,) = [n for n in cls.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    declared = {n.target.id: ast.unparse(n.annotation) for n in block.body if isinstance(n, ast.AnnAssign)}
+    assert declared == {flat: field.type for flat, (_, field) in FLAT_NAMES.items()}
+
+
 # --------------------------------------------------------------------- grouped == flat
 
 
