@@ -6,7 +6,8 @@ through the HF Trainer, TRL's SFTTrainer and ``examples/long_context_sft.py``, e
   ``--sequence_parallel_size 1`` (within 1e-4 relative; float32, AdamW).
 * ``scripts/long_context_trainers.py``: an Accelerate loop (``accelerator.prepare(loader)`` splits, the script
   calls ``zp.sequence_parallel_loss``; SGD, losses to 1e-6), the HF Trainer (full fine-tune, AdamW, 2 accumulation steps, rows of
-  different lengths right-padded with -100 under the pads and a prompt, evaluation at the end) and TRL's
+  different lengths right-padded with -100 under the pads and a prompt, evaluation before and after training, a resume
+  from step 2 in a fresh Trainer) and TRL's
   SFTTrainer (LoRA, SGD, gradient checkpointing, float32) at stage 3: per-step losses, the evaluation loss and the
   weights after training match K = 1's (Trainer: update-norm error ||w2 - w1|| / ||w1 - w0||; TRL: the LoRA
   weights).  K = 2 puts both ranks in one data-parallel group, K = 1 gives each its own rows: the scripts keep 4
@@ -85,6 +86,11 @@ def test_trainer_matches_its_k1_run(runs):
     assert len(k1.info["hf_losses"]) == 3
     assert _close(k2.info["hf_losses"], k1.info["hf_losses"], 1e-6), (k2.info["hf_losses"], k1.info["hf_losses"])
     assert _close([k2.info["hf_eval_loss"]], [k1.info["hf_eval_loss"]], 1e-6)
+    assert _close([k2.info["hf_eval_before"]], [k1.info["hf_eval_before"]], 1e-6)
+    assert k1.info["hf_eval_before"] != k1.info["hf_eval_loss"]
+    for run in (k1, k2):  # resumed mid-epoch from checkpoint-2 (its log holds steps 1-2): step 3's loss again
+        resumed = run.info["hf_resumed_losses"]
+        assert len(resumed) == 3 and _close(resumed[2:], run.info["hf_losses"][2:], 1e-6), run.info
     w0 = torch.load(k1.folder / "hf_initial.pt")
     w1, w2 = (torch.load(r.folder / "hf_weights.pt") for r in (k1, k2))
     assert w1.keys() == w2.keys() == w0.keys()

@@ -1,5 +1,6 @@
 """A plain Accelerate loop, the HF ``Trainer`` (full fine-tune, gradient accumulation, evaluation) and TRL's
-``SFTTrainer`` (LoRA) on tiny random Llamas, one after the other, under whatever ``zero-plugin launch`` chose (``--sequence_parallel_size K``).
+``SFTTrainer`` (LoRA) on tiny random Llamas, one after the other (the Trainer also resumed from its step-2
+checkpoint in a fresh Trainer), under whatever ``zero-plugin launch`` chose (``--sequence_parallel_size K``).
 
 Rows of different lengths (right-padded by the collators, with -100 under the pads and under a "prompt" at the
 start of each HF row), 4 rows per micro-batch over all ranks whatever K (``per_device_train_batch_size`` = 4 /
@@ -125,19 +126,30 @@ def main():
         torch.save(
             {n: t.detach().clone() for n, t in model.state_dict().items()}, os.path.join(args.out, "hf_initial.pt")
         )
+    hf_args = {**common_args(os.path.join(args.out, "hf"), per_device), "save_strategy": "steps", "save_steps": 2}
     trainer = Trainer(
         model=model,
-        args=TrainingArguments(**common_args(os.path.join(args.out, "hf"), per_device)),
+        args=TrainingArguments(**hf_args),
         train_dataset=rows,
         eval_dataset=hf_rows(6, seed=2),
         data_collator=common.Collator(0),
     )
+    result["hf_eval_before"] = trainer.evaluate()["eval_loss"]  # stage 3: set up for evaluation first
     trainer.train()
     result["hf_losses"] = losses(trainer)
     result["hf_eval_loss"] = trainer.evaluate()["eval_loss"]
     result["hf_loader"] = type(trainer.get_train_dataloader()).__name__
     result["hf_sequence_parallel_size"] = trainer.accelerator.sequence_parallel_size
     hf_state = trainer.accelerator.get_state_dict(trainer.model)
+    # a fresh Trainer resumed mid-epoch from step 2: the loader skips the trained batches of its shard
+    resumed = Trainer(
+        model=tiny_llama(0, 256),
+        args=TrainingArguments(**{**hf_args, "save_strategy": "no"}),
+        train_dataset=rows,
+        data_collator=common.Collator(0),
+    )
+    resumed.train(resume_from_checkpoint=os.path.join(args.out, "hf", "checkpoint-2"))
+    result["hf_resumed_losses"] = losses(resumed)
 
     tokenizer = common.default_tokenizer(common.DEFAULT_DATA, os.path.join(args.out, "cache"))
     texts = [
