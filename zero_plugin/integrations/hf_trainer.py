@@ -362,9 +362,8 @@ def get_resumed_dataloader(self, dataloader: Any, num_batches: int):
 
 
 def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
-    original = _ORIGINALS["_get_num_items_in_batch"]
     if _sequence_parallel_size(self) == 1 or not batch_samples or "shift_labels" not in batch_samples[0]:
-        return original(self, batch_samples, device)
+        return _ORIGINALS["_get_num_items_in_batch"](self, batch_samples, device)
     if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
         if type(self).compute_loss is not compute_loss:  # a subclass's loss, which gets no count
             raise ValueError(
@@ -379,7 +378,7 @@ def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         return self.accelerator.gather(count).sum() if self.args.world_size > 1 else count
     setting = zp.sequence_parallel_of(self.accelerator.sequence_parallel_model())
     setting.comm.all_reduce(count, tag="sequence loss count")
-    return count.double() / setting.size
+    return count / setting.size
 
 
 def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None):
