@@ -36,8 +36,19 @@ def _planner(args: argparse.Namespace):
     from ..config import ZeroConfig
     from ..planner import Planner
 
-    if args.params is not None and (args.batch is not None or args.checkpointing):
-        raise ValueError("--batch/--seq/--checkpointing need --model: activations come from tracing the model")
+    if args.params is not None and (args.batch is not None or args.checkpointing or _long_context(args)):
+        raise ValueError(
+            "--batch/--seq/--checkpointing and the long-context options need --model: activations come from "
+            "tracing the model"
+        )
+    if args.offload_activations and not args.checkpointing:
+        raise ValueError("--offload-activations moves the checkpointed layers' inputs: add --checkpointing")
+    if args.world_size % args.sequence_parallel_size:
+        raise ValueError(
+            f"--sequence-parallel-size {args.sequence_parallel_size} must divide the world size {args.world_size}"
+        )
+    if args.device_memory is not None and args.batch is None:
+        args.batch, args.seq = 1, args.seq or 4096
     config = ZeroConfig(
         bucket_size_mb=args.bucket_size_mb,
         prefetch_depth=args.prefetch_depth,
@@ -59,7 +70,93 @@ def _planner(args: argparse.Namespace):
         checkpointing=args.checkpointing,
         config=config,
         device=args.device,
+        **_long_options(args),
     )
+
+
+def _long_context(args: argparse.Namespace) -> bool:
+    return (
+        args.sequence_parallel_size > 1
+        or args.offload_activations
+        or args.tiled_loss is not None
+        or args.device_memory is not None
+    )
+
+
+def _long_options(args: argparse.Namespace) -> dict:
+    return {
+        "sequence_parallel": args.sequence_parallel_size,
+        "offload_activations": args.offload_activations,
+        "tiled_loss": args.tiled_loss,
+    }
+
+
+def _long_context_lines(plan, args: argparse.Namespace, settings) -> list[str]:
+    """``--device-memory``: the longest sequence per row ([Note: long-context trace] in planner/long_context.py)."""
+    from ..planner.long_context import longest_sequence
+
+    memory = args.device_memory * (1 - args.margin)
+    options = dict(
+        batch=args.batch,
+        checkpointing=args.checkpointing,
+        config=plan.config,
+        device=args.device,
+        param_dtype=DTYPES[args.dtype],
+        **_long_options(args),
+    )
+    traces: dict = {}
+    rows = []
+    for stage, offload, offload_params in settings:
+        found = longest_sequence(
+            plan.model,
+            memory,
+            world_size=args.world_size,
+            stage=stage,
+            offload=offload,
+            offload_params=offload_params,
+            traces=traces,
+            **options,
+        )
+        rows.append((stage, offload, offload_params, found))
+    lo, hi = sorted(traces)[-2:] if len(traces) > 1 else (None, None)
+    what = "per device" if args.device == "cuda" else "per rank (device cpu: the whole peak)"
+    lines = [
+        f"longest sequence in {args.device_memory / GIB:.2f} GiB {what}, {args.margin:.0%} kept free: batch "
+        f"{args.batch}, {_long_setting(args)}",
+        f"{'stage':>5} {'offload':>12} | {'max seq':>10} {'per rank':>9} | {'peak GiB':>8} {'acts GiB':>8} "
+        f"{'host GiB':>8}",
+    ]
+    lines.append("-" * len(lines[-1]))
+    for stage, offload, offload_params, found in rows:
+        row = found["row"]
+        name = _offload_name({"offload": offload, "offload_params": offload_params})
+        if not found["seq"]:
+            lines.append(f"{stage:>5} {name:>12} | {'none fits':>10}")
+            continue
+        k = args.sequence_parallel_size
+        lines.append(
+            f"{stage:>5} {name:>12} | {found['seq']:>10,} {-(-found['seq'] // k):>9,} | "
+            f"{found['peak'] / GIB:>8.2f} {row['at_peak']['activations'] / GIB:>8.2f} {row['peak']['host'] / GIB:>8.2f}"
+        )
+    if lo is not None:
+        a, b = traces[lo].trace, traces[hi].trace
+        per = (b.peak_bytes - a.peak_bytes) / (hi - lo)
+        off = (b.offloaded_bytes - a.offloaded_bytes) / (hi - lo)
+        lines.append(
+            f"activations per token of the sequence, per rank: peak {per / 1024:.1f} KiB on the device"
+            + (f", {off / 1024:.1f} KiB parked on the host" if off else "")
+            + f" (traces at {lo:,} and {hi:,} tokens; zero_plugin/planner/long_context.py)"
+        )
+    return lines
+
+
+def _long_setting(args: argparse.Namespace) -> str:
+    parts = [f"sequence parallel K={args.sequence_parallel_size}"]
+    parts.append("checkpointing" if args.checkpointing else "no checkpointing")
+    if args.offload_activations:
+        parts.append("activations offloaded")
+    parts.append(f"tiled loss ({args.tiled_loss} tokens per tile)" if args.tiled_loss else "whole logits")
+    return ", ".join(parts)
 
 
 def _unit(rows: list[dict]) -> tuple[str, float]:
@@ -84,11 +181,16 @@ def _header(plan, args: argparse.Namespace) -> list[str]:
     ]
     if args.batch is not None:
         t = plan.trace
+        k = args.sequence_parallel_size
+        where = "per rank" if k == 1 else f"over a group of {k} ranks ({-(-args.seq // k)} tokens per rank)"
         lines.append(
-            f"activations for batch {args.batch} x {args.seq} per rank"
+            f"activations for batch {args.batch} x {args.seq} {where}"
             f"{' with checkpointing' if args.checkpointing else ''}: saved for backward "
             f"{t.saved_bytes / GIB:.2f} GiB, peak during forward+backward {t.peak_bytes / GIB:.2f} GiB"
+            + (f", offloaded to the host {t.offloaded_bytes / GIB:.2f} GiB" if t.offloaded_bytes else "")
         )
+        if _long_context(args):
+            lines.append(f"long context: {_long_setting(args)}")
     else:
         lines.append("activations: not estimated (give --model with --batch and --seq)")
     k = plan.config.shard_group_size
@@ -321,6 +423,8 @@ def _estimate(args: argparse.Namespace) -> int:
         if args.optimizer_partition == "parameters":
             print("\n" + _partition_line(plan, args.world_size))
         status = 0
+        if args.device_memory is not None:
+            print("\n" + "\n".join(_long_context_lines(plan, args, settings)))
         if args.fit:
             gpu_mem = args.gpu_mem if args.device == "cuda" else None
             result = plan.fit(
@@ -395,8 +499,44 @@ def add_estimate(sub) -> None:
         help="parameters: also say what stepping whole parameters on owners costs (shape-aware optimizers)",
     )
     est.add_argument("--batch", type=int, help="sequences per rank (with --seq: activations)")
-    est.add_argument("--seq", type=int, help="tokens per sequence")
-    est.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block")
+    est.add_argument("--seq", "--seq-len", type=int, help="tokens per sequence")
+    est.add_argument(
+        "--checkpointing",
+        "--activation-checkpointing",
+        action="store_true",
+        help="activation checkpointing of every block",
+    )
+    long = est.add_argument_group(
+        "long context",
+        "Ulysses sequence parallelism, activation offload and the tiled loss (docs/long-context.md); with "
+        "--device-memory: the longest sequence that fits, per row",
+    )
+    long.add_argument(
+        "--sequence-parallel-size",
+        type=int,
+        default=1,
+        help="ZeroConfig.sequence_parallel_size K: each rank holds seq/K tokens of every sequence (default 1)",
+    )
+    long.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="ZeroConfig.offload_activations='cpu': checkpointed layers' inputs in host memory (needs --checkpointing)",
+    )
+    long.add_argument(
+        "--tiled-loss",
+        type=int,
+        nargs="?",
+        const=1024,
+        default=None,
+        metavar="TOKENS",
+        help="the loss through zp.tiled_lm_loss, tiles of TOKENS (default 1024) instead of whole logits",
+    )
+    long.add_argument(
+        "--device-memory",
+        type=parse_bytes,
+        help="memory per device, e.g. 80GiB: print the longest sequence that fits at each stage (batch 1 unless "
+        "--batch; --device cpu: the whole per-rank peak)",
+    )
     est.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="what the ranks compute on")
     est.add_argument(
         "--shard-group-size",
