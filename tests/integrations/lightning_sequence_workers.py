@@ -85,3 +85,31 @@ def fit_worker(k: int) -> dict:
             "replicas": strategy.distributed_sampler_kwargs["num_replicas"],
             "weights": weights,
         }
+
+
+def fabric_worker(k: int) -> dict:
+    """The same rows and SGD steps in a Fabric loop under ``ZeroFabricStrategy(config="zero3",
+    sequence_parallel_size=k)``: ``fabric.setup_dataloaders`` gives the data-parallel sampler and split batches."""
+    from transformers import LlamaForCausalLM
+
+    from tests.integrations.lightning_setup import cpu_fabric
+    from zero_plugin.integrations.lightning import ZeroFabricStrategy
+
+    with lightning_ranks():
+        fabric = cpu_fabric(ZeroFabricStrategy(config="zero3", sequence_parallel_size=k))
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(llama_config(128, 32, attn_implementation="sdpa"))
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+        loader = fabric.setup_dataloaders(DataLoader(_rows(12, seed=1), batch_size=ROWS_PER_STEP // (2 // k)))
+        losses = []
+        for batch in loader:
+            if "shift_labels" in batch:
+                shift_labels = batch.pop("shift_labels")
+                loss = zp.sequence_parallel_loss(model(**batch).logits, shift_labels, model)
+            else:
+                loss = model(**batch).loss
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return {"losses": losses, "weights": zp.full_state_dict(model)}

@@ -150,3 +150,17 @@ def test_launch_flag_and_accelerate_section_reach_the_config(monkeypatch, tmp_pa
             ["--num_processes", "2", "--sequence_parallel_size", "3", "t.py"], monkeypatch, tmp_path
         )
         launcher._check_sequence_parallel(args, env)
+
+
+def test_fabric_strategy_matches_its_k1_run():
+    """``ZeroFabricStrategy(config="zero3", sequence_parallel_size=2)``: ``fabric.setup_dataloaders`` samples over
+    the data-parallel groups and splits; 3 SGD steps equal K = 1's (losses: the ranks' mean; weights)."""
+    from tests.harness import run_ranks
+    from tests.integrations import lightning_sequence_workers as workers
+
+    k1, k2 = (run_ranks(2, workers.fabric_worker, k) for k in (1, 2))
+    assert k2[0]["losses"] == k2[1]["losses"]
+    want = [(a + b) / 2 for a, b in zip(k1[0]["losses"], k1[1]["losses"])]
+    assert len(want) == 3 and _close(k2[0]["losses"], want, 1e-6), (k2[0]["losses"], want)
+    w1, w2 = k1[0]["weights"], k2[0]["weights"]
+    assert w1.keys() == w2.keys() and max(float((w1[n] - w2[n]).abs().max()) for n in w1) < 1e-5

@@ -80,8 +80,12 @@ _OF_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def sequence_parallel_of(model: nn.Module) -> SequenceParallel:
-    """The setting ``zp.setup`` recorded for ``model``; ``ValueError`` if it has none."""
+    """The setting ``zp.setup`` recorded for ``model`` (or for the module a framework's wrapper holds as
+    ``.module``: Fabric's ``_FabricModule``, DDP); ``ValueError`` if it has none."""
     found = _OF_MODEL.get(model)
+    inner = getattr(model, "module", None)
+    if found is None and isinstance(inner, nn.Module):
+        found = _OF_MODEL.get(inner)
     if found is None:
         raise ValueError(
             f"{type(model).__name__} was not set up for sequence parallelism: pass it to zp.setup with "

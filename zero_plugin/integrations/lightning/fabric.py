@@ -85,6 +85,7 @@ class _ZeroFabricStrategyMethods(ZeroProcesses):
         timeout: timedelta | None = default_pg_timeout,
         param_source: Any = None,
         meta_init: bool = True,
+        sequence_parallel_size: int | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -93,7 +94,9 @@ class _ZeroFabricStrategyMethods(ZeroProcesses):
             checkpoint_io=checkpoint_io,
             precision=precision,
         )
-        self._set_options(config, checkpoint, param_source, meta_init, process_group_backend, timeout)
+        self._set_options(
+            config, checkpoint, param_source, meta_init, process_group_backend, timeout, sequence_parallel_size
+        )
         self._backward_sync_control = self._sync_control()
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # set up here, for setup_optimizer
         self._num_nodes = 1
@@ -156,6 +159,16 @@ class _ZeroFabricStrategyMethods(ZeroProcesses):
 
     def _remember(self, module: nn.Module) -> None:
         self._modules.add(module)
+
+    def sequence_parallel_module(self) -> nn.Module:
+        found = [m for m in self._modules if common.is_set_up(m)]
+        found = [m for m in found if _has_sequence_parallel(m)]
+        if len(found) != 1:
+            raise ValueError(
+                f"ZeroFabricStrategy(sequence_parallel_size={self.config.sequence_parallel_size}): the loaders split "
+                f"for the one module set up with fabric.setup; found {len(found)}: set up the model before iterating"
+            )
+        return found[0]
 
     def module_to_device(self, module: nn.Module) -> None:
         common.move_to_device(module, self.root_device)
@@ -289,6 +302,14 @@ class _ZeroFabricStrategyMethods(ZeroProcesses):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         common.register_presets(strategy_registry, cls)
+
+
+def _has_sequence_parallel(module: nn.Module) -> bool:
+    try:
+        zp.sequence_parallel_of(module)
+    except ValueError:
+        return False
+    return True
 
 
 def _module_and_optimizer(state: dict[str, Any]) -> tuple[tuple[Any, nn.Module], tuple[Any, Optimizer | None]]:

@@ -1,6 +1,6 @@
 """What both ZeRO strategies share beyond ``lightning/common.py``: their own constructor options, ranks, the
-process group, the collectives Lightning asks a strategy for (as Lightning's DDP strategies provide them) and
-the sharded checkpoint write.
+process group, the collectives Lightning asks a strategy for (as Lightning's DDP strategies provide them), the
+loaders under sequence parallelism and the sharded checkpoint write.
 
 A mixin under both strategies' method mixins, over either package's ``ParallelStrategy``, reaching Lightning only
 through ``self._fabric_names`` ([Note: one strategy source, two Lightning packages] in ``lightning/names.py``)."""
@@ -9,17 +9,19 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 
+import zero_plugin as zp
+
 from . import common
 from .exit import release_groups_at_exit
 from .names import LightningNames
 
-__all__ = ["ZeroProcesses"]
+__all__ = ["SequenceParallelBatches", "ZeroProcesses"]
 
 
 class ZeroProcesses:
@@ -36,9 +38,12 @@ class ZeroProcesses:
         meta_init: bool,
         process_group_backend: str | None,
         timeout: timedelta | None,
+        sequence_parallel_size: int | None = None,
     ) -> None:
         """The constructor arguments both strategies take beyond Lightning's own (see ``ZeroStrategy``)."""
         self.config = common.resolve_config(config)
+        if sequence_parallel_size is not None:
+            self.config = self.config.replace(sequence_parallel_size=sequence_parallel_size)
         self.param_source = param_source
         self.meta_init = bool(meta_init)
         self._checkpoint = common.check_checkpoint_mode(checkpoint)
@@ -57,7 +62,21 @@ class ZeroProcesses:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        """Over the data-parallel groups: the K ranks of a sequence-parallel group read the same batches."""
+        world = self.num_nodes * self.num_processes
+        k = self.config.resolved_sequence_parallel_size(world)
+        return {"num_replicas": world // k, "rank": self.global_rank // k}
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """With ``sequence_parallel_size`` > 1, each batch split for this rank (on its device: the split compares
+        the group's batches with a collective) for the strategy's set-up module."""
+        if self.config.sequence_parallel_size == 1:
+            return dataloader
+        return SequenceParallelBatches(dataloader, self)
+
+    def sequence_parallel_module(self) -> nn.Module:
+        """The module whose sequence-parallel group the loaders split for (each strategy says which)."""
+        raise NotImplementedError
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -120,3 +139,30 @@ class ZeroProcesses:
         if not self._hinted:
             self._hinted = True
             self._fabric_names.rank_zero_info(common.LOAD_HINT.format(path=path))
+
+
+class SequenceParallelBatches:
+    """A loader whose batches go to the strategy's device and through ``zp.sequence_parallel_batch`` for the
+    strategy's module (found at the first batch: Fabric sets its loaders up before or after the module); ``len``
+    and the rest pass through."""
+
+    def __init__(self, loader: Any, strategy: ZeroProcesses) -> None:
+        self.loader, self.strategy = loader, strategy
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        device, module = self.strategy.root_device, None
+        for batch in self.loader:
+            if not isinstance(batch, Mapping):
+                raise ValueError(
+                    "sequence_parallel_size > 1 splits batches that are mappings with input_ids [batch, seq] (and "
+                    f"labels, position_ids); the loader gave a {type(batch).__name__}"
+                )
+            module = self.strategy.sequence_parallel_module() if module is None else module
+            batch = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+            yield zp.sequence_parallel_batch(batch, module)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)

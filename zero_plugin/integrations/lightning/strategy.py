@@ -173,9 +173,9 @@ class _ZeroStrategyMethods(ZeroProcesses):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._set_options(config, checkpoint, param_source, meta_init, process_group_backend, timeout)
-        if sequence_parallel_size is not None:
-            self.config = self.config.replace(sequence_parallel_size=sequence_parallel_size)
+        self._set_options(
+            config, checkpoint, param_source, meta_init, process_group_backend, timeout, sequence_parallel_size
+        )
         self.num_nodes = 1
 
     # -- precision: always our wrapper ------------------------------------------------------------
@@ -202,20 +202,9 @@ class _ZeroStrategyMethods(ZeroProcesses):
         # Read by the connector for custom strategies: turns on the DistributedSampler.
         return True
 
-    # -- data under sequence parallelism -------------------------------------------------------------------
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Over the data-parallel groups: the K ranks of a sequence-parallel group read the same batches."""
-        world = self.num_nodes * self.num_processes
-        k = self.config.resolved_sequence_parallel_size(world)
-        return {"num_replicas": world // k, "rank": self.global_rank // k}
-
-    def process_dataloader(self, dataloader: Any) -> Any:
-        """With ``sequence_parallel_size`` > 1, each batch split for this rank (on its device: the split compares
-        the group's batches with a collective)."""
-        if self.config.sequence_parallel_size == 1:
-            return dataloader
-        return _SequenceParallelBatches(dataloader, self)
+    def sequence_parallel_module(self) -> nn.Module:
+        assert self.lightning_module is not None
+        return self.lightning_module
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -370,31 +359,6 @@ class _ZeroStrategyMethods(ZeroProcesses):
 
 
 # -- ModelSummary with full parameter counts ----------------------------------------------------------------------
-class _SequenceParallelBatches:
-    """A Lightning loader whose batches go to the strategy's device and through ``zp.sequence_parallel_batch`` for
-    the LightningModule; ``len`` and the rest pass through."""
-
-    def __init__(self, loader: Any, strategy: _ZeroStrategyMethods) -> None:
-        self.loader, self.strategy = loader, strategy
-
-    def __iter__(self):
-        device = self.strategy.root_device
-        for batch in self.loader:
-            if not isinstance(batch, Mapping):
-                raise ValueError(
-                    "ZeroStrategy(sequence_parallel_size > 1) splits batches that are mappings with input_ids "
-                    f"[batch, seq] (and labels, position_ids); the loader gave a {type(batch).__name__}"
-                )
-            batch = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
-            yield zp.sequence_parallel_batch(batch, self.strategy.lightning_module)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["loader"], name)
-
-
 def _full_numel(module: nn.Module) -> Callable[[nn.Parameter], int]:
     engine = common.engine_or_none(module)
     return engine.full_numel if engine is not None else (lambda p: p.numel())
