@@ -508,6 +508,12 @@ class SequenceParallelDataLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         model = None
         for batch in self.loader:
+            if not isinstance(batch, Mapping):
+                raise ValueError(
+                    f"zero_plugin: sequence_parallel_size={self.accelerator.sequence_parallel_size} splits batches "
+                    "that are mappings with input_ids [batch, seq] (and labels, position_ids); the loader gave a "
+                    f"{type(batch).__name__}"
+                )
             if model is None:  # the model is prepared after the loader by the HF Trainer: look it up now
                 model = self.accelerator.sequence_parallel_model()
             yield zp.sequence_parallel_batch(batch, model)
