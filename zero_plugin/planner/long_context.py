@@ -201,7 +201,7 @@ def longest_sequence(
         row = plan.estimate(world_size, stage, offload=offload, offload_params=offload_params)
         return row["peak"][key], row
 
-    sa, sb = 64 * step, 128 * step
+    sa, sb = 16 * step, 32 * step
     for _ in range(4):
         guess = _search_line(planned(sa), planned(sb), sa, sb, step, memory, lambda p, s: peak(p, s)[0])
         if guess is None:  # the timelines differ: search on real traces
