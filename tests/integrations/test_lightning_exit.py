@@ -21,7 +21,9 @@ import re
 from tests.harness import REPO_ROOT, run_script_ranks
 
 SCRIPT = os.path.join(REPO_ROOT, "tests", "integrations", "scripts", "lightning_short_run.py")
-ROUNDS = ("zero1", "zero3", "zero3")  # each: a fit, then a resume from its sharded checkpoint
+# Each: a fit, then a resume from its sharded checkpoint.  The thread count fails every run without the handler,
+# so one round per strategy proves it; a third round (zero3 again) only retried the 1-in-30-50 race: suite time.
+ROUNDS = ("zero1", "zero3")
 _THREADS = re.compile(r"THREADS before=(\d+) at_exit=(\d+)")
 
 
