@@ -6,6 +6,7 @@ the saved adapters (``save_pretrained`` on every rank) to 1e-5 of their update.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import sys
@@ -36,8 +37,8 @@ def test_qlora_script_under_zero_plugin_launch_stage3_matches_one_process(tmp_pa
     qlora.save_base(str(base))
     single, sharded = tmp_path / "single", tmp_path / "stage3"
     single.mkdir(), sharded.mkdir()
-    _run([PY, str(SCRIPT), "--base", str(base), "--out", str(single), "--batch_size", "4"], single)
-    _run(
+    one_process = [PY, str(SCRIPT), "--base", str(base), "--out", str(single), "--batch_size", "4"]
+    stage3 = (
         [
             *ZERO_LAUNCH,
             "launch",
@@ -58,6 +59,10 @@ def test_qlora_script_under_zero_plugin_launch_stage3_matches_one_process(tmp_pa
         ],
         sharded,
     )
+    # Side by side: one after the other, the one-process reference (one thread) left a core of two idle.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for future in [pool.submit(_run, one_process, single), pool.submit(_run, *stage3)]:
+            future.result()
     want, got = (json.loads((d / "losses.json").read_text()) for d in (single, sharded))
     assert len(got) == len(want) == 3
     for step, (a, b) in enumerate(zip(got, want)):
