@@ -1,9 +1,10 @@
-"""The rest of TRL's trainers and PEFT's extras, unchanged, against their DDP run (issue 37): one launch per
-setting of ``scripts/trl_trainers.py`` (``RLOOTrainer``, ``KTOTrainer``, ``RewardTrainer``,
+"""The rest of TRL's trainers and PEFT's extras, unchanged, against their DDP run (issue 37):
+``scripts/trl_trainers.py``'s trainers (``RLOOTrainer``, ``KTOTrainer``, ``RewardTrainer``,
 ``DistillationTrainer``, ``DPOTrainer`` without ``ref_model`` and with ``precompute_ref_log_probs``; ``SFTTrainer``
 with ``modules_to_save=["lm_head"]``, ``trainable_token_indices``, LoRA on ``embed_tokens``,
 ``resize_token_embeddings`` before the trainer, bf16 weights), 2 CPU processes, real-shaped Llamas (vocab 4096 x
-hidden 256), at stages 1 and 3.  Losses, grad norms and the trainers' rewards / margins step by step, and the saved adapters.
+hidden 256), at stages 1 and 3, run after SFT, DPO and GRPO in the launches ``test_trl_stages.py`` compares
+(``trl_stages.py --more``, the ``trl_stage_runs`` fixture of ``trl_runs.py``: one launch per setting).  Losses, grad norms and the trainers' rewards / margins step by step, and the saved adapters.
 
 Precision: ``rloo``, ``kto``, ``reward`` and the DPO runs train in fp32, the others with TRL's default
 ``bf16=True`` (autocast) and ``sft_bf16_weights`` on bf16 weights.  The tolerances are those of
@@ -20,17 +21,11 @@ embedding and head by ``tests/unit/test_tuner_leaf_units.py``.
 
 from __future__ import annotations
 
-import json
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.integrations.launches import DDP, run_script, zero
+from tests.integrations.trl_runs import MORE_TRAINERS, STEPS, WITH_MORE
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "trl_trainers.py"
-STEPS = 3
 KEYS = {
     "rloo": ("loss", "grad_norm", "reward", "reward_std", "kl", "entropy"),
     "kto": ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/margins", "logps/chosen"),
@@ -49,41 +44,14 @@ FP32 = {"rloo", "kto", "reward", "dpo_noref", "dpo_precompute"}
 # torch's fp32 ``clip_grad_norm_``, 4.7e-4 relative off the float64 norm for the lm_head (zero_plugin's sums in
 # float64 and equals the float64 reference); everything else is compared as tightly as for the others.
 NORM_REL = {"sft_save_head": 1e-3, "sft_lora_embed": 1e-3, "sft_resized": 1e-3}
-SETTINGS = {
-    "ddp": (DDP, list(KEYS)),
-    "stage1": (zero(1), list(KEYS)),
-    "stage3": (zero(3), list(KEYS)),
-}
-# Stage 2 (gradients sharded as at stage 3, parameters whole as at stage 1) is bracketed by the two and runs SFT,
-# DPO and GRPO in test_trl_stages.py: its launch here is left out to keep the suite's time (CI under 25 min).
 
 
-_ABORT_AT_EXIT = "terminate called without an active exception"
+def test_every_trainer_launched_is_compared():
+    assert tuple(KEYS) == MORE_TRAINERS
 
 
-def _launch(name: str, out: Path) -> subprocess.CompletedProcess:
-    launcher, trainers = SETTINGS[name]
-    return run_script(launcher, SCRIPT, out, "--max_steps", str(STEPS), "--trainers", ",".join(trainers))
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trl_trainers")
-    for name in SETTINGS:  # 2 ranks each: one launch at a time on 2 cores
-        proc = _launch(name, root / name)
-        if name == "ddp" and proc.returncode != 0 and _ABORT_AT_EXIT in proc.stdout + proc.stderr:
-            # The plain-DDP reference (no zero_plugin code) trained and then aborted in torch's gloo teardown at
-            # interpreter exit, now and then (CI stop 47 saw it once): run it again; our own launches get no retry.
-            print(f"\nddp reference aborted at exit; its output:\n{proc.stderr[-3000:]}")
-            proc = _launch(name, root / (name + "-again"))
-            (root / name).rename(root / (name + "-aborted"))
-            (root / (name + "-again")).rename(root / name)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return root
-
-
-def _steps(root: Path, name: str, trainer: str) -> list[dict]:
-    info = json.loads((root / name / "result.json").read_text())
+def _steps(runs, name: str, trainer: str) -> list[dict]:
+    info = runs.get(name).info
     assert info["world_size"] == 2
     assert info[f"{trainer}_mixed_precision"] == ("no" if trainer in FP32 else "bf16")
     return [h for h in info[trainer] if "loss" in h]
@@ -91,9 +59,8 @@ def _steps(root: Path, name: str, trainer: str) -> list[dict]:
 
 @pytest.mark.parametrize("trainer", list(KEYS))
 @pytest.mark.parametrize("setting", ["stage1", "stage3"])
-def test_trl_trainer_equals_ddp(runs, setting, trainer):
-    from safetensors.torch import load_file
-
+def test_trl_trainer_equals_ddp(trl_stage_runs, setting, trainer):
+    runs = trl_stage_runs
     want, got = _steps(runs, "ddp", trainer), _steps(runs, setting, trainer)
     assert len(want) == len(got) == STEPS
     for step, (w, g) in enumerate(zip(want, got)):
@@ -101,20 +68,17 @@ def test_trl_trainer_equals_ddp(runs, setting, trainer):
             rel = NORM_REL.get(trainer, 1e-4) if key == "grad_norm" else 1e-4
             assert g[key] == pytest.approx(w[key], rel=rel, abs=1e-6), (trainer, setting, step, key, w, g)
     assert [want[0][k] for k in KEYS[trainer]] != [want[-1][k] for k in KEYS[trainer]]
-    ref = load_file(runs / "ddp" / trainer / "adapter_model.safetensors")
-    adapter = load_file(runs / setting / trainer / "adapter_model.safetensors")
+    ref, adapter = runs.get("ddp").adapters[trainer], runs.get(setting).adapters[trainer]
     assert adapter.keys() == ref.keys() and len(ref) > 0
     for name, value in ref.items():
         diff = (adapter[name].float() - value.float()).abs().max().item()
         assert diff <= 1e-5 * max(1.0, value.abs().max().item()), (trainer, setting, name, diff)
 
 
-def test_saved_adapters_hold_what_peft_saves(runs):
+def test_saved_adapters_hold_what_peft_saves(trl_stage_runs):
     """LoRA on ``embed_tokens``: PEFT saves the embedding whole (``save_embedding_layers="auto"``), the DDP run's
     file holds it, and so does zero_plugin's save_model (integrations/hf_trainer.py) at every stage."""
-    from safetensors.torch import load_file
-
     name = "base_model.model.model.embed_tokens.base_layer.weight"
-    for setting in SETTINGS:
-        adapter = load_file(runs / setting / "sft_lora_embed" / "adapter_model.safetensors")
+    for setting in WITH_MORE:
+        adapter = trl_stage_runs.get(setting).adapters["sft_lora_embed"]
         assert adapter[name].shape == torch.Size([4096, 256]), setting

@@ -3,7 +3,9 @@ one launch, on real-shaped random-init Llamas (no zero_plugin in it): SFT on an 
 elements (a stage-3 unit of its own), DPO on a tied one with a separate reference model, GRPO on an untied one
 generating in the trainer (``model.generate``, no vLLM) and scored by a tiny reward function.  Rank 0 writes
 OUT/result.json (each trainer's log history and seconds) and OUT/<trainer>/adapter_model.safetensors
-(``save_model``).
+(``save_model``).  Each rank writes OUT/dpo/memory-rank<r>.json: the bytes its DPO reference model's parameters
+hold after training and the whole model's (TRL prepares the reference with ``prepare_model(evaluation_mode=True)``).
+``--more``: ``trl_trainers.py``'s trainers after these, in the same processes and files.
 """
 
 import argparse
@@ -20,9 +22,11 @@ from trl.generation.vllm_generation import VLLMGeneration
 from trl_common import trl_args
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
-from dpo_trl import preferences, tokenizer  # noqa: E402
+from dpo_trl import preferences, storage_bytes, tokenizer  # noqa: E402
 
 from tests.models import real_llama_config  # noqa: E402
+
+REFERENCE_FULL_BYTES: list[int] = []  # dpo(): the reference model's bytes as built
 
 
 def llama(tok, tie: bool, seed: int) -> LlamaForCausalLM:
@@ -57,9 +61,11 @@ def sft(tok, out: str, steps: int) -> SFTTrainer:
 
 def dpo(tok, out: str, steps: int) -> DPOTrainer:
     config = DPOConfig(**trl_args(os.path.join(out, "dpo"), steps), beta=0.1)
+    policy, reference = llama(tok, tie=True, seed=0), llama(tok, tie=True, seed=1)
+    REFERENCE_FULL_BYTES.append(storage_bytes(reference))  # before prepare shards it
     return DPOTrainer(
-        model=llama(tok, tie=True, seed=0),
-        ref_model=llama(tok, tie=True, seed=1),
+        model=policy,
+        ref_model=reference,
         args=config,
         train_dataset=preferences(16, seed=1),
         processing_class=tok,
@@ -86,10 +92,19 @@ def grpo(tok, out: str, steps: int) -> GRPOTrainer:
     )
 
 
+def write_reference_bytes(trainer, out: str) -> None:
+    """OUT/memory-rank<r>.json: this rank's reference-model bytes after training, and the whole model's."""
+    full = REFERENCE_FULL_BYTES[-1]
+    rank = trainer.accelerator.process_index
+    with open(os.path.join(out, f"memory-rank{rank}.json"), "w") as f:
+        json.dump({"ref_param_bytes": storage_bytes(trainer.ref_model), "ref_full_bytes": full}, f)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--max_steps", type=int, default=3)
+    ap.add_argument("--more", default="", help="trl_trainers.py's trainers (comma-separated) to run after these")
     args = ap.parse_args()
     tok = tokenizer()
     result = {}
@@ -99,6 +114,8 @@ def main():
         trainer.train()
         trainer.save_model(os.path.join(args.out, name))
         result[name] = trainer.state.log_history
+        if name == "dpo":
+            write_reference_bytes(trainer, os.path.join(args.out, name))
         result[f"{name}_seconds"] = time.perf_counter() - start
         result["world_size"] = trainer.args.world_size
         result["accelerator_class"] = type(trainer.accelerator).__module__
@@ -107,6 +124,10 @@ def main():
     if int(os.environ.get("RANK", "0")) == 0:
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
+    if args.more:  # in the same processes: the launch's fixed cost (start, imports of TRL's stack) paid once
+        from trl_trainers import run
+
+        run(args.more.split(","), args.out, args.max_steps, result)
 
 
 if __name__ == "__main__":

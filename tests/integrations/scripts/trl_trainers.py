@@ -18,7 +18,8 @@ written the way TRL's docs show them:
 
 ``FP32`` trainers run in fp32, the others with TRL's own default ``bf16=True`` (autocast, on the CPU too).
 Rank 0 writes OUT/result.json (each trainer's log history, seconds and the accelerator's mixed precision) and
-OUT/<trainer>/adapter_model.safetensors (``save_model``).
+OUT/<trainer>/adapter_model.safetensors (``save_model``).  ``trl_stages.py --more`` runs them (``run``) after its
+own trainers, in the same launch.
 """
 
 import argparse
@@ -213,26 +214,31 @@ TRAINERS = {
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}
 
 
+def run(names, out: str, steps: int, result: dict) -> None:
+    """Train each of ``names`` in turn, its log history, seconds and mixed precision added to ``result``; rank 0
+    rewrites OUT/result.json after every trainer (a later crash keeps the earlier ones)."""
+    for name in names:
+        start = time.perf_counter()
+        trainer = TRAINERS[name](tokenizer(), out, steps)
+        trainer.train()
+        trainer.save_model(os.path.join(out, name))
+        result[name] = trainer.state.log_history
+        result[f"{name}_seconds"] = time.perf_counter() - start
+        result[f"{name}_mixed_precision"] = trainer.accelerator.mixed_precision
+        result["world_size"] = trainer.args.world_size
+        result["accelerator_class"] = type(trainer.accelerator).__module__
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(os.path.join(out, "result.json"), "w") as f:
+                json.dump(result, f)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--max_steps", type=int, default=3)
     ap.add_argument("--trainers", default=",".join(TRAINERS))
     args = ap.parse_args()
-    result = {}
-    for name in args.trainers.split(","):
-        start = time.perf_counter()
-        trainer = TRAINERS[name](tokenizer(), args.out, args.max_steps)
-        trainer.train()
-        trainer.save_model(os.path.join(args.out, name))
-        result[name] = trainer.state.log_history
-        result[f"{name}_seconds"] = time.perf_counter() - start
-        result[f"{name}_mixed_precision"] = trainer.accelerator.mixed_precision
-        result["world_size"] = trainer.args.world_size
-        result["accelerator_class"] = type(trainer.accelerator).__module__
-        if int(os.environ.get("RANK", "0")) == 0:  # after every trainer: a later crash keeps the earlier ones
-            with open(os.path.join(args.out, "result.json"), "w") as f:
-                json.dump(result, f)
+    run(args.trainers.split(","), args.out, args.max_steps, {})
 
 
 if __name__ == "__main__":
