@@ -5,6 +5,10 @@ arithmetic word sequences (chosen: the sequence goes on; rejected: it jumps).  T
 each rank records the bytes its reference model's parameters hold (unique storages) and rank 0 writes
 OUT/result.json with the trainer's log history.  TRL prepares the reference model with
 ``accelerator.prepare_model(ref_model, evaluation_mode=True)`` (no DeepSpeed / FSDP here).
+
+The suite no longer launches it (``test_trl_dpo.py`` checks ``trl_stages.py``'s DPO trainer, which writes the same
+reference bytes): ``trl_stages.py`` and ``trl_trainers.py`` import its tokenizer, data and ``storage_bytes``; it
+still runs alone, by hand.
 """
 
 import argparse
