@@ -68,7 +68,7 @@ def setup(
     quantized.check_quantization(model)  # [Note: packed 4-bit weights]: before any collective
     if optimizer is not None:
         _release_evaluation_only(model)
-    comm = Comm(group, timeout_s=config.timeout_s, debug=config.debug_collectives)
+    comm = Comm(group, timeout_s=config.comm.timeout_s, debug=config.debug.collectives)
     trainable = validate.trainable_parameters(model, optimizer) if optimizer is not None else []
     validate.check_ranks_agree(model, config, comm)
     # Ulysses: the attention switched and the groups made before any sharding ([Note: sequence-parallel groups])
@@ -80,9 +80,9 @@ def setup(
     if optimizer is None:
         return _setup_for_evaluation(model, config, comm, source, group), None
     # [Note: activation offload]: refused (every rank alike) when nothing is checkpointed
-    activation_offload.enable(model, config.offload_activations)
+    activation_offload.enable(model, config.offload.activations)
     # before any sharding: a refused optimizer changes nothing
-    partitions = [choose_partition(opt, config.optimizer_partition, config.stage) for opt in optimizers]
+    partitions = [choose_partition(opt, config.offload.optimizer_partition, config.stage) for opt in optimizers]
     if len(optimizers) > 1 and config.scales_loss:
         raise ValueError(
             "zp.setup: several optimizers with loss scaling (fp16) are not supported: the loss scale is one "
@@ -117,7 +117,7 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, engine, partition: str, se
         slots = [s for s in engine.slots if id(s.param) in mine]
     whole = _whole_params(engine, partition, slots)
     _rebind_optimizer(optimizer, engine, whole)
-    if engine.config.offload_optimizer == "cpu":
+    if engine.config.offload.optimizer == "cpu":
         use_fast_cpu_kernels(optimizer)
     return ZeroOptimizer(optimizer, engine, whole, slots)
 
@@ -153,7 +153,7 @@ def _engine_comm(comm: Comm, config: ZeroConfig, group: Any) -> Comm:
         return comm
     if group is not None:
         raise ValueError(
-            f"ZeroConfig.shard_group_size={config.shard_group_size!r} splits the default process group; "
+            f"ZeroConfig.shard_group_size={config.comm.shard_group_size!r} splits the default process group; "
             "zp.setup got group=...; pass group=None or shard_group_size=None"
         )
     return comm.split(k)
@@ -162,7 +162,7 @@ def _engine_comm(comm: Comm, config: ZeroConfig, group: Any) -> Comm:
 def _agreed_shard_group_size(comm: Comm, config: ZeroConfig) -> int | None:
     """``shard_group_size`` resolved here; "node" reads each rank's own LOCAL_WORLD_SIZE, so the ranks
     compare what they read (setup only) and all raise together rather than split differently."""
-    if config.shard_group_size != "node" or config.stage == 0 or comm.world_size == 1:
+    if config.comm.shard_group_size != "node" or config.stage == 0 or comm.world_size == 1:
         return config.resolved_shard_group_size(comm.world_size)
     try:
         mine: int | None | str = config.resolved_shard_group_size(comm.world_size)
@@ -189,9 +189,11 @@ def _release_evaluation_only(model: nn.Module) -> None:
 
 def _cast_inputs_of(model: nn.Module, config: ZeroConfig) -> Any:
     """With ``param_dtype``: the forward pre-hook casting the model's floating inputs (its handle), else None."""
-    if config.param_dtype is None:
+    if config.precision.param_dtype is None:
         return None
-    return model.register_forward_pre_hook(functools.partial(_cast_inputs, config.param_dtype), with_kwargs=True)
+    return model.register_forward_pre_hook(
+        functools.partial(_cast_inputs, config.precision.param_dtype), with_kwargs=True
+    )
 
 
 def rebind_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> ZeroOptimizer:
@@ -210,7 +212,7 @@ def rebind_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Zero
             f"zp.rebind_optimizer: the optimizer must train exactly the parameters set up with the "
             f"model; missing {sorted(wanted - got)[:3]}, extra {sorted(got - wanted)[:3]}"
         )
-    partition = choose_partition(optimizer, engine.config.optimizer_partition, engine.config.stage)
+    partition = choose_partition(optimizer, engine.config.offload.optimizer_partition, engine.config.stage)
     zero_optimizer = _wrap_optimizer(optimizer, engine, partition, several=False)
     engine.attach_optimizer(zero_optimizer)
     return zero_optimizer

@@ -156,7 +156,7 @@ def _secondary(engine) -> dict:
 
 def _offloaded(engine) -> set[str]:
     cfg = engine.config
-    return ({"optimizer"} if cfg.offload_optimizer == "cpu" else set()) | ({"params"} if cfg.offload_params else set())
+    return ({"optimizer"} if cfg.offload.optimizer == "cpu" else set()) | ({"params"} if cfg.offload.params else set())
 
 
 def _placement(engine, counter: _StorageCounter, theory: dict | None) -> dict:
@@ -197,9 +197,9 @@ def _theory_for(engine, optimizer) -> dict[str, float] | None:
         return None
     counts = _counts(engine)
     cfg = engine.config
-    p_dtype = cfg.param_dtype or next(engine.model.parameters()).dtype
-    mixed = cfg.param_dtype is not None and cfg.param_dtype != cfg.master_dtype
-    master_dtype = cfg.master_dtype if mixed else p_dtype
+    p_dtype = cfg.precision.param_dtype or next(engine.model.parameters()).dtype
+    mixed = cfg.precision.param_dtype is not None and cfg.precision.param_dtype != cfg.precision.master_dtype
+    master_dtype = cfg.precision.master_dtype if mixed else p_dtype
     shard_is_master = cfg.stage == 3 and mixed and all(s.is_identity for s in engine.slots)
     return theory_bytes(
         stage=cfg.stage,

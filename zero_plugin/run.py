@@ -100,7 +100,7 @@ def _loads_lazily(config: ZeroConfig, rank: int) -> bool:
     """Stage 3 shards anyway: every rank builds on meta.  Stages 0-2 hold full parameters, so only
     ``cpu_ram_efficient_loading`` (rank 0 reads, zp.setup broadcasts) spares the other ranks' reads.
     ``lazy_loading=False`` turns both off."""
-    return config.lazy_loading and (config.stage == 3 or (config.cpu_ram_efficient_loading and rank != 0))
+    return config.loading.lazy and (config.stage == 3 or (config.loading.cpu_ram_efficient and rank != 0))
 
 
 def _lightning_registrar(package: str) -> Callable[[], None]:

@@ -54,7 +54,7 @@ def build_engine(
     spec = _REPLICATED[config.stage]
     cast_frozen(model, trainable, config)
     slots = make_masters(trainable, comm, config, sharded=spec.sharded_masters)
-    bucket_bytes = int(config.bucket_size_mb * 2**20)
+    bucket_bytes = int(config.comm.bucket_size_mb * 2**20)
     common = dict(comm=comm, reduce_dtype=config.effective_reduce_dtype, bucket_bytes=bucket_bytes)
     if spec.sharded_masters:
         reducer = ReduceScatterReducer(slots, keep_full_grad=spec.keep_full_grad, **common)

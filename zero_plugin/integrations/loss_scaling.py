@@ -66,15 +66,15 @@ def scaler_settings(kwargs: Mapping[str, Any] | None) -> dict:
 
 def fp16_config(config: ZeroConfig, settings: Mapping[str, Any], flag: str) -> ZeroConfig:
     """``config`` with loss scaling on and ``settings`` ([Note: fp16 one-flag mapping])."""
-    if config.loss_scaling is False:
+    if config.precision.loss_scaling is False:
         raise ValueError(
             f"zero_plugin: {flag} needs loss scaling, but ZeroConfig.loss_scaling=False; drop "
             "loss_scaling from the ZeroConfig, or train without fp16"
         )
-    if config.param_dtype not in (None, torch.float32, torch.float16):
+    if config.precision.param_dtype not in (None, torch.float32, torch.float16):
         raise ValueError(
             f"zero_plugin: {flag} runs the forward in fp16, but ZeroConfig.param_dtype="
-            f"{config.param_dtype}; drop param_dtype from the ZeroConfig (fp32 parameters, as "
-            f"under DDP) or set it to fp16, or use the mixed-precision flag for {config.param_dtype}"
+            f"{config.precision.param_dtype}; drop param_dtype from the ZeroConfig (fp32 parameters, as "
+            f"under DDP) or set it to fp16, or use the mixed-precision flag for {config.precision.param_dtype}"
         )
     return config.replace(loss_scaling=True, **settings)

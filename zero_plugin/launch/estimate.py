@@ -139,9 +139,9 @@ def plan_launch(
     from ..planner import SETTINGS, Planner, resolve_model
 
     device = "cpu" if machine.gpu_bytes is None else "cuda"
-    if zero_config.shard_group_size == "node" and ranks_per_host is not None:  # [Note: shard groups at launch]
+    if zero_config.comm.shard_group_size == "node" and ranks_per_host is not None:  # [Note: shard groups at launch]
         zero_config = zero_config.replace(shard_group_size=ranks_per_host)
-    setting = (zero_config.stage, zero_config.offload_optimizer == "cpu", zero_config.offload_params)
+    setting = (zero_config.stage, zero_config.offload.optimizer == "cpu", zero_config.offload.params)
     settings = SETTINGS if setting in SETTINGS else (*SETTINGS, setting)
     fits = {}
     for row in ("full", "frozen"):

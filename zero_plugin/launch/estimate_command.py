@@ -193,13 +193,13 @@ def _header(plan, args: argparse.Namespace) -> list[str]:
             lines.append(f"long context: {_long_setting(args)}")
     else:
         lines.append("activations: not estimated (give --model with --batch and --seq)")
-    k = plan.config.shard_group_size
+    k = plan.config.comm.shard_group_size
     if k is not None and k != args.world_size:
         lines.append(
             f"hierarchical sharding: shard groups of {k} ranks, model states sharded over {k} and replicated "
             f"{args.world_size // k} times (stages 1-3)"
         )
-    if plan.config.accumulate_full_grads:
+    if plan.config.stage3.accumulate_full_grads:
         kept = plan.kept_grad_bytes(plan.setting(args.world_size, 3))
         lines.append(
             f"accumulate_full_grads: stage 3 keeps the full gradients under zp.no_sync, +{kept / GIB:.2f} GiB "
@@ -362,7 +362,7 @@ def _plot(plan, args: argparse.Namespace, settings) -> None:
             "(or pip install 'zero-plugin[bench]')"
         ) from None
     fig, ax = plt.subplots(figsize=(8, 5))
-    k = plan.config.shard_group_size  # world sizes that --shard-group-size divides
+    k = plan.config.comm.shard_group_size  # world sizes that --shard-group-size divides
     sizes = [n for n in _PLOT_WORLD_SIZES if k is None or n % k == 0]
     for stage, offload, offload_params in settings:
         ys = [

@@ -212,7 +212,7 @@ class _Sizes:
         [Note: root unit] in stage3/hooks.py: the root and the last unit of the forward stay gathered)."""
         order = self.plan.trace.forward_order
         forward = [u for u in [0, *order] if self.members[u]]
-        if not self.plan.config.reshard_after_forward:
+        if not self.plan.config.stage3.reshard_after_forward:
             return forward, []
         return forward, [u for u in order[:-1] if self.members[u]]
 
@@ -272,7 +272,7 @@ class _Sizes:
             )
             for i in trainable
         ]
-        bucket_bytes = int(self.plan.config.bucket_size_mb * 2**20)
+        bucket_bytes = int(self.plan.config.comm.bucket_size_mb * 2**20)
         return [[s.index for s in b.slots] for b in plan_buckets(slots, bucket_bytes, sharded=sharded)]
 
 
@@ -400,7 +400,7 @@ def comm_rows(plan: Any, topo: Topology, accum: int = 1, stages=(0, 1, 2, 3), in
             options = [o for o in options if not (o.hierarchical or o.hpz)]
         for option in options:
             phases = step_phases(plan, stage, option, topo, accum, in_place)
-            # the row's option says how the states are sharded, whatever the plan's config.shard_group_size
+            # the row's option says how the states are sharded, whatever the plan's config.comm.shard_group_size
             shard_world = topo.gpus_per_node if option.hierarchical else topo.world_size
             setting = replace(plan.setting(topo.world_size, stage), shard_world=shard_world)
             states = plan.theory(setting)["total"] + _extra_memory(plan, option, topo)

@@ -25,7 +25,7 @@ whatever is gone when the other peaks):
     ranks (``memory_report``'s theory with N = k) and the collectives replayed over k; the replica
     all-reduce of the reduced shards adds no buffer (the regions or row it sums exist already; in place
     one concatenated copy of them, Ψ/k, is not counted);
-  * stage 3 with ``config.accumulate_full_grads``: the full gradients kept between ``no_sync``
+  * stage 3 with ``config.stage3.accumulate_full_grads``: the full gradients kept between ``no_sync``
     micro-batches (Ψ x reduce-dtype bytes, ``Planner.kept_grad_bytes``), alive in the synced
     micro-batch's forward and backward until each unit's reduction completes;
   * the optimizer step: AdamW on one tensor at a time allocates two parameter-sized temporaries
@@ -144,9 +144,9 @@ class Planner:
             self.trace = self._trace(inputs, loss_fn)
         self.params: list[ParamInfo] = self.trace.params
         cfg = self.config  # precision as memory.py decides it
-        self.mixed = cfg.param_dtype is not None and cfg.param_dtype != cfg.master_dtype
-        self.param_bytes = (cfg.param_dtype or self.model_dtype).itemsize
-        self.master_bytes = cfg.master_dtype.itemsize if self.mixed else self.param_bytes
+        self.mixed = cfg.precision.param_dtype is not None and cfg.precision.param_dtype != cfg.precision.master_dtype
+        self.param_bytes = (cfg.precision.param_dtype or self.model_dtype).itemsize
+        self.master_bytes = cfg.precision.master_dtype.itemsize if self.mixed else self.param_bytes
 
     def _trace(self, inputs: Callable | None, loss_fn: Callable | None) -> Trace:
         from ..stage3.policy import assign_units
@@ -172,7 +172,7 @@ class Planner:
                     owner,
                     [n for n, _ in modules],
                     make,
-                    param_dtype=self.config.param_dtype,
+                    param_dtype=self.config.precision.param_dtype,
                     loss_fn=loss_fn or default_loss,
                     offload_activations=self.offload_activations,
                 )
@@ -229,8 +229,8 @@ class Planner:
         return Setting(
             config.stage,
             world_size,
-            config.offload_optimizer == "cpu",
-            config.offload_params,
+            config.offload.optimizer == "cpu",
+            config.offload.params,
             self.device,
             config,
             in_place=self.device == "cpu" and regions_in_place("gloo"),
@@ -252,7 +252,7 @@ class Planner:
         device between micro-batches, every trainable parameter in the reduce dtype ([Note: deferred
         reduction] in stage3/accumulate.py).  The replay holds them from the forward of the step's synced
         micro-batch (every micro-batch before it left them) until the unit's reduction completes."""
-        if s.stage != 3 or not s.config.accumulate_full_grads:
+        if s.stage != 3 or not s.config.stage3.accumulate_full_grads:
             return 0.0
         return float(self.counts["trainable"] * self.reduce_bytes(s.config))
 
@@ -376,7 +376,7 @@ def _result(plan: Planner, s: Setting, theory: dict[str, float], replay: Replay,
         "offload": s.offload,
         "offload_params": s.offload_params,
         "device": s.device,
-        "param_dtype": str(plan.config.param_dtype or plan.model_dtype).replace("torch.", ""),
+        "param_dtype": str(plan.config.precision.param_dtype or plan.model_dtype).replace("torch.", ""),
         "params": plan.counts,
         "model_states": theory,
         "placement": placed,

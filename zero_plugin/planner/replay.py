@@ -243,7 +243,7 @@ class ReplicatedReplay(Replay):
         ]
         return [
             ([slot.index for slot in b.slots], b.width, len(b.slots))
-            for b in plan_buckets(slots, int(self.s.config.bucket_size_mb * 2**20), sharded=self.sharded)
+            for b in plan_buckets(slots, int(self.s.config.comm.bucket_size_mb * 2**20), sharded=self.sharded)
         ]
 
     def buffer_bytes(self, b: int) -> tuple[float, float]:
@@ -337,7 +337,7 @@ class Stage3Replay(Replay):
         self.schedule.start(reduction_order(self.order, self.ids, self.ids[0], lambda u: self.n_train[u] > 0))
         # accumulate_full_grads: the earlier micro-batches' full gradients, kept in the reduce dtype until
         # the unit's reduction of the synced one sends them ([Note: deferred reduction] in stage3/accumulate.py)
-        keeps = s.config.accumulate_full_grads
+        keeps = s.config.stage3.accumulate_full_grads
         self.kept = {u: self.grad_numel[u] * self.rb if keeps else 0 for u in units}
         self.mem.add("device", "kept_grads", sum(self.kept.values()))
 
@@ -371,7 +371,7 @@ class Stage3Replay(Replay):
         """Backward prefetches along the reverse forward order: the runtime's agreed backward list when
         every unit's output needed a gradient."""
         order = self.order if direction > 0 else self.order[::-1]
-        for v in prefetch_span(order, u, self.s.config.prefetch_depth):
+        for v in prefetch_span(order, u, self.s.config.stage3.prefetch_depth):
             if v not in self.gathered and v not in self.inflight:
                 self.gather(v)
 
@@ -395,7 +395,7 @@ class Stage3Replay(Replay):
         if in_backward:
             return
         for v in [w for w in self.gathered | set(self.inflight) if w != 0] + [0] if u == 0 else [u]:
-            reshard = self.s.config.reshard_after_forward
+            reshard = self.s.config.stage3.reshard_after_forward
             if released_after_forward(True, reshard, needed_first(self.order, v, 0)):
                 self.reshard(v)
 

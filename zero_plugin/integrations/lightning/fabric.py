@@ -165,7 +165,7 @@ class _ZeroFabricStrategyMethods(ZeroProcesses):
         found = [m for m in found if _has_sequence_parallel(m)]
         if len(found) != 1:
             raise ValueError(
-                f"ZeroFabricStrategy(sequence_parallel_size={self.config.sequence_parallel_size}): the loaders split "
+                f"ZeroFabricStrategy(sequence_parallel_size={self.config.comm.sequence_parallel_size}): the loaders split "
                 f"for the one module set up with fabric.setup; found {len(found)}: set up the model before iterating"
             )
         return found[0]

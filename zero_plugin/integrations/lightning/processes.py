@@ -70,7 +70,7 @@ class ZeroProcesses:
     def process_dataloader(self, dataloader: Any) -> Any:
         """With ``sequence_parallel_size`` > 1, each batch split for this rank (on its device: the split compares
         the group's batches with a collective) for the strategy's set-up module."""
-        if self.config.sequence_parallel_size == 1:
+        if self.config.comm.sequence_parallel_size == 1:
             return dataloader
         return SequenceParallelBatches(dataloader, self)
 
