@@ -103,6 +103,27 @@ def test_flat_names_are_declared_for_type_checkers():
     assert declared == {flat: field.type for flat, (_, field) in FLAT_NAMES.items()}
 
 
+def test_the_package_reads_the_groups():
+    """Inside zero_plugin a ZeroConfig is read by its groups (``cfg.offload.optimizer``); the flat names are the
+    public compatibility surface only.  A flat read of a config object outside the config modules fails here."""
+    import pathlib
+    import re
+
+    package = pathlib.Path(zp.__file__).parent
+    names = "|".join(sorted(FLAT_NAMES, key=len, reverse=True))
+    read = re.compile(
+        rf"(?<![\w.])((?:self\.|plan\.|engine\.|s\.)*_?(?:config|cfg|zero_config))\.({names})\b(?!\s*=[^=])"
+    )
+    found = [
+        f"{path.relative_to(package)}:{n}: {m.group(0)}"
+        for path in sorted(package.rglob("*.py"))
+        if not path.name.startswith("config")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        for m in read.finditer(line)
+    ]
+    assert not found, "read the group instead (FLAT_NAMES maps each flat name to its group field):\n" + "\n".join(found)
+
+
 # --------------------------------------------------------------------- grouped == flat
 
 

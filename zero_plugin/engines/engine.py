@@ -202,7 +202,7 @@ class Engine:
     def wait_for_host_copies(self) -> None:
         """With offload, once before the step reads the host gradients ([Note: asynchronous host copies]
         in optim/offload.py); without offload nothing was copied and the device queue is left running."""
-        if self.config.offload_optimizer == "cpu" or self.config.offload_params:
+        if self.config.offload.optimizer == "cpu" or self.config.offload.params:
             synchronize_copies(self.compute_device)
 
     def forget_forward(self) -> None:

@@ -33,28 +33,33 @@ __all__ = ["ReplicatedEngine", "make_masters", "cast_frozen"]
 def cast_frozen(model: nn.Module, trainable: list[tuple[str, nn.Parameter]], config: ZeroConfig) -> None:
     """Frozen floating-point parameters take ``param_dtype`` as stage 3 stores them (no master: nothing
     updates them); buffers keep their dtype, as at stage 3.  Trainable ones are cast by ``make_masters``."""
-    if config.param_dtype is None:
+    if config.precision.param_dtype is None:
         return
     trained = {id(p) for _, p in trainable}
     for p in model.parameters():
-        if id(p) not in trained and p.is_floating_point() and p.dtype != config.param_dtype and not is_packed_4bit(p):
-            p.data = p.data.to(config.param_dtype)
+        if (
+            id(p) not in trained
+            and p.is_floating_point()
+            and p.dtype != config.precision.param_dtype
+            and not is_packed_4bit(p)
+        ):
+            p.data = p.data.to(config.precision.param_dtype)
 
 
 def make_masters(
     named: list[tuple[str, nn.Parameter]], comm: Comm, config: ZeroConfig, sharded: bool
 ) -> list[MasterParam]:
     """One master per trainable parameter; casts the model to ``param_dtype`` on the way."""
-    master_dtype = config.master_dtype if config.param_dtype is not None else None
+    master_dtype = config.precision.master_dtype if config.precision.param_dtype is not None else None
     slots = []
     for name, p in named:
         world, rank = (comm.world_size, comm.rank) if sharded else (1, 0)
         layout = ShardLayout(p.numel(), world, rank)
         source = None
-        if config.param_dtype is not None and p.dtype != config.param_dtype:
+        if config.precision.param_dtype is not None and p.dtype != config.precision.param_dtype:
             source = layout.local_view(p.data) if sharded else p.data.clone()
-            p.data = p.data.to(config.param_dtype)
-        master_device = host_for(p.device) if config.offload_optimizer == "cpu" else None
+            p.data = p.data.to(config.precision.param_dtype)
+        master_device = host_for(p.device) if config.offload.optimizer == "cpu" else None
         if sharded:
             local = layout.local_view(p.data)
         elif master_dtype in (None, p.dtype) and master_device is None:
@@ -118,7 +123,7 @@ class ReplicatedEngine(Engine):
         return (
             self.param_sync is not None
             and self.param_sync.pipelines
-            and not (self.config.offload_optimizer == "cpu" or self.config.offload_params)
+            and not (self.config.offload.optimizer == "cpu" or self.config.offload.params)
             and steps_in_pieces(inner)
             and {id(p) for g in inner.param_groups for p in g["params"]} == {id(s.master) for s in self.slots}
         )

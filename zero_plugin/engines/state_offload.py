@@ -195,8 +195,8 @@ def _storages_by_category(engine) -> list[tuple[str, torch.UntypedStorage, bool]
     }
     cpu_only = engine.compute_device.type == "cpu"
     cfg = engine.config  # the categories memory_report places on the host of a CPU-only run
-    host_categories = {"optimizer"} if cfg.offload_optimizer == "cpu" else set()
-    host_categories |= {"params"} if cfg.offload_params else set()
+    host_categories = {"optimizer"} if cfg.offload.optimizer == "cpu" else set()
+    host_categories |= {"params"} if cfg.offload.params else set()
     seen: set[tuple[str, int]] = set()
     out = []
     for category in CATEGORIES:

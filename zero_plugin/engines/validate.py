@@ -73,7 +73,7 @@ def _model_signature(model: nn.Module) -> list[tuple[str, tuple, str, bool]]:
 
 def check_ranks_agree(model: nn.Module, config: ZeroConfig, comm: Comm) -> None:
     """Collective: every rank must pass the same config and the same model."""
-    if comm.world_size == 1 or not config.check_ranks:
+    if comm.world_size == 1 or not config.debug.check_ranks:
         return
     sig = _model_signature(model)
     mine = {

@@ -56,17 +56,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._patch_step_function()
         cfg = engine.config
         scaling = cfg.scales_loss
-        fixed = cfg.loss_scale if scaling and not isinstance(cfg.loss_scale, str) else None
+        fixed = cfg.precision.loss_scale if scaling and not isinstance(cfg.precision.loss_scale, str) else None
         self.guard = GradGuard(
             engine,
-            dynamic_scale=scaling and cfg.loss_scale == "dynamic",
+            dynamic_scale=scaling and cfg.precision.loss_scale == "dynamic",
             fixed_scale=fixed,
-            init_scale=cfg.loss_scale_init,
-            growth_interval=cfg.loss_scale_growth_interval,
+            init_scale=cfg.precision.loss_scale_init,
+            growth_interval=cfg.precision.loss_scale_growth_interval,
         )
         # [Note: cache-blocked offload step]: with offload, separate host masters are stepped block by block,
         # gradients cast in (CPU-only) or waited for (CUDA) and masters written back on the way.
-        self.offloaded = cfg.offload_optimizer == "cpu"
+        self.offloaded = cfg.offload.optimizer == "cpu"
         wants_blocked = self.offloaded and whole is None and BlockedStep.wanted(self.slots)
         self.blocked = BlockedStep(self.slots) if wants_blocked else None
 
@@ -144,7 +144,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _clip_configured(self) -> None:
         """``ZeroConfig.clip_grad_norm``, if set, applied before the check ([Note: configured clipping])."""
-        max_norm = self.engine.config.clip_grad_norm
+        max_norm = self.engine.config.precision.clip_grad_norm
         if max_norm is not None:
             self.guard.unscale()
             clip_owned_grads(self.engine, max_norm)

@@ -66,7 +66,7 @@ def build_stage3_engine(
     sharded: dict[int, ShardedParam] = {}
     per_unit: list[list[ShardedParam]] = [[] for _ in modules]
     all_params = list(model.parameters())
-    trim = comm.device.type == "cpu" and config.trim_host_heap
+    trim = comm.device.type == "cpu" and config.stage3.trim_host_heap
     for index in range(len(modules)):  # one unit at a time: never the whole model unsharded
         params = [p for p in all_params if owner[id(p)] == index]
         for p, full in zip(params, _full_tensors(model, params, param_source, comm)):
@@ -83,7 +83,7 @@ def build_stage3_engine(
         deferred=DeferredStores(),  # [Note: deferred has-gradient flags] in grads/presence.py
         pool=BufferPool(),  # one for all units: [Note: buffer reuse]
         streams=streams_for(comm.device),  # [Note: side streams] in ``streams.py``; no-op on CPU
-        kept=FullGradStore() if config.accumulate_full_grads else None,  # [Note: deferred reduction]
+        kept=FullGradStore() if config.stage3.accumulate_full_grads else None,  # [Note: deferred reduction]
     )
     units = [_make_unit(spec, services) for spec in specs]
     _lend_storage(units, config, comm.device)
@@ -100,7 +100,7 @@ def unit_specs(
     reduce_comm = comm.sibling("stage-3 reductions")  # [Note: reductions on their own group] in hooks.py
     k = config.resolved_secondary_shard_size(comm.world_size) if comm.world is comm else None
     node = comm.node_group(k) if k is not None and comm.moves_data else None  # [Note: secondary shards]
-    block = config.quantization_block
+    block = config.comm.quantization_block
     return [
         UnitSpec(
             index=index,
@@ -110,10 +110,10 @@ def unit_specs(
             comm=comm,
             reduce_comm=reduce_comm,
             reduce_dtype=config.effective_reduce_dtype,
-            weight_block=block if config.quantized_weights else None,  # [Note: qwZ gather]
-            grad_block=block if config.quantized_gradients else None,  # [Note: qgZ reduction]
+            weight_block=block if config.comm.quantized_weights else None,  # [Note: qwZ gather]
+            grad_block=block if config.comm.quantized_gradients else None,  # [Note: qgZ reduction]
             secondary_comm=node,
-            slice_numel=config.linear_slice_numel,
+            slice_numel=config.stage3.linear_slice_numel,
             backward_reads_weights=index == 0 or backward_reads_weights(module),  # [Note: weights unread in backward]
         )
         for index, (name, module) in enumerate(modules)
@@ -134,7 +134,7 @@ def _lend_storage(units: list[Unit], config: ZeroConfig, device: torch.device) -
     lent again within as many units' worth of lends is let go."""
     if not can_lend_storage(device):
         return
-    in_flight = config.prefetch_depth + 1
+    in_flight = config.stage3.prefetch_depth + 1
     largest = max((sum(sp.layout.numel * sp.unsharded.element_size() for sp in u.params) for u in units), default=0)
     most_params = max((len(u.params) for u in units), default=0)
     pool = StoragePool(max_free_bytes=largest * in_flight, max_idle_lends=most_params * in_flight)
@@ -175,10 +175,12 @@ def _master_for(sp: ShardedParam, name: str, config: ZeroConfig) -> MasterParam:
     """The shard itself, or (offload to a host distinct from the device) a copy on the host: in
     ``master_dtype`` under ``param_dtype``, else in the shard's own dtype (a float64 model keeps float64
     masters, as at stages 0-2)."""
-    master_device = host_for(sp.local.device) if config.offload_optimizer == "cpu" else None
-    if master_device is None and (config.param_dtype is None or sp.local.dtype == config.master_dtype):
+    master_device = host_for(sp.local.device) if config.offload.optimizer == "cpu" else None
+    if master_device is None and (
+        config.precision.param_dtype is None or sp.local.dtype == config.precision.master_dtype
+    ):
         return MasterParam(name, sp.param, sp.layout, sp.param, None)
-    master_dtype = config.master_dtype if config.param_dtype is not None else None
+    master_dtype = config.precision.master_dtype if config.precision.param_dtype is not None else None
     return MasterParam(name, sp.param, sp.layout, sp.local, master_dtype, master_device=master_device)
 
 
@@ -192,12 +194,12 @@ def _shard_one(
     floating = p.dtype.is_floating_point and not is_packed_4bit(
         p
     )  # [Note: packed 4-bit weights] in ``quantized.py``: never cast
-    compute = (config.param_dtype or p.dtype) if floating else p.dtype
+    compute = (config.precision.param_dtype or p.dtype) if floating else p.dtype
     # The shard doubles as the fp32 master unless offload moves the master to another device.
-    offload_master = config.offload_optimizer == "cpu" and host_for(device) is not None
-    keeps_master = floating and trains and config.param_dtype is not None and not offload_master
-    storage = config.master_dtype if keeps_master else compute
-    storage_device = host_for(device) if config.offload_params else None
+    offload_master = config.offload.optimizer == "cpu" and host_for(device) is not None
+    keeps_master = floating and trains and config.precision.param_dtype is not None and not offload_master
+    storage = config.precision.master_dtype if keeps_master else compute
+    storage_device = host_for(device) if config.offload.params else None
     layout = ShardLayout(full.numel(), comm.world_size, comm.rank)
     return ShardedParam(
         p, name, full, layout, storage_dtype=storage, compute_dtype=compute, storage_device=storage_device
@@ -227,12 +229,12 @@ class Stage3Engine(Engine):
         self.runtime = self.runtime_type(
             units,
             services,
-            config.prefetch_depth,
-            config.reshard_after_forward,
+            config.stage3.prefetch_depth,
+            config.stage3.reshard_after_forward,
             trim_heap=choose_heap_trim(
-                config.trim_host_heap,
+                config.stage3.trim_host_heap,
                 comm.device.type == "cpu",
-                config.trim_each_unit_above,
+                config.stage3.trim_each_unit_above,
                 host_share_used(config.local_processes(default=comm.world_size)),
             ),
             storage_pool=next((sp.storage_pool for sp in sharded.values() if sp.storage_pool), None),

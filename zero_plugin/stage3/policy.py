@@ -51,9 +51,9 @@ def _no_split_names(model: nn.Module) -> set[str]:
 
 
 def _matcher(model: nn.Module, config: ZeroConfig):
-    if config.unit_policy is not None:
-        return config.unit_policy
-    wanted = config.unit_classes or tuple(_no_split_names(model))
+    if config.stage3.unit_policy is not None:
+        return config.stage3.unit_policy
+    wanted = config.stage3.unit_classes or tuple(_no_split_names(model))
     types = tuple(c for c in wanted if isinstance(c, type))
     names = {c for c in wanted if isinstance(c, str)}
 
@@ -88,14 +88,14 @@ def assign_units(model: nn.Module, config: ZeroConfig) -> tuple[list[tuple[str, 
             visit(child, qual, index)
 
     visit(model, "", 0)
-    if config.unit_classes and len(units) == 1:
-        _no_unit_matched(model, config.unit_classes)
-    if config.unit_policy is None:  # the default blocks or unit_classes; a custom policy decides alone
+    if config.stage3.unit_classes and len(units) == 1:
+        _no_unit_matched(model, config.stage3.unit_classes)
+    if config.stage3.unit_policy is None:  # the default blocks or unit_classes; a custom policy decides alone
         _split_leaf_units(model, units, owner)
-        _split_frozen_linears(model, units, owner, config.linear_slice_numel)
-    if config.persistence_threshold:
+        _split_frozen_linears(model, units, owner, config.stage3.linear_slice_numel)
+    if config.stage3.persistence_threshold:
         for p in model.parameters():  # [Note: persistent parameters]
-            if p.numel() <= config.persistence_threshold:
+            if p.numel() <= config.stage3.persistence_threshold:
                 owner[id(p)] = 0
     return units, owner
 

@@ -169,7 +169,7 @@ class StateDictHooks:
                     del destination[key]
 
     def _keeps_result(self) -> bool:
-        return not self.engine.config.state_dict_rank0_only or self.engine.comm.world.rank == 0
+        return not self.engine.config.stage3.state_dict_rank0_only or self.engine.comm.world.rank == 0
 
     def _full_value(self, call: _Call, sp: ShardedParam, keep: bool) -> torch.Tensor | None:
         """Gathered once per call (a tied parameter's second key reuses it, on every rank alike: the gathers
@@ -280,7 +280,7 @@ class StateDictHooks:
         comm = self.engine.comm
         return (
             f"zero_plugin stage 3: rank {comm.rank} called {call.verb}() but not every rank did within "
-            f"ZeroConfig.timeout_s={self.engine.config.timeout_s:g} s ({exc.__cause__ or exc}). "
+            f"ZeroConfig.timeout_s={self.engine.config.comm.timeout_s:g} s ({exc.__cause__ or exc}). "
             f"{call.verb}() of a stage-3 model is collective (it gathers or updates the sharded "
             f"parameters): {_FIX}"
         )
