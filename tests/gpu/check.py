@@ -7,6 +7,8 @@
      blocked offload step (per-master copy waits, block-wise write-back) is bitwise the whole-tensor one.
   1c'. Colocate (tests/gpu/colocate.py): zp.offload_states frees the model states' device memory (allocated and
      reserved) into pinned host copies, zp.reload_states brings them back and training continues bitwise.
+  1c''. Activation offload (tests/gpu/activation_offload.py): the checkpointed layer inputs leave the device
+     (forward memory falls by the layer inputs) and the gradients, and stage 3's training, stay bitwise.
   1d. Lazy load (tests/gpu/lazy_load.py): a ~1.1 GB safetensors checkpoint through zero_plugin.run's lazy
      ``from_pretrained`` + LoRA + ``Accelerator.prepare`` (stage 3, parameter offload) under a 512 MiB cap:
      setup never holds the model on the device (peak < cap), two steps run.
@@ -219,6 +221,14 @@ def part_colocate() -> dict:
     return run()
 
 
+def part_activation_offload() -> dict:
+    """tests/gpu/activation_offload.py: offload_activations="cpu" moves the checkpointed inputs off the device and
+    changes no bit of the gradients (issue #50)."""
+    from tests.gpu.activation_offload import part_activation_offload as run
+
+    return run()
+
+
 def part_qlora() -> dict:
     """tests/gpu/qlora.py: a bitsandbytes 4-bit base + LoRA at stage 3 on CUDA against the unsharded run."""
     from tests.gpu.qlora import part_qlora as run
@@ -231,6 +241,7 @@ PARTS = {
     "overlap": part_overlap,
     "offload": part_offload,
     "colocate": part_colocate,
+    "activation_offload": part_activation_offload,
     "fake_pg_memory": part_fake_pg_memory,
     "lazy_load": part_lazy_load,
     "qlora": part_qlora,

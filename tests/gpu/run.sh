@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: installs the package into the machine's Python (torch is already
 # there), runs the CUDA checks, and writes $OUT/gpu_results.json (see tests/gpu/check.py); exits 1 when a part
-# raised or reported ok: false.  The parts run in order (parity, overlap, offload, colocate, fake_pg_memory, lazy_load,
+# raised or reported ok: false.  The parts run in order (parity, overlap, offload, colocate, activation_offload, fake_pg_memory, lazy_load,
 # qlora, lora_13b, speed_vs_fsdp2); pass e.g. `--parts overlap speed_vs_fsdp2` to run some (the parts issue
 # #39 fixed, first on the next machine).  "overlap" (tests/gpu/overlap.py) measures how much of a stand-in wire
 # time before every stage-3 collective a host-bound model's step exposes, forward and backward, against a
