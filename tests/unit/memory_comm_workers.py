@@ -121,6 +121,9 @@ def _unexplained(baseline: list[torch.Tensor], model, opt) -> list[str]:
     return out
 
 
+SMALL_BYTES = 256  # far below any buffer a gloo work holds (a bucket's payload)
+
+
 def memory_worker(stage: int, mixed: bool) -> dict:
     """Report after step, zero_grad, backward (optimizer state exists; stage 2 holds its grad shards)."""
     baseline = _all_live_tensors()
@@ -133,10 +136,13 @@ def memory_worker(stage: int, mixed: bool) -> dict:
     independent = independent_count(model, opt)
     # A gloo work object that just completed may still hold its input tensors for a moment in the
     # worker thread (and torch keeps the Python wrapper alive while C++ holds the tensor): let go of
-    # them before counting.  A tensor the engine really keeps stays, and the assertion catches it.
+    # them before counting.  A tensor the engine really keeps stays, and the assertion catches it.  Up to
+    # SMALL_BYTES more is not waited for: at stage 0 the reducer holds one float32 inf/NaN flag per bucket
+    # until the step ([Note: finite check in the average] in comm/layout.py), so "live <= independent" never
+    # held there and every run waited the whole 2 s, gathering every live object 40 times (~12 s per test).
     for _ in range(40):
         live = _live_tensor_bytes(baseline)
-        if live <= independent:
+        if live <= independent + SMALL_BYTES:
             break
         time.sleep(0.05)
     return {
