@@ -3,6 +3,8 @@ stage-3 unit of its own) trained at stage 3, with the embedding unit's gathers c
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -64,8 +66,8 @@ def _train(batches, steps, accum, max_norm, buffered, tie, checkpointing, gather
     embeds = [u for u in engine.units if u.name.endswith("embed_tokens")]
     out_units = [(u.name, u.backward_reads_weights) for u in embeds]
     if gathered:
-        for unit in embeds:
-            unit.backward_reads_weights = True
+        for unit in embeds:  # the control: the same unit gathered for backward as any other
+            unit.spec = dataclasses.replace(unit.spec, backward_reads_weights=True)
     gathers: list[str] = []
     for unit in embeds:
         unshard = unit.unshard

@@ -64,7 +64,7 @@ Everything that writes a shard (the optimizer step, loads, gathered edits) write
 the view stays the shard.
 
 [Note: gather tag]
-In the buffered layout every all-gather also carries its unit's index (``_TAG`` trailing elements per
+In the buffered layout every all-gather also carries its unit's index (``GATHER_TAG`` trailing elements per
 rank), a second line of defence behind [Note: collective order] (``order.py``) that costs nothing extra on
 the wire: a rank that receives another unit's index raises before any gradient computed on mixed weights
 is final.  The tags are read on the host without stalling it (``tag_check.py``, [Note: deferred host
@@ -104,7 +104,7 @@ __all__ = [
     "released_at_reduce",
 ]
 
-_TAG = 2  # elements appended to each rank's all-gather input: the unit's index ([Note: gather tag])
+GATHER_TAG = 2  # elements appended to each rank's all-gather input: the unit's index ([Note: gather tag])
 
 
 def released_after_forward(grad: bool, reshard_after_forward: bool, needed_first: bool) -> bool:
@@ -213,14 +213,7 @@ class Unit:
 
     def __init__(self, spec: UnitSpec, services: UnitServices) -> None:
         self.spec = spec
-        self.index = spec.index
-        self.name = spec.name
-        self.module = spec.module
-        self.params = spec.params
         self.trainable = [sp for sp in spec.params if sp.param.requires_grad]
-        self.comm = spec.comm
-        self.reduce_comm = spec.reduce_comm  # [Note: reductions on their own group] in hooks.py
-        self.reduce_dtype = spec.reduce_dtype
         # [Note: collective layouts] in comm/layout.py: read once, per group
         self.layout = comm_layout.layout_of(spec.comm)
         self.reduce_layout = comm_layout.layout_of(spec.reduce_comm)
@@ -232,11 +225,7 @@ class Unit:
         # What a reduction sends for a parameter: its param.grad, or with kept gradients the engine's
         # FullGradStore.grad_of ([Note: deferred reduction] in accumulate.py)
         self.grad_of = services.kept.grad_of if services.kept is not None else _param_grad
-        # ZeRO++ ([Note: qwZ gather], [Note: qgZ reduction] in comm/quantized.py, [Note: secondary shards] in
-        # secondary.py); None = off
-        self.weight_block = spec.weight_block
-        self.grad_block = spec.grad_block
-        self.backward_reads_weights = spec.backward_reads_weights  # [Note: weights unread in backward]
+        # ZeRO++ hpZ ([Note: secondary shards] in secondary.py); None = off
         self.secondary = SecondaryShard(spec.secondary_comm, spec.params) if spec.secondary_comm is not None else None
         self._flat = _flat_shards(spec.index, spec.params, self.layout)  # [Note: flat shards]: per compute dtype
         self.state = ShardedState.SHARDED
@@ -248,6 +237,52 @@ class Unit:
         self._gather_streams = self.streams  # the streams the gather in flight runs on
         self._tags: dict[torch.dtype, torch.Tensor] = {}  # [Note: gather tag] per dtype, for the buffered layout
         self._ends = _UnitEnds(self)
+
+    # What the unit is, read from its spec: the one record of it ([Note: unit record]), not copied here.
+    @property
+    def index(self) -> int:
+        """Position in the engine's unit list and gather tag; 0 is the root."""
+        return self.spec.index
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def module(self) -> nn.Module:
+        return self.spec.module
+
+    @property
+    def params(self) -> list[ShardedParam]:
+        return self.spec.params
+
+    @property
+    def comm(self) -> Comm:
+        return self.spec.comm
+
+    @property
+    def reduce_comm(self) -> Comm:
+        """[Note: reductions on their own group] in hooks.py."""
+        return self.spec.reduce_comm
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        return self.spec.reduce_dtype
+
+    @property
+    def weight_block(self) -> int | None:
+        """qwZ ([Note: qwZ gather] in comm/quantized.py); None = off."""
+        return self.spec.weight_block
+
+    @property
+    def grad_block(self) -> int | None:
+        """qgZ ([Note: qgZ reduction] in comm/quantized.py); None = off."""
+        return self.spec.grad_block
+
+    @property
+    def backward_reads_weights(self) -> bool:
+        """[Note: weights unread in backward] in policy.py."""
+        return self.spec.backward_reads_weights
 
     def set_streams(self, streams: StreamSet) -> None:
         """Replace the side streams, between steps ([Note: side streams] in streams.py): tests substitute a
@@ -451,7 +486,7 @@ class Unit:
         by scalar fills (no copy from pageable host memory, [Note: deferred host reads])."""
         tag = self._tags.get(dtype)
         if tag is None or tag.device != device:
-            tag = torch.empty(_TAG, dtype=dtype, device=device)
+            tag = torch.empty(GATHER_TAG, dtype=dtype, device=device)
             for j, value in enumerate(self._tag()):
                 tag[j] = value
             self._tags[dtype] = tag
@@ -603,7 +638,7 @@ def _flat_shards(index: int, params: list[ShardedParam], layout: comm_layout.Lay
         if any(sp.local.dtype != dtype or sp.local.device != device for sp in group):
             continue  # cast or copied from the host at each gather (mixed precision, offload_params)
         offsets, width = comm_layout.packed_offsets(sp.layout.shard_numel for sp in group)
-        flat = layout.gather_input(width + _TAG, dtype, device)
+        flat = layout.gather_input(width + GATHER_TAG, dtype, device)
         if flat is None:
             return {}  # in place: each rank's region goes straight into the full tensors
         for j, value in enumerate(tag_of(index)):
