@@ -28,19 +28,25 @@ from .engines.param_sync import ParamAllGather
 from .engines.replicated import ReplicatedEngine, cast_frozen, make_masters
 from .grads.reducer import AllReduceReducer, ReduceScatterReducer
 
-__all__ = ["build_engine", "build_inference_engine"]
+__all__ = ["REPLICATED_STAGES", "ReplicatedStage", "build_engine", "build_inference_engine"]
 
 
 @dataclass(frozen=True, slots=True)
-class _ReplicatedStage:
+class ReplicatedStage:
+    """How a stage 0-2 engine is composed; the planner's replay (``planner/replay.py``) reads the same rows."""
+
     sharded_masters: bool
+    """Masters of this rank's region only, gradients reduce-scattered to their owners, and the parameters
+    all-gathered after the step (``ParamAllGather``); False: whole masters, gradients all-reduced (DDP)."""
     keep_full_grad: bool
+    """The full gradients stay in ``param.grad`` after their reduction (stages 0-1); False: they go as soon
+    as they are reduced and only the owned region is kept (ZeRO-2)."""
 
 
-_REPLICATED = {
-    0: _ReplicatedStage(sharded_masters=False, keep_full_grad=True),
-    1: _ReplicatedStage(sharded_masters=True, keep_full_grad=True),
-    2: _ReplicatedStage(sharded_masters=True, keep_full_grad=False),
+REPLICATED_STAGES = {
+    0: ReplicatedStage(sharded_masters=False, keep_full_grad=True),
+    1: ReplicatedStage(sharded_masters=True, keep_full_grad=True),
+    2: ReplicatedStage(sharded_masters=True, keep_full_grad=False),
 }
 
 
@@ -51,7 +57,7 @@ def build_engine(
         from .stage3.engine import build_stage3_engine
 
         return build_stage3_engine(model, trainable, config, comm, param_source)
-    spec = _REPLICATED[config.stage]
+    spec = REPLICATED_STAGES[config.stage]
     cast_frozen(model, trainable, config)
     slots = make_masters(trainable, comm, config, sharded=spec.sharded_masters)
     bucket_bytes = int(config.comm.bucket_size_mb * 2**20)

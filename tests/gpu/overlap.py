@@ -148,7 +148,7 @@ def _run(mode: str, sleep_ms: float | None, cycles_per_ms: float, steps: int = 8
     import zero_plugin as zp
     from zero_plugin.comm.streams import NO_STREAMS, CudaStreams
     from zero_plugin.engines.engine import engine_of
-    from zero_plugin.stage3.hooks import _MAX_INFLIGHT_REDUCES
+    from zero_plugin.stage3.hooks import MAX_INFLIGHT_REDUCES
 
     torch.manual_seed(0)
     model = Chain().cuda()
@@ -183,7 +183,7 @@ def _run(mode: str, sleep_ms: float | None, cycles_per_ms: float, steps: int = 8
         "ms_with_sleeps": slept,
         "exposed": {p: (slept[p] - base[p]) / max(issued[p] * sleep_ms, 1e-9) for p in base},
         "peaks": peaks,
-        "held_grads_bound": (_MAX_INFLIGHT_REDUCES + 1) * unit_grad_bytes,
+        "held_grads_bound": (MAX_INFLIGHT_REDUCES + 1) * unit_grad_bytes,
     }
 
 

@@ -20,7 +20,7 @@ reusable only after events on the recorded streams complete, which the caching a
 later allocations; when memory comes back then depends on how far the GPU has got.  With explicit
 waits a block is reusable exactly when the host frees it, and peak memory is the same on every run.
 The number of buffers in flight is bounded where they are issued (``prefetch_depth`` gathers,
-``_MAX_INFLIGHT_REDUCES`` reductions in ``stage3/hooks.py``).
+``MAX_INFLIGHT_REDUCES`` reductions in ``stage3/hooks.py``).
 
 On CPU (gloo, or no accelerator) there is nothing to overlap with: :data:`NO_STREAMS` does nothing
 and creates no stream or event, so the CPU path is unchanged.  Tests substitute a recording fake

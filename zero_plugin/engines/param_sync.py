@@ -2,7 +2,7 @@
 
 The batching is the layout's (``Layout.gather_all``, [Note: collective layouts] in ``comm/layout.py``):
 buffered (NCCL), bucket by bucket ``copy_in (own region) -> all_gather (async) -> wait -> copy_out`` with at
-most ``_MAX_INFLIGHT`` launched buckets waiting, so copies overlap communication while buffers stay bounded;
+most ``MAX_INFLIGHT`` launched buckets waiting, so copies overlap communication while buffers stay bounded;
 in place (gloo), every rank's region broadcast straight into the parameters in one collective (no buffer,
 no copy), or bucket by bucket behind the optimizer where the layout says so (``gathers_while_stepping``,
 [Note: pipelined step] in ``pipelined_step.py``).  This module provides both ends of the gather
@@ -27,7 +27,7 @@ from ..tensors.phases import phase
 
 __all__ = ["ParamAllGather"]
 
-_MAX_INFLIGHT = 2  # buffered: launched buckets waiting when the next is launched (planner/replay.py reads it)
+MAX_INFLIGHT = 2  # buffered: launched buckets waiting when the next is launched (planner/replay.py reads it)
 _WHAT = "parameter all-gather after the step"
 _TAG = "parameters after the step"
 
@@ -53,7 +53,7 @@ class ParamAllGather:
             buckets = [kept for kept in ([s for s in b if id(s) in wanted] for b in buckets) if kept]
             members = [s for b in buckets for s in b]
         with phase("param_all_gather"):  # [Note: profiler phases]
-            self.layout.gather_all(self.comm, members, buckets, self._ends, _WHAT, _MAX_INFLIGHT, tag=_TAG)
+            self.layout.gather_all(self.comm, members, buckets, self._ends, _WHAT, MAX_INFLIGHT, tag=_TAG)
 
     @property
     def pipelines(self) -> bool:

@@ -57,11 +57,11 @@ from ..tensors.weak_hook import WeakHook
 from .bucket import Bucket, plan_buckets
 from .presence import DeferredStores
 from .schedule import LateFlags, ReductionSchedule
-from .views import BucketViews, store_view
+from .views import BucketViews, reduce_scatter_keeps_views, store_view
 
 __all__ = ["AllReduceReducer", "ReduceScatterReducer", "GradReducer"]
 
-_MAX_INFLIGHT = 2  # buckets whose collective may be pending at once during backward
+MAX_INFLIGHT = 2  # buckets whose collective may be pending at once during backward
 
 
 class GradReducer:
@@ -86,7 +86,7 @@ class GradReducer:
         self.require_sync = True
         self._callback_queued = False
         self._handles: list = []
-        self.schedule = ReductionSchedule(self._launch_bucket, self._complete, _MAX_INFLIGHT)
+        self.schedule = ReductionSchedule(self._launch_bucket, self._complete, MAX_INFLIGHT)
         self.schedule.start(self.buckets)  # fixed at setup: [Note: rank-agreed reduction order]
         if self.supports_late:
             comm.open_control_channel()  # collective: every rank builds the same reducer at setup
@@ -323,10 +323,10 @@ class ReduceScatterReducer(GradReducer):
                 self._handles.append(slot.param.register_hook(WeakHook(self._before_accumulate, slot.param)))
 
     def _keeps_views(self, bucket: Bucket) -> bool:
-        """Stage 1 in place only: a buffered reduction copies the gradients into its rows anyway, so a view
-        would add a copy ([Note: gradients as bucket views] in views.py); stage 2 lets its full gradients go."""
+        """[Note: gradients as bucket views] in views.py: ``reduce_scatter_keeps_views``, for a bucket the views
+        apply to."""
         in_place = self.layout is comm_layout.IN_PLACE  # the one read of which layout: what it costs, not how
-        return self.keep_full_grad and in_place and self.views.applies(bucket)
+        return reduce_scatter_keeps_views(self.keep_full_grad, in_place) and self.views.applies(bucket)
 
     def _adopt(self, bucket: Bucket, index: int) -> None:
         """Stage 1: not while the view holds an average of this step (a second synced backward): the fresh

@@ -40,7 +40,7 @@ from ..comm.layout import packed_offsets
 from ..optim.master import MasterParam
 from .bucket import Bucket
 
-__all__ = ["BucketViews"]
+__all__ = ["BucketViews", "reduce_scatter_keeps_views"]
 
 
 class BucketViews:
@@ -112,6 +112,14 @@ class BucketViews:
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self._buffers.values())
+
+
+def reduce_scatter_keeps_views(keep_full_grad: bool, in_place: bool) -> bool:
+    """Whether a reduce-scatter reducer keeps its full gradients as bucket views (a bucket whose parameters share
+    the reduce dtype and device, ``BucketViews.applies``): stage 1 in the in-place layout.  A buffered reduction
+    copies the gradients into its rows anyway, so a view would add a copy; stage 2 lets its full gradients go.
+    ``ReduceScatterReducer`` and the planner's replay both ask this."""
+    return keep_full_grad and in_place
 
 
 def _view(buf: torch.Tensor, slot: MasterParam, off: int) -> torch.Tensor:

@@ -61,7 +61,7 @@ from typing import Any
 
 from ..comm.quantize import packed_numel
 from ..grads.bucket import plan_buckets
-from ..stage3.unit import _TAG as _GATHER_TAG
+from ..stage3.unit import GATHER_TAG as _GATHER_TAG
 from ..tensors.flat import ShardLayout
 
 __all__ = [

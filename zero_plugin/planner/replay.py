@@ -30,14 +30,16 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..config import ZeroConfig
-from ..engines.param_sync import _MAX_INFLIGHT as _MAX_PENDING_GATHERS  # parameter buckets after the step
+from ..engines.param_sync import MAX_INFLIGHT as _MAX_PENDING_GATHERS  # parameter buckets after the step
 from ..grads.bucket import plan_buckets
-from ..grads.reducer import _MAX_INFLIGHT as _MAX_PENDING_BUCKETS  # gradient buckets during backward
+from ..grads.reducer import MAX_INFLIGHT as _MAX_PENDING_BUCKETS  # gradient buckets during backward
 from ..grads.schedule import ReductionSchedule
+from ..grads.views import reduce_scatter_keeps_views
 from ..optim import blocked_step
-from ..stage3.hooks import _MAX_INFLIGHT_REDUCES, needed_first, prefetch_span, reduction_order
-from ..stage3.unit import _TAG as _GATHER_TAG  # elements appended to each rank's stage-3 gather input
+from ..stage3.hooks import MAX_INFLIGHT_REDUCES, needed_first, prefetch_span, reduction_order
+from ..stage3.unit import GATHER_TAG as _GATHER_TAG  # elements appended to each rank's stage-3 gather input
 from ..stage3.unit import released_after_forward, released_at_reduce
+from ..stages import REPLICATED_STAGES
 from ..tensors.flat import ShardLayout
 
 __all__ = ["Memory", "ReplicatedReplay", "Replay", "Setting", "Stage3Replay"]
@@ -203,11 +205,16 @@ class Replay:
 
 class ReplicatedReplay(Replay):
     """Stages 0-2 (``grads/reducer.py``, ``engines/param_sync.py``): full parameters; gradients bucketed and
-    all-reduced (0) or reduce-scattered (1-2), at most ``_MAX_PENDING_BUCKETS`` buckets pending."""
+    all-reduced (0) or reduce-scattered (1-2), at most ``_MAX_PENDING_BUCKETS`` buckets pending.  What the stage
+    keeps is read from the row ``stages.py`` builds the engine from (``REPLICATED_STAGES``), not from its number:
+    ``sharded`` (regions reduce-scattered, parameters all-gathered after the step) and ``frees_full`` (the full
+    gradients go once reduced: ZeRO-2)."""
 
     def __init__(self, plan: Any, s: Setting, theory: dict[str, float]) -> None:
         super().__init__(plan, s, theory)
-        self.sharded = s.stage > 0
+        row = REPLICATED_STAGES[s.stage]
+        self.sharded = row.sharded_masters
+        self.frees_full = not row.keep_full_grad
         self.in_place = s.in_place and self.sharded  # stage 0 all-reduces a flat bucket on every backend
         self.buckets = self._buckets()
         self.bucket_of = {i: b for b, (idx, _, _) in enumerate(self.buckets) for i in idx}
@@ -218,8 +225,9 @@ class ReplicatedReplay(Replay):
         self.schedule.start(self.ids)
         # [Note: gradients as bucket views] in grads/views.py: stage 1 in place keeps its full gradients in
         # persistent bucket buffers, alive from the first backward on (through every later forward); a fresh
-        # gradient is copied into its view and dropped at once.
-        self.views = s.stage == 1 and self.in_place and self.rb == self.pb  # views need the reduce dtype
+        # gradient is copied into its view and dropped at once.  Views need the reduce dtype.
+        keeps_views = self.sharded and reduce_scatter_keeps_views(row.keep_full_grad, self.in_place)
+        self.views = keeps_views and self.rb == self.pb
         if self.views:
             self.mem.add("device", "grads", sum(self.plan.params[i].numel for i in self.trainable) * self.pb)
 
@@ -262,18 +270,18 @@ class ReplicatedReplay(Replay):
         if self.in_place:  # grads/reducer.py ``_launch_in_place``: the gradients themselves are summed
             if self.rb != self.pb:  # ... or a copy in the reduce dtype, the gradient itself freed (stage 2)
                 self.mem.add("device", "reduce_buffers", self.bucket_numel(b) * self.rb)
-                if self.s.stage == 2:
+                if self.frees_full:
                     self.mem.add("device", "grads", -self.bucket_numel(b) * self.pb)
             return
         inp, out = self.buffer_bytes(b)
         self.mem.add("device", "reduce_buffers", inp)
-        if self.s.stage == 2:  # ZeRO-2: the full gradients go as soon as they are in the buffer
+        if self.frees_full:  # ZeRO-2: the full gradients go as soon as they are in the buffer
             self.mem.add("device", "grads", -sum(self.plan.params[i].numel for i in self.buckets[b][0]) * self.pb)
         self.reduce_output("reduce_buffers", out, at_launch=True)
 
     def complete(self, b: int, pending: Any = None) -> None:
         if self.in_place:  # stage 2 keeps a copy of its region; the full gradients go with the bucket
-            if self.s.stage == 2:
+            if self.frees_full:
                 self.mem.add(
                     self.place("grad_shards"), "grad_shards", sum(self.local(i) for i in self.buckets[b][0]) * self.pb
                 )
@@ -284,7 +292,7 @@ class ReplicatedReplay(Replay):
             return
         inp, out = self.buffer_bytes(b)
         self.reduce_output("reduce_buffers", out, at_launch=False)
-        if self.s.stage == 2:  # the owned shards are views of the bucket's output (or a cast copy of it)
+        if self.frees_full:  # the owned shards are views of the bucket's output (or a cast copy of it)
             same = self.rb == self.pb
             shards = out if same else sum(self.local(i) for i in self.buckets[b][0]) * self.pb
             self.mem.add(self.place("grad_shards"), "grad_shards", shards)
@@ -295,9 +303,9 @@ class ReplicatedReplay(Replay):
         self.schedule.finish()
 
     def after_step(self) -> None:
-        if self.s.stage == 2:
+        if self.frees_full:
             self.mem.bytes.pop((self.place("grad_shards"), "grad_shards"), None)
-        if self.s.stage in (1, 2) and self.n > 1 and not self.in_place:  # at most _MAX_PENDING_GATHERS at once
+        if self.sharded and self.n > 1 and not self.in_place:  # at most _MAX_PENDING_GATHERS at once
             self.mem.phase = "all-gather"
             pending: list[tuple[float, float]] = []
             for _, width, _ in self.buckets:
@@ -333,7 +341,7 @@ class Stage3Replay(Replay):
         self.reduced: set[int] = set()
         self.post: set[int] = set()
         self.ready = {u: 0 for u in units}
-        self.schedule = ReductionSchedule(self._launch_one, self.complete, _MAX_INFLIGHT_REDUCES)
+        self.schedule = ReductionSchedule(self._launch_one, self.complete, MAX_INFLIGHT_REDUCES)
         self.schedule.start(reduction_order(self.order, self.ids, self.ids[0], lambda u: self.n_train[u] > 0))
         # accumulate_full_grads: the earlier micro-batches' full gradients, kept in the reduce dtype until
         # the unit's reduction of the synced one sends them ([Note: deferred reduction] in stage3/accumulate.py)

@@ -121,7 +121,7 @@ from .unit import GatherMode, TrainingState, Unit, UnitServices
 
 __all__ = ["Phase", "Stage3Runtime", "needed_first", "prefetch_span", "reduction_order"]
 
-_MAX_INFLIGHT_REDUCES = 2
+MAX_INFLIGHT_REDUCES = 2
 
 
 def prefetch_span(order: list, unit, depth: int) -> list:
@@ -209,7 +209,7 @@ class Stage3Runtime:
         # host once per forward / backward, not after every collective
         self.tag_checks = services.tag_checks
         self.deferred = services.deferred
-        self.schedule = ReductionSchedule(self._launch_reduce, self._complete_reduce, _MAX_INFLIGHT_REDUCES)
+        self.schedule = ReductionSchedule(self._launch_reduce, self._complete_reduce, MAX_INFLIGHT_REDUCES)
         self.schedule.start(self._reduce_order())
         self._backward_order: list[Unit] = []  # [Note: backward gather order]
         self._backward_cursor = 0
@@ -468,7 +468,7 @@ class Stage3Runtime:
     # [Note: units the backward passed]
     # A unit whose outputs this rank computed but did not use (DDP allows it) gets no backward here, so its
     # reduction would wait for the end of backward while its peers' goes out in its turn ([Note: rank-agreed
-    # reduction order] in grads/schedule.py).  The peers then block on it once _MAX_INFLIGHT_REDUCES more are
+    # reduction order] in grads/schedule.py).  The peers then block on it once MAX_INFLIGHT_REDUCES more are
     # in flight, before issuing the backward gathers this rank waits for: a deadlock (found by the fuzzer: the
     # last of four blocks discarded on one of two ranks).  So when a unit's backward starts, every unit before
     # it in the reduction order that this backward never reached (IDLE) is ready now, its missing gradients
