@@ -187,3 +187,20 @@ def test_config_field():
 def test_helpers_refuse_a_model_not_set_up():
     with pytest.raises(ValueError, match="was not set up for sequence parallelism"):
         zp.sequence_parallel_batch({"input_ids": torch.ones(1, 4, dtype=torch.long)}, torch.nn.Linear(2, 2))
+
+
+def test_the_split_refuses_a_batch_that_is_not_a_mapping_whatever_loader_brings_it():
+    """The one loader (``zp.SequenceParallelLoader``, which the Accelerate and Lightning loaders are) looks its model
+    up at the first batch when given a function, and the split names K for a tuple batch."""
+    from types import SimpleNamespace
+
+    from zero_plugin.sequence import parallel
+
+    model = torch.nn.Linear(2, 2)
+    parallel._OF_MODEL[model] = parallel.SequenceParallel(SimpleNamespace(world_size=2, rank=0), "sdpa", None)
+    looked_up = []
+    loader = zp.SequenceParallelLoader([(torch.ones(1, 4),)], lambda: looked_up.append(1) or model, check=False)
+    assert not looked_up  # not before the first batch
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=2 splits batches that are mappings .* tuple"):
+        next(iter(loader))
+    assert looked_up == [1]

@@ -56,7 +56,7 @@ import zero_plugin as zp
 from zero_plugin.config import ZeroConfig
 from zero_plugin.engines.engine import engine_of
 from zero_plugin.loading import materialize
-from zero_plugin.sequence.parallel import SequenceParallel
+from zero_plugin.sequence.parallel import find_sequence_parallel
 from zero_plugin.stage3.inference import InferenceEngine
 
 from . import common, loss_scaling
@@ -314,8 +314,8 @@ class Accelerator(_AccelerateAccelerator):
 
     def sequence_parallel_model(self) -> nn.Module:
         """The one model this accelerator set up with sequence parallelism, whose group the loaders split for."""
-        found = [m for m, _ in self._zero_pairs() if _sequence_parallel_setting(m) is not None]
-        found += [m for m in self._models if _sequence_parallel_setting(m) is not None and m not in found]
+        found = [m for m, _ in self._zero_pairs() if find_sequence_parallel(m) is not None]
+        found += [m for m in self._models if find_sequence_parallel(m) is not None and m not in found]
         if len(found) != 1:
             raise ValueError(
                 f"zero_plugin: a sequence-parallel data loader (sequence_parallel_size={self.sequence_parallel_size}) "
@@ -497,39 +497,13 @@ class _ZeroAcceleratedOptimizer(AcceleratedOptimizer):
         return result
 
 
-class SequenceParallelDataLoader:
+class SequenceParallelDataLoader(zp.SequenceParallelLoader):
     """An Accelerate-prepared loader (sharded over the data-parallel groups) whose batches are split for this rank
-    by ``zp.sequence_parallel_batch`` ([Note: sequence-parallel data loaders]); ``len``, ``set_epoch``, the sampler
-    and the rest pass through to the prepared loader."""
+    ([Note: sequence-parallel data loaders]) for the accelerator's model, looked up at the first batch (the HF
+    Trainer prepares the model after the loader); ``len``, ``set_epoch``, the sampler and the rest pass through."""
 
     def __init__(self, loader: Any, accelerator: Accelerator) -> None:
-        self.loader, self.accelerator = loader, accelerator
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        model = None
-        for batch in self.loader:
-            if not isinstance(batch, Mapping):
-                raise ValueError(
-                    f"zero_plugin: sequence_parallel_size={self.accelerator.sequence_parallel_size} splits batches "
-                    "that are mappings with input_ids [batch, seq] (and labels, position_ids); the loader gave a "
-                    f"{type(batch).__name__}"
-                )
-            if model is None:  # the model is prepared after the loader by the HF Trainer: look it up now
-                model = self.accelerator.sequence_parallel_model()
-            yield zp.sequence_parallel_batch(batch, model)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["loader"], name)
-
-
-def _sequence_parallel_setting(model: nn.Module) -> SequenceParallel | None:
-    try:
-        return zp.sequence_parallel_of(model)
-    except ValueError:
-        return None
+        super().__init__(loader, accelerator.sequence_parallel_model)
 
 
 def _iterable(data_loader: Any) -> bool:

@@ -71,6 +71,7 @@ from zero_plugin.ckpt.deepspeed_reader import find_tag_dir
 from zero_plugin.ckpt.rng import capture_rng, restore_rng
 from zero_plugin.sequence.batch import IGNORE_INDEX, expect_batch
 from zero_plugin.sequence.loss import token_loss_sum
+from zero_plugin.sequence.parallel import find_sequence_parallel
 from zero_plugin.state_dict import raw_state_dict
 
 from .. import upstream
@@ -420,9 +421,8 @@ def evaluation_loop(
     if self.accelerator.zero_config.stage == 3 and not common.is_set_up(self.model) and not self.accelerator._models:
         # set up for evaluation here, as the loop would, so that the pause below covers its attention
         self.accelerator.prepare_model(self.model, evaluation_mode=True)
-    try:
-        setting = zp.sequence_parallel_of(self.model)
-    except ValueError:  # not set up (stages 0-2 before training): the model's own attention runs
+    setting = find_sequence_parallel(self.model)
+    if setting is None:  # not set up (stages 0-2 before training): the model's own attention runs
         return original(*args)
     with setting.paused():
         return original(*args)

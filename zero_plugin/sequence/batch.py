@@ -22,7 +22,7 @@ dropped.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -133,6 +133,11 @@ def sequence_parallel_batch(batch: Mapping[str, Any], model: nn.Module, check: b
     ``ZeroConfig(sequence_parallel_size=K)``); ``check``: compare the group's batches first (one small
     all-gather in the group)."""
     setting = sequence_parallel_of(model)
+    if not isinstance(batch, Mapping):
+        raise ValueError(
+            f"zero_plugin: sequence_parallel_size={setting.size} splits batches that are mappings with input_ids "
+            f"[batch, seq] (and labels, position_ids); the loader gave a {type(batch).__name__}"
+        )
     if check:
         _check_same_batch(batch["input_ids"], setting.comm)
     pad = getattr(getattr(model, "config", None), "pad_token_id", None)
@@ -150,15 +155,31 @@ def expect_batch(split: Mapping[str, Any], model: nn.Module) -> None:
 
 
 class SequenceParallelLoader:
-    """A data loader's batches through :func:`sequence_parallel_batch`; its ``len`` and ``sampler`` pass through."""
+    """A data loader's batches through :func:`sequence_parallel_batch`; its ``len`` and ``sampler`` pass through.
 
-    def __init__(self, loader: Iterable, model: nn.Module, check: bool = True) -> None:
-        sequence_parallel_of(model)  # refuse a model that was not set up for it now, not at the first batch
-        self.loader, self.model, self.check = loader, model, check
+    ``model`` may also be a function that returns it, called at the first batch: the frameworks' loaders exist
+    before the model is set up (the HF Trainer prepares its loader first, Fabric either way).  ``device``: the
+    batch's tensors are moved there first (the split compares the group's batches with a collective)."""
+
+    def __init__(
+        self,
+        loader: Iterable,
+        model: nn.Module | Callable[[], nn.Module],
+        check: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
+        if isinstance(model, nn.Module):
+            sequence_parallel_of(model)  # refuse a model that was not set up for it now, not at the first batch
+        self.loader, self.model, self.check, self.device = loader, model, check, device
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        model = self.model if isinstance(self.model, nn.Module) else None
         for batch in self.loader:
-            yield sequence_parallel_batch(batch, self.model, self.check)
+            if model is None:
+                model = self.model()
+            if self.device is not None and isinstance(batch, Mapping):
+                batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            yield sequence_parallel_batch(batch, model, self.check)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..comm.collectives import Comm
 
-__all__ = ["SequenceParallel", "enable", "sequence_parallel_of"]
+__all__ = ["SequenceParallel", "enable", "find_sequence_parallel", "sequence_parallel_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,13 +79,19 @@ class SequenceParallel:
 _OF_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def sequence_parallel_of(model: nn.Module) -> SequenceParallel:
+def find_sequence_parallel(model: nn.Module) -> SequenceParallel | None:
     """The setting ``zp.setup`` recorded for ``model`` (or for the module a framework's wrapper holds as
-    ``.module``: Fabric's ``_FabricModule``, DDP); ``ValueError`` if it has none."""
+    ``.module``: Fabric's ``_FabricModule``, DDP), or None."""
     found = _OF_MODEL.get(model)
     inner = getattr(model, "module", None)
     if found is None and isinstance(inner, nn.Module):
         found = _OF_MODEL.get(inner)
+    return found
+
+
+def sequence_parallel_of(model: nn.Module) -> SequenceParallel:
+    """:func:`find_sequence_parallel`, ``ValueError`` if ``model`` has no setting."""
+    found = find_sequence_parallel(model)
     if found is None:
         raise ValueError(
             f"{type(model).__name__} was not set up for sequence parallelism: pass it to zp.setup with "

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 
 import zero_plugin as zp
 from zero_plugin.loading.meta_init import meta_parameters
+from zero_plugin.sequence.parallel import find_sequence_parallel
 
 from . import common
 from .names import LightningNames, fabric_names
@@ -162,7 +163,7 @@ class _ZeroFabricStrategyMethods(ZeroProcesses):
 
     def sequence_parallel_module(self) -> nn.Module:
         found = [m for m in self._modules if common.is_set_up(m)]
-        found = [m for m in found if _has_sequence_parallel(m)]
+        found = [m for m in found if find_sequence_parallel(m) is not None]
         if len(found) != 1:
             raise ValueError(
                 f"ZeroFabricStrategy(sequence_parallel_size={self.config.comm.sequence_parallel_size}): the loaders split "
@@ -302,14 +303,6 @@ class _ZeroFabricStrategyMethods(ZeroProcesses):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         common.register_presets(strategy_registry, cls)
-
-
-def _has_sequence_parallel(module: nn.Module) -> bool:
-    try:
-        zp.sequence_parallel_of(module)
-    except ValueError:
-        return False
-    return True
 
 
 def _module_and_optimizer(state: dict[str, Any]) -> tuple[tuple[Any, nn.Module], tuple[Any, Optimizer | None]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -21,7 +21,7 @@ from . import common
 from .exit import release_groups_at_exit
 from .names import LightningNames
 
-__all__ = ["SequenceParallelBatches", "ZeroProcesses"]
+__all__ = ["ZeroProcesses"]
 
 
 class ZeroProcesses:
@@ -72,7 +72,7 @@ class ZeroProcesses:
         the group's batches with a collective) for the strategy's set-up module."""
         if self.config.comm.sequence_parallel_size == 1:
             return dataloader
-        return SequenceParallelBatches(dataloader, self)
+        return zp.SequenceParallelLoader(dataloader, self.sequence_parallel_module, device=self.root_device)
 
     def sequence_parallel_module(self) -> nn.Module:
         """The module whose sequence-parallel group the loaders split for (each strategy says which)."""
@@ -139,30 +139,3 @@ class ZeroProcesses:
         if not self._hinted:
             self._hinted = True
             self._fabric_names.rank_zero_info(common.LOAD_HINT.format(path=path))
-
-
-class SequenceParallelBatches:
-    """A loader whose batches go to the strategy's device and through ``zp.sequence_parallel_batch`` for the
-    strategy's module (found at the first batch: Fabric sets its loaders up before or after the module); ``len``
-    and the rest pass through."""
-
-    def __init__(self, loader: Any, strategy: ZeroProcesses) -> None:
-        self.loader, self.strategy = loader, strategy
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        device, module = self.strategy.root_device, None
-        for batch in self.loader:
-            if not isinstance(batch, Mapping):
-                raise ValueError(
-                    "sequence_parallel_size > 1 splits batches that are mappings with input_ids [batch, seq] (and "
-                    f"labels, position_ids); the loader gave a {type(batch).__name__}"
-                )
-            module = self.strategy.sequence_parallel_module() if module is None else module
-            batch = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
-            yield zp.sequence_parallel_batch(batch, module)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["loader"], name)
