@@ -381,15 +381,13 @@ class _TracedOffload:
 @contextlib.contextmanager
 def _offloaded_checkpoints(model: nn.Module, offload: _TracedOffload | None):
     """The model's checkpoint functions run inside ``offload``'s hooks for the trace (none: unchanged)."""
-    from ..sequence.offload import OffloadedCheckpoint
+    from ..sequence.offload import OffloadedCheckpoint, checkpointing_modules
 
     wrapped = []
     if offload is not None:
-        for m in model.modules():
-            inner = getattr(m, "_gradient_checkpointing_func", None)
-            if getattr(m, "gradient_checkpointing", False) and callable(inner):
-                wrapped.append((m, inner))
-                m._gradient_checkpointing_func = OffloadedCheckpoint(inner, offload)
+        for m in checkpointing_modules(model):
+            wrapped.append((m, m._gradient_checkpointing_func))
+            m._gradient_checkpointing_func = OffloadedCheckpoint(m._gradient_checkpointing_func, offload)
     try:
         yield
     finally:

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["ActivationOffload", "OffloadStats", "OffloadedCheckpoint", "enable", "offload_of"]
+__all__ = ["ActivationOffload", "OffloadStats", "OffloadedCheckpoint", "checkpointing_modules", "enable", "offload_of"]
 
 
 @dataclasses.dataclass
@@ -180,7 +180,9 @@ def enable(model: nn.Module, where: str, *, copy: bool = False) -> ActivationOff
     return offload
 
 
-def _checkpointing_modules(model: nn.Module) -> list[nn.Module]:
+def checkpointing_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that run their layers through a checkpoint function (transformers' gradient
+    checkpointing): whose ``_gradient_checkpointing_func`` the offload wraps."""
     return [
         m
         for m in model.modules()
@@ -189,7 +191,7 @@ def _checkpointing_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _wrap_all(model: nn.Module, offload: ActivationOffload) -> bool:
-    modules = _checkpointing_modules(model)
+    modules = checkpointing_modules(model)
     for module in modules:
         inner = module._gradient_checkpointing_func
         if isinstance(inner, OffloadedCheckpoint):
