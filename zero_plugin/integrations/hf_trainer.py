@@ -346,14 +346,15 @@ def _get_dataloader(
     is_training: bool = False,
     dataloader_key: str | None = None,
 ):
+    args = (self, dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
     original = _ORIGINALS["_get_dataloader"]
     if _sequence_parallel_size(self) == 1:
-        return original(self, dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+        return original(*args)
     if is_training:  # split by the accelerator's prepare
         _check_sequence_parallel_loss(self)
-        return original(self, dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+        return original(*args)
     with self.accelerator.whole_sequence_loaders():  # evaluated on whole sequences, in evaluation_loop
-        return original(self, dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+        return original(*args)
 
 
 def get_resumed_dataloader(self, dataloader: Any, num_batches: int):
