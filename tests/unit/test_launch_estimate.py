@@ -210,3 +210,31 @@ def test_node_shard_groups_are_the_ranks_per_machine(monkeypatch, capsys, model_
     le.print_launch_estimate(["--model", model_dir], args, {}, env, False)
     expected = le.estimate_lines(["--model", model_dir], HIERARCHICAL, 4, le.Machine(64.0 * GIB), ranks_per_host=2)
     assert "(shard groups of 2)" in expected[1] and capsys.readouterr().err.splitlines() == expected
+
+
+def test_sequence_parallelism_checkpointing_and_activation_offload_are_planned(model_dir):
+    """The children's ``sequence_parallel_size``, the script's ``--gradient_checkpointing`` and
+    ``offload_activations`` reach the planner: the printed peak is ``Planner``'s with the same arguments, not
+    the whole-sequence, uncheckpointed one."""
+    args = [
+        "--model",
+        model_dir,
+        "--per_device_train_batch_size",
+        "2",
+        "--max_length",
+        "64",
+        "--gradient_checkpointing",
+    ]
+    config = ZeroConfig(stage=3, sequence_parallel_size=2, offload_activations="cpu")
+    machine = le.Machine(host_bytes=64 * GIB, gpu_bytes=80 * GIB)
+    lines = le.estimate_lines(args, config, 4, machine)
+    assert "activations of 2 x 64 tokens per rank, sequence split over 2 ranks, checkpointed, offloaded" in lines[0]
+    kwargs = dict(config=config, batch=2, seq=64, device="cuda", checkpointing=True)
+    planned = zpp.Planner(_tiny_config(), sequence_parallel=2, offload_activations=True, **kwargs).estimate(4, 3)
+    whole = zpp.Planner(_tiny_config(), **{**kwargs, "checkpointing": False}).estimate(4, 3)
+    assert planned["peak"]["device"] < whole["peak"]["device"]
+    device, host = _bytes(lines[1])
+    assert _close(device, planned["peak"]["device"]) and _close(host, planned["peak"]["host"])
+    # A value after the flag, as HF's argument parser takes it: false means no checkpointing.
+    off = le.estimate_lines([*args[:-1], "--gradient_checkpointing", "false"], config, 4, machine)
+    assert "checkpointed" not in off[0]

@@ -47,6 +47,7 @@ _LOG = logging.getLogger("zero_plugin.launch")
 _MODEL_FLAGS = ("--model", "--model_name_or_path")
 _BATCH_FLAGS = ("--batch_size", "--per_device_train_batch_size")
 _SEQ_FLAGS = ("--max_length", "--block_size", "--max_seq_length")
+_CHECKPOINTING_FLAGS = ("--gradient_checkpointing",)
 MARGIN = 0.1  # fraction of each memory kept free, as ``Planner.fit`` defaults
 
 
@@ -112,6 +113,14 @@ def _micro_batch(script_args: Sequence[str]) -> tuple[int | None, int | None]:
     return int(batch), int(seq)
 
 
+def _checkpointing(script_args: Sequence[str]) -> bool:
+    """``--gradient_checkpointing`` given, alone (a switch) or with a true value (HF's argument parser)."""
+    if not any(a.partition("=")[0] in _CHECKPOINTING_FLAGS for a in script_args):
+        return False
+    value = _flag_value(script_args, _CHECKPOINTING_FLAGS)
+    return value is None or value.startswith("-") or value.lower() in ("true", "1", "yes")
+
+
 def _model_config(spec: str):
     """The transformers config of ``spec`` from local files only: a folder, a config file or the HF cache."""
     from transformers import AutoConfig
@@ -129,12 +138,15 @@ def plan_launch(
     ranks_per_host: int | None = None,
     batch: int | None = None,
     seq: int | None = None,
+    checkpointing: bool = False,
 ) -> dict:
     """``Planner.fit`` of the launched model for every setting, trainable and frozen ([Note: two rows at launch]).
 
     Returns ``{"setting", "device", "shard_group_size", "full", "frozen"}``: the launched (stage, offload,
     offload_params), the planned device, the ranks per shard group (None: the whole world), and one fit result
-    per row (``frozen`` is None when the model has no 1-D parameter).
+    per row (``frozen`` is None when the model has no 1-D parameter).  With a micro-batch, the activations are
+    planned as the children run them: one rank of a ``sequence_parallel_size`` group, checkpointed as the script
+    asks, checkpointed inputs offloaded with ``offload_activations``.
     """
     from ..planner import SETTINGS, Planner, resolve_model
 
@@ -152,7 +164,14 @@ def plan_launch(
                 continue
             for p in model.parameters():
                 p.requires_grad_(p.ndim == 1)
-        plan = Planner(model, config=zero_config, batch=batch, seq=seq, device=device)
+        plan = Planner(
+            model,
+            config=zero_config,
+            batch=batch,
+            seq=seq,
+            device=device,
+            **_activations(zero_config, batch, checkpointing, device),
+        )
         fits[row] = plan.fit(
             world_size,
             machine.gpu_bytes,
@@ -162,7 +181,18 @@ def plan_launch(
             settings=settings,
         )
     shard = zero_config.resolved_shard_group_size(world_size)
-    return {"setting": setting, "device": device, "shard_group_size": shard, **fits}
+    activations = _activations(zero_config, batch, checkpointing, device)
+    return {"setting": setting, "device": device, "shard_group_size": shard, "activations": activations, **fits}
+
+
+def _activations(zero_config: ZeroConfig, batch: int | None, checkpointing: bool, device: str) -> dict:
+    """The planner's activation arguments for the children's run (none without a micro-batch to trace); on a
+    CPU-only machine activation offload moves nothing."""
+    if batch is None:
+        return {}
+    offload = checkpointing and zero_config.offload.activations == "cpu" and device == "cuda"
+    k = zero_config.comm.sequence_parallel_size
+    return {"checkpointing": checkpointing, "sequence_parallel": k, "offload_activations": offload}
 
 
 def launched_row(fit: dict, setting: tuple) -> dict:
@@ -175,6 +205,15 @@ def _size(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def _activation_notes(activations: dict) -> list[tuple[bool, str]]:
+    k = activations.get("sequence_parallel", 1)
+    return [
+        (k > 1, f"sequence split over {k} ranks"),
+        (activations.get("checkpointing", False), "checkpointed"),
+        (activations.get("offload_activations", False), "offloaded"),
+    ]
 
 
 def _count(n: int) -> str:
@@ -251,6 +290,7 @@ def render(plan: dict, model: str, machine: Machine, batch: int | None, seq: int
     full = launched_row(plan["full"], plan["setting"])
     counts, device, fit = full["params"], plan["device"], plan["full"]
     acts = f"activations of {batch} x {seq} tokens per rank" if batch else "no activations (no batch/length flags)"
+    acts += "".join(f", {text}" for shown, text in _activation_notes(plan["activations"]) if shown)
     lines = [
         f"zero-plugin launch: memory per rank planned for --model {model} ({_count(counts['total'])} "
         f"parameters, {full['param_dtype']}; zero_plugin.planner: model states, our buffers, {acts}):",
@@ -288,7 +328,14 @@ def estimate_lines(
         return []
     batch, seq = _micro_batch(script_args)
     plan = plan_launch(
-        _model_config(model), zero_config, world_size, machine, ranks_per_host=ranks_per_host, batch=batch, seq=seq
+        _model_config(model),
+        zero_config,
+        world_size,
+        machine,
+        ranks_per_host=ranks_per_host,
+        batch=batch,
+        seq=seq,
+        checkpointing=_checkpointing(script_args),
     )
     return render(plan, model, machine, batch, seq)
 
