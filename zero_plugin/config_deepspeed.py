@@ -449,7 +449,7 @@ def _rows() -> tuple[Row, ...]:
         Row("comms_logger", i, "logging only (`zp.comm_stats`)", section=True),
         Row("checkpoint", i, "DeepSpeed's checkpoint storage options; checkpoints are zero_plugin's here", section=True ),
         Row("aio", i, "NVMe I/O, used by `nvme` offload only, which is refused", section=True),
-        Row("activation_checkpointing", i, "read only by `deepspeed.checkpointing`, which a script under zero_plugin does not call; use the model's gradient checkpointing", section=True),
+        Row("activation_checkpointing", i, "read only by `deepspeed.checkpointing`, which a script under zero_plugin does not call; use the model's gradient checkpointing (`cpu_checkpointing`'s equivalent with it: `offload_activations: cpu`)", section=True),
         Row("data_types", ir, "`grad_accum_dtype` fp32 (or unset) accepted; other values refused", _data_types, section=True),
         Row("pipeline", r, "pipeline parallelism has no equivalent here; remove the section", _refuse("zero_plugin is data parallel only (no pipeline stages); remove the pipeline section"), section=True),
         Row("moe", r, "DeepSpeed-MoE expert parallelism has no equivalent here; remove the section", _refuse("zero_plugin has no expert parallelism; remove the moe section"), section=True),
