@@ -61,7 +61,17 @@ from .views import BucketViews, reduce_scatter_keeps_views, store_view
 
 __all__ = ["AllReduceReducer", "ReduceScatterReducer", "GradReducer"]
 
-MAX_INFLIGHT = 2  # buckets whose collective may be pending at once during backward
+# [Note: pending reductions]
+# A bucket's reduction launched during backward is completed (waited for, averaged, stored) once more than
+# MAX_INFLIGHT are pending, so that what a pending reduction holds is let go as backward goes on instead of all
+# at its end: stage 0's flat buffer when it reduces in another dtype, the peers' regions that an in-place
+# reduce-scatter receives into, a buffered layout's rows, stage 2's full gradients.  A stage-0 bucket whose
+# gradients are views of its persistent buffer ([Note: gradients as bucket views] in views.py) holds nothing
+# more while pending: a reducer made only of such buckets has no bound, as DDP has none, so backward never
+# waits for an earlier all-reduce and every bucket completes in the final callback (with the bound, stage 0's
+# backward at 370M on 2 cores idled ~0.4 s more than DDP's for the same CPU time: issue #49,
+# benchmarks/results/49-370m-ws2.md).
+MAX_INFLIGHT = 2  # buckets whose collective may be pending at once during backward, where they hold memory
 
 
 class GradReducer:
@@ -86,7 +96,7 @@ class GradReducer:
         self.require_sync = True
         self._callback_queued = False
         self._handles: list = []
-        self.schedule = ReductionSchedule(self._launch_bucket, self._complete, MAX_INFLIGHT)
+        self.schedule = ReductionSchedule(self._launch_bucket, self._complete, self.pending_bound())
         self.schedule.start(self.buckets)  # fixed at setup: [Note: rank-agreed reduction order]
         if self.supports_late:
             comm.open_control_channel()  # collective: every rank builds the same reducer at setup
@@ -96,6 +106,10 @@ class GradReducer:
         # [Note: deferred has-gradient flags] in presence.py: stages 1-2's buffered completions store what
         # needs the summed flags at the end of backward (no host stall per bucket on CUDA)
         self.deferred = DeferredStores()
+
+    def pending_bound(self) -> int | None:
+        """How many launched buckets may be pending ([Note: pending reductions]); None: no bound."""
+        return MAX_INFLIGHT
 
     # -- hooks --------------------------------------------------------------
     def register(self, root: nn.Module, after_backward: Callable[[], None]) -> None:
@@ -238,6 +252,10 @@ class AllReduceReducer(GradReducer):
 
     def _keeps_views(self, bucket: Bucket) -> bool:
         return self.views.applies(bucket)
+
+    def pending_bound(self) -> int | None:
+        """No bound where every bucket all-reduces its persistent buffer in place ([Note: pending reductions])."""
+        return None if len(self._viewed) == len(self.buckets) else MAX_INFLIGHT
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> comm_layout.FlatAllReduce:

@@ -66,13 +66,16 @@ class LateFlags:
 
 
 class ReductionSchedule(Generic[T]):
-    """Issues reductions of ``items`` in a fixed order and keeps at most ``max_inflight`` pending.
+    """Issues reductions of ``items`` in a fixed order and keeps at most ``max_inflight`` pending (None: no bound,
+    where a pending reduction holds no memory of its own: [Note: pending reductions] in ``reducer.py``).
 
     ``launch(item)`` issues the item's collectives and returns their pending records; ``complete(item,
     pending)`` waits for one and stores its result.
     """
 
-    def __init__(self, launch: Callable[[T], list], complete: Callable[[T, Any], None], max_inflight: int) -> None:
+    def __init__(
+        self, launch: Callable[[T], list], complete: Callable[[T, Any], None], max_inflight: int | None
+    ) -> None:
         self._launch = launch
         self._complete = complete
         self.max_inflight = max_inflight
@@ -135,6 +138,7 @@ class ReductionSchedule(Generic[T]):
 
     def _issue(self, item: T) -> None:
         self._inflight.extend((item, pending) for pending in self._launch(item))
-        while len(self._inflight) > self.max_inflight:  # free buffers as we go, not all at the end
+        bound = self.max_inflight
+        while bound is not None and len(self._inflight) > bound:  # free buffers as we go, not all at the end
             done, pending = self._inflight.popleft()
             self._complete(done, pending)
