@@ -53,6 +53,21 @@ computed from the owned gradients over the shard group alone (the clipping norm,
 counts each element once and agrees on every rank.  The replica collectives are issued in completion
 order, which is the rank-agreed reduction order ([Note: rank-agreed reduction order]), the same on every
 rank of the world.  Without a replica group nothing is issued and the divisor is the group's size.
+
+[Note: collective footprints]
+What a launch takes and a completion lets go is described beside the code that does it, for the memory
+planner's replay (``planner/replay.py``), which asks the layout instead of keeping a twin of it: a
+``Footprint`` per collective, from ``Layout.gather_footprint``, ``Layout.reduce_footprint``,
+``Layout.gather_all_footprints`` and (stage 0, the same on every layout) ``all_reduce_footprint``.  Its steps
+are (part, bytes) in the order the replay counts them, + taken, - let go, by part: ``buffers`` (the
+collective's own: a ``Buffers`` source's, fresh tensors, or in place the gradients cast to the reduce dtype),
+``grads`` (the caller's full gradients, let go when the pipeline drops its last reference), ``gathered``
+(the full tensors a gather fills) and ``temp`` (the backend's staging).  ``launch`` is what the launch
+holds when it returns, ``complete`` what the completion lets go after the caller took its results.  Where
+the bytes become resident on a device type (not where they are allocated) is ``Footprint.resident``: the
+[Note: collective buffers] measurements in ``replay.py`` (gloo on CPU stages an all-gather's output until
+the wait, and writes a reduce-scatter's output only in our wait).  ``tests/unit/test_layout_footprint.py``
+runs the pipelines and checks every description against what they allocate.
 """
 
 from __future__ import annotations
@@ -63,6 +78,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Protocol, Sequ
 import torch
 
 from ..tensors.flat import ShardLayout, copy_padded_rows
+from .backends import regions_in_place
 from .collectives import Comm
 from .streams import NO_STREAMS, StreamSet
 
@@ -71,6 +87,9 @@ __all__ = [
     "IN_PLACE",
     "BUFFERED",
     "layout_of",
+    "layout_for",
+    "Footprint",
+    "all_reduce_footprint",
     "GatherEnds",
     "GatherRow",
     "Buffers",
@@ -180,6 +199,58 @@ def rank_regions(
             lo, hi = layout.bounds(r)
             views.append(flat[lo:hi])
     return regions
+
+
+# -- footprints ([Note: collective footprints]) -----------------------------------------------------------
+Steps = tuple[tuple[str, int], ...]  # (part, bytes): + taken, - let go, in order
+
+
+def _steps(*steps: tuple[str, int]) -> Steps:
+    """The steps that move bytes."""
+    return tuple((part, nbytes) for part, nbytes in steps if nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """The bytes one collective's pipeline holds from its launch to its completion ([Note: collective
+    footprints]), by part; what the caller keeps of the results (a shard gradient) is the caller's."""
+
+    launch: Steps = ()  # taken (and let go) by the launch, the reduce-scatter output row excepted
+    complete: Steps = ()  # let go by the completion, once the caller took its results
+    # A reduce-scatter's output row, taken last at the launch; ``complete`` lets it go with the other
+    # ``buffers``, and a caller that keeps its results as views of the row (stages 1-2's fresh rows, stage 3's
+    # kept rows) holds these bytes instead.
+    output: int = 0
+    staged: int = 0  # an all-gather's output bytes, which gloo stages in a temporary until the wait
+
+    def resident(self, device_type: str) -> tuple[Steps, Steps, Steps]:
+        """(at the launch, at the wait, at the completion): where the bytes become resident on
+        ``device_type`` ([Note: collective buffers] in ``planner/replay.py``).  On CUDA where they are
+        allocated; on CPU gloo stages an all-gather's output until the wait, and writes a reduce-scatter's
+        output (and so makes it resident) only in our wait."""
+        out = _steps(("buffers", self.output))
+        if device_type == "cpu":
+            staged = _steps(("temp", self.staged))
+            return self.launch + staged, tuple((p, -b) for p, b in staged) + out, self.complete
+        return self.launch + out, (), self.complete
+
+    def held(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Net bytes by part taken when the launch returned, and moved by the completion (a test's view)."""
+        launch: dict[str, int] = {}
+        for part, nbytes in self.launch + _steps(("buffers", self.output)):
+            launch[part] = launch.get(part, 0) + nbytes
+        done: dict[str, int] = {}
+        for part, nbytes in self.complete:
+            done[part] = done.get(part, 0) + nbytes
+        return launch, done
+
+
+def all_reduce_footprint(width: int, itemsize: int, filled: bool = False) -> Footprint:
+    """Stage 0's :func:`all_reduce_flat`, on every layout: one fresh buffer of ``width`` elements (the members
+    whole, then their flags) of ``itemsize`` bytes, all-reduced in place, held until the completion;
+    ``filled``: :func:`all_reduce_filled` of a buffer the caller keeps, which takes nothing."""
+    nbytes = 0 if filled else width * itemsize
+    return Footprint(launch=_steps(("buffers", nbytes)), complete=_steps(("buffers", -nbytes)))
 
 
 # -- records ------------------------------------------------------------------------------------------------
@@ -691,6 +762,31 @@ class Layout:
         zero-size members still issues its (empty) all-gather."""
         raise NotImplementedError
 
+    def gather_footprint(
+        self, world_size: int, width: int, full_numel: int, itemsize: int, laid_out: bool = False
+    ) -> Footprint:
+        """[Note: collective footprints] of one collective of :meth:`gather` (buffered: one ``GatherRow``):
+        members whose padded chunks and trailer take ``width`` elements per rank and whose full tensors
+        ``full_numel`` elements (0: the full tensors exist already, the stages 1-2 sync), ``itemsize`` bytes
+        each; ``laid_out``: the input is the caller's (``GatherRow.laid_out``), not taken from the buffers."""
+        raise NotImplementedError
+
+    def gather_all_footprints(self, world_size: int, widths: Sequence[int], itemsize: int) -> list[Footprint]:
+        """[Note: collective footprints] of :meth:`gather_all` over buckets of ``widths`` elements per rank, in
+        launch order; a caller replaying it keeps at most ``max_pending`` launched ones waiting when the next
+        is launched, as :meth:`gather_all` does.  Empty where the sync holds nothing."""
+        raise NotImplementedError
+
+    def reduce_footprint(
+        self, world_size: int, width: int, numel: int, itemsize: int, reduce_itemsize: int, release_grads: bool
+    ) -> Footprint:
+        """[Note: collective footprints] of :meth:`reduce`: members whose full gradients (``itemsize`` bytes
+        an element) take ``numel`` elements, reduced in ``reduce_itemsize`` bytes an element (a cast where
+        the two differ), ``width`` elements per rank in the buffered rows (padded chunks, then the flags);
+        ``release_grads`` as :meth:`reduce` takes it.  Without side streams: with them (``BufferedReduce.
+        sources``) a buffered reduction holds the full gradients until the completion."""
+        raise NotImplementedError
+
     def side_streams(self, streams: StreamSet) -> StreamSet:
         """The side streams this layout's collectives and copies run on ([Note: side streams] in
         ``streams.py``): ``streams`` when buffered, none in place (gloo: CPU tensors, nothing to overlap)."""
@@ -754,6 +850,25 @@ class _InPlace(Layout):
         )
         return full
 
+    def gather_footprint(self, world_size, width, full_numel, itemsize, laid_out=False):
+        """The full tensors, opened at the launch (``GatherEnds.open_full``); no buffer."""
+        return Footprint(launch=_steps(("gathered", full_numel * itemsize)))
+
+    def gather_all_footprints(self, world_size, widths, itemsize):
+        """One collective into the parameters themselves: nothing held."""
+        return []
+
+    def reduce_footprint(self, world_size, width, numel, itemsize, reduce_itemsize, release_grads):
+        """The gradients summed where they are, or a copy in the reduce dtype (a released gradient then goes
+        at the launch: the copy is what the record holds); the peers' contributions arrive in a temporary of
+        this rank's regions (``Comm.reduce_in_place``), not counted: the replay's [Note: collective buffers]."""
+        cast = numel * reduce_itemsize if reduce_itemsize != itemsize else 0
+        grads = numel * itemsize if release_grads else 0
+        return Footprint(
+            launch=_steps(("buffers", cast), ("grads", -grads if cast else 0)),
+            complete=_steps(("grads", 0 if cast else -grads), ("buffers", -cast)),
+        )
+
     def side_streams(self, streams):
         return NO_STREAMS
 
@@ -806,6 +921,30 @@ class _Buffered(Layout):
         comm.all_gather(out, padded, tag=tag)
         return out
 
+    def gather_footprint(self, world_size, width, full_numel, itemsize, laid_out=False):
+        """Input (unless laid out) and output rows at the launch; the full tensors written by ``copy_out``
+        while the rows are alive, then the rows go back."""
+        inp = width * itemsize
+        rows = world_size * inp + (0 if laid_out else inp)
+        return Footprint(
+            launch=_steps(("buffers", rows)),
+            complete=_steps(("gathered", full_numel * itemsize), ("buffers", -rows)),
+            staged=world_size * inp,
+        )
+
+    def gather_all_footprints(self, world_size, widths, itemsize):
+        return [self.gather_footprint(world_size, width, 0, itemsize) for width in widths]
+
+    def reduce_footprint(self, world_size, width, numel, itemsize, reduce_itemsize, release_grads):
+        """The rank-major input rows, the released gradients, then this rank's output row; both rows go at
+        the completion."""
+        row = width * reduce_itemsize
+        return Footprint(
+            launch=_steps(("buffers", world_size * row), ("grads", -numel * itemsize if release_grads else 0)),
+            complete=_steps(("buffers", -(world_size * row + row))),
+            output=row,
+        )
+
     def side_streams(self, streams):
         return streams
 
@@ -828,6 +967,12 @@ def finish(record: InPlaceGather | BufferedGather, what: str, ends: GatherEnds) 
 
 IN_PLACE: Layout = _InPlace()
 BUFFERED: Layout = _Buffered()
+
+
+def layout_for(backend: str) -> Layout:
+    """The layout a ``Comm`` on ``backend`` chooses ([Note: in-place region gather] in ``collectives.py``),
+    for those that plan without one (``planner/replay.py``)."""
+    return IN_PLACE if regions_in_place(backend) else BUFFERED
 
 
 def layout_of(comm: Comm) -> Layout:

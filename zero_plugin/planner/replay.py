@@ -6,6 +6,12 @@
 planned backend; :class:`Memory` keeps the running totals and their peaks.  What each part counts
 is described in ``plan.py``'s module docstring.
 
+What a collective holds from its launch to its completion is not written here: the replay asks the
+``Layout`` the engine would use (``comm.layout.layout_for`` of the planned backend) for its ``Footprint``
+([Note: collective footprints] in ``comm/layout.py``, checked against the pipelines themselves by
+``tests/unit/test_layout_footprint.py``), and counts its steps where they become resident on the planned
+device (``Footprint.resident``, from the measurements below).
+
 The schedule is the engine's own: reductions are issued by the engine's ``ReductionSchedule`` in the
 rank-agreed order (buckets in their setup order; at stage 3 ``hooks.reduction_order``), how many
 collectives may be pending at once, the extra elements of a stage-3 gather, which units a prefetch
@@ -14,7 +20,8 @@ when a launched reduction releases its unit (``unit.released_at_reduce``) are im
 that run them, so the replay follows a change there instead of keeping a copy of it.
 
 [Note: collective buffers]
-When the bytes of a collective count (measured with the RSS of 2 and 4 gloo ranks, torch 2.13):
+When the bytes of a collective count (measured with the RSS of 2 and 4 gloo ranks, torch 2.13;
+``Footprint.resident`` applies it):
   * all-gather: input and output at the launch; on CPU gloo also stages the output in a temporary of
     its size until the collective completes (counted until our wait);
   * reduce-scatter: the input at the launch; the output when written: on CUDA at the launch (the
@@ -29,15 +36,16 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from ..comm.layout import IN_PLACE, Footprint, Layout, Steps, all_reduce_footprint, layout_for
 from ..config import ZeroConfig
-from ..engines.param_sync import MAX_INFLIGHT as _MAX_PENDING_GATHERS  # parameter buckets after the step
+from ..engines import param_sync
+from ..grads import reducer
 from ..grads.bucket import plan_buckets
-from ..grads.reducer import MAX_INFLIGHT as _MAX_PENDING_BUCKETS  # gradient buckets during backward
 from ..grads.schedule import ReductionSchedule
 from ..grads.views import reduce_scatter_keeps_views
 from ..optim import blocked_step
-from ..stage3.hooks import MAX_INFLIGHT_REDUCES, needed_first, prefetch_span, reduction_order
-from ..stage3.unit import GATHER_TAG as _GATHER_TAG  # elements appended to each rank's stage-3 gather input
+from ..stage3 import hooks, unit
+from ..stage3.hooks import needed_first, prefetch_span, reduction_order
 from ..stage3.unit import released_after_forward, released_at_reduce
 from ..stages import REPLICATED_STAGES
 from ..tensors.flat import ShardLayout
@@ -93,6 +101,11 @@ class Setting:
         if not self.shard_world:
             object.__setattr__(self, "shard_world", self.world_size)
 
+    @property
+    def layout(self) -> Layout:
+        """The collective layout the engine would use: a CPU run plans gloo, a CUDA run NCCL."""
+        return layout_for("gloo" if self.device == "cpu" else "nccl")
+
 
 class Replay:
     """Walks a trace's events, allocating and freeing what the engine would (see the module docstring)."""
@@ -100,6 +113,8 @@ class Replay:
     def __init__(self, plan: Any, s: Setting, theory: dict[str, float]) -> None:
         self.plan, self.s, self.mem = plan, s, Memory()
         self.n = s.shard_world
+        self.layout = s.layout
+        assert s.in_place == (self.layout is IN_PLACE), "Setting.in_place disagrees with the planned backend"
         self.pb, self.rb, self.mb = plan.param_bytes, plan.reduce_bytes(s.config), plan.master_bytes
         self.shard_is_master = plan.shard_is_master(s)
         self.trainable = [i for i, p in enumerate(plan.params) if p.requires_grad and p.numel]
@@ -141,21 +156,22 @@ class Replay:
     def on_grad(self, i: int) -> None:
         self.mem.add("device", "grads", self.plan.params[i].numel * self.pb)
 
-    def gather_launch(self, category: str, inp: float, out: float) -> float:
-        """Allocate an all-gather's buffers ([Note: collective buffers]); returns the temporary to release at
-        completion."""
-        temp = out if self.s.device == "cpu" else 0.0
-        self.mem.add("device", category, inp + out)
-        self.mem.add("device", "collective_temp", temp)
-        return temp
+    # -- collectives: their footprints, asked of the layout ([Note: collective footprints]) ----------------
+    def count(self, steps: Steps, buffers: str) -> None:
+        """A footprint's steps on the device; its ``buffers`` counted as ``buffers``."""
+        for part, nbytes in steps:
+            self.mem.add("device", _CATEGORIES.get(part, buffers), nbytes)
 
-    def gather_complete(self, temp: float) -> None:
-        self.mem.add("device", "collective_temp", -temp)
+    def at_launch(self, fp: Footprint, buffers: str) -> None:
+        self.count(fp.resident(self.s.device)[0], buffers)
 
-    def reduce_output(self, category: str, out: float, at_launch: bool) -> None:
-        """Count a reduce-scatter's output where it becomes memory (see [Note: collective buffers])."""
-        if at_launch == (self.s.device == "cuda"):
-            self.mem.add("device", category, out)
+    def at_wait(self, fp: Footprint, buffers: str) -> None:
+        """The wait, before the caller takes the results."""
+        self.count(fp.resident(self.s.device)[1], buffers)
+
+    def at_completion(self, fp: Footprint, buffers: str) -> None:
+        """After the caller took the results."""
+        self.count(fp.resident(self.s.device)[2], buffers)
 
     def on_fwd_pre(self, unit: int, in_backward: bool) -> None:
         pass
@@ -203,9 +219,12 @@ class Replay:
         pass
 
 
+_CATEGORIES = {"grads": "grads", "gathered": "gathered", "temp": "collective_temp"}  # by footprint part
+
+
 class ReplicatedReplay(Replay):
     """Stages 0-2 (``grads/reducer.py``, ``engines/param_sync.py``): full parameters; gradients bucketed and
-    all-reduced (0) or reduce-scattered (1-2), at most ``_MAX_PENDING_BUCKETS`` buckets pending.  What the stage
+    all-reduced (0) or reduce-scattered (1-2), at most ``reducer.MAX_INFLIGHT`` buckets pending.  What the stage
     keeps is read from the row ``stages.py`` builds the engine from (``REPLICATED_STAGES``), not from its number:
     ``sharded`` (regions reduce-scattered, parameters all-gathered after the step) and ``frees_full`` (the full
     gradients go once reduced: ZeRO-2)."""
@@ -215,18 +234,18 @@ class ReplicatedReplay(Replay):
         row = REPLICATED_STAGES[s.stage]
         self.sharded = row.sharded_masters
         self.frees_full = not row.keep_full_grad
-        self.in_place = s.in_place and self.sharded  # stage 0 all-reduces a flat bucket on every backend
         self.buckets = self._buckets()
         self.bucket_of = {i: b for b, (idx, _, _) in enumerate(self.buckets) for i in idx}
         self.ready = [0] * len(self.buckets)
         # Bucket b is self.ids[b]: the schedule keys items by identity, so each index is one object.
         self.ids = list(range(len(self.buckets)))
-        self.schedule = ReductionSchedule(self._launch_one, self.complete, _MAX_PENDING_BUCKETS)
+        self.schedule = ReductionSchedule(self._launch_one, self.complete, reducer.MAX_INFLIGHT)
         self.schedule.start(self.ids)
         # [Note: gradients as bucket views] in grads/views.py: stage 1 in place keeps its full gradients in
         # persistent bucket buffers, alive from the first backward on (through every later forward); a fresh
         # gradient is copied into its view and dropped at once.  Views need the reduce dtype.
-        keeps_views = self.sharded and reduce_scatter_keeps_views(row.keep_full_grad, self.in_place)
+        in_place = self.layout is IN_PLACE  # as the reducer reads it: what it costs, not how
+        keeps_views = self.sharded and reduce_scatter_keeps_views(row.keep_full_grad, in_place)
         self.views = keeps_views and self.rb == self.pb
         if self.views:
             self.mem.add("device", "grads", sum(self.plan.params[i].numel for i in self.trainable) * self.pb)
@@ -254,10 +273,13 @@ class ReplicatedReplay(Replay):
             for b in plan_buckets(slots, int(self.s.config.comm.bucket_size_mb * 2**20), sharded=self.sharded)
         ]
 
-    def buffer_bytes(self, b: int) -> tuple[float, float]:
-        """(input, output) bytes of bucket ``b``'s collective: all-reduce in place, reduce-scatter N:1."""
+    def footprint(self, b: int) -> Footprint:
+        """Bucket ``b``'s collective: stage 0's flat all-reduce on every layout, else the layout's reduction
+        (``ReduceScatterReducer._launch``) of the bucket's padded shards and flags."""
         _, width, k = self.buckets[b]
-        return ((self.n if self.sharded else 1) * (width + k) * self.rb, (width + k) * self.rb if self.sharded else 0)
+        if not self.sharded:
+            return all_reduce_footprint(width + k, self.rb)
+        return self.layout.reduce_footprint(self.n, width + k, self.bucket_numel(b), self.pb, self.rb, self.frees_full)
 
     def bucket_numel(self, b: int) -> int:
         return sum(self.plan.params[i].numel for i in self.buckets[b][0])
@@ -267,36 +289,19 @@ class ReplicatedReplay(Replay):
         return [None]  # one collective per bucket
 
     def launch(self, b: int) -> None:
-        if self.in_place:  # grads/reducer.py ``_launch_in_place``: the gradients themselves are summed
-            if self.rb != self.pb:  # ... or a copy in the reduce dtype, the gradient itself freed (stage 2)
-                self.mem.add("device", "reduce_buffers", self.bucket_numel(b) * self.rb)
-                if self.frees_full:
-                    self.mem.add("device", "grads", -self.bucket_numel(b) * self.pb)
-            return
-        inp, out = self.buffer_bytes(b)
-        self.mem.add("device", "reduce_buffers", inp)
-        if self.frees_full:  # ZeRO-2: the full gradients go as soon as they are in the buffer
-            self.mem.add("device", "grads", -sum(self.plan.params[i].numel for i in self.buckets[b][0]) * self.pb)
-        self.reduce_output("reduce_buffers", out, at_launch=True)
+        self.at_launch(self.footprint(b), "reduce_buffers")
 
     def complete(self, b: int, pending: Any = None) -> None:
-        if self.in_place:  # stage 2 keeps a copy of its region; the full gradients go with the bucket
-            if self.frees_full:
-                self.mem.add(
-                    self.place("grad_shards"), "grad_shards", sum(self.local(i) for i in self.buckets[b][0]) * self.pb
-                )
-                if self.rb == self.pb:
-                    self.mem.add("device", "grads", -self.bucket_numel(b) * self.pb)
-            if self.rb != self.pb:
-                self.mem.add("device", "reduce_buffers", -self.bucket_numel(b) * self.rb)
-            return
-        inp, out = self.buffer_bytes(b)
-        self.reduce_output("reduce_buffers", out, at_launch=False)
-        if self.frees_full:  # the owned shards are views of the bucket's output (or a cast copy of it)
-            same = self.rb == self.pb
-            shards = out if same else sum(self.local(i) for i in self.buckets[b][0]) * self.pb
-            self.mem.add(self.place("grad_shards"), "grad_shards", shards)
-        self.mem.add("device", "reduce_buffers", -(inp + out))
+        fp = self.footprint(b)
+        self.at_wait(fp, "reduce_buffers")
+        if self.frees_full:  # stage 2 keeps views of the output row where it has the gradients' dtype, else copies
+            kept = (
+                fp.output
+                if fp.output and self.rb == self.pb
+                else sum(self.local(i) for i in self.buckets[b][0]) * self.pb
+            )
+            self.mem.add(self.place("grad_shards"), "grad_shards", kept)
+        self.at_completion(fp, "reduce_buffers")
 
     def finish_backward(self) -> None:
         self.schedule.flush()  # buckets not issued yet, in order (the reducer's final callback)
@@ -305,16 +310,17 @@ class ReplicatedReplay(Replay):
     def after_step(self) -> None:
         if self.frees_full:
             self.mem.bytes.pop((self.place("grad_shards"), "grad_shards"), None)
-        if self.sharded and self.n > 1 and not self.in_place:  # at most _MAX_PENDING_GATHERS at once
-            self.mem.phase = "all-gather"
-            pending: list[tuple[float, float]] = []
-            for _, width, _ in self.buckets:
-                inp, out = width * self.pb, self.n * width * self.pb
-                pending.append((inp + out, self.gather_launch("allgather_buffers", inp, out)))
-                if len(pending) > _MAX_PENDING_GATHERS:
-                    buffers, temp = pending.pop(0)
-                    self.gather_complete(temp)
-                    self.mem.add("device", "allgather_buffers", -buffers)
+        if not (self.sharded and self.n > 1):
+            return
+        self.mem.phase = "all-gather"  # ``Layout.gather_all``, at most ``param_sync.MAX_INFLIGHT`` waiting
+        pending: list[Footprint] = []
+        for fp in self.layout.gather_all_footprints(self.n, [width for _, width, _ in self.buckets], self.pb):
+            self.at_launch(fp, "allgather_buffers")
+            pending.append(fp)
+            if len(pending) > param_sync.MAX_INFLIGHT:
+                done = pending.pop(0)
+                self.at_wait(done, "allgather_buffers")
+                self.at_completion(done, "allgather_buffers")
 
 
 class Stage3Replay(Replay):
@@ -330,18 +336,30 @@ class Stage3Replay(Replay):
         train = {u: [i for i in members[u] if plan.params[i].requires_grad] for u in units}
         self.n_train = {u: len(train[u]) for u in units}
         self.grad_numel = {u: sum(plan.params[i].numel for i in train[u]) for u in units}  # full gradients
-        self.full = {u: sum(plan.params[i].numel for i in members[u]) * self.pb for u in units}
-        self.gather_buf = {u: self._width(members[u], _GATHER_TAG) * self.pb for u in units}  # per rank
-        self.reduce_buf = {u: self._width(train[u], len(train[u])) * self.rb for u in units}  # per rank
+        self.full = {u: sum(plan.params[i].numel for i in members[u]) * self.pb for u in units}  # gathered
+        # [Note: collective footprints]: one gather per unit (one compute dtype), its input counted as copied
+        # in; one reduction, which lets the full gradients go
+        self.gathers = {
+            u: self.layout.gather_footprint(
+                self.n, self._width(members[u], unit.GATHER_TAG), sum(plan.params[i].numel for i in members[u]), self.pb
+            )
+            for u in units
+        }
+        self.reductions = {
+            u: self.layout.reduce_footprint(
+                self.n, self._width(train[u], len(train[u])), self.grad_numel[u], self.pb, self.rb, True
+            )
+            for u in units
+        }
         grad_bytes = self.mb if self.shard_is_master else self.pb
         self.shard_grads = {u: sum(self.local(i) for i in train[u]) * grad_bytes for u in units}
         self.wrapped = {ev[1] for ev in plan.trace.events if ev[0] == "bwd_post"}
         self.gathered: set[int] = set()
-        self.inflight: dict[int, float] = {}  # unit -> its gather's temporary
+        self.inflight: dict[int, Footprint] = {}  # unit -> its gather in flight
         self.reduced: set[int] = set()
         self.post: set[int] = set()
         self.ready = {u: 0 for u in units}
-        self.schedule = ReductionSchedule(self._launch_one, self.complete, MAX_INFLIGHT_REDUCES)
+        self.schedule = ReductionSchedule(self._launch_one, self.complete, hooks.MAX_INFLIGHT_REDUCES)
         self.schedule.start(reduction_order(self.order, self.ids, self.ids[0], lambda u: self.n_train[u] > 0))
         # accumulate_full_grads: the earlier micro-batches' full gradients, kept in the reduce dtype until
         # the unit's reduction of the synced one sends them ([Note: deferred reduction] in stage3/accumulate.py)
@@ -355,24 +373,17 @@ class Stage3Replay(Replay):
 
     # -- gather / release (stage3/unit.py) -------------------------------------------------------
     def gather(self, u: int) -> None:
-        if self.s.in_place:  # the full tensors are allocated at the launch and broadcast into
-            self.inflight[u] = 0.0
-            self.mem.add("device", "gathered", self.full[u])
-            return
-        self.inflight[u] = self.gather_launch("gather_buffers", self.gather_buf[u], self.n * self.gather_buf[u])
+        self.inflight[u] = self.gathers[u]
+        self.at_launch(self.inflight[u], "gather_buffers")
 
     def ensure(self, u: int) -> None:
         if u in self.gathered:
             return
         if u not in self.inflight:
             self.gather(u)
-        temp = self.inflight.pop(u)
-        if self.s.in_place:
-            self.gathered.add(u)
-            return
-        self.gather_complete(temp)
-        self.mem.add("device", "gathered", self.full[u])  # to_unsharded while the buffers are alive
-        self.mem.add("device", "gather_buffers", -(self.n + 1) * self.gather_buf[u])
+        fp = self.inflight.pop(u)
+        self.at_wait(fp, "gather_buffers")
+        self.at_completion(fp, "gather_buffers")  # the full tensors written while the buffers are alive
         self.gathered.add(u)
 
     def prefetch(self, u: int, direction: int) -> None:
@@ -434,28 +445,16 @@ class Stage3Replay(Replay):
         return [None]  # one collective per unit (one dtype)
 
     def launch(self, u: int) -> None:
+        """``Unit.launch_reduce``'s ``Layout.reduce``."""
         self.reduced.add(u)
-        if self.s.in_place:  # stage3/unit.py ``_reduce_in_place``: the gradients (or a reduce-dtype copy)
-            if self.rb != self.pb:
-                self.mem.add("device", "reduce_buffers", self.grad_numel[u] * self.rb)
-                self.mem.add("device", "grads", -self.grad_numel[u] * self.pb)
-        else:
-            self.mem.add("device", "reduce_buffers", self.n * self.reduce_buf[u])
-            self.mem.add("device", "grads", -self.grad_numel[u] * self.pb)
-            self.reduce_output("reduce_buffers", self.reduce_buf[u], at_launch=True)
+        self.at_launch(self.reductions[u], "reduce_buffers")
 
     def complete(self, u: int, pending: Any = None) -> None:
+        """``Unit.complete_reduce``: the shard gradients kept, then what the reduction held let go."""
         self.mem.add("device", "kept_grads", -self.kept[u])
-        if self.s.in_place:  # this rank's region is copied out, then the full gradients go
-            self.mem.add(self.place("grad_shards"), "grad_shards", self.shard_grads[u])
-            if self.rb != self.pb:
-                self.mem.add("device", "reduce_buffers", -self.grad_numel[u] * self.rb)
-            else:
-                self.mem.add("device", "grads", -self.grad_numel[u] * self.pb)
-            return
-        self.reduce_output("reduce_buffers", self.reduce_buf[u], at_launch=False)
+        self.at_wait(self.reductions[u], "reduce_buffers")
         self.mem.add(self.place("grad_shards"), "grad_shards", self.shard_grads[u])
-        self.mem.add("device", "reduce_buffers", -(self.n + 1) * self.reduce_buf[u])
+        self.at_completion(self.reductions[u], "reduce_buffers")
 
     def finish_backward(self) -> None:
         self.schedule.flush()  # units whose turn did not come, in order (the runtime's final callback)
