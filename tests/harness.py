@@ -8,8 +8,9 @@ with ``torch.distributed.get_rank()``. Arguments and results travel pickled
 through pipes, so return CPU tensors or plain Python, never CUDA tensors,
 modules or process groups. ``fn`` must not destroy the default process group.
 
-Workers start once per world size (``spawn`` context, gloo on 127.0.0.1, one
-intra-op thread each) and are reused across tests. Before each call a worker
+Workers start once per world size (gloo on 127.0.0.1, one intra-op thread each, forked by a
+``forkserver`` that imported torch and zero_plugin once: [Note: workers forked from a preloaded server])
+and are reused across tests. Before each call a worker
 re-seeds torch with 0 and resets ``zero_plugin.comm.collectives`` comm stats; after
 it, it runs ``gc.collect()``. An exception on any rank is re-raised in the
 parent as ``RankError`` carrying every failing rank's traceback. When some rank
@@ -20,13 +21,15 @@ timeout) the whole pool is killed and the next ``get_pool`` starts a fresh one.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import subprocess
 import sys
 import time
 import traceback
-from multiprocessing import get_context
 from multiprocessing.connection import wait
 
 from tests import launching
@@ -37,6 +40,18 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ERROR_GRACE_S = 3.0
 STARTUP_TIMEOUT_S = 180.0
 _INIT_ATTEMPTS = 4
+# [Note: workers forked from a preloaded server]
+# A spawned worker imported torch and zero_plugin itself (~2 s of CPU each on 2 cores), at every pool start:
+# once per world size and again after every test that leaves a rank blocked in a collective (the pool is
+# killed), dozens of times per suite.  A forkserver imports them once and forks each worker from there.  It
+# imports nothing else (transformers reads environment variables at import and zero_plugin.planner looks for
+# transformers.masking_utils in sys.modules: a worker sees the modules a spawned one would, plus these), and
+# runs no torch operation, so no OpenMP pool exists to fork.  The server is started with one intra-op thread
+# in its environment, as the spawned worker set it before importing torch; each worker then takes the parent's
+# environment at its start (``_worker_main``), as a spawned one inherited it.
+_PRELOAD = ("torch", "torch.distributed", "zero_plugin", "tests.harness")
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_CONTEXT = None
 
 
 class RankError(RuntimeError):
@@ -98,9 +113,44 @@ def _reset_comm_stats() -> None:
     reset_comm_stats()
 
 
-def _worker_main(rank: int, world_size: int, port: int, timeout_s: float, conn) -> None:
-    # Env first: torch is imported only below, so OpenMP sees one thread.
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+def _context():
+    """The forkserver context, its server started (once per session) with ``_PRELOAD`` imported."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(list(_PRELOAD))
+        with _environ(_ONE_THREAD):
+            multiprocessing.forkserver.ensure_running()
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _stop_forkserver() -> None:
+    """End the server and reap it (its CPU time, and that of the workers it reaped, then counts as this
+    process's children's, as spawned workers' did)."""
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)  # CPython's own, used by its tests
+    if _CONTEXT is not None and stop is not None:
+        stop()
+
+
+def _worker_main(rank: int, world_size: int, port: int, timeout_s: float, conn, environ: dict[str, str]) -> None:
+    # The parent's environment at this pool's start, as a spawned worker inherited it; one intra-op thread.
+    os.environ.clear()
+    os.environ.update(environ, **_ONE_THREAD)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     _add_paths([])
     import datetime
@@ -164,7 +214,7 @@ class WorkerPool:
                 raise RankError(_format(errors, [], 0, head), errors)
 
     def _start(self, port: int) -> dict[int, str]:
-        ctx = get_context("spawn")
+        ctx = _context()
         self.procs, self.conns = [], []
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
@@ -172,7 +222,7 @@ class WorkerPool:
                 target=_worker_main,
                 daemon=True,
                 name=f"zero-test-rank{rank}",
-                args=(rank, self.world_size, port, self.timeout, child_conn),
+                args=(rank, self.world_size, port, self.timeout, child_conn, dict(os.environ)),
             )
             p.start()
             child_conn.close()
@@ -294,6 +344,7 @@ def run_ranks(world_size: int, fn, *args, **kwargs) -> list:
 def close_all_pools() -> None:
     while _POOLS:
         _POOLS.popitem()[1].close()
+    _stop_forkserver()
 
 
 atexit.register(close_all_pools)
