@@ -22,7 +22,7 @@ from tests.fuzz.spec import from_json
 #   block's output (its reductions waited behind its end-of-backward gathers).
 # issue 42, fresh seeds 77777 and 300301 (minimised): stage 3 hung when a rank's backward passed three blocks
 #   before reaching one: it marked them ready at once and blocked on the first reduction before gathering the
-#   second, which its peer gathered before reducing the first (the walk in ``Stage3Runtime._catch_up``).
+#   second, which its peer gathered before reducing the first (the walk in ``hooks.BackwardWalk.catch_up``).
 # issue 42, fresh seeds 77777, 300301, 912345: bf16 update errors at stages 0, 1 and 3 with bf16 reduction and
 #   AdamW, all from elements whose gradient sum lies within the bf16 sum's rounding of zero (AdamW steps them
 #   by about +-lr whatever their size); the check leaves those out ([Note: gradients within the reduction's

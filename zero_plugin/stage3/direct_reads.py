@@ -97,10 +97,20 @@ def _output_embeddings(module: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
+# [Note: watching weight reads]
+# A sliced head ([Note: sliced linear units] in ``sliced.py``) must see a loss read ``head.weight`` outside its
+# forward.  torch has no hook for that: module hooks fire on calls, tensor hooks in backward, and
+# ``__torch_function__`` only once the tensor is used (too late: the kernel would get the 1-D shard).  A read of a
+# parameter goes through ``nn.Module.__getattr__`` (parameters live in ``_parameters``), but special lookup finds
+# ``__getattr__`` and properties on the type, not on the instance, so this one instance gets a subclass with
+# properties for ``weight`` and ``bias``, as ``torch.nn.utils.parametrize`` does for the same reason (it too needs
+# ``module.weight`` to run code on each read).  The subclass keeps the class's name and module, so ``repr``,
+# ``isinstance`` and checks by class name (``_no_split_modules``) hold; only ``type(m) is cls`` does not.  The
+# handle's ``remove()`` (from ``Stage3Runtime.remove``) restores the original class.
 def watch_reads(module: nn.Module, on_read) -> _Watched:
     """Call ``on_read()`` whenever ``module.weight`` or ``module.bias`` is read, by giving this one instance a
-    subclass with properties for them (how ``torch.nn.utils.parametrize`` does it); the returned handle's
-    ``remove()`` restores the class.  Only for sliced heads: [Note: direct reads of the output embedding]."""
+    subclass with properties for them ([Note: watching weight reads]); the returned handle's ``remove()``
+    restores the class.  Only for sliced heads: [Note: direct reads of the output embedding]."""
     cls = type(module)
     names = {name: property(functools.partial(_read, name, on_read)) for name in ("weight", "bias")}
     module.__class__ = type(cls.__name__, (cls,), {**names, "__module__": cls.__module__})

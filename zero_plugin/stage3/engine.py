@@ -241,10 +241,6 @@ class Stage3Engine(Engine):
             after_backward=self.after_backward,
         )
         self.runtime.register()
-        # [Note: pending forward] in hooks.py, while zp.gathered_parameters blocks are open: forgetting waits
-        # for the outermost block's exit (its units are in use)
-        self._open_blocks = 0
-        self._forget_at_exit = False
         self.state_dict_hooks = StateDictHooks(self)  # [Note: stage-3 state dicts]
         self.state_dict_hooks.register()
         _mark_for_synced_generate(model, comm)
@@ -261,7 +257,7 @@ class Stage3Engine(Engine):
         return self.runtime.phase is Phase.BACKWARD
 
     def open_blocks(self) -> int:
-        return self._open_blocks
+        return self.runtime.open_blocks  # zp.gathered_parameters blocks: [Note: pending forward] in hooks.py
 
     def set_streams(self, streams: StreamSet) -> None:
         """Replace every unit's side streams, between steps ([Note: side streams] in streams.py): tests
@@ -318,12 +314,8 @@ class Stage3Engine(Engine):
         return self.runtime
 
     def forget_forward(self) -> None:
-        """Before the step or a write to the shards: [Note: pending forward] in hooks.py.  Inside a
-        ``zp.gathered_parameters`` block, at its (outermost) exit instead: the block's units are in use."""
-        if self._open_blocks:
-            self._forget_at_exit = True
-            return
-        self._forget_at_exit = False
+        """Before the step or a write to the shards: [Note: pending forward] in hooks.py (inside a
+        ``zp.gathered_parameters`` block the runtime waits for the outermost exit)."""
         self.runtime.forget_forward()
 
     # -- gathering ----------------------------------------------------------------
@@ -344,7 +336,7 @@ class Stage3Engine(Engine):
             else {}
         )
         saved = _keep_saved_values([sp.param for u in opened for sp in u.params])
-        self._open_blocks += 1
+        self.runtime.open_block()
         try:
             with saved:
                 yield
@@ -357,9 +349,7 @@ class Stage3Engine(Engine):
                             self._take_edits(sp, before[id(sp)])
             for u in opened:
                 u.reshard()
-            self._open_blocks -= 1
-            if modifier_rank is not None or self._forget_at_exit:  # edits are writes: [Note: pending forward]
-                self.forget_forward()
+            self.runtime.close_block(wrote=modifier_rank is not None)  # edits are writes: [Note: pending forward]
 
     def _take_edits(self, sp: ShardedParam, before: torch.Tensor) -> None:
         """The edited elements of this rank's region into the shard and, if separate, the master."""

@@ -24,81 +24,10 @@ Backward: output grad hook (pre_backward) -> Unit.pre_backward, unshard again in
 No backward: the next forward, step or write to the shards -> forget_forward -> Unit.forget_forward for
                                                               every unit ([Note: pending forward])
 
-[Note: reductions on their own group]
-Backward issues gathers (where outputs got gradients) and reductions (in the rank-agreed order, [Note:
-rank-agreed reduction order]); each sequence is the same on every rank, but when ranks use parameters
-unevenly a reduction waits for its turn longer on one rank than on another, so the two sequences
-interleave differently.  Collectives on one group pair up by position, so stage 3 reduces on a second
-group of the same ranks (``Comm.sibling``), and each group sees one agreed sequence.
-
-[Note: root unit]
-The root unit (index 0) holds the parameters outside every block and every leaf unit ([Note: leaf
-units] in ``policy.py``): final norm, small leftovers, tied embeddings and heads, an embedding or head
-below the leaf size or under a custom ``unit_policy``, and with ``persistence_threshold`` the small
-parameters of every block ([Note: persistent parameters]).  It is gathered for the whole forward, kept
-gathered after a forward with grad (backward needs it first) and released in the final callback; its
-reduction goes last.  A leaf unit (an untied ``embed_tokens`` or ``lm_head``) is gathered only around its
-own forward and backward, like a block.
-
-[Note: root entries]
-The root's hooks sit on the set-up module, plus every inner module a caller may enter directly
-(transformers models with ``generate``: a PEFT or Lightning wrapper's ``generate`` calls the inner model's
-forward, bypassing the wrapper's hooks).  Nested entries count once (``_root_depth``).
-
-[Note: last unit kept]
-The last unit of the recorded forward order (an LM head) is the first one backward needs: releasing it
-after forward and gathering it again right away would only add a gather; it stays unsharded, as the root
-does, until its gradients are reduced.
-
-[Note: pending forward]
-A forward with grad ends keeping what the backward expected next needs first: the root and the last unit
-stay gathered ([Note: root unit], [Note: last unit kept]) and, with hpZ, every unit it released keeps its
-secondary shard, a copy of that forward's weights ([Note: secondary shards] in ``secondary.py``); the
-backward's final callback lets go of it all.  A forward that gets no backward (an evaluation without
-``torch.no_grad()``, a skipped micro-batch) would leave that behind: the step would hand 1-D shard gradients
-to full-size parameters, ``zp.load_checkpoint`` would find units gathered, and after a write to the shards
-the secondary shards would serve the old weights to every later gather.  Autograd does not say when a graph
-is dropped, so ``Phase`` tracks it and it is resolved lazily: from the end of a forward with grad
-(``PENDING``) to the first backward hook (``BACKWARD``) the kept state is the forward's; the next forward,
-the optimizer step and every write to the shards (a module's ``load_state_dict``, ``zp.load_full_state_dict``,
-``zp.load_checkpoint``, the exit of ``zp.gathered_parameters`` with a ``modifier_rank``) call
-``forget_forward`` first, which releases every unit and drops its secondary shard (``Unit.forget_forward``):
-what the forward under ``torch.no_grad()`` would have left, bit for bit afterwards
-(``tests/parity/test_parity_stage3.py``, ``test_zeropp.py``).  So outside a forward a secondary shard exists
-only in ``PENDING`` and ``BACKWARD``, and never across a write to the shards.  A backward of that forward
-that does come later still runs: the root is gathered again by its output hook, the other units in the
-agreed backward order and an LM head read directly at the root's pre-backward (``_regather_direct_reads``),
-from the primary shards, so it computes on the weights as written, as plain stage 3 does; what it loses is hpZ's intra-node gathers (and two forwards before one backward gather the root and
-last unit once more).  Forgetting moves no collective: every rank forgets at the same point of its program.
-
-[Note: one post-backward per unit]
-A unit's backward is reported once, by the identity ``_PostBackward`` on its inputs (FSDP2's
-``RegisterPostBackwardFunction``): autograd runs it after the unit's own backward ops, and every
-``AccumulateGrad`` ready by then runs before it (the engine runs ready nodes highest sequence number first,
-and accumulators carry the highest), so the unit's gradients are in ``param.grad`` when it becomes ready.  A
-gradient that comes later anyway (a parameter also used outside the unit inside ``zp.gathered_parameters``,
-a unit entered twice) reaches the parameter's pre-accumulate hook after the reduction launched and is a late
-one, re-reduced in the final callback; one before the launch is sent with the rest.  So trainable parameters
-carry one hook each, the pre-accumulate one ([Note: uses outside the unit] in ``param.py``; it also queues the
-final callback and notes late gradients), not a post-accumulate hook as well (issue #39: two hooks per
-parameter were most of the Python run per backward).  Post-accumulate hooks remain where nothing else tells
-when the unit's gradients are final: on the root (its inputs are the user's), on a unit whose forward had no
-input that needs a gradient (an embedding, the first block under frozen embeddings) -- registered at that
-forward and removed at the end of its backward (or when it is forgotten, [Note: pending forward]) -- and, for
-one accumulation, on a parameter lent the full shape.  Such a unit is ready when all its trainable parameters
-have their gradients, as before; a unit whose hooked inputs get no gradient (its output does not depend on
-them) is ready at the end of backward.
-
-[Note: backward gather order]
-Backward reaches a unit only where its output got a gradient, so a rank that ignored a block's output
-(legal, as under DDP) would skip that block's gather while its peers gather it, and the gathers would pair
-across units.  So backward gathers follow one list every rank agreed on at the end of the forward: the
-reverse forward order, restricted to the units whose outputs needed a gradient on any rank.  Before
-gathering a unit every unit before it in that list is gathered too (at the end of backward, every unit
-left), and stays gathered until the end of backward if this rank never reaches it (its reduction then
-carries zeros); prefetches follow the same list.  Gathers in that list need no order check; a unit
-gathered again in the same backward (entered twice) is checked.  In the usual case backward arrives in
-list order and nothing extra happens.
+Each ``[Note: ...]`` sits next to the code it explains: [Note: reductions on their own group] at
+``_launch_reduce``, [Note: root unit] and [Note: last unit kept] at ``needed_first``, [Note: pending forward] at
+``Phase``, [Note: one post-backward per unit] at ``_PostBackward``, [Note: backward gather order] and [Note:
+units the backward passed] at ``BackwardWalk``, [Note: root entries] at ``Stage3Runtime._root_entries``.
 """
 
 from __future__ import annotations
@@ -119,7 +48,7 @@ from .param import ShardedParam, ShardedState
 from .storage_pool import StoragePool
 from .unit import GatherMode, TrainingState, Unit, UnitServices
 
-__all__ = ["Phase", "Stage3Runtime", "needed_first", "prefetch_span", "reduction_order"]
+__all__ = ["BackwardWalk", "Phase", "Stage3Runtime", "needed_first", "prefetch_span", "reduction_order"]
 
 MAX_INFLIGHT_REDUCES = 2
 
@@ -133,6 +62,18 @@ def prefetch_span(order: list, unit, depth: int) -> list:
     return order[i + 1 : i + 1 + depth]
 
 
+# [Note: root unit]
+# The root unit (index 0) holds the parameters outside every block and every leaf unit ([Note: leaf units] in
+# ``policy.py``): final norm, small leftovers, tied embeddings and heads, an embedding or head below the leaf size or
+# under a custom ``unit_policy``, and with ``persistence_threshold`` the small parameters of every block ([Note:
+# persistent parameters]).  It is gathered for the whole forward, kept gathered after a forward with grad (backward
+# needs it first) and released in the final callback; its reduction goes last.  A leaf unit (an untied
+# ``embed_tokens`` or ``lm_head``) is gathered only around its own forward and backward, like a block.
+#
+# [Note: last unit kept]
+# The last unit of the recorded forward order (an LM head) is the first one backward needs: releasing it after forward
+# and gathering it again right away would only add a gather; it stays unsharded, as the root does, until its gradients
+# are reduced.
 def needed_first(forward_order: list, unit, root) -> bool:
     """Whether backward needs ``unit`` first, so that it stays gathered after a forward with grad: the root
     ([Note: root unit]) and the last unit of the recorded forward order ([Note: last unit kept]).  The memory
@@ -149,6 +90,29 @@ def reduction_order(forward_order: list, units: list, root, trainable: Callable[
     return ran + rest + ([root] if trainable(root) else [])
 
 
+# [Note: pending forward]
+# A forward with grad ends keeping what the backward expected next needs first: the root and the last unit stay
+# gathered ([Note: root unit], [Note: last unit kept]) and, with hpZ, every unit it released keeps its secondary
+# shard, a copy of that forward's weights ([Note: secondary shards] in ``secondary.py``); the backward's final
+# callback lets go of it all.  A forward that gets no backward (an evaluation without ``torch.no_grad()``, a skipped
+# micro-batch) would leave that behind: the step would hand 1-D shard gradients to full-size parameters,
+# ``zp.load_checkpoint`` would find units gathered, and after a write to the shards the secondary shards would serve
+# the old weights to every later gather.  Autograd does not say when a graph is dropped, so ``Phase`` tracks it and it
+# is resolved lazily: from the end of a forward with grad (``PENDING``) to the first backward hook (``BACKWARD``) the
+# kept state is the forward's; the next forward, the optimizer step and every write to the shards (a module's
+# ``load_state_dict``, ``zp.load_full_state_dict``, ``zp.load_checkpoint``, the exit of ``zp.gathered_parameters``
+# with a ``modifier_rank``) call ``forget_forward`` first, which releases every unit and drops its secondary shard
+# (``Unit.forget_forward``): what the forward under ``torch.no_grad()`` would have left, bit for bit afterwards
+# (``tests/parity/test_parity_stage3.py``, ``test_zeropp.py``).  So outside a forward a secondary shard exists only in
+# ``PENDING`` and ``BACKWARD``, and never across a write to the shards.  A backward of that forward that does come
+# later still runs: the root is gathered again by its output hook, the other units in the agreed backward order and an
+# LM head read directly at the root's pre-backward (``_regather_direct_reads``), from the primary shards, so it
+# computes on the weights as written, as plain stage 3 does; what it loses is hpZ's intra-node gathers (and two
+# forwards before one backward gather the root and last unit once more).  Forgetting moves no collective: every rank
+# forgets at the same point of its program.  Inside ``zp.gathered_parameters`` blocks the units a block gathered are in
+# use: a forget asked for there (the step, a load) waits for the outermost block's exit (``open_block`` /
+# ``close_block``), and a block with a ``modifier_rank`` forgets at its exit, since its edits are writes to the
+# shards.  The root's next forward forgets at once, inside a block as outside.
 class Phase(enum.Enum):
     """Whose the state kept between forwards and backwards is ([Note: pending forward])."""
 
@@ -168,6 +132,22 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+# [Note: one post-backward per unit]
+# A unit's backward is reported once, by the identity ``_PostBackward`` on its inputs (FSDP2's
+# ``RegisterPostBackwardFunction``): autograd runs it after the unit's own backward ops, and every ``AccumulateGrad``
+# ready by then runs before it (the engine runs ready nodes highest sequence number first, and accumulators carry the
+# highest), so the unit's gradients are in ``param.grad`` when it becomes ready.  A gradient that comes later anyway
+# (a parameter also used outside the unit inside ``zp.gathered_parameters``, a unit entered twice) reaches the
+# parameter's pre-accumulate hook after the reduction launched and is a late one, re-reduced in the final callback;
+# one before the launch is sent with the rest.  So trainable parameters carry one hook each, the pre-accumulate one
+# ([Note: uses outside the unit] in ``param.py``; it also queues the final callback and notes late gradients), not a
+# post-accumulate hook as well (issue #39: two hooks per parameter were most of the Python run per backward).
+# Post-accumulate hooks remain where nothing else tells when the unit's gradients are final: on the root (its inputs
+# are the user's), on a unit whose forward had no input that needs a gradient (an embedding, the first block under
+# frozen embeddings) -- registered at that forward and removed at the end of its backward (or when it is forgotten,
+# [Note: pending forward]) -- and, for one accumulation, on a parameter lent the full shape.  Such a unit is ready
+# when all its trainable parameters have their gradients, as before; a unit whose hooked inputs get no gradient (its
+# output does not depend on them) is ready at the end of backward.
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward signals that the unit's backward is done."""
 
@@ -182,7 +162,101 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+# [Note: backward gather order]
+# Backward reaches a unit only where its output got a gradient, so a rank that ignored a block's output (legal, as
+# under DDP) would skip that block's gather while its peers gather it, and the gathers would pair across units.  So
+# backward gathers follow one list every rank agreed on at the end of the forward: the reverse forward order,
+# restricted to the units whose outputs needed a gradient on any rank.  Before gathering a unit every unit before it
+# in that list is gathered too (at the end of backward, every unit left), and stays gathered until the end of backward
+# if this rank never reaches it (its reduction then carries zeros); prefetches follow the same list.  Gathers in that
+# list need no order check; a unit gathered again in the same backward (entered twice) is checked.  In the usual case
+# backward arrives in list order and nothing extra happens.
+#
+# [Note: units the backward passed]
+# A unit whose outputs this rank computed but did not use (DDP allows it) gets no backward here, so its reduction
+# would wait for the end of backward while its peers' goes out in its turn ([Note: rank-agreed reduction order] in
+# grads/schedule.py).  The peers then block on it once MAX_INFLIGHT_REDUCES more are in flight, before issuing the
+# backward gathers this rank waits for: a deadlock (found by the fuzzer: the last of four blocks discarded on one of
+# two ranks).  So when a unit's backward starts, every unit before it in the reduction order that this backward never
+# reached (IDLE) is ready now, its missing gradients zeros, as at the end of backward; and a rank whose backward
+# reached none of them (it used no block's output, seed 271828) issues them in the same steps while it gathers what
+# its peers gathered (``gather_the_rest``).  Gathers and these reductions interleave as on a peer whose backward
+# reached every unit: ``catch_up`` walks the agreed backward list up to the unit, gathering each skipped unit after
+# the units passed before it are ready (marking three passed units ready at once and gathering them only then blocked
+# this rank on the first reduction, which its peer issues after a gather this rank had not issued: seeds 77777 and
+# 300301).  In a chain of blocks nothing reaches it later; where something does (a block reused further back in the
+# forward), its gradient is a late one, reduced again at the end of backward and added, so the result is the same.
+# The root's pre-backward opens the backward: excluded.
+class BackwardWalk:
+    """One backward's walk of the agreed backward list ([Note: backward gather order]) and of the units in the
+    reduction order it passed ([Note: units the backward passed]).  Built at the end of each forward with grad
+    from that list, and again for the next backward of the same forward after the final callback."""
+
+    def __init__(self, order: list[Unit], schedule: ReductionSchedule) -> None:
+        self.order = order  # the agreed backward list; prefetches in backward follow it too
+        self.schedule = schedule
+        self._cursor = 0  # order[:cursor] were gathered in this backward
+        self._passed = 0  # schedule.order[:passed] were looked at ([Note: units the backward passed])
+
+    def restarted(self) -> BackwardWalk:
+        """The same list walked from its start: the next backward of the same forward (``retain_graph``)."""
+        return BackwardWalk(self.order, self.schedule)
+
+    def catch_up(self, unit: Unit) -> None:
+        """Gather ``unit`` for its backward, after walking the agreed backward list up to it as the peers
+        walked it: each unit this backward skipped is gathered, and the units passed before it are ready,
+        in the same steps as on a rank whose backward reached every one of them ([Note: units the backward
+        passed])."""
+        if unit in self.order[self._cursor :]:
+            self._walk_to(self.order.index(unit))
+        self._reduce_units_passed(unit)
+        self.gather(unit)
+
+    def gather_the_rest(self) -> None:
+        """End of backward: the units of the agreed backward list this rank's backward did not reach are
+        gathered as its peers gathered them, each after the reductions its peers issued before that gather
+        ([Note: units the backward passed]: a rank that used none of them must not hold its reductions back
+        behind these gathers while its peers wait for the reductions)."""
+        self._walk_to(len(self.order))
+        self.gather(None)
+
+    def gather(self, unit: Unit | None) -> None:
+        """Gather ``unit`` and every unit before it in the agreed backward list (``None``: the end of
+        backward, every unit left): [Note: backward gather order]."""
+        order = self.order
+        position = len(order) if unit is None else order.index(unit) if unit in order else -1
+        if position < self._cursor:  # outside the list, or a second gather in this backward
+            if unit is not None and unit.backward_reads_weights:  # [Note: weights unread in backward]
+                unit.ensure_unsharded()
+            return
+        for listed in order[self._cursor : position + 1]:
+            listed.ensure_unsharded(GatherMode.AGREED)
+        self._cursor = position + 1
+
+    def _walk_to(self, stop: int) -> None:
+        """The agreed backward list from the cursor up to ``stop``: each unit after the reductions of the units
+        passed before it, as a peer whose backward reached every one of them issues them."""
+        for listed in self.order[self._cursor : stop]:
+            self._reduce_units_passed(listed)
+            self.gather(listed)
+
+    def _reduce_units_passed(self, unit: Unit) -> None:
+        order = self.schedule.order
+        position = self.schedule.position(unit)
+        if position is None:  # a unit that trains nothing: not in the order, says nothing about the others
+            return
+        for earlier in order[self._passed : position]:
+            if earlier.training_state is TrainingState.IDLE and not earlier.reduce_launched:
+                self.schedule.mark_ready(earlier)
+        self._passed = max(self._passed, position)
+
+
 class Stage3Runtime:
+    """The hooks of one stage-3 engine and the lifecycle they share: ``phase`` ([Note: pending forward]), the
+    ``zp.gathered_parameters`` blocks open, the recorded forward order, the backward's walk and the reduction
+    schedule.  Read top to bottom: registration, forward, the lifecycle between forward and backward,
+    backward, reductions, the final callback."""
+
     def __init__(
         self,
         units: list[Unit],
@@ -211,14 +285,14 @@ class Stage3Runtime:
         self.deferred = services.deferred
         self.schedule = ReductionSchedule(self._launch_reduce, self._complete_reduce, MAX_INFLIGHT_REDUCES)
         self.schedule.start(self._reduce_order())
-        self._backward_order: list[Unit] = []  # [Note: backward gather order]
-        self._backward_cursor = 0
-        self._passed_cursor = 0  # [Note: units the backward passed]: schedule.order[:cursor] were looked at
+        self.walk = BackwardWalk([], self.schedule)  # [Note: backward gather order]
         self._outputs_need_grad: set[Unit] = set()
         self._late: list[Unit] = []
         self.after_backward = after_backward
         self._callback_queued = False
         self.phase = Phase.IDLE  # [Note: pending forward]
+        self._open_blocks = 0  # zp.gathered_parameters blocks open: forgetting waits ([Note: pending forward])
+        self._forget_at_exit = False  # a forget asked for inside them, done at the outermost exit
         self.require_sync = True  # False inside zp.no_sync
         # [Note: deferred reduction] in accumulate.py: under no_sync, full gradients kept instead of reduced
         self.kept = services.kept
@@ -278,6 +352,10 @@ class Stage3Runtime:
         self._unhook_params()
 
     # -- root entry points ----------------------------------------------------------
+    # [Note: root entries]
+    # The root's hooks sit on the set-up module, plus every inner module a caller may enter directly (transformers
+    # models with ``generate``: a PEFT or Lightning wrapper's ``generate`` calls the inner model's forward,
+    # bypassing the wrapper's hooks).  Nested entries count once (``_root_depth``).
     def _root_entries(self) -> list:
         """The modules the root's hooks sit on ([Note: root entries])."""
         top = self.root.module
@@ -308,7 +386,7 @@ class Stage3Runtime:
             self._armed = None  # its own forward came: computed as usual ([Note: direct reads of the output embedding])
         if not in_backward:
             if unit is self.root:
-                self.forget_forward()  # [Note: pending forward]: the last forward got no backward
+                self._forget_pending_forward()  # [Note: pending forward]: the last forward got no backward
                 self.tag_checks.flush()  # the last forward's gathers: landed long ago, no wait in practice
                 self._recording = self.guard.recording = []
                 self._outputs_need_grad = set()
@@ -374,10 +452,10 @@ class Stage3Runtime:
             if grad:  # the reverse of this order is the order of the reductions: every rank must agree
                 needed = self.guard.end_of_forward(self.forward_order, self._outputs_need_grad)
                 self.schedule.start(self._reduce_order())
-                self._backward_order = [
-                    u for u in reversed(self.forward_order) if u in needed and u.backward_reads_weights
-                ]  # [Note: weights unread in backward] in policy.py: not gathered for backward
-                self._backward_cursor = self._passed_cursor = 0
+                self.walk = BackwardWalk(
+                    [u for u in reversed(self.forward_order) if u in needed and u.backward_reads_weights],
+                    self.schedule,
+                )  # [Note: weights unread in backward] in policy.py: not gathered for backward
             else:
                 self.guard.settle()  # [Note: collective order]: every entry of this forward compared
             for other in self.units[1:]:
@@ -392,38 +470,6 @@ class Stage3Runtime:
         else:
             unit.post_forward(grad, self.reshard_after_forward, self._needed_first(unit))
         return None
-
-    def _end_forward(self, grad: bool) -> None:
-        """[Note: pending forward]: a forward with grad keeps state for its backward.  Only from IDLE (the
-        forward began by forgetting any earlier one); in BACKWARD a backward ran inside this forward or the
-        last one never reached its final callback (autograd drops it when a backward raises), and the state
-        stays that backward's."""
-        if grad and self.phase is Phase.IDLE:
-            self._to_phase(Phase.PENDING)
-
-    def forget_forward(self) -> None:
-        """[Note: pending forward]: the last forward with grad got no backward before this point (the next
-        forward, the step, a write to the shards); release what it kept, as a forward under no_grad would
-        have.  Nothing to do in IDLE, and nothing may be let go during a backward."""
-        self._release_held_for_read()
-        if self.phase is not Phase.PENDING:
-            return
-        for unit in self.units:
-            unit.forget_forward()
-        self._unhook_params()
-        self._to_phase(Phase.IDLE)
-
-    def _release_held_for_read(self) -> None:
-        """[Note: reads after a forward without grad] in direct_reads.py: the next entry, step or write ends
-        the read; local (no collective), every rank alike."""
-        self._armed = None
-        held, self._held_for_read = self._held_for_read, []
-        for unit in held:
-            unit.reshard()
-
-    def _to_phase(self, phase: Phase) -> None:
-        assert phase in _PHASES[self.phase], f"stage-3 runtime: {self.phase.value} -> {phase.value} is not a transition"
-        self.phase = phase
 
     def _needed_first(self, unit: Unit) -> bool:
         return needed_first(self.forward_order, unit, self.root) or self.direct_reads.is_open(unit)
@@ -449,6 +495,65 @@ class Stage3Runtime:
                 t.register_hook(functools.partial(self._on_output_grad, unit))
                 self._outputs_need_grad.add(unit)
 
+    # -- between forward and backward ([Note: pending forward]) -------------------------
+    def _end_forward(self, grad: bool) -> None:
+        """[Note: pending forward]: a forward with grad keeps state for its backward.  Only from IDLE (the
+        forward began by forgetting any earlier one); in BACKWARD a backward ran inside this forward or the
+        last one never reached its final callback (autograd drops it when a backward raises), and the state
+        stays that backward's."""
+        if grad and self.phase is Phase.IDLE:
+            self._to_phase(Phase.PENDING)
+
+    def forget_forward(self) -> None:
+        """Before the step or a write to the shards ([Note: pending forward]); inside ``zp.gathered_parameters``
+        blocks, at the outermost exit instead: the blocks' units are in use."""
+        if self._open_blocks:
+            self._forget_at_exit = True
+            return
+        self._forget_at_exit = False
+        self._forget_pending_forward()
+
+    @property
+    def open_blocks(self) -> int:
+        """The ``zp.gathered_parameters`` blocks open now."""
+        return self._open_blocks
+
+    def open_block(self) -> None:
+        """A ``zp.gathered_parameters`` block opened: forgetting waits for the outermost exit."""
+        self._open_blocks += 1
+
+    def close_block(self, wrote: bool) -> None:
+        """A block's exit, after it resharded what it gathered; ``wrote``: it had a ``modifier_rank``, so its
+        edits are writes to the shards ([Note: pending forward])."""
+        assert self._open_blocks > 0, "stage-3 runtime: a zp.gathered_parameters block closed that was not open"
+        self._open_blocks -= 1
+        if wrote or self._forget_at_exit:
+            self.forget_forward()
+
+    def _forget_pending_forward(self) -> None:
+        """[Note: pending forward]: the last forward with grad got no backward before this point (the next
+        forward, the step, a write to the shards); release what it kept, as a forward under no_grad would
+        have.  Nothing to do in IDLE, and nothing may be let go during a backward."""
+        self._release_held_for_read()
+        if self.phase is not Phase.PENDING:
+            return
+        for unit in self.units:
+            unit.forget_forward()
+        self._unhook_params()
+        self._to_phase(Phase.IDLE)
+
+    def _release_held_for_read(self) -> None:
+        """[Note: reads after a forward without grad] in direct_reads.py: the next entry, step or write ends
+        the read; local (no collective), every rank alike."""
+        self._armed = None
+        held, self._held_for_read = self._held_for_read, []
+        for unit in held:
+            unit.reshard()
+
+    def _to_phase(self, phase: Phase) -> None:
+        assert phase in _PHASES[self.phase], f"stage-3 runtime: {self.phase.value} -> {phase.value} is not a transition"
+        self.phase = phase
+
     # -- backward -----------------------------------------------------------------
     def _on_output_grad(self, unit: Unit, grad: torch.Tensor) -> None:
         self.pre_backward(unit)
@@ -460,62 +565,10 @@ class Stage3Runtime:
         unit.pre_backward()
         if unit is self.root:
             self._regather_direct_reads()
-            self._backward_gather(unit)
+            self.walk.gather(unit)
         else:
-            self._catch_up(unit)
+            self.walk.catch_up(unit)
         self._prefetch(unit, -1)
-
-    # [Note: units the backward passed]
-    # A unit whose outputs this rank computed but did not use (DDP allows it) gets no backward here, so its
-    # reduction would wait for the end of backward while its peers' goes out in its turn ([Note: rank-agreed
-    # reduction order] in grads/schedule.py).  The peers then block on it once MAX_INFLIGHT_REDUCES more are
-    # in flight, before issuing the backward gathers this rank waits for: a deadlock (found by the fuzzer: the
-    # last of four blocks discarded on one of two ranks).  So when a unit's backward starts, every unit before
-    # it in the reduction order that this backward never reached (IDLE) is ready now, its missing gradients
-    # zeros, as at the end of backward; and a rank whose backward reached none of them (it used no block's
-    # output, seed 271828) issues them in the same steps while it gathers what its peers gathered
-    # (``_gather_the_rest``).  Gathers and these reductions interleave as on a peer whose backward reached
-    # every unit: ``_catch_up`` walks the agreed backward list up to the unit, gathering each skipped unit
-    # after the units passed before it are ready (marking three passed units ready at once and gathering
-    # them only then blocked this rank on the first reduction, which its peer issues after a gather this
-    # rank had not issued: seeds 77777 and 300301).  In a chain of blocks nothing reaches it later; where something does
-    # (a block reused further back in the forward), its gradient is a late one, reduced again at the end of
-    # backward and added, so the result is the same.  The root's pre-backward opens the backward: excluded.
-    def _catch_up(self, unit: Unit) -> None:
-        """Gather ``unit`` for its backward, after walking the agreed backward list up to it as the peers
-        walked it: each unit this backward skipped is gathered, and the units passed before it are ready,
-        in the same steps as on a rank whose backward reached every one of them ([Note: units the backward
-        passed])."""
-        order = self._backward_order
-        if unit in order[self._backward_cursor :]:
-            self._walk_backward_list(order.index(unit))
-        self._reduce_units_passed(unit)
-        self._backward_gather(unit)
-
-    def _walk_backward_list(self, stop: int) -> None:
-        """The agreed backward list from the cursor up to ``stop``: each unit after the reductions of the units
-        passed before it, as a peer whose backward reached every one of them issues them."""
-        for listed in self._backward_order[self._backward_cursor : stop]:
-            self._reduce_units_passed(listed)
-            self._backward_gather(listed)
-
-    def _gather_the_rest(self) -> None:
-        """End of backward: the units of the agreed backward list this rank's backward did not reach are
-        gathered as its peers gathered them, each after the reductions its peers issued before that gather
-        ([Note: units the backward passed]: a rank that used none of them must not hold its reductions back
-        behind these gathers while its peers wait for the reductions)."""
-        self._walk_backward_list(len(self._backward_order))
-        self._backward_gather(None)
-
-    def _reduce_units_passed(self, unit: Unit) -> None:
-        order = self.schedule.order
-        position = self.schedule.position(unit)
-        if position is None:  # a unit that trains nothing: not in the order, says nothing about the others
-            return
-        for earlier in order[self._passed_cursor : position]:
-            if earlier.training_state is TrainingState.IDLE and not earlier.reduce_launched:
-                self.schedule.mark_ready(earlier)
-        self._passed_cursor = max(self._passed_cursor, position)
 
     def _regather_direct_reads(self) -> None:
         """A head with an open direct read was kept gathered into backward; if its forward was forgotten
@@ -525,19 +578,6 @@ class Stage3Runtime:
         for unit in self.units:
             if self.direct_reads.is_open(unit):
                 unit.ensure_unsharded()
-
-    def _backward_gather(self, unit: Unit | None) -> None:
-        """Gather ``unit`` and every unit before it in the agreed backward list (``None``: the end of
-        backward, every unit left): [Note: backward gather order]."""
-        order = self._backward_order
-        position = len(order) if unit is None else order.index(unit) if unit in order else -1
-        if position < self._backward_cursor:  # outside the list, or a second gather in this backward
-            if unit is not None and unit.backward_reads_weights:  # [Note: weights unread in backward]
-                unit.ensure_unsharded()
-            return
-        for listed in order[self._backward_cursor : position + 1]:
-            listed.ensure_unsharded(GatherMode.AGREED)
-        self._backward_cursor = position + 1
 
     def pre_accumulate(self, unit: Unit, sp: ShardedParam, grad: torch.Tensor) -> None:
         """[Note: uses outside the unit]: a gradient of the shard's shape came from a use of the shard."""
@@ -588,9 +628,16 @@ class Stage3Runtime:
         if unit.post_backward():
             self.schedule.mark_ready(unit)
 
+    # -- reductions ----------------------------------------------------------------
     def _reduce_order(self) -> list[Unit]:
         return reduction_order(self.forward_order, self.units, self.root, lambda u: u.trainable)
 
+    # [Note: reductions on their own group]
+    # Backward issues gathers (where outputs got gradients) and reductions (in the rank-agreed order, [Note:
+    # rank-agreed reduction order]); each sequence is the same on every rank, but when ranks use parameters
+    # unevenly a reduction waits for its turn longer on one rank than on another, so the two sequences interleave
+    # differently.  Collectives on one group pair up by position, so stage 3 reduces on a second group of the same
+    # ranks (``Comm.sibling``), and each group sees one agreed sequence.
     def _launch_reduce(self, unit: Unit) -> list:
         if self.kept is not None and not self.require_sync:
             return self.kept.defer(unit)
@@ -610,6 +657,7 @@ class Stage3Runtime:
     def _complete_reduce(unit: Unit, pending) -> None:
         unit.complete_reduce(pending)
 
+    # -- the final callback --------------------------------------------------------
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
@@ -619,13 +667,13 @@ class Stage3Runtime:
     @torch.no_grad()
     def finalize_backward(self) -> None:
         self._callback_queued = False
-        self._gather_the_rest()
+        self.walk.gather_the_rest()
         late, self._late = self._late, []
         self.schedule.end_backward(late, self.guard)
         self.tag_checks.flush()  # before any gradient is final: [Note: gather tag] in unit.py
         self.deferred.run()  # [Note: deferred has-gradient flags] in grads/presence.py
         self.after_backward()
-        self._backward_cursor = self._passed_cursor = 0
+        self.walk = self.walk.restarted()
         self.direct_reads.clear()
         for unit in self.units:
             unit.end_backward()
@@ -639,6 +687,6 @@ class Stage3Runtime:
     def _prefetch(self, unit: Unit, direction: int) -> None:
         """The next units in the forward order, or in backward in the agreed backward list ([Note: backward
         gather order])."""
-        order = self.forward_order if direction > 0 else self._backward_order
+        order = self.forward_order if direction > 0 else self.walk.order
         for nxt in prefetch_span(order, unit, self.prefetch_depth):
             nxt.prefetch()
