@@ -140,8 +140,8 @@ def _environ(values: dict[str, str]):
 
 
 def _stop_forkserver() -> None:
-    """End the server and reap it (its CPU time, and that of the workers it reaped, then counts as this
-    process's children's, as spawned workers' did)."""
+    """At exit, end the server and reap it (its CPU time, and that of the workers it reaped, then counts as
+    this process's children's, as spawned workers' did)."""
     stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)  # CPython's own, used by its tests
     if _CONTEXT is not None and stop is not None:
         stop()
@@ -344,7 +344,9 @@ def run_ranks(world_size: int, fn, *args, **kwargs) -> list:
 def close_all_pools() -> None:
     while _POOLS:
         _POOLS.popitem()[1].close()
-    _stop_forkserver()
 
 
+# atexit runs last what it registered first: the server outlives every pool, tests/fuzz/check.py's included
+# (a worker of a stopped server reads as exited and would be left running).
+atexit.register(_stop_forkserver)
 atexit.register(close_all_pools)
