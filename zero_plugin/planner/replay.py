@@ -239,16 +239,19 @@ class ReplicatedReplay(Replay):
         self.ready = [0] * len(self.buckets)
         # Bucket b is self.ids[b]: the schedule keys items by identity, so each index is one object.
         self.ids = list(range(len(self.buckets)))
-        self.schedule = ReductionSchedule(self._launch_one, self.complete, reducer.MAX_INFLIGHT)
-        self.schedule.start(self.ids)
-        # [Note: gradients as bucket views] in grads/views.py: stage 1 in place keeps its full gradients in
-        # persistent bucket buffers, alive from the first backward on (through every later forward); a fresh
-        # gradient is copied into its view and dropped at once.  Views need the reduce dtype.
+        # [Note: gradients as bucket views] in grads/views.py: stage 0, and stage 1 in place, keep their full
+        # gradients in persistent bucket buffers, alive from the first backward on (through every later
+        # forward); a fresh gradient is copied into its view and dropped at once.  Views need the reduce dtype.
         in_place = self.layout is IN_PLACE  # as the reducer reads it: what it costs, not how
-        keeps_views = self.sharded and reduce_scatter_keeps_views(row.keep_full_grad, in_place)
+        keeps_views = reduce_scatter_keeps_views(row.keep_full_grad, in_place) if self.sharded else True
         self.views = keeps_views and self.rb == self.pb
         if self.views:
             self.mem.add("device", "grads", sum(self.plan.params[i].numel for i in self.trainable) * self.pb)
+        # [Note: pending reductions] in grads/reducer.py (``pending_bound``): stage 0 all-reducing only its
+        # persistent buffers in place has no bound
+        bound = None if self.views and not self.sharded else reducer.MAX_INFLIGHT
+        self.schedule = ReductionSchedule(self._launch_one, self.complete, bound)
+        self.schedule.start(self.ids)
 
     def on_grad(self, i: int) -> None:
         if not self.views:
@@ -277,8 +280,8 @@ class ReplicatedReplay(Replay):
         """Bucket ``b``'s collective: stage 0's flat all-reduce on every layout, else the layout's reduction
         (``ReduceScatterReducer._launch``) of the bucket's padded shards and flags."""
         _, width, k = self.buckets[b]
-        if not self.sharded:
-            return all_reduce_footprint(width + k, self.rb)
+        if not self.sharded:  # with views the buffer is the gradients' own (``all_reduce_filled``)
+            return all_reduce_footprint(width + k, self.rb, filled=self.views)
         return self.layout.reduce_footprint(self.n, width + k, self.bucket_numel(b), self.pb, self.rb, self.frees_full)
 
     def bucket_numel(self, b: int) -> int:
