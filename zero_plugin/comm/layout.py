@@ -89,6 +89,7 @@ __all__ = [
     "layout_of",
     "layout_for",
     "Footprint",
+    "Steps",
     "all_reduce_footprint",
     "GatherEnds",
     "GatherRow",
@@ -860,8 +861,10 @@ class _InPlace(Layout):
 
     def reduce_footprint(self, world_size, width, numel, itemsize, reduce_itemsize, release_grads):
         """The gradients summed where they are, or a copy in the reduce dtype (a released gradient then goes
-        at the launch: the copy is what the record holds); the peers' contributions arrive in a temporary of
-        this rank's regions (``Comm.reduce_in_place``), not counted: the replay's [Note: collective buffers]."""
+        at the launch: the copy is what the record holds).  Left out: the temporary of ``world_size - 1``
+        times this rank's regions that the peers' contributions arrive in (``Comm.reduce_in_place``), until
+        the wait; the planner's measurements ([Note: collective buffers]) do not count it either, and
+        ``tests/unit/test_layout_footprint.py`` checks its size apart."""
         cast = numel * reduce_itemsize if reduce_itemsize != itemsize else 0
         grads = numel * itemsize if release_grads else 0
         return Footprint(

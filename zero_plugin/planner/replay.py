@@ -92,7 +92,9 @@ class Setting:
     offload_params: bool
     device: str
     config: ZeroConfig
-    in_place: bool  # regions gathered and reduced in place (gloo, [Note: in-place region gather] in ``collectives.py``)
+    # regions gathered and reduced in place (gloo, [Note: in-place region gather] in ``collectives.py``): what
+    # plan.py passes; the replay reads :attr:`layout`, which must agree
+    in_place: bool
     # ranks the states are sharded over: the shard group's k with ZeroConfig.shard_group_size, else the
     # world; the collectives replayed here run over the shard group ([Note: hierarchical groups])
     shard_world: int = 0
