@@ -41,15 +41,16 @@ ERROR_GRACE_S = 3.0
 STARTUP_TIMEOUT_S = 180.0
 _INIT_ATTEMPTS = 4
 # [Note: workers forked from a preloaded server]
-# A spawned worker imported torch and zero_plugin itself (~2 s of CPU each on 2 cores), at every pool start:
-# once per world size and again after every test that leaves a rank blocked in a collective (the pool is
-# killed), dozens of times per suite.  A forkserver imports them once and forks each worker from there.  It
-# imports nothing else (transformers reads environment variables at import and zero_plugin.planner looks for
-# transformers.masking_utils in sys.modules: a worker sees the modules a spawned one would, plus these), and
-# runs no torch operation, so no OpenMP pool exists to fork.  The server is started with one intra-op thread
-# in its environment, as the spawned worker set it before importing torch; each worker then takes the parent's
-# environment at its start (``_worker_main``), as a spawned one inherited it.
-_PRELOAD = ("torch", "torch.distributed", "zero_plugin", "tests.harness")
+# A spawned worker imported torch, zero_plugin and (for most tests) transformers' Llama itself, ~3-5 s of CPU
+# each on 2 cores, at every pool start: once per world size and again after every test that leaves a rank
+# blocked in a collective (the pool is killed), many times per suite.  A forkserver imports them once and
+# forks each worker from there.  It runs no torch operation and starts no thread (checked: one thread after
+# the imports), so no OpenMP pool or lock is forked.  Besides these modules a worker sees what a spawned one
+# would: the server starts with one intra-op thread in its environment, as the spawned worker set it before
+# importing torch, and each worker takes the parent's environment at its pool's start (``_worker_main``), as a
+# spawned one inherited it; only transformers' import-time reads of the environment see the parent's at the
+# first pool start.
+_PRELOAD = ("torch", "torch.distributed", "zero_plugin", "transformers.models.llama.modeling_llama", "tests.harness")
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _CONTEXT = None
 
