@@ -74,6 +74,12 @@ __all__ = ["AllReduceReducer", "ReduceScatterReducer", "GradReducer"]
 MAX_INFLIGHT = 2  # buckets whose collective may be pending at once during backward, where they hold memory
 
 
+def pending_bound(all_reduce_of_views: bool) -> int | None:
+    """How many launched buckets may be pending ([Note: pending reductions]): none where every bucket is
+    all-reduced in place in its persistent buffer (stage 0's bucket views); the memory planner asks the same."""
+    return None if all_reduce_of_views else MAX_INFLIGHT
+
+
 class GradReducer:
     """Shared hook and bucket bookkeeping; subclasses define launch and completion."""
 
@@ -96,7 +102,9 @@ class GradReducer:
         self.require_sync = True
         self._callback_queued = False
         self._handles: list = []
-        self.schedule = ReductionSchedule(self._launch_bucket, self._complete, self.pending_bound())
+        self.schedule = ReductionSchedule(
+            self._launch_bucket, self._complete, pending_bound(self._all_reduce_of_views())
+        )
         self.schedule.start(self.buckets)  # fixed at setup: [Note: rank-agreed reduction order]
         if self.supports_late:
             comm.open_control_channel()  # collective: every rank builds the same reducer at setup
@@ -107,9 +115,9 @@ class GradReducer:
         # needs the summed flags at the end of backward (no host stall per bucket on CUDA)
         self.deferred = DeferredStores()
 
-    def pending_bound(self) -> int | None:
-        """How many launched buckets may be pending ([Note: pending reductions]); None: no bound."""
-        return MAX_INFLIGHT
+    def _all_reduce_of_views(self) -> bool:
+        """Every bucket all-reduced in place in its persistent buffer ([Note: pending reductions])."""
+        return False
 
     # -- hooks --------------------------------------------------------------
     def register(self, root: nn.Module, after_backward: Callable[[], None]) -> None:
@@ -253,9 +261,8 @@ class AllReduceReducer(GradReducer):
     def _keeps_views(self, bucket: Bucket) -> bool:
         return self.views.applies(bucket)
 
-    def pending_bound(self) -> int | None:
-        """No bound where every bucket all-reduces its persistent buffer in place ([Note: pending reductions])."""
-        return None if len(self._viewed) == len(self.buckets) else MAX_INFLIGHT
+    def _all_reduce_of_views(self) -> bool:
+        return len(self._viewed) == len(self.buckets)
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> comm_layout.FlatAllReduce:

@@ -226,7 +226,7 @@ _CATEGORIES = {"grads": "grads", "gathered": "gathered", "temp": "collective_tem
 
 class ReplicatedReplay(Replay):
     """Stages 0-2 (``grads/reducer.py``, ``engines/param_sync.py``): full parameters; gradients bucketed and
-    all-reduced (0) or reduce-scattered (1-2), at most ``reducer.MAX_INFLIGHT`` buckets pending.  What the stage
+    all-reduced (0) or reduce-scattered (1-2), as many buckets pending as ``reducer.pending_bound`` allows.  What the stage
     keeps is read from the row ``stages.py`` builds the engine from (``REPLICATED_STAGES``), not from its number:
     ``sharded`` (regions reduce-scattered, parameters all-gathered after the step) and ``frees_full`` (the full
     gradients go once reduced: ZeRO-2)."""
@@ -249,9 +249,8 @@ class ReplicatedReplay(Replay):
         self.views = keeps_views and self.rb == self.pb
         if self.views:
             self.mem.add("device", "grads", sum(self.plan.params[i].numel for i in self.trainable) * self.pb)
-        # [Note: pending reductions] in grads/reducer.py (``pending_bound``): stage 0 all-reducing only its
-        # persistent buffers in place has no bound
-        bound = None if self.views and not self.sharded else reducer.MAX_INFLIGHT
+        # [Note: pending reductions] in grads/reducer.py: stage 0 all-reducing only its views has no bound
+        bound = reducer.pending_bound(self.views and not self.sharded)
         self.schedule = ReductionSchedule(self._launch_one, self.complete, bound)
         self.schedule.start(self.ids)
 
