@@ -2,7 +2,7 @@
 
 The multi-process parity and behaviour suites check what these decisions add up to; here each decision
 is checked alone on a one-rank engine: when a unit releases its parameters after a forward, after its
-backward and after its reduction's launch, and which TrainingState changes are transitions.
+backward and after its reduction's launch, and which TrainingState and ReduceState changes are transitions.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 import zero_plugin as zp
 from zero_plugin.engines.engine import engine_of
 from zero_plugin.stage3.param import ShardedState
-from zero_plugin.stage3.unit import TrainingState
+from zero_plugin.stage3.unit import ReduceState, TrainingState
 
 
 class _Block(nn.Module):
@@ -110,3 +110,23 @@ def test_a_launched_reduction_releases_a_block_without_input_hook_but_never_the_
     assert root.state is ShardedState.UNSHARDED  # [Note: root unit]: only the final callback releases it
     root.end_backward()
     assert root.state is ShardedState.SHARDED and not root.reduce_launched
+
+
+def test_a_reduction_has_one_turn_per_backward_and_repeats_only_its_kind(units):
+    block = units[1]
+    block.pre_forward()
+    assert block.reduce_state is ReduceState.PENDING and not block.reduce_launched
+    block.launch_reduce()  # its turn came before its backward ran: the unit is still IDLE
+    assert block.training_state is TrainingState.IDLE
+    block.launch_reduce()  # late gradients: the final callback's second reduction
+    assert block.reduce_state is ReduceState.LAUNCHED and block.reduce_launched
+    with pytest.raises(AssertionError, match="not a transition"):
+        block.defer_reduce()  # zp.no_sync holds for the whole backward
+    block.end_backward()
+    assert block.reduce_state is ReduceState.PENDING and not block.reduce_launched
+    block.defer_reduce()  # zp.no_sync with kept gradients: its turn came, nothing sent
+    assert block.reduce_state is ReduceState.DEFERRED and block.reduce_launched
+    with pytest.raises(AssertionError, match="not a transition"):
+        block.launch_reduce()
+    block.end_backward()
+    assert block.reduce_state is ReduceState.PENDING

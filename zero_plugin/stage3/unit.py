@@ -51,7 +51,12 @@ The runtime's hooks (``hooks.py``) tell a unit where the step is; the unit decid
     in ``hooks.py``): released, hpZ's secondary shard dropped, as after a forward under ``torch.no_grad()``.
 ``TrainingState`` moves only forward within one backward (``_LEGAL``, asserted); a unit entered twice in
 one forward sees ``pre_backward`` and ``post_backward`` twice, which leave a later state as it is.  The
-root unit is never released by a reduction: only in the final callback.
+reduction has a state of its own, ``ReduceState`` (``_REDUCE_LEGAL``, asserted), since its turn in the
+rank-agreed order can come while the unit is still IDLE or PRE_BACKWARD (its gradients were final before
+its backward ended; a unit the backward passed, [Note: units the backward passed] in ``hooks.py``; the end
+of backward): PENDING -> LAUNCHED (``launch_reduce``, again for late gradients) or DEFERRED
+(``defer_reduce``, under ``zp.no_sync`` with kept gradients); ``end_backward`` returns both to IDLE and
+PENDING.  The root unit is never released by a reduction: only in the final callback.
 
 [Note: flat shards]
 In the buffered layout a unit's shards of one compute dtype live side by side in one tensor laid out as
@@ -96,6 +101,7 @@ from .tag_check import TagChecks, tag_of
 
 __all__ = [
     "GatherMode",
+    "ReduceState",
     "TrainingState",
     "Unit",
     "UnitServices",
@@ -208,6 +214,25 @@ _LEGAL = {
 }
 
 
+class ReduceState(enum.Enum):
+    """Where this backward's reduction of one unit is ([Note: unit transitions]): apart from ``TrainingState``,
+    since its turn can come before the unit's backward ran."""
+
+    PENDING = "pending"  # its turn has not come in this backward
+    LAUNCHED = "launched"  # its reduce-scatter was issued: a gradient now is a late one, reduced again
+    # its turn came under zp.no_sync with kept gradients: nothing sent ([Note: deferred reduction] in accumulate.py)
+    DEFERRED = "deferred"
+
+
+# A late gradient's second reduction (the final callback's re-issue) repeats the first turn's kind: zp.no_sync
+# holds for the whole backward.
+_REDUCE_LEGAL = {
+    ReduceState.PENDING: {ReduceState.LAUNCHED, ReduceState.DEFERRED},
+    ReduceState.LAUNCHED: {ReduceState.LAUNCHED},
+    ReduceState.DEFERRED: {ReduceState.DEFERRED},
+}
+
+
 class Unit:
     """A stage-3 unit, complete from its ``UnitSpec`` and the engine's ``UnitServices`` ([Note: unit record])."""
 
@@ -230,8 +255,8 @@ class Unit:
         self._flat = _flat_shards(spec.index, spec.params, self.layout)  # [Note: flat shards]: per compute dtype
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
+        self.reduce_state = ReduceState.PENDING
         self.ready: set[int] = set()  # id(param) of trainable params whose grad is final
-        self._reduced = False  # this backward's reduce-scatter was launched
         self._inputs_hooked = False  # a post-backward hook sits on this forward's inputs
         self._gather: list = []  # the gather's records in flight ([Note: collective layouts])
         self._gather_streams = self.streams  # the streams the gather in flight runs on
@@ -335,20 +360,22 @@ class Unit:
         for."""
         if self.training_state is not TrainingState.POST_BACKWARD:
             self._to(TrainingState.POST_BACKWARD)
-        if self._reduced or not self.trainable:
+        if self.reduce_state is not ReduceState.PENDING or not self.trainable:
             self.reshard()
             return False
         return True
 
     @property
     def reduce_launched(self) -> bool:
-        """This backward's reduction was launched: a gradient now is a late one."""
-        return self._reduced
+        """This backward's reduction had its turn (launched, or deferred under ``zp.no_sync``): a gradient now
+        is a late one."""
+        return self.reduce_state is not ReduceState.PENDING
 
     def launch_reduce(self) -> list:
         """The reduction's turn came (or its second one, for late gradients): launch it, and release the
         parameters unless the unit's backward may still need them."""
         assert self.trainable, f"unit {self.name!r}: a reduction of a unit that trains nothing"
+        self._reduce_to(ReduceState.LAUNCHED)
         launched = self.reduce_grads()
         self._release_after_reduce()
         return launched
@@ -356,7 +383,7 @@ class Unit:
     def defer_reduce(self) -> list:
         """The reduction's turn under ``no_sync`` with its gradients kept instead ([Note: deferred reduction]
         in accumulate.py): as :meth:`launch_reduce`, with nothing sent."""
-        self._reduced = True
+        self._reduce_to(ReduceState.DEFERRED)
         self._release_after_reduce()
         return []
 
@@ -370,9 +397,9 @@ class Unit:
         if self.secondary is not None:
             self.secondary.drop()
         self.ready.clear()
-        self._reduced = False
         self._inputs_hooked = False
         self.training_state = TrainingState.IDLE
+        self.reduce_state = ReduceState.PENDING
 
     def forget_forward(self) -> None:
         """The last forward's backward did not come before the next use of the weights ([Note: pending
@@ -394,6 +421,12 @@ class Unit:
             f"unit {self.name!r}: {self.training_state.value} -> {state.value} is not a transition"
         )
         self.training_state = state
+
+    def _reduce_to(self, state: ReduceState) -> None:
+        assert state in _REDUCE_LEGAL[self.reduce_state], (
+            f"unit {self.name!r}: reduction {self.reduce_state.value} -> {state.value} is not a transition"
+        )
+        self.reduce_state = state
 
     # -- gather ---------------------------------------------------------------
     @property
@@ -517,8 +550,8 @@ class Unit:
     @torch.no_grad()
     def reduce_grads(self) -> list:
         """Launch the reduce-scatter of this unit's full grads (missing ones count as zeros); the full
-        gradients are let go (the records hold them until the reductions complete)."""
-        self._reduced = True
+        gradients are let go (the records hold them until the reductions complete); ``launch_reduce`` is the
+        transition."""
         groups = _by_dtype(self.trainable, lambda sp: self.reduce_dtype or sp.unsharded.dtype)
         if self.grad_block is not None:  # [Note: qgZ reduction]
             with self.streams.reduce():  # after the compute stream's backward wrote the gradients
