@@ -82,6 +82,21 @@ def test_unpicklable_fn_is_rejected_in_parent():
     assert run_ranks(1, _pid)  # pool untouched
 
 
+def _environment():
+    import os
+
+    return os.environ.get("ZERO_TEST_HARNESS_PROBE"), os.environ["OMP_NUM_THREADS"], torch.get_num_threads()
+
+
+def test_fresh_pool_sees_the_parents_environment_and_one_thread(monkeypatch):
+    """Workers forked from the preloaded server ([Note: workers forked from a preloaded server]) see the
+    environment the parent has when their pool starts, as spawned ones did, with one intra-op thread."""
+    get_pool(2).close()
+    monkeypatch.setenv("ZERO_TEST_HARNESS_PROBE", "set before the pool started")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert run_ranks(2, _environment) == [("set before the pool started", "1", 1)] * 2
+
+
 def test_reference_train_mlp_loss_decreases():
     batches = models.make_batches("mlp", 8, world_size=2, per_rank_batch=4, seed=0)
     assert batches[0][0].shape == (8, 7) and batches[0][1].dtype == torch.float64
