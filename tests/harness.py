@@ -21,7 +21,6 @@ timeout) the whole pool is killed and the next ``get_pool`` starts a fresh one.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -30,6 +29,7 @@ import subprocess
 import sys
 import time
 import traceback
+import unittest.mock
 from multiprocessing.connection import wait
 
 from tests import launching
@@ -120,24 +120,10 @@ def _context():
     if _CONTEXT is None:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(list(_PRELOAD))
-        with _environ(_ONE_THREAD):
+        with unittest.mock.patch.dict(os.environ, _ONE_THREAD):
             multiprocessing.forkserver.ensure_running()
         _CONTEXT = ctx
     return _CONTEXT
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _stop_forkserver() -> None:

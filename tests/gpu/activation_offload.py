@@ -28,18 +28,19 @@ def _allocated() -> int:
 
 
 def _model(dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from tests.models import llama_config
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
+    config = llama_config(
+        VOCAB,
+        HIDDEN,
+        intermediate=INTER,
+        layers=LAYERS,
+        heads=HEADS,
+        kv_heads=KV_HEADS,
+        max_positions=SEQ,
         use_cache=False,
         attn_implementation="sdpa",
     )

@@ -11,12 +11,10 @@ pipeline runs once before it is measured, so that the caches it fills once (``_a
 
 from __future__ import annotations
 
-import gc
-import warnings
-
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from tests.unit.memory_comm_workers import all_live_tensors
 from zero_plugin.comm.collectives import Comm
 from zero_plugin.comm.layout import (
     BUFFERED,
@@ -90,15 +88,11 @@ def _id(tensor: torch.Tensor) -> int:
 
 def _live() -> dict[int, tuple[int, StorageWeakRef]]:
     """Every storage a live tensor holds: its identity -> (bytes, a weak reference to it)."""
-    gc.collect()
     out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # isinstance() on deprecated torch module attributes warns
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
-                storage = obj.untyped_storage()
-                if storage.nbytes():
-                    out[storage._cdata] = (storage.nbytes(), StorageWeakRef(storage))
+    for tensor in all_live_tensors():
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            out[storage._cdata] = (storage.nbytes(), StorageWeakRef(storage))
     return out
 
 

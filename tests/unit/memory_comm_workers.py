@@ -83,7 +83,9 @@ def independent_count(model, opt) -> int:
     return _unique_bytes(tensors)
 
 
-def _all_live_tensors() -> list[torch.Tensor]:
+def all_live_tensors() -> list[torch.Tensor]:
+    """Every live Python tensor object (after a collection), meta tensors left out; also read by
+    layout_footprint_workers.py."""
     gc.collect()
     with warnings.catch_warnings():  # isinstance() on deprecated torch.distributed.reduce_op warns
         warnings.simplefilter("ignore", FutureWarning)
@@ -96,7 +98,7 @@ def _live_tensor_bytes(baseline: list[torch.Tensor]) -> int:
     The caller keeps ``baseline`` alive, so none of its storage addresses can be reused meanwhile.
     """
     exclude = {_storage_key(t) for t in baseline}
-    return _unique_bytes(t for t in _all_live_tensors() if _storage_key(t) not in exclude)
+    return _unique_bytes(t for t in all_live_tensors() if _storage_key(t) not in exclude)
 
 
 def _unexplained(baseline: list[torch.Tensor], model, opt) -> list[str]:
@@ -113,7 +115,7 @@ def _unexplained(baseline: list[torch.Tensor], model, opt) -> list[str]:
         known.update(_storage_key(v) for v in state.values() if isinstance(v, torch.Tensor))
     known.update(_storage_key(t) for t in engine_of(model, "x").model_state_tensors()["grads"])
     out = []
-    for t in _all_live_tensors():
+    for t in all_live_tensors():
         if _storage_key(t) not in known and t.untyped_storage().nbytes() > 4096:
             refs = [type(r).__name__ for r in gc.get_referrers(t)][:8]
             out.append(f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes()} B, referrers {refs}")
@@ -126,7 +128,7 @@ SMALL_BYTES = 256  # far below any buffer a gloo work holds (a bucket's payload)
 
 def memory_worker(stage: int, mixed: bool) -> dict:
     """Report after step, zero_grad, backward (optimizer state exists; stage 2 holds its grad shards)."""
-    baseline = _all_live_tensors()
+    baseline = all_live_tensors()
     model, opt = _setup(stage, mixed)
     _backward(model, seed=0)
     opt.step()

@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zero_plugin as zp
+from tests.gpu.fake_pg import fake_world
 from zero_plugin.engines.engine import engine_of
 from zero_plugin.grads.reducer import MAX_INFLIGHT
 
 
 @pytest.fixture
 def two_fake_ranks():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    yield
-    dist.destroy_process_group()
+    with fake_world(2):
+        yield
 
 
 def _events(stage: int, **config) -> list[str]:

@@ -142,9 +142,10 @@ def plan_launch(
 ) -> dict:
     """``Planner.fit`` of the launched model for every setting, trainable and frozen ([Note: two rows at launch]).
 
-    Returns ``{"setting", "device", "shard_group_size", "full", "frozen"}``: the launched (stage, offload,
-    offload_params), the planned device, the ranks per shard group (None: the whole world), and one fit result
-    per row (``frozen`` is None when the model has no 1-D parameter).  With a micro-batch, the activations are
+    Returns ``{"setting", "device", "shard_group_size", "activations", "full", "frozen"}``: the launched (stage,
+    offload, offload_params), the planned device, the ranks per shard group (None: the whole world), the
+    planner's activation arguments, and one fit result per row (``frozen`` is None when the model has no 1-D
+    parameter).  With a micro-batch, the activations are
     planned as the children run them: one rank of a ``sequence_parallel_size`` group, checkpointed as the script
     asks, checkpointed inputs offloaded with ``offload_activations``.
     """
@@ -155,6 +156,7 @@ def plan_launch(
         zero_config = zero_config.replace(shard_group_size=ranks_per_host)
     setting = (zero_config.stage, zero_config.offload.optimizer == "cpu", zero_config.offload.params)
     settings = SETTINGS if setting in SETTINGS else (*SETTINGS, setting)
+    activations = _activations(zero_config, batch, checkpointing, device)
     fits = {}
     for row in ("full", "frozen"):
         model = resolve_model(model_config)
@@ -170,7 +172,7 @@ def plan_launch(
             batch=batch,
             seq=seq,
             device=device,
-            **_activations(zero_config, batch, checkpointing, device),
+            **activations,
         )
         fits[row] = plan.fit(
             world_size,
@@ -181,7 +183,6 @@ def plan_launch(
             settings=settings,
         )
     shard = zero_config.resolved_shard_group_size(world_size)
-    activations = _activations(zero_config, batch, checkpointing, device)
     return {"setting": setting, "device": device, "shard_group_size": shard, "activations": activations, **fits}
 
 

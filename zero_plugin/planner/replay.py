@@ -340,13 +340,12 @@ class Stage3Replay(Replay):
         train = {u: [i for i in members[u] if plan.params[i].requires_grad] for u in units}
         self.n_train = {u: len(train[u]) for u in units}
         self.grad_numel = {u: sum(plan.params[i].numel for i in train[u]) for u in units}  # full gradients
-        self.full = {u: sum(plan.params[i].numel for i in members[u]) * self.pb for u in units}  # gathered
+        full_numel = {u: sum(plan.params[i].numel for i in members[u]) for u in units}
+        self.full = {u: full_numel[u] * self.pb for u in units}  # gathered
         # [Note: collective footprints]: one gather per unit (one compute dtype), its input counted as copied
         # in; one reduction, which lets the full gradients go
         self.gathers = {
-            u: self.layout.gather_footprint(
-                self.n, self._width(members[u], unit.GATHER_TAG), sum(plan.params[i].numel for i in members[u]), self.pb
-            )
+            u: self.layout.gather_footprint(self.n, self._width(members[u], unit.GATHER_TAG), full_numel[u], self.pb)
             for u in units
         }
         self.reductions = {
