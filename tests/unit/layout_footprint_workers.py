@@ -11,10 +11,7 @@ pipeline runs once before it is measured, so that the caches it fills once (``_a
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
-import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -91,41 +88,18 @@ def _id(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-# [Note: the heap frozen while a case is measured]
-# A view of the live tensors walks every object the garbage collector tracks (after a collection): ~350k in a
-# worker forked from the preloaded server (transformers' Llama included), ~0.3 s of CPU a view, six or more views
-# a case on each rank: ~50 s of the module's CPU.  For the length of a case the objects older than it are frozen
-# (``gc.freeze``: the collector neither walks nor lists them) and the tensors among them followed by weak
-# reference, so a view still sees every live tensor, the old ones too (one that goes by reference count goes
-# from the view as before; only an old tensor left in a garbage cycle during the case stays until it ends).
+# [Note: views repeated until they agree]
 # A tensor can go a few milliseconds after the call that let it go returned: a gloo thread drops the last
-# reference to a finished work's tensors and frees them once it gets the GIL.  A slow view always came after
-# that; a fast one is taken again after ``_SETTLE_S`` until two views agree (without it the cases failed at
-# random, a freed buffer counted in the next phase).
-_OLD_TENSORS: list[weakref.ref] = []
+# reference to a finished work's tensors and frees them once it gets the GIL.  A view used to take ~0.3 s (a
+# walk of every object of the preloaded modules, now frozen: [Note: the preloaded heap frozen in each worker]
+# in tests/harness.py) and always came after that; a fast one is taken again after ``_SETTLE_S`` until two
+# views agree (without it the cases failed at random, a freed buffer counted in the next phase).
 _SETTLE_S, _SETTLE_TRIES = 0.01, 100
-
-
-@contextlib.contextmanager
-def _old_heap_frozen():
-    """Freeze the objects alive now for the block ([Note: the heap frozen while a case is measured])."""
-    _OLD_TENSORS[:] = [weakref.ref(t) for t in all_live_tensors()]
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-        _OLD_TENSORS.clear()
-
-
-def _live_tensors() -> list[torch.Tensor]:
-    old = [t for t in (ref() for ref in _OLD_TENSORS) if t is not None]
-    return all_live_tensors() + old
 
 
 def _view() -> dict[int, tuple[int, StorageWeakRef]]:
     out = {}
-    for tensor in _live_tensors():
+    for tensor in all_live_tensors():
         storage = tensor.untyped_storage()
         if storage.nbytes():
             out[storage._cdata] = (storage.nbytes(), StorageWeakRef(storage))
@@ -134,7 +108,7 @@ def _view() -> dict[int, tuple[int, StorageWeakRef]]:
 
 def _live() -> dict[int, tuple[int, StorageWeakRef]]:
     """Every storage a live tensor holds: its identity -> (bytes, a weak reference to it); taken again
-    ``_SETTLE_S`` later until two views agree ([Note: the heap frozen while a case is measured])."""
+    ``_SETTLE_S`` later until two views agree ([Note: views repeated until they agree])."""
     view = _view()
     for _ in range(_SETTLE_TRIES):
         time.sleep(_SETTLE_S)
@@ -173,9 +147,8 @@ def _parts(members: list[_Member], grads: dict[int, int], flags: set[int], temps
 def _twice(run, *args):
     """The second of two runs, each in its own frame (nothing of the first is alive in the second): the
     first fills the caches."""
-    with _old_heap_frozen():
-        run(*args)
-        return run(*args)
+    run(*args)
+    return run(*args)
 
 
 def gather_worker(layout_name: str, dtype_name: str, laid_out: bool = False) -> list[tuple]:
@@ -293,11 +266,7 @@ def _all_reduce(comm: Comm, dtype: torch.dtype, filled: bool) -> list[tuple]:
 def gather_all_worker(layout_name: str, dtype_name: str, max_pending: int) -> tuple[list, list]:
     """The stages 1-2 sync (``Layout.gather_all``), one bucket per member: the buffers alive at each
     completion, measured and as its footprints with the pending bound replayed."""
-    with _old_heap_frozen():
-        return _gather_all(Comm(), LAYOUTS[layout_name], getattr(torch, dtype_name), max_pending)
-
-
-def _gather_all(comm: Comm, layout, dtype: torch.dtype, max_pending: int) -> tuple[list, list]:
+    comm, layout, dtype = Comm(), LAYOUTS[layout_name], getattr(torch, dtype_name)
     members = [_Member(numel, comm, dtype) for numel in SIZES]
     measured: list[int] = []
     ends = _Ends(dtype, existing=True)
