@@ -420,3 +420,37 @@ def test_cli_fit_with_shard_group_size(capsys):
     assert "best: ZeroConfig(stage=3, shard_group_size=8): 18.63 GiB" in capsys.readouterr().out
     assert main([*base, "--shard-group-size", "8", "--accumulate-full-grads"]) == 1
     assert "nothing fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "device, param_dtype, offload_params, laid_out, held",
+    [
+        ("cuda", None, False, True, True),  # NCCL: flat shards are the gather input; side streams read the grads
+        ("cuda", "bf16", False, False, True),  # fp32 shards are the masters: cast into the gather input
+        ("cuda", None, True, False, True),  # shards on the host: copied in
+        ("cpu", None, False, False, True),  # gloo, in place: no gather input; the grads are summed where they are
+    ],
+)
+def test_stage3_replay_counts_the_collectives_as_the_runtime_runs_them(
+    device, param_dtype, offload_params, laid_out, held
+):
+    """[Note: collective footprints]: the replay's gather of a unit takes its input only where the unit's
+    shards are not already laid out as it ([Note: flat shards] in stage3/unit.py: buffered layout, shards in
+    the compute dtype on the device), and a reduction on CUDA holds the full gradients until its completion
+    (``BufferedReduce.sources``: the reduce stream reads them), not only until its launch."""
+    from zero_plugin.planner.replay import Stage3Replay
+
+    planner = zpp.Planner(_tiny_llama(), param_dtype=param_dtype, device=device, batch=2, seq=16)
+    s = planner.setting(2, 3, False, offload_params)
+    replay = Stage3Replay(planner, s, planner.theory(s))
+    unit = next(u for u in replay.ids if replay.grad_numel[u])
+    gather, reduction = replay.gathers[unit], replay.reductions[unit]
+    launched, _ = gather.held()
+    width = replay._width([i for i, p in enumerate(planner.params) if p.unit == unit and p.numel], 2)
+    if device == "cuda":
+        rows = 2 * width * replay.pb
+        assert launched["buffers"] == rows + (0 if laid_out else width * replay.pb), launched
+    launched, completed = reduction.held()
+    full = replay.grad_numel[unit] * replay.pb
+    assert launched.get("grads", 0) == (0 if held else -full), launched
+    assert completed.get("grads", 0) == (-full if held else 0), completed

@@ -73,7 +73,11 @@ def test_cli_prints_the_longest_sequence_per_stage(capsys, model, tmp_path):
     assert "over a group of 2 ranks (128 tokens per rank)" in out and "longest sequence in 0.06 GiB" in out
     rows = [line.split() for line in out[out.index("longest sequence") :].splitlines() if "|" in line][1:]
     longest = [int(r[3].replace(",", "")) for r in rows]
-    assert [r[0] for r in rows] == ["0", "1", "2", "3"] and longest == sorted(longest) and longest[-1] > 0
+    # Stages 0-2 in order; stage 3 close to stage 2 on this small model, whose states weigh little next to the
+    # activations: the full gradients its reductions hold until the reduce stream's completion on CUDA
+    # ([Note: collective footprints]) can outweigh the states it shards.
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"] and longest[:3] == sorted(longest[:3])
+    assert longest[3] >= 0.98 * longest[2], longest
     assert all(float(r[6]) <= 64 / 1024 for r in rows if r[3] != "none"), rows  # peak GiB within the memory
     assert main(["estimate", "--model", "tiny-llama", "--offload-activations", "--batch", "1", "--seq", "8"]) == 2
     assert "add --checkpointing" in capsys.readouterr().err

@@ -745,6 +745,10 @@ class Layout:
     # the whole step (:meth:`gather_all`).
     gathers_while_stepping: bool
 
+    # Whether a unit's shards can be kept laid out as its all-gather's input, so that a gather copies nothing
+    # in ([Note: flat shards] in ``stage3/unit.py``; :meth:`gather_input`): buffered only.
+    flat_gather_input: bool
+
     def gather_all(
         self,
         comm: Comm,
@@ -779,13 +783,21 @@ class Layout:
         raise NotImplementedError
 
     def reduce_footprint(
-        self, world_size: int, width: int, numel: int, itemsize: int, reduce_itemsize: int, release_grads: bool
+        self,
+        world_size: int,
+        width: int,
+        numel: int,
+        itemsize: int,
+        reduce_itemsize: int,
+        release_grads: bool,
+        side_streams: bool = False,
     ) -> Footprint:
         """[Note: collective footprints] of :meth:`reduce`: members whose full gradients (``itemsize`` bytes
         an element) take ``numel`` elements, reduced in ``reduce_itemsize`` bytes an element (a cast where
         the two differ), ``width`` elements per rank in the buffered rows (padded chunks, then the flags);
-        ``release_grads`` as :meth:`reduce` takes it.  Without side streams: with them (``BufferedReduce.
-        sources``) a buffered reduction holds the full gradients until the completion."""
+        ``release_grads`` as :meth:`reduce` takes it.  ``side_streams``: ``streams.overlaps`` of the call (stage
+        3 on CUDA): a buffered reduction then holds the released gradients until its completion
+        (``BufferedReduce.sources``, step 3 of [Note: side streams] in ``streams.py``)."""
         raise NotImplementedError
 
     def side_streams(self, streams: StreamSet) -> StreamSet:
@@ -823,6 +835,7 @@ class _InPlace(Layout):
     """gloo: regions broadcast into the full tensors, gradients summed in place."""
 
     gathers_while_stepping = True
+    flat_gather_input = False
 
     def gather(self, comm, members, ends, buffers=FRESH, tag=""):
         opened = [m for m in members if m.layout.numel]
@@ -859,12 +872,12 @@ class _InPlace(Layout):
         """One collective into the parameters themselves: nothing held."""
         return []
 
-    def reduce_footprint(self, world_size, width, numel, itemsize, reduce_itemsize, release_grads):
+    def reduce_footprint(self, world_size, width, numel, itemsize, reduce_itemsize, release_grads, side_streams=False):
         """The gradients summed where they are, or a copy in the reduce dtype (a released gradient then goes
-        at the launch: the copy is what the record holds).  Left out: the temporary of ``world_size - 1``
-        times this rank's regions that the peers' contributions arrive in (``Comm.reduce_in_place``), until
-        the wait; the planner's measurements ([Note: collective buffers]) do not count it either, and
-        ``tests/unit/test_layout_footprint.py`` checks its size apart."""
+        at the launch: the copy is what the record holds).  No side streams (``side_streams`` does not apply).
+        Left out: the temporary of ``world_size - 1`` times this rank's regions that the peers' contributions
+        arrive in (``Comm.reduce_in_place``), until the wait; the planner's measurements ([Note: collective
+        buffers]) do not count it either, and ``tests/unit/test_layout_footprint.py`` checks its size apart."""
         cast = numel * reduce_itemsize if reduce_itemsize != itemsize else 0
         grads = numel * itemsize if release_grads else 0
         return Footprint(
@@ -886,6 +899,7 @@ class _Buffered(Layout):
     """NCCL (and the fake group; gloo under ``ZERO_PLUGIN_BUFFERED_COLLECTIVES=1``): rank-major rows."""
 
     gathers_while_stepping = False
+    flat_gather_input = True
 
     def gather(self, comm, members, ends, buffers=FRESH, tag=""):
         return [_gather_row(comm, row, ends, buffers, tag) for row in ends.rows([m for m in members if m.layout.numel])]
@@ -938,13 +952,14 @@ class _Buffered(Layout):
     def gather_all_footprints(self, world_size, widths, itemsize):
         return [self.gather_footprint(world_size, width, 0, itemsize) for width in widths]
 
-    def reduce_footprint(self, world_size, width, numel, itemsize, reduce_itemsize, release_grads):
-        """The rank-major input rows, the released gradients, then this rank's output row; both rows go at
-        the completion."""
+    def reduce_footprint(self, world_size, width, numel, itemsize, reduce_itemsize, release_grads, side_streams=False):
+        """The rank-major input rows, the released gradients (at the completion where a side stream reads
+        them), then this rank's output row; both rows go at the completion."""
         row = width * reduce_itemsize
+        released = -numel * itemsize if release_grads else 0
         return Footprint(
-            launch=_steps(("buffers", world_size * row), ("grads", -numel * itemsize if release_grads else 0)),
-            complete=_steps(("buffers", -(world_size * row + row))),
+            launch=_steps(("buffers", world_size * row), ("grads", 0 if side_streams else released)),
+            complete=_steps(("grads", released if side_streams else 0), ("buffers", -(world_size * row + row))),
             output=row,
         )
 

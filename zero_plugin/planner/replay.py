@@ -342,15 +342,26 @@ class Stage3Replay(Replay):
         self.grad_numel = {u: sum(plan.params[i].numel for i in train[u]) for u in units}  # full gradients
         full_numel = {u: sum(plan.params[i].numel for i in members[u]) for u in units}
         self.full = {u: full_numel[u] * self.pb for u in units}  # gathered
-        # [Note: collective footprints]: one gather per unit (one compute dtype), its input counted as copied
-        # in; one reduction, which lets the full gradients go
+        # [Note: collective footprints]: one gather per unit (one compute dtype), its input the flat shards
+        # where the layout lays them out and they are stored in the compute dtype on the device ([Note: flat
+        # shards] in stage3/unit.py), else copied in; one reduction, which lets the full gradients go, at its
+        # completion where a side stream reads them (CUDA)
+        laid_out = self.layout.flat_gather_input and not self.shard_is_master and not s.offload_params
         self.gathers = {
-            u: self.layout.gather_footprint(self.n, self._width(members[u], unit.GATHER_TAG), full_numel[u], self.pb)
+            u: self.layout.gather_footprint(
+                self.n, self._width(members[u], unit.GATHER_TAG), full_numel[u], self.pb, laid_out
+            )
             for u in units
         }
         self.reductions = {
             u: self.layout.reduce_footprint(
-                self.n, self._width(train[u], len(train[u])), self.grad_numel[u], self.pb, self.rb, True
+                self.n,
+                self._width(train[u], len(train[u])),
+                self.grad_numel[u],
+                self.pb,
+                self.rb,
+                True,
+                side_streams=s.device == "cuda",
             )
             for u in units
         }
