@@ -1,15 +1,20 @@
 """The HF Trainer's count and refusals under sequence parallelism, on stand-ins (no processes): [Note: the Trainer
-under sequence parallelism] in ``zero_plugin/integrations/hf_trainer.py``.  The launched runs against K = 1 are in
-``tests/integrations/test_long_context.py``."""
+under sequence parallelism] in ``zero_plugin/integrations/hf_trainer.py``; its tiled loss ([Note: the Trainer's
+tiled loss]) on 2 ranks at K = 2 against its untiled loss and one process on the whole sequences.  The launched
+runs against K = 1 are in ``tests/integrations/test_long_context.py``."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import zero_plugin as zp
+from tests import models
+from tests.harness import run_ranks
+from tests.unit import trainer_sequence_parallel_workers as workers
 from zero_plugin.integrations import hf_trainer
 
 
@@ -83,3 +88,66 @@ def test_losses_on_a_slice_are_refused(k2, change, name):
         setattr(trainer, key, value)
     with pytest.raises(ValueError, match=f"{name}.*sequence_parallel_size=2 is not supported"):
         hf_trainer._check_sequence_parallel_loss(trainer)
+
+
+# -- the tiled loss: [Note: the Trainer's tiled loss] -------------------------------------------------------------
+@functools.cache
+def _run(stage: int, tie: bool, tiled: bool, lora: bool = False) -> list:
+    return run_ranks(workers.K, workers.train_worker, stage, tie, tiled, lora)
+
+
+@functools.cache
+def _reference(tie: bool, lora: bool = False) -> dict:
+    return workers.reference(tie, lora)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_tiled_trainer_loss_trains_as_the_untiled_loss_and_whole_sequences(stage, tie):
+    """K = 2 on 2 ranks, float64 real-shaped Llama (4096 x 256 head; untied: a stage-3 unit of its own), 2 SGD
+    steps of 2 accumulated micro-batches with ``num_items_in_batch`` summed over the ranks: each rank's loss and the
+    parameters equal today's untiled loss (1e-12) and one process on the whole sequences (K = 1 / DDP), and the
+    head never runs on the rank's tokens: no tensor holds more than one tile of vocabulary rows."""
+    tiled, untiled, ref = _run(stage, tie, True), _run(stage, tie, False), _reference(tie)
+    rank_tokens = workers.BATCH * workers.SEQ // workers.K
+    for out, other in zip(tiled, untiled):
+        torch.testing.assert_close(
+            torch.tensor(out["losses"], dtype=torch.float64),
+            torch.tensor(other["losses"], dtype=torch.float64),
+            rtol=1e-12,
+            atol=0,
+        )
+        assert (out["head_tokens"], other["head_tokens"]) == (0, rank_tokens)  # the head module: no logits
+        assert (out["vocab_rows"], other["vocab_rows"]) == (workers.TILE_TOKENS, rank_tokens)
+    # the logged loss is the ranks' mean; each rank's is S_r / count x N
+    logged = torch.tensor([out["losses"] for out in tiled], dtype=torch.float64).mean(0)
+    torch.testing.assert_close(logged, torch.tensor(ref["losses"], dtype=torch.float64), rtol=1e-12, atol=0)
+    for other in (untiled[0]["params"], ref["params"]):
+        error = models.update_norm_error(tiled[0]["params"], other, ref["theta0"])
+        assert error <= 1e-12, error
+    head = "model.embed_tokens.weight" if tie else "lm_head.weight"
+    assert not torch.equal(tiled[0]["params"][head], ref["theta0"][head])  # the head trained
+
+
+def test_tiled_trainer_loss_with_lora_at_stage_3():
+    """PEFT LoRA (the head frozen, read through ``get_base_model``): tiled as above, equal to whole sequences."""
+    tiled, ref = _run(3, False, True, True), _reference(False, True)
+    assert tiled[0]["head_tokens"] == 0 and tiled[0]["vocab_rows"] == workers.TILE_TOKENS
+    logged = torch.tensor([out["losses"] for out in tiled], dtype=torch.float64).mean(0)
+    torch.testing.assert_close(logged, torch.tensor(ref["losses"], dtype=torch.float64), rtol=1e-12, atol=0)
+    error = models.update_norm_error(tiled[0]["params"], ref["params"], ref["theta0"])
+    assert error <= 1e-12, error
+
+
+def test_heads_that_are_not_provably_plain_keep_the_untiled_loss():
+    """[Note: the Trainer's tiled loss]: a final logit softcapping, a biased head, an architecture not checked."""
+    model = models.make_real_llama(tie=False, layers=1)
+    assert hf_trainer.tiled_head(model) is not None
+    model.config.final_logit_softcapping = 30.0
+    assert hf_trainer.tiled_head(model) is None
+    model.config.final_logit_softcapping = None
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features))
+    assert hf_trainer.tiled_head(model) is None
+    model.lm_head.bias = None
+    model.config.model_type = "cohere"  # logits * logit_scale
+    assert hf_trainer.tiled_head(model) is None

@@ -40,14 +40,17 @@ in ``accelerate.py``): sharded over the N / K data-parallel groups, each batch s
   accumulation steps: summed over all N ranks with ``average_tokens_across_devices`` (each token counted once: the
   slices of a group are disjoint), else over the rank's group and divided by K.
 * ``compute_loss`` runs the model without ``labels=`` (its own loss would shift inside the slice) and computes
-  this rank's sum S_r of per-token cross-entropies (``token_loss_sum``), normalised as the Trainer normalises the
-  model's own loss without sequence parallelism: S_r / num_items_in_batch, times N with
+  this rank's sum S_r of per-token cross-entropies, tiled (``zp.tiled_lm_loss`` on the backbone's hidden states,
+  the logits of the rank's s/K tokens never built: [Note: the Trainer's tiled loss]) where the model's head is
+  provably a plain linear map, else from the logits (``token_loss_sum``); S_r is normalised as the Trainer
+  normalises the model's own loss without sequence parallelism: S_r / num_items_in_batch, times N with
   ``average_tokens_across_devices``.  ZeRO averages gradients over the N ranks, so the step's gradient is the sum
   over every token of the step divided by the step's count of labels, what K = 1 computes; the logged loss (the
   ranks' mean) is that mean.  Without ``num_items_in_batch`` (a model whose forward takes no loss keyword
-  arguments) the loss is ``zp.sequence_parallel_loss``, each micro-batch's whole-sequence mean, which the Trainer
-  divides by the accumulation steps.  Either way each rank of a group scales its own S_r by the same factor
-  ([Note: sequence-parallel loss] in ``zero_plugin/sequence/loss.py``).
+  arguments) the loss is ``zp.sequence_parallel_loss`` (``zp.tiled_lm_loss(..., sequence_parallel=model)`` where
+  tiled), each micro-batch's whole-sequence mean, which the Trainer divides by the accumulation steps.  Either way
+  each rank of a group scales its own S_r by the same factor ([Note: sequence-parallel loss] in
+  ``zero_plugin/sequence/loss.py``).
 * A subclass that computes its own loss (TRL's ``SFTTrainer``: its fused LM head reads ``shift_labels`` and
   divides by ``num_items_in_batch``, times N) gets the same count, so its loss is exact too; one that would get no
   count is refused, as are ``compute_loss_func``, label smoothing and TRL's MoE auxiliary loss and Liger kernels,
@@ -59,6 +62,7 @@ in ``accelerate.py``): sharded over the N / K data-parallel groups, each batch s
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from typing import Any, Callable
@@ -72,6 +76,7 @@ from zero_plugin.ckpt.rng import capture_rng, restore_rng
 from zero_plugin.sequence.batch import IGNORE_INDEX, expect_batch
 from zero_plugin.sequence.loss import token_loss_sum
 from zero_plugin.sequence.parallel import find_sequence_parallel
+from zero_plugin.sequence.tiled_loss import DEFAULT_TILE_TOKENS
 from zero_plugin.state_dict import raw_state_dict
 
 from .. import upstream
@@ -396,15 +401,87 @@ def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = Fa
     inputs = dict(inputs)
     shift_labels = inputs.pop("shift_labels")
     inputs.pop("labels", None)
-    outputs = model(**inputs)
-    logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-    if num_items_in_batch is None:
-        loss = zp.sequence_parallel_loss(logits, shift_labels, model)
+    head = None if return_outputs else tiled_head(model)  # [Note: the Trainer's tiled loss]
+    if head is not None:
+        outputs = None
+        hidden, weight = head.run(model, inputs)
+        if num_items_in_batch is None:
+            loss = zp.tiled_lm_loss(hidden, weight, shift_labels, tile_tokens=LOSS_TILE_TOKENS, sequence_parallel=model)
+        else:
+            loss = zp.tiled_lm_loss(hidden, weight, shift_labels, tile_tokens=LOSS_TILE_TOKENS, reduction="sum")
     else:
-        loss = token_loss_sum(logits, shift_labels) / num_items_in_batch
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        if num_items_in_batch is None:
+            loss = zp.sequence_parallel_loss(logits, shift_labels, model)
+        else:
+            loss = token_loss_sum(logits, shift_labels)
+    if num_items_in_batch is not None:
+        loss = loss / num_items_in_batch
         if self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes
     return (loss, outputs) if return_outputs else loss
+
+
+# [Note: the Trainer's tiled loss]
+# Under sequence parallelism the logits of the rank's s/K tokens in float32 are the step's largest tensor at long
+# context (32k tokens x 128k vocabulary x 4 B = 16 GiB), so ``compute_loss`` computes S_r with ``zp.tiled_lm_loss``
+# ([Note: tiled LM loss] in ``zero_plugin/sequence/tiled_loss.py``) when it can prove that equal to the model's own
+# head: a transformers causal LM (PEFT-wrapped or not) whose ``config.model_type`` is one whose forward is
+# ``logits = self.lm_head(slice_logits_to_keep(last_hidden_state, logits_to_keep))`` and nothing more (checked
+# in their modeling files: ``_PLAIN_HEAD_MODELS``), with no ``final_logit_softcapping``, whose output embedding is
+# an ``nn.Linear`` without bias (not a PEFT LoRA layer or ``modules_to_save`` copy of the head, which compute more
+# than ``F.linear``), and whose forward takes ``logits_to_keep``.  Any other model (Gemma2/3 with softcapping,
+# Cohere's ``logit_scale``, Granite's ``logits_scaling``, a biased head, an unknown architecture) and
+# ``return_outputs=True`` (the caller wants the logits) keep the untiled loss on the logits.
+# The model runs through its own forward (stage 3's root unit and hooks fire as usual) with ``logits_to_keep`` an
+# empty index tensor, so its head runs on zero tokens; a forward hook on its backbone (``base_model``), registered
+# after stage 3's, takes the last hidden state and the head's weight at the backbone's end, the point where stage 3
+# has entered the head for a direct read ([Note: direct reads of the output embedding] in
+# ``zero_plugin/stage3/direct_reads.py``): gathered whole there at any stage, sliced heads included.
+_PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo2"})
+LOSS_TILE_TOKENS = DEFAULT_TILE_TOKENS
+"""Tokens per tile of the Trainer's tiled loss (one tile's float32 logits: 1024 x 128k vocabulary = 512 MiB)."""
+
+
+class _TiledHead:
+    """A causal LM's backbone and head, for [Note: the Trainer's tiled loss]."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Linear) -> None:
+        self.backbone, self.head = backbone, head
+
+    def run(self, model: nn.Module, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``model``'s forward without logits: the backbone's last hidden state and the head's weight."""
+        seen: dict[str, torch.Tensor] = {}
+
+        def at_backbone_end(module, args, output):
+            seen["hidden"] = output[0] if isinstance(output, tuple) else output["last_hidden_state"]
+            seen["weight"] = self.head.weight  # stage 3 entered the head here (direct reads)
+
+        handle = self.backbone.register_forward_hook(at_backbone_end)
+        try:
+            model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=inputs["input_ids"].device))
+        finally:
+            handle.remove()
+        return seen["hidden"], seen["weight"]
+
+
+def tiled_head(model: nn.Module) -> _TiledHead | None:
+    """The backbone and head of ``model`` when its loss may be tiled, else None ([Note: the Trainer's tiled loss])."""
+    causal_lm = model.get_base_model() if _is_peft(model) else model
+    config = getattr(causal_lm, "config", None)
+    if getattr(config, "model_type", None) not in _PLAIN_HEAD_MODELS:
+        return None
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return None
+    if "logits_to_keep" not in inspect.signature(type(causal_lm).forward).parameters:
+        return None
+    head, backbone = causal_lm.get_output_embeddings(), getattr(causal_lm, "base_model", None)
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        return None
+    if not isinstance(backbone, nn.Module) or backbone is causal_lm or any(m is head for m in backbone.modules()):
+        return None
+    return _TiledHead(backbone, head)
 
 
 def evaluation_loop(
