@@ -97,12 +97,14 @@ class _VocabRows(TorchDispatchMode):
         return out
 
 
-def train_worker(stage: int, tie: bool, tiled: bool, lora: bool = False) -> dict:
+def train_worker(stage: int, tie: bool, tiled: bool, lora: bool = False, checkpointing: bool = False) -> dict:
     """``STEPS`` optimizer steps of ``ACCUMULATION`` micro-batches each, as ``Trainer.training_step`` runs them
     (count over the step's split micro-batches, ``compute_loss`` with it, backward): each micro-batch's loss on
     this rank, the most tokens the LM head module ran on, the most vocabulary rows of a tensor during the loss and
     its backward, and the full parameters after training.  ``tiled=False``: today's untiled loss on the logits."""
     model = make_model(tie, lora)
+    if checkpointing:  # backward recomputes the backbone's layers (and their exchanges), not the tiled loss
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     config = zp.ZeroConfig(stage=stage, sequence_parallel_size=K)
     model, opt = zp.setup(model, torch.optim.SGD(trainable(model), lr=LR), config)
     trainer = _Trainer(dist.get_world_size())
