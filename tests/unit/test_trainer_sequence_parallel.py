@@ -92,8 +92,8 @@ def test_losses_on_a_slice_are_refused(k2, change, name):
 
 # -- the tiled loss: [Note: the Trainer's tiled loss] -------------------------------------------------------------
 @functools.cache
-def _run(stage: int, tie: bool, tiled: bool, lora: bool = False, checkpointing: bool = False) -> list:
-    return run_ranks(workers.K, workers.train_worker, stage, tie, tiled, lora, checkpointing)
+def _run(stage: int, tie: bool, tiled: bool, *options) -> list:
+    return run_ranks(workers.K, workers.train_worker, stage, tie, tiled, *options)
 
 
 @functools.cache
@@ -129,11 +129,18 @@ def test_tiled_trainer_loss_trains_as_the_untiled_loss_and_whole_sequences(stage
     assert not torch.equal(tiled[0]["params"][head], ref["theta0"][head])  # the head trained
 
 
-@pytest.mark.parametrize("lora, checkpointing", [(True, False), (False, True)], ids=["lora", "checkpointing"])
-def test_tiled_trainer_loss_with_lora_or_checkpointing_at_stage_3(lora, checkpointing):
-    """PEFT LoRA (the head frozen, read through ``get_base_model``), or the layers checkpointed (backward recomputes
-    the backbone without the hook): tiled as above, equal to one process on the whole sequences."""
-    tiled, ref = _run(3, False, True, lora, checkpointing), _reference(False, lora)
+@pytest.mark.parametrize(
+    "lora, checkpointing, slice_numel",
+    [(True, False, 1 << 22), (True, False, 1 << 18), (False, True, 1 << 22)],
+    ids=["lora", "lora-sliced-head", "checkpointing"],
+)
+def test_tiled_trainer_loss_with_lora_or_checkpointing_at_stage_3(lora, checkpointing, slice_numel):
+    """PEFT LoRA (the head frozen, read through ``get_base_model``; with ``linear_slice_numel`` 2^18 the frozen
+    2^20 head is a sliced unit, gathered whole by the read at the backbone's end), or the layers checkpointed
+    (backward recomputes the backbone without the hook): tiled as above, equal to one process on whole sequences."""
+    tiled, ref = _run(3, False, True, lora, checkpointing, slice_numel), _reference(False, lora)
+    sliced = [name for name in tiled[0]["sliced_units"] if name.endswith("lm_head")]
+    assert len(sliced) == (slice_numel < 1 << 20), tiled[0]["sliced_units"]
     assert tiled[0]["head_tokens"] == 0 and tiled[0]["vocab_rows"] == workers.TILE_TOKENS
     logged = torch.tensor([out["losses"] for out in tiled], dtype=torch.float64).mean(0)
     torch.testing.assert_close(logged, torch.tensor(ref["losses"], dtype=torch.float64), rtol=1e-12, atol=0)

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero_plugin as zp
 from tests import models
+from zero_plugin.engines.engine import engine_of
 from zero_plugin.integrations import hf_trainer
 from zero_plugin.sequence.batch import expect_batch
 
@@ -97,15 +98,18 @@ class _VocabRows(TorchDispatchMode):
         return out
 
 
-def train_worker(stage: int, tie: bool, tiled: bool, lora: bool = False, checkpointing: bool = False) -> dict:
+def train_worker(
+    stage: int, tie: bool, tiled: bool, lora: bool = False, checkpointing: bool = False, slice_numel: int = 1 << 22
+) -> dict:
     """``STEPS`` optimizer steps of ``ACCUMULATION`` micro-batches each, as ``Trainer.training_step`` runs them
     (count over the step's split micro-batches, ``compute_loss`` with it, backward): each micro-batch's loss on
     this rank, the most tokens the LM head module ran on, the most vocabulary rows of a tensor during the loss and
-    its backward, and the full parameters after training.  ``tiled=False``: today's untiled loss on the logits."""
+    its backward, the stage-3 units computed in slices, and the full parameters after training.  ``tiled=False``:
+    the untiled loss on the logits (the Trainer's for a head it cannot tile)."""
     model = make_model(tie, lora)
     if checkpointing:  # backward recomputes the backbone's layers (and their exchanges), not the tiled loss
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    config = zp.ZeroConfig(stage=stage, sequence_parallel_size=K)
+    config = zp.ZeroConfig(stage=stage, sequence_parallel_size=K, linear_slice_numel=slice_numel)
     model, opt = zp.setup(model, torch.optim.SGD(trainable(model), lr=LR), config)
     trainer = _Trainer(dist.get_world_size())
     head = (model.get_base_model() if lora else model).lm_head
@@ -137,7 +141,9 @@ def train_worker(stage: int, tie: bool, tiled: bool, lora: bool = False, checkpo
     handle.remove()
     full = zp.full_state_dict(model)
     names = {n for n, p in model.named_parameters() if p.requires_grad}
+    units = getattr(engine_of(model, "test"), "units", [])
     return {
+        "sliced_units": [u.name for u in units if getattr(u, "gathers_on_read", False)],
         "losses": losses,
         "head_tokens": max(head_tokens),
         "vocab_rows": vocab_rows.rows,

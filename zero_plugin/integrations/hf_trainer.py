@@ -463,6 +463,7 @@ class _TiledHead:
             model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=inputs["input_ids"].device))
         finally:
             handle.remove()
+        assert "hidden" in seen, f"{type(model).__name__}'s forward did not run its base_model"
         return seen["hidden"], seen["weight"]
 
 
