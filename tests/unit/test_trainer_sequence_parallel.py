@@ -96,9 +96,20 @@ def _run(stage: int, tie: bool, tiled: bool, *options) -> list:
     return run_ranks(workers.K, workers.train_worker, stage, tie, tiled, *options)
 
 
+def _assert_losses(got, want) -> None:
+    torch.testing.assert_close(
+        torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=0
+    )
+
+
+def _logged(results: list) -> list:
+    """The loss the Trainer logs: the ranks' mean."""
+    return torch.tensor([out["losses"] for out in results], dtype=torch.float64).mean(0).tolist()
+
+
 @functools.cache
-def _reference(tie: bool, lora: bool = False) -> dict:
-    return workers.reference(tie, lora)
+def _reference(tie: bool, lora: bool = False, counted: bool = True) -> dict:
+    return workers.reference(tie, lora, counted)
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -111,17 +122,10 @@ def test_tiled_trainer_loss_trains_as_the_untiled_loss_and_whole_sequences(stage
     tiled, untiled, ref = _run(stage, tie, True), _run(stage, tie, False), _reference(tie)
     rank_tokens = workers.BATCH * workers.SEQ // workers.K
     for out, other in zip(tiled, untiled):
-        torch.testing.assert_close(
-            torch.tensor(out["losses"], dtype=torch.float64),
-            torch.tensor(other["losses"], dtype=torch.float64),
-            rtol=1e-12,
-            atol=0,
-        )
+        _assert_losses(out["losses"], other["losses"])
         assert (out["head_tokens"], other["head_tokens"]) == (0, rank_tokens)  # the head module: no logits
         assert (out["vocab_rows"], other["vocab_rows"]) == (workers.TILE_TOKENS, rank_tokens)
-    # the logged loss is the ranks' mean; each rank's is S_r / count x N
-    logged = torch.tensor([out["losses"] for out in tiled], dtype=torch.float64).mean(0)
-    torch.testing.assert_close(logged, torch.tensor(ref["losses"], dtype=torch.float64), rtol=1e-12, atol=0)
+    _assert_losses(_logged(tiled), ref["losses"])  # each rank's loss is S_r / count x N
     for other in (untiled[0]["params"], ref["params"]):
         error = models.update_norm_error(tiled[0]["params"], other, ref["theta0"])
         assert error <= 1e-12, error
@@ -142,10 +146,30 @@ def test_tiled_trainer_loss_with_lora_or_checkpointing_at_stage_3(lora, checkpoi
     sliced = [name for name in tiled[0]["sliced_units"] if name.endswith("lm_head")]
     assert len(sliced) == (slice_numel < 1 << 20), tiled[0]["sliced_units"]
     assert tiled[0]["head_tokens"] == 0 and tiled[0]["vocab_rows"] == workers.TILE_TOKENS
-    logged = torch.tensor([out["losses"] for out in tiled], dtype=torch.float64).mean(0)
-    torch.testing.assert_close(logged, torch.tensor(ref["losses"], dtype=torch.float64), rtol=1e-12, atol=0)
+    _assert_losses(_logged(tiled), ref["losses"])
     error = models.update_norm_error(tiled[0]["params"], ref["params"], ref["theta0"])
     assert error <= 1e-12, error
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_tiled_trainer_loss_without_a_count_is_the_whole_sequences_mean(stage):
+    """A model whose forward takes no loss keyword arguments gets no ``num_items_in_batch``: the tiled loss is then
+    ``zp.tiled_lm_loss(..., sequence_parallel=model)``, each micro-batch's whole-sequence mean on every rank, which
+    the Trainer divides by the accumulation steps; equal to the untiled ``zp.sequence_parallel_loss`` and to one
+    process on the whole sequences."""
+    options = (False, False, 1 << 22, False)  # no LoRA, no checkpointing, no sliced unit, no count
+    tiled, untiled, ref = (
+        _run(stage, False, True, *options),
+        _run(stage, False, False, *options),
+        _reference(False, False, False),
+    )
+    for out, other in zip(tiled, untiled):  # every rank holds the whole sequences' mean
+        _assert_losses(out["losses"], ref["losses"])
+        _assert_losses(other["losses"], ref["losses"])
+        assert (out["head_tokens"], out["vocab_rows"]) == (0, workers.TILE_TOKENS)
+    for other in (untiled[0]["params"], ref["params"]):
+        error = models.update_norm_error(tiled[0]["params"], other, ref["theta0"])
+        assert error <= 1e-12, error
 
 
 def test_heads_that_are_not_provably_plain_keep_the_untiled_loss():

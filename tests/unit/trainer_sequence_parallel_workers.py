@@ -99,7 +99,13 @@ class _VocabRows(TorchDispatchMode):
 
 
 def train_worker(
-    stage: int, tie: bool, tiled: bool, lora: bool = False, checkpointing: bool = False, slice_numel: int = 1 << 22
+    stage: int,
+    tie: bool,
+    tiled: bool,
+    lora: bool = False,
+    checkpointing: bool = False,
+    slice_numel: int = 1 << 22,
+    counted: bool = True,
 ) -> dict:
     """``STEPS`` optimizer steps of ``ACCUMULATION`` micro-batches each, as ``Trainer.training_step`` runs them
     (count over the step's split micro-batches, ``compute_loss`` with it, backward): each micro-batch's loss on
@@ -112,6 +118,7 @@ def train_worker(
     config = zp.ZeroConfig(stage=stage, sequence_parallel_size=K, linear_slice_numel=slice_numel)
     model, opt = zp.setup(model, torch.optim.SGD(trainable(model), lr=LR), config)
     trainer = _Trainer(dist.get_world_size())
+    trainer.model_accepts_loss_kwargs = counted  # else no num_items_in_batch: the loss is each micro-batch's mean
     head = (model.get_base_model() if lora else model).lm_head
     head_tokens = []
     handle = head.register_forward_hook(lambda m, args, out: head_tokens.append(args[0].shape[:-1].numel()))
@@ -134,7 +141,7 @@ def train_worker(
                 expect_batch(inputs, model)
                 with vocab_rows:
                     loss = trainer.compute_loss(model, inputs, num_items_in_batch=count)
-                    loss.backward()
+                    (loss if counted else loss / ACCUMULATION).backward()  # as Trainer.training_step
                 losses.append(loss.item())
             opt.step()
             opt.zero_grad()
@@ -151,9 +158,10 @@ def train_worker(
     }
 
 
-def reference(tie: bool, lora: bool = False) -> dict:
+def reference(tie: bool, lora: bool = False, counted: bool = True) -> dict:
     """One process on the whole sequences: per step the sum over its micro-batches of the token losses over the
-    step's count of labels (what K = 1 and DDP compute with ``num_items_in_batch``); each micro-batch's share."""
+    step's count of labels (what K = 1 and DDP compute with ``num_items_in_batch``), each micro-batch's share; not
+    ``counted``: each micro-batch's mean, backward over the accumulation steps."""
     model = make_model(tie, lora)
     theta0 = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.SGD(trainable(model), lr=LR)
@@ -164,8 +172,9 @@ def reference(tie: bool, lora: bool = False) -> dict:
             count = sum((s != -100).sum() for s in shifted)
             for batch, labels in zip(step, shifted):
                 logits = model(input_ids=batch["input_ids"]).logits
-                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / count
-                loss.backward()
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+                loss = loss / (count if counted else (labels != -100).sum())
+                (loss if counted else loss / ACCUMULATION).backward()
                 losses.append(loss.item())
             opt.step()
             opt.zero_grad()
