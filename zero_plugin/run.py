@@ -239,7 +239,7 @@ def _shut_down_process_group() -> None:
         dist.destroy_process_group()
         from .comm.groups import release_groups
 
-        release_groups()  # zero_plugin's cached groups also hold the default group
+        release_groups()  # empty zero_plugin's cache of groups (held weakly)
 
 
 if __name__ == "__main__":

@@ -128,7 +128,8 @@ class Comm:
     def __init__(
         self, group: Any = None, timeout_s: float | None = None, debug: bool = False, label: str | None = None
     ) -> None:
-        self.group = group
+        # Held weakly, like every group of ours: [Note: cached groups at exit] in groups.py.
+        self._group = None if group is None else groups.weak(group)
         self.label = label  # "shard" / "replica" after a split: [Note: hierarchical groups]
         self.world: Comm = self  # the whole group: itself unless made by split()
         self.replica: Comm | None = None  # the replica group of a shard group
@@ -145,7 +146,12 @@ class Comm:
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
         self._in_place = regions_in_place(self.backend)  # [Note: in-place region gather]
-        self._control: Any = None  # [Note: control channel]
+        self._control: Any = None  # a weak reference to the control channel: [Note: control channel]
+
+    @property
+    def group(self) -> Any:
+        """The process group; None is the default group, which torch looks up at each call."""
+        return None if self._group is None else groups.live(self._group, "process group")
 
     @property
     def device(self) -> torch.device:
@@ -184,7 +190,7 @@ class Comm:
         """This rank's shard group of ``shard_size`` consecutive ranks, with its replica group
         ([Note: hierarchical groups]).  Collective over the default group at setup: every rank makes every
         group, in the same order; cached like the control channel."""
-        assert self.group is None and self.world_size % shard_size == 0, "split: default group, k | N"
+        assert self._group is None and self.world_size % shard_size == 0, "split: default group, k | N"
         n, k = self.world_size, shard_size
         shards = [tuple(range(g * k, (g + 1) * k)) for g in range(n // k)]
         replicas = [tuple(range(i, n, k)) for i in range(k)]
@@ -206,7 +212,7 @@ class Comm:
         groups] in sequence/parallel.py), one group per ``label``, which also names it in ``comm_stats``.
         Collective over the default group at setup, like :meth:`split`: every rank makes every group, in the same
         order; cached."""
-        assert self.group is None and self.world_size % k == 0, "node_group: default group, k | N"
+        assert self._group is None and self.world_size % k == 0, "node_group: default group, k | N"
         mine = None
         for g in range(self.world_size // k):
             ranks = tuple(range(g * k, (g + 1) * k))
@@ -226,7 +232,7 @@ class Comm:
             return
         if self.world_size == 1 or not self.moves_data or self._control is not None:
             return
-        self._control = self._group_of_same_ranks("control", "gloo")
+        self._control = groups.weak(self._group_of_same_ranks("control", "gloo"))
 
     def sibling(self, purpose: str) -> Comm:
         """A Comm over a second group of the same ranks and backend, for collectives whose order is agreed
@@ -243,16 +249,17 @@ class Comm:
         """A new group over this group's ranks, made once per (ranks, purpose) while the default group lives
         (the test harness reuses processes across many setups); collective the first time."""
         ranks = tuple(self.global_rank(r) for r in range(self.world_size))
-        return self._cached_group(ranks, purpose, backend, local=self.group is not None)
+        return self._cached_group(ranks, purpose, backend, local=self._group is not None)
 
     @staticmethod
     def _cached_group(ranks: tuple, purpose: str, backend: str, local: bool) -> Any:
         world = dist.GroupMember.WORLD
         cached = groups.SAME_RANKS.get((ranks, purpose))
-        if cached is None or cached[0] is not world:
+        group = cached[1]() if cached is not None and cached[0]() is world else None
+        if group is None:
             group = dist.new_group(ranks=list(ranks), backend=backend, use_local_synchronization=local)
-            cached = groups.SAME_RANKS[(ranks, purpose)] = (world, group)
-        return cached[1]
+            groups.SAME_RANKS[(ranks, purpose)] = (groups.weak(world), groups.weak(group))
+        return group
 
     def control_exchange(self, message: tuple[float, ...], what: str) -> list[tuple[float, ...]]:
         """Every rank's ``message`` (a few exact small numbers, the same length on every rank), blocking,
@@ -267,7 +274,8 @@ class Comm:
         out = torch.empty(self.control_size * mine.numel(), dtype=torch.float64)
         stats.record("control", out.numel() * out.element_size())
         stats.issued(_ALL_GATHER_NAME)
-        return _ALL_GATHER(out, mine, group=self._control, async_op=True), out, what
+        control = groups.live(self._control, "control channel")
+        return _ALL_GATHER(out, mine, group=control, async_op=True), out, what
 
     def control_finish(self, handle: tuple) -> list[tuple[float, ...]]:
         work, out, what = handle
@@ -282,7 +290,7 @@ class Comm:
             return [obj] * self.control_size
         out: list[Any] = [None] * self.control_size
         stats.issued("all_gather_object")
-        dist.all_gather_object(out, obj, group=self._control)
+        dist.all_gather_object(out, obj, group=groups.live(self._control, "control channel"))
         return out
 
     # -- waiting ------------------------------------------------------------
@@ -445,7 +453,7 @@ class Comm:
     def _exchange(self, sends_to, receives_from) -> list:
         """[Note: point-to-point exchange]: for each peer in rank order, send it ``sends_to(peer)`` and receive
         ``receives_from(peer)`` (lists of contiguous tensors), asynchronously; the handles in issue order."""
-        handles = []
+        handles, group = [], self.group
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
@@ -453,11 +461,11 @@ class Comm:
             for t in sends_to(peer):
                 if t.numel():
                     stats.issued("isend")
-                    handles.append(dist.isend(t, dst=other, group=self.group, tag=_P2P_TAG))
+                    handles.append(dist.isend(t, dst=other, group=group, tag=_P2P_TAG))
             for t in receives_from(peer):
                 if t.numel():
                     stats.issued("irecv")
-                    handles.append(dist.irecv(t, src=other, group=self.group, tag=_P2P_TAG))
+                    handles.append(dist.irecv(t, src=other, group=group, tag=_P2P_TAG))
         return handles
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
@@ -506,7 +514,7 @@ class Comm:
             dist.barrier(group=self.group)
 
     def global_rank(self, group_rank: int) -> int:
-        if self.group is None or not self.initialized:
+        if self._group is None or not self.initialized:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 

@@ -13,16 +13,16 @@ active exception", exit code 134 / -6, after a run that succeeded.  Seen in 1 of
 collective shortly before exit can do it; on a loaded machine the worker may get no CPU until then.
 
 torch joins a group's worker threads only when its last Python reference goes, not in
-``destroy_process_group`` (which only unregisters it), and ``zero_plugin.comm.collectives`` caches the default
-group with the groups it derives from it.  So a strategy that initialised the default group registers,
-once per process, :func:`_release_groups`, an ``atexit`` handler that runs while the interpreter is fully
-alive: a barrier (every rank leaves together; skipped after an uncaught exception), then
-``destroy_process_group()``, zero_plugin's cached references dropped and a gc pass, so that the default
-group is destroyed there -- torch releases the GIL while it joins the threads, which finish their last
-releases first.  ``zero_plugin/run.py`` (Accelerate, HF Trainer) leaves with ``os._exit`` instead, which a
-strategy cannot do: the script decides how the process ends.  Not in ``teardown``: a script may call
-``trainer.test`` after ``trainer.fit`` with the same sharded module, and ``DDPStrategy.teardown`` keeps
-the group too.
+``destroy_process_group`` (which only unregisters it); zero_plugin holds its groups weakly ([Note: cached
+groups at exit] in ``comm/groups.py``), but work handles in reference cycles still hold theirs.  So a strategy
+that initialised the default group registers, once per process, :func:`_release_groups`, an ``atexit`` handler
+that runs while the interpreter is fully alive: a barrier (every rank leaves together; skipped after an
+uncaught exception), then ``destroy_process_group()``, zero_plugin's cached references dropped and a gc pass,
+so that the default group is destroyed there -- torch releases the GIL while it joins the threads, which
+finish their last releases first.  ``zero_plugin/run.py`` (Accelerate, HF Trainer) leaves with ``os._exit``
+instead, which a strategy cannot do: the script decides how the process ends.  Not in ``teardown``: a script
+may call ``trainer.test`` after ``trainer.fit`` with the same sharded module, and ``DDPStrategy.teardown``
+keeps the group too.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _release_groups(timeout: timedelta | None) -> None:
         dist.destroy_process_group()
     from zero_plugin.comm.groups import release_groups
 
-    release_groups()  # zero_plugin's cached groups also hold the default group
+    release_groups()  # empty zero_plugin's cache of groups (held weakly)
     gc.collect()  # the default group's last references are gone: its threads are joined here
 
 
