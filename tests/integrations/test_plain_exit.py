@@ -28,12 +28,12 @@ def _thread_counts(stage: str) -> list[tuple[int, int, int]]:
     return counts
 
 
-@pytest.mark.parametrize("stage", ["plain", "0", "3"])
+@pytest.mark.parametrize("stage", ["plain", "0", "2", "3"])
 def test_destroy_process_group_joins_every_gloo_thread(stage):
     """Right after ``destroy_process_group()``, with the model and optimizer still referenced, the process has
-    the threads it had before ``init_process_group``: the default group's (4 with the store's), stage 3's
-    control channel and reduction group (3 each) are gone, and so at exit.  Before the fix: 5 on rank 0 at
-    every stage, the plain script included (torch's ``distributed.nn`` imported by the first optimizer kept
-    the default group), and 11 at stage 3 (zero_plugin's cached groups and the default group they held)."""
+    the threads it had before ``init_process_group``: the default group's (4 with the store's), the control
+    channel's (stages 2 and 3) and stage 3's reduction group's (3 each) are gone, and so at exit.  Before the
+    fix, on rank 0: 5 in the plain script and at stage 0 (torch's ``distributed.nn``, first imported by the
+    optimizer, kept the default group), 8 at stage 2 and 11 at stage 3 (zero_plugin's cached groups too)."""
     for rank, (before, after_destroy, at_exit) in enumerate(_thread_counts(stage)):
         assert after_destroy == before and at_exit == before, (stage, rank, before, after_destroy, at_exit)

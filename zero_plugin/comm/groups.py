@@ -35,7 +35,9 @@ import weakref
 from typing import Any, Callable
 
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401 - before any init_process_group: [Note: cached groups at exit]
+
+if dist.is_available():  # torch.distributed.nn needs it
+    import torch.distributed.nn  # noqa: F401 - before any init_process_group: [Note: cached groups at exit]
 
 __all__ = ["SAME_RANKS", "live", "release_groups", "release_groups_at_exit", "weak"]
 
