@@ -172,6 +172,21 @@ def make_tiny_llama(seed: int = 0, tie: bool = True, dtype: torch.dtype = torch.
     return model
 
 
+def add_lora(model: nn.Module, seed: int, scale: float) -> nn.Module:
+    """``model`` with PEFT LoRA (r 4, alpha 8) on q_proj and v_proj, its lora_B drawn ``scale`` x N(0, 1) from
+    ``seed`` (not zero, so that the first step already changes the output); the global RNG is left as it was."""
+    from peft import LoraConfig, get_peft_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(scale * torch.randn_like(param))
+    return model
+
+
 def make_tiny_llama_lora(seed: int = 0, tie: bool = True, dtype: torch.dtype = torch.float32, layers: int = 2):
     """Tiny llama with LoRA (r=4) on q_proj/v_proj.
 

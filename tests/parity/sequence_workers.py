@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zero_plugin as zp
-from tests.models import llama_config, ranks_threads
+from tests.models import add_lora, llama_config, ranks_threads
 from zero_plugin.sequence.offload import offload_of
 
 VOCAB, HIDDEN, STEPS, BATCH, LR = 61, 32, 3, 2, 0.5
@@ -51,15 +51,7 @@ def make_model(attention: str, dtype: torch.dtype = torch.float64, lora: bool = 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).to(dtype)
-        if lora:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    if "lora_B" in name:
-                        param.copy_(0.05 * torch.randn_like(param))
-    return model
+    return add_lora(model, seed=1, scale=0.05) if lora else model
 
 
 def trainable(model) -> list:

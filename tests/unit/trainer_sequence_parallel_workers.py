@@ -27,16 +27,8 @@ TILE_TOKENS = 5  # each rank's 2 x 8 tokens: tiles that straddle rows and a last
 def make_model(tie: bool, lora: bool = False):
     model = models.make_real_llama(seed=0, tie=tie, dtype=torch.float64)
     model.set_attn_implementation("sdpa")  # eager's float32 softmax would differ at 1e-7 between the layouts
-    if lora:  # LoRA r 4 on q_proj and v_proj, lora_B drawn non-zero; the head frozen
-        from peft import LoraConfig, get_peft_model
-
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1)
-            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    if "lora_B" in name:
-                        param.copy_(0.05 * torch.randn_like(param))
+    if lora:  # the head frozen
+        model = models.add_lora(model, seed=1, scale=0.05)
     return model
 
 
