@@ -26,6 +26,7 @@ from zero_plugin.comm.layout import (
     all_reduce_flat,
     all_reduce_footprint,
 )
+from zero_plugin.comm.streams import NO_STREAMS, StreamSet
 from zero_plugin.tensors.flat import ShardLayout
 
 SIZES = (105, 7 * 15, 5, 64)  # odd sizes: padded shards, a region empty on the last ranks at 4 ranks
@@ -198,19 +199,31 @@ def _filled(member: _Member, rank: int) -> torch.Tensor:
     return torch.full((hi - lo,), float(rank + 1), dtype=member.local.dtype)
 
 
-def reduce_worker(layout_name: str, dtype_name: str, reduce_dtype_name: str, release: bool) -> list[tuple]:
+class _SideStreams(StreamSet):
+    """Side streams as CUDA has them, for what a reduction holds (``overlaps``: the gradients a side stream
+    reads are kept until the completion); the streams themselves are the no-op ones of the CPU."""
+
+    overlaps = True
+
+
+def reduce_worker(
+    layout_name: str, dtype_name: str, reduce_dtype_name: str, release: bool, side_streams: bool = False
+) -> list[tuple]:
     """A reduction (``Layout.reduce``) of every member's gradient: (measured, described)."""
     dtype, reduce_dtype = getattr(torch, dtype_name), getattr(torch, reduce_dtype_name)
-    return _twice(_reduce, Comm(), LAYOUTS[layout_name], dtype, reduce_dtype, release)
+    return _twice(_reduce, Comm(), LAYOUTS[layout_name], dtype, reduce_dtype, release, side_streams)
 
 
-def _reduce(comm: Comm, layout, dtype: torch.dtype, reduce_dtype: torch.dtype, release: bool) -> list[tuple]:
+def _reduce(
+    comm: Comm, layout, dtype: torch.dtype, reduce_dtype: torch.dtype, release: bool, side_streams: bool
+) -> list[tuple]:
     members = [_Member(numel, comm, dtype) for numel in SIZES]
     for m in members:
         m.param.grad = torch.ones(m.layout.numel, dtype=dtype)
     grads = {_id(m.param.grad): m.layout.numel for m in members}
+    streams = _SideStreams() if side_streams else NO_STREAMS
     before = _live()
-    record = layout.reduce(comm, members, reduce_dtype, torch.device("cpu"), release_grads=release)
+    record = layout.reduce(comm, members, reduce_dtype, torch.device("cpu"), release_grads=release, streams=streams)
     launched = _live()
     flags = {_id(record.flags)} if layout is IN_PLACE else set()
     temps, received = set(), 0
@@ -225,7 +238,9 @@ def _reduce(comm: Comm, layout, dtype: torch.dtype, reduce_dtype: torch.dtype, r
     del record
     done = _live()
     width = sum(m.layout.shard_numel for m in members) + len(members)
-    fp = layout.reduce_footprint(comm.world_size, width, sum(SIZES), dtype.itemsize, reduce_dtype.itemsize, release)
+    fp = layout.reduce_footprint(
+        comm.world_size, width, sum(SIZES), dtype.itemsize, reduce_dtype.itemsize, release, side_streams
+    )
     launch, complete = fp.held()
     if received:
         launch["temp"], complete["temp"] = received, -received

@@ -44,6 +44,13 @@ def test_reduce(layout, dtype, reduce_dtype, release):
     _check(run_ranks(2, workers.reduce_worker, layout, dtype, reduce_dtype, release))
 
 
+@pytest.mark.parametrize("dtype, reduce_dtype", [("float32", "float32"), ("bfloat16", "float32")])
+def test_reduce_with_side_streams(dtype, reduce_dtype):
+    """Stage 3 on CUDA: the reduce stream reads the released gradients, so the record keeps them until its
+    completion (``BufferedReduce.sources``), as ``reduce_footprint(side_streams=True)`` says."""
+    _check(run_ranks(2, workers.reduce_worker, "buffered", dtype, reduce_dtype, True, True))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("filled", [False, True], ids=["fresh", "views"])
 def test_all_reduce(dtype, filled):
