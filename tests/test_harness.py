@@ -97,6 +97,22 @@ def test_fresh_pool_sees_the_parents_environment_and_one_thread(monkeypatch):
     assert run_ranks(2, _environment) == [("set before the pool started", "1", 1)] * 2
 
 
+def _frozen_and_collected():
+    import gc
+
+    import torch
+
+    made = torch.zeros(3)  # made by the call: tracked (and so listed as live) as without the freeze
+    return gc.get_freeze_count(), any(o is made for o in gc.get_objects())
+
+
+def test_workers_freeze_the_preloaded_heap():
+    """[Note: the preloaded heap frozen in each worker]: the objects of the preloaded modules are frozen, so a
+    collection after each call does not walk them; what a call makes is still tracked."""
+    for frozen, listed in run_ranks(2, _frozen_and_collected):
+        assert frozen > 100_000 and listed, (frozen, listed)
+
+
 def test_reference_train_mlp_loss_decreases():
     batches = models.make_batches("mlp", 8, world_size=2, per_rank_batch=4, seed=0)
     assert batches[0][0].shape == (8, 7) and batches[0][1].dtype == torch.float64
