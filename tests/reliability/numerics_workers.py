@@ -196,3 +196,40 @@ def unclipped_poison_worker(stage: int, poison: str, dtype: str = "fp32") -> dic
             out["skipped"].append(opt.skipped_steps)
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     return out
+
+
+def fp16_unscale_worker(stage: int, poison: str) -> dict:
+    """fp16 parameters, dynamic loss scale, no clipping: step 0 clean, step 1 poisoned on the last rank only,
+    step 2 clean.  ``poison``: "none", "loss" (a NaN loss), "after_unscale" (``opt.unscale_()``, then an inf
+    written into the first owned gradient: the unscale's own answer no longer covers it).  Also the aten
+    ops of each step that compute norms ([Note: finite check in the unscale] in optim/loss_scale.py)."""
+    from zero_plugin.engines.engine import engine_of
+
+    model = models.make_odd_mlp(dtype=torch.float32)
+    config = zp.ZeroConfig(stage=stage, param_dtype="fp16", bucket_size_mb=1e-6)
+    model, opt = zp.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = models.make_batches("mlp", 3, world, 2, dtype=torch.float32)
+    out = {"changed": [], "skipped": [], "scales": [], "norm_ops": []}
+    for step, batch in enumerate(batches):
+        before = _snapshot(model)
+        loss = models.loss_fn(model, models.shard_batch(batch, rank, world))
+        poisoned = step == 1 and rank == world - 1
+        if poisoned and poison == "loss":
+            loss = loss * float("nan")
+        opt.scale_loss(loss).backward()
+        if poison == "after_unscale" and step == 1:
+            opt.unscale_()
+            if poisoned:
+                engine_of(model, "test").owned_grads()[0].view(-1)[0] = float("inf")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            opt.step()
+        opt.zero_grad()
+        out["norm_ops"].append(
+            sorted({e.key for e in prof.key_averages() if "norm" in e.key and e.key.startswith("aten::")})
+        )
+        after = _snapshot(model)
+        out["changed"].append(any(not torch.equal(before[k], after[k]) for k in before))
+        out["skipped"].append(opt.skipped_steps)
+        out["scales"].append(opt.loss_scale)
+    return out

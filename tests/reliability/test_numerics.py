@@ -178,3 +178,25 @@ def test_stage0_step_reads_no_gradient_norm_at_a_power_of_two_world(dtype):
         assert r["norm_ops"] == [[], [], []], r["norm_ops"]
     r3 = run_ranks(3, NW.unclipped_poison_worker, 0, "none", dtype)[0]
     assert all(ops for ops in r3["norm_ops"]), r3["norm_ops"]
+
+
+# -- the inf/NaN check folded into fp16's unscale ([Note: finite check in the unscale]) -------------------------
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp16_step_reads_no_gradient_norm_besides_the_unscale(stage):
+    """fp16 loss scaling: the unscale (GradScaler's check-and-unscale kernel) takes the inf/NaN answer in its
+    own pass over the owned gradients, so the step makes no second pass (a foreach norm) over them; a NaN loss
+    on one rank still skips the step everywhere and halves the scale."""
+    for r in run_ranks(2, NW.fp16_unscale_worker, stage, "none"):
+        assert r["skipped"] == [0, 0, 0] and r["changed"] == [True, True, True], r
+        assert r["norm_ops"] == [[], [], []], r["norm_ops"]
+    for r in run_ranks(2, NW.fp16_unscale_worker, stage, "loss"):
+        assert r["changed"] == [True, False, True] and r["skipped"] == [0, 1, 1], r
+        assert r["scales"][1] == r["scales"][0] / 2, r["scales"]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fp16_gradient_written_after_the_unscale_is_read_by_the_step(stage):
+    """``opt.unscale_()``, then an inf written into an owned gradient on one rank: the unscale's answer covers
+    the gradients as they were, so the step reads the written one again and skips everywhere."""
+    for r in run_ranks(2, NW.fp16_unscale_worker, stage, "after_unscale"):
+        assert r["changed"] == [True, False, True] and r["skipped"] == [0, 1, 1], r

@@ -104,6 +104,9 @@ class Engine:
         # [Note: per-step state]: reset by reset_step_state.
         self.step_grad_norm: float | None = None  # global norm from clip_grad_norm_, reused by the inf/NaN check
         self.grads_unscaled = False  # fp16: the owned gradients were divided by the loss scale
+        self.unscale_check: Any = (
+            None  # fp16: the inf/NaN flags that unscale took ([Note: finite check in the unscale])
+        )
         self.step_nonfinite: bool | None = None  # fp16: the inf/NaN answer taken before clamping could hide it
         # What zp.setup attaches once the engine exists (attach_setup / attach_optimizer), and zp.offload_states'
         # parked copies ([Note: parked states] in state_offload.py): declared here, set only through those verbs.
@@ -136,9 +139,11 @@ class Engine:
         """The global gradient norm clipping computed (the inf/NaN check reuses it)."""
         self.step_grad_norm = norm
 
-    def note_unscaled(self) -> None:
-        """fp16: the owned gradients were divided by the loss scale."""
+    def note_unscaled(self, check: Any = None) -> None:
+        """fp16: the owned gradients were divided by the loss scale; ``check``: the inf/NaN flags taken on the
+        way, if any ([Note: finite check in the unscale] in optim/loss_scale.py)."""
         self.grads_unscaled = True
+        self.unscale_check = check
 
     def note_nonfinite(self, found: bool) -> None:
         """fp16: the inf/NaN answer, taken before clamping could hide it."""
@@ -226,6 +231,7 @@ class Engine:
         gradients already divided by the loss scale cannot be mixed with newly scaled ones."""
         self.step_grad_norm = None
         self.step_nonfinite = None
+        self.unscale_check = None
         if self.grads_unscaled:
             self.grads_unscaled = False
             raise RuntimeError(
@@ -238,6 +244,7 @@ class Engine:
         """Forget what this step learnt about its gradients ([Note: per-step state])."""
         self.step_grad_norm = None
         self.grads_unscaled = False
+        self.unscale_check = None
         self.step_nonfinite = None
 
     def owned_grad(self, slot: MasterParam) -> torch.Tensor | None:

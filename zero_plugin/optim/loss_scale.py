@@ -24,7 +24,51 @@ import warnings
 
 import torch
 
-__all__ = ["GradGuard", "scaler_state_problem"]
+__all__ = ["GradGuard", "UnscaleCheck", "scaler_state_problem", "unscale_checked"]
+
+
+# [Note: finite check in the unscale]
+# With loss scaling a step read every owned gradient twice: the unscale (a multiplication by 1/scale) and the
+# inf/NaN check (a foreach norm, [Note: finite check in the average] in comm/layout.py has the cost).  torch's
+# GradScaler does both in one pass, ``_amp_foreach_non_finite_check_and_unscale_``, and so does
+# :func:`unscale_checked`: per device and dtype, a one-element float32 flag set where an element is inf/NaN.
+# Only where the scale is a power of two (the dynamic scale always is: 2^16, halved and doubled): its float32
+# inverse is exact, so every product is the correctly rounded one the Python-float ``mul_`` made before, in any
+# dtype; another fixed scale keeps the multiplication, and the step reads the gradients as before.  The flags
+# cover the gradients as the unscale left them (the same tensors at the same autograd versions): one written
+# since (a clamp, a user's edit after ``opt.unscale_()``) sends the check back to reading them.
+class UnscaleCheck:
+    """The flags one unscale took and the gradients (with their versions) they speak for."""
+
+    def __init__(self, flags: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        self.flags = flags
+        self._grads = [(g, g._version) for g in grads]
+
+    def covers(self, grads: list[torch.Tensor]) -> bool:
+        """Whether ``grads`` are the unscaled gradients, none written since."""
+        return len(grads) == len(self._grads) and all(
+            g is h and g._version == version for g, (h, version) in zip(grads, self._grads)
+        )
+
+
+def unscale_checked(grads: list[torch.Tensor], scale: float) -> UnscaleCheck | None:
+    """Multiply ``grads`` by 1/``scale`` in place; where ``scale`` is a power of two, flag inf/NaN in the same
+    pass and return the check ([Note: finite check in the unscale]), else None."""
+    if math.frexp(scale)[0] != 0.5:  # not a power of two: x * float32(1/scale) could differ from x * (1/scale)
+        inv = 1.0 / scale
+        for g in grads:
+            g.mul_(inv)
+        return None
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    flags = []
+    for (device, _), group in groups.items():
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        inv = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+        flags.append(found)
+    return UnscaleCheck(flags, grads)
 
 
 class GradGuard:
@@ -56,14 +100,12 @@ class GradGuard:
 
     @torch.no_grad()
     def unscale(self) -> None:
-        """Divide the owned gradients by the scale once per step (clipping must see true gradients).
-        "Once" is the engine's per-step flag, which zero_grad clears with the gradients ([Note: per-step
-        state] in engine.py): gradients of a later backward are scaled again."""
+        """Divide the owned gradients by the scale once per step (clipping must see true gradients), taking the
+        step's inf/NaN answer on the way where it can ([Note: finite check in the unscale]).  "Once" is the
+        engine's per-step flag, which zero_grad clears with the gradients ([Note: per-step state] in
+        engine.py): gradients of a later backward are scaled again."""
         if self.scaling and not self.engine.grads_unscaled:
-            inv = 1.0 / self.scale
-            for g in self.engine.owned_grads():
-                g.mul_(inv)
-            self.engine.note_unscaled()
+            self.engine.note_unscaled(unscale_checked(self.engine.owned_grads(), self.scale))
 
     @torch.no_grad()
     def found_nonfinite(self) -> bool:
@@ -84,7 +126,11 @@ class GradGuard:
         norm = self.engine.step_grad_norm
         if norm is not None:
             return not math.isfinite(norm)
-        flags, unchecked = self.engine.checked_grads()  # [Note: finite check in the average] in comm/layout.py
+        check = self.engine.unscale_check  # [Note: finite check in the unscale]
+        if check is not None and check.covers(self.engine.owned_grads()):
+            flags, unchecked = list(check.flags), []
+        else:
+            flags, unchecked = self.engine.checked_grads()  # [Note: finite check in the average] in comm/layout.py
         sums = _l2_norms(unchecked)
         device = (sums or flags)[0].device if sums or flags else torch.device("cpu")
         if self.engine.comm.device.type == "cuda":
