@@ -21,6 +21,7 @@ when matplotlib is installed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -30,10 +31,13 @@ import socket
 import sys
 import tempfile
 import time
+import unittest.mock
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+from zero_plugin.launch.allocator import preload_environment
 
 from .models import SIZES
 from .report import bar_chart, markdown, summarise
@@ -82,6 +86,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="run every variant in the same ranks instead of fresh ones per variant ([Note: fresh ranks per variant])",
     )
     p.add_argument("--profile", action="store_true", help="time the engine's internal phases (small overhead)")
+    p.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="VARIANT=ALLOCATOR",
+        help="run VARIANT's ranks with another host allocator preloaded (tcmalloc, jemalloc or a library path, as "
+        "zero-plugin launch --allocator): e.g. --preload zp3=tcmalloc beside a ddp on glibc's; repeatable; not "
+        "with --shared-ranks",
+    )
     p.add_argument("--out", type=Path, default=None, help="report path (default benchmarks/results/<size>-ws<N>.md)")
     p.add_argument(
         "--render",
@@ -98,6 +111,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--warmup must be >= 2: the forward after the first optimizer step is not a steady one")
     if args.steps < 1 or args.rounds < 1 or args.world_size < 1:
         p.error("--steps, --rounds and --world-size must be >= 1")
+    args.preloads = {}
+    for item in args.preload:
+        name, _, choice = item.partition("=")
+        if name not in args.variants or not choice:
+            p.error(f"--preload {item!r}: expected VARIANT=ALLOCATOR with VARIANT one of --variants")
+        if args.shared_ranks:
+            p.error("--preload needs fresh ranks per variant: drop --shared-ranks")
+        try:
+            args.preloads[name] = preload_environment(choice, os.environ)["LD_PRELOAD"]
+        except (ValueError, KeyError) as exc:
+            p.error(f"--preload {item!r}: {exc}")
     return args
 
 
@@ -122,10 +146,24 @@ def _header(args: argparse.Namespace, threads: int, rss_method: str, wall: float
         if args.shared_ranks
         else "fresh ranks for each variant and round (no heap carried over)",
         "peak RSS method": rss_method,
+        "host allocator": _allocators(args),
         "wall time": f"{wall:.0f} s",
         "load average (1/5/15 min) before / after": f"{load_before}  /  {_load()} (> {args.world_size} means "
         "other jobs shared the cores: trust CPU s more than step s)",
     }
+
+
+def _allocators(args: argparse.Namespace) -> str:
+    default = os.environ.get("LD_PRELOAD") or "glibc"
+    preloaded = "; ".join(f"{name}: {lib}" for name, lib in args.preloads.items())
+    return f"{default}" + (f" except {preloaded} (LD_PRELOAD, --preload)" if preloaded else "")
+
+
+def _preloaded(library: str | None) -> contextlib.AbstractContextManager:
+    """``LD_PRELOAD=library`` for the ranks spawned inside (spawned ranks are fresh interpreters)."""
+    if library is None:
+        return contextlib.nullcontext()
+    return unittest.mock.patch.dict(os.environ, {"LD_PRELOAD": library})
 
 
 def _run(args: argparse.Namespace, variants: list[str]) -> dict:
@@ -167,7 +205,8 @@ def _run(args: argparse.Namespace, variants: list[str]) -> dict:
             if died.keys() & set(spawn.variants):
                 continue  # it died in an earlier round: it would again
             try:
-                mp.spawn(worker, args=(spawn,), nprocs=args.world_size, join=True)
+                with _preloaded(args.preloads.get(spawn.variants[0]) if not args.shared_ranks else None):
+                    mp.spawn(worker, args=(spawn,), nprocs=args.world_size, join=True)
             except mp.ProcessExitedException as exc:
                 if args.shared_ranks:
                     raise

@@ -437,6 +437,26 @@ def test_cpu_launch_traps_fail_clearly(tmp_path):
     assert "each process would train alone" in output, output[-3000:]
 
 
+def test_launch_preloads_the_allocator_into_every_process(tmp_path):
+    """``--allocator PATH``: each rank maps the library (a stand-in built here, any shared library will do), the
+    user's own LD_PRELOAD kept behind it; the launcher says so before starting them."""
+    import subprocess
+
+    source = tmp_path / "marker.c"
+    source.write_text("int zero_plugin_marker(void) { return 1; }\n")
+    library = tmp_path / "libmarker.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    cmd = [*ZERO_LAUNCH, "launch", *TWO, "--allocator", str(library), "--no_estimate"]
+    env = _clean_env({"PROBE_LIBRARY": str(library), "LD_PRELOAD": ""})
+    result = _run([*cmd, str(SCRIPTS / "allocator_probe.py")], env, tmp_path, timeout=300)
+    assert result.returncode == 0, result.output[-3000:]
+    assert f"every process preloads {library} (--allocator {library})" in result.output
+    for rank in (0, 1):
+        assert f"probe {rank}/2 mapped=True LD_PRELOAD={library}\n" in result.output, result.output[-3000:]
+    missing = _launch_error([*cmd[:-3], "--allocator", str(tmp_path / "nope.so"), "x.py"], tmp_path)
+    assert "no such file; give the path of the allocator's shared library" in missing, missing[-3000:]
+
+
 # -- zero-plugin launch: how the accelerate launch is built (no processes started) --------------------
 def _build_launch(argv: list[str], monkeypatch, tmp_path: Path):
     from zero_plugin.launch import launcher as run

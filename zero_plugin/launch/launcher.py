@@ -13,6 +13,7 @@ import tempfile
 import yaml
 
 from ..config import ZeroConfig
+from .allocator import ALLOCATORS, DEFAULT, preload_environment
 
 __all__ = ["launch"]
 
@@ -56,6 +57,14 @@ def _launch_parser() -> argparse.ArgumentParser:
     )
     group.add_argument("--zero_config", help="YAML/JSON file of ZeroConfig fields")
     group.add_argument(
+        "--allocator",
+        default=DEFAULT,
+        metavar="{" + ",".join([DEFAULT, *ALLOCATORS]) + ",PATH}",
+        help="the ranks' host memory allocator, preloaded (LD_PRELOAD) into every process started: tcmalloc "
+        "holds less memory than glibc's at DDP's speed on the CPU (zero_plugin/launch/allocator.py, docs/tuning.md); "
+        "default glibc",
+    )
+    group.add_argument(
         "--no_estimate",
         action="store_true",
         help="do not print the planner's memory per rank for "
@@ -71,6 +80,7 @@ def launch(argv: list[str]) -> int:
     try:
         args.config_file, section, accelerate_settings = _split_accelerate_config(args.config_file, temp_files)
         env = _zero_environment(args, section)
+        env.update(preload_environment(args.allocator, os.environ))
         _take_deepspeed(args, accelerate_settings, env, temp_files)
         script_args = list(args.training_script_args)
         _check_trainer_deepspeed(script_args, env)
@@ -79,6 +89,8 @@ def launch(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"zero-plugin launch: {exc}", file=sys.stderr)
         return 2
+    if "LD_PRELOAD" in env:
+        print(f"zero-plugin launch: every process preloads {env['LD_PRELOAD']} (--allocator {args.allocator})")
     if not args.no_estimate:
         from .estimate import print_launch_estimate
 
