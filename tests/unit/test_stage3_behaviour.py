@@ -290,6 +290,48 @@ def test_choose_heap_trim():
     assert choose_heap_trim(True, False, 0.0, 0.9) is HeapTrim.OFF
 
 
+_PRELOAD_PROBE = """
+import json, torch, zero_plugin as zp
+from zero_plugin.engines.engine import engine_of
+from zero_plugin.engines.hostmem import malloc_preloaded
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+model, opt = zp.setup(model, torch.optim.AdamW(model.parameters(), lr=0.1), zp.ZeroConfig(stage=3))
+model(torch.ones(3, 4)).sum().backward()
+opt.step()
+engine = engine_of(model, "probe")
+print(json.dumps([malloc_preloaded(), engine.storage_pool is not None, engine.runtime.trim_heap.value]))
+"""
+
+
+def test_stage3_neither_trims_nor_pools_under_a_preloaded_allocator(tmp_path):
+    """[Note: host allocator]: with a malloc preloaded in front of glibc's (here a stand-in built by the test that
+    forwards to glibc's, so the process runs as before) stage 3 drops its two ways around glibc's heap, the trim
+    and the storage pool; without one both stay."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    source = tmp_path / "shim.c"
+    source.write_text(
+        "#include <stddef.h>\nextern void *__libc_malloc(size_t);\nvoid *malloc(size_t n) { return __libc_malloc(n); }\n"
+    )
+    shim = tmp_path / "libshim.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(shim), str(source)], check=True)
+    base = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    base.update(OMP_NUM_THREADS="1")
+
+    def probe(env):
+        out = subprocess.run(
+            [sys.executable, "-c", _PRELOAD_PROBE], env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert probe(base) == [False, True, "forward"]
+    assert probe({**base, "LD_PRELOAD": str(shim)}) == [True, False, "off"]
+
+
 def test_local_processes_reads_local_world_size():
     import zero_plugin as zp
 

@@ -41,7 +41,7 @@ pool of resident storages ([Note: lent storage] in ``stage3/storage_pool.py``), 
 Another allocator does better than any trim: under tcmalloc stage 3 holds 0.56-0.62x tuned DDP's (glibc) peak
 at 0.97-1.02x its step, with no page faults (``benchmarks/results/49-allocators-*``). It takes ``LD_PRELOAD``
 before the process starts, which a library cannot do: ``zero-plugin launch --allocator`` ([Note: host
-allocator] in ``launch/allocator.py``); the trim then trims an empty glibc heap.
+allocator] in ``launch/allocator.py``); stage 3 then neither trims nor pools (``malloc_preloaded``).
 [Note: eager trimming when memory is tight] At the end of forward only, a large model still re-touches
 the heap's trimmed holes through the next forward and backward: on the 3B LoRA benchmark
 (``benchmarks/results/large_model.md``, 2 ranks, decoder layers of 25 MB gathered after slicing) a
@@ -69,7 +69,7 @@ import enum
 import functools
 import os
 
-__all__ = ["HeapTrim", "choose_heap_trim", "host_share_used", "trim_host_heap"]
+__all__ = ["HeapTrim", "choose_heap_trim", "host_share_used", "malloc_preloaded", "trim_host_heap"]
 
 
 class HeapTrim(enum.Enum):
@@ -90,6 +90,20 @@ def _malloc_trim():
     fn.argtypes = [ctypes.c_size_t]
     fn.restype = ctypes.c_int
     return fn
+
+
+@functools.cache
+def malloc_preloaded() -> bool:
+    """True where another allocator stands in front of the C library's ``malloc`` (``LD_PRELOAD`` of tcmalloc,
+    jemalloc, ...: [Note: host allocator] in ``launch/allocator.py``): the name the process resolves is not the
+    C library's own definition.  glibc's heap then holds none of the tensors, so neither the trim nor the storage
+    pool ([Note: lent storage] in ``stage3/storage_pool.py``), both ways around glibc's heap, has anything to do."""
+    try:
+        own = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc
+        first = ctypes.CDLL(None).malloc
+    except (OSError, AttributeError):
+        return False
+    return ctypes.cast(first, ctypes.c_void_p).value != ctypes.cast(own, ctypes.c_void_p).value
 
 
 def trim_host_heap() -> bool:
@@ -115,7 +129,7 @@ def host_share_used(local_processes: int) -> float | None:
 
 def choose_heap_trim(enabled: bool, on_cpu: bool, each_unit_above: float, share_used: float | None) -> HeapTrim:
     """The trimming mode of a stage-3 engine ([Note: eager trimming when memory is tight])."""
-    if not (enabled and on_cpu) or _malloc_trim() is None:
+    if not (enabled and on_cpu) or _malloc_trim() is None or malloc_preloaded():
         return HeapTrim.OFF
     if each_unit_above == 0 or (share_used is not None and share_used > each_unit_above):
         return HeapTrim.EACH_UNIT

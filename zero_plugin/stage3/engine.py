@@ -29,7 +29,7 @@ from ..comm.collectives import Comm
 from ..comm.streams import StreamSet, streams_for
 from ..config import ZeroConfig
 from ..engines.engine import Engine, EngineBasis
-from ..engines.hostmem import choose_heap_trim, host_share_used, trim_host_heap
+from ..engines.hostmem import choose_heap_trim, host_share_used, malloc_preloaded, trim_host_heap
 from ..grads.presence import DeferredStores
 from ..loading.materialize import ParamSource, owners_of, to_real
 from ..loading.quantized import is_packed_4bit
@@ -66,7 +66,7 @@ def build_stage3_engine(
     sharded: dict[int, ShardedParam] = {}
     per_unit: list[list[ShardedParam]] = [[] for _ in modules]
     all_params = list(model.parameters())
-    trim = comm.device.type == "cpu" and config.stage3.trim_host_heap
+    trim = comm.device.type == "cpu" and config.stage3.trim_host_heap and not malloc_preloaded()
     for index in range(len(modules)):  # one unit at a time: never the whole model unsharded
         params = [p for p in all_params if owner[id(p)] == index]
         for p, full in zip(params, _full_tensors(model, params, param_source, comm)):
@@ -132,7 +132,7 @@ def _lend_storage(units: list[Unit], config: ZeroConfig, device: torch.device) -
     """[Note: lent storage] in storage_pool.py: one pool for every unit.  What it keeps unlent is bounded by the
     gathers in flight at once (the unit in use and its prefetches) of the largest unit, and a storage not
     lent again within as many units' worth of lends is let go."""
-    if not can_lend_storage(device):
+    if not can_lend_storage(device) or malloc_preloaded():  # another allocator reuses the blocks itself
         return
     in_flight = config.stage3.prefetch_depth + 1
     largest = max((sum(sp.layout.numel * sp.unsharded.element_size() for sp in u.params) for u in units), default=0)
