@@ -8,8 +8,8 @@ from accelerate import Accelerator
 accelerator = Accelerator()
 with open("/proc/self/maps", encoding="utf-8") as f:
     mapped = {line.split()[-1] for line in f if len(line.split()) > 5}
-print(
+line = (
     f"probe {accelerator.process_index}/{accelerator.num_processes} "
-    f"mapped={os.environ['PROBE_LIBRARY'] in mapped} LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}",
-    flush=True,
+    f"mapped={os.environ['PROBE_LIBRARY'] in mapped} LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}\n"
 )
+os.write(1, line.encode())  # one write: the ranks share the pipe, and print() writes the newline apart
