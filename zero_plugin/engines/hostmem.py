@@ -38,8 +38,8 @@ trimming it was faster but the peak was 0.61-0.70x DDP's; ``mallopt(M_MMAP_THRES
 whole process cost DDP itself +49% CPU time (its activations are mmapped and faulted in each step too).
 Since then the gathered parameters no longer go through the heap on CPU: their memory is lent from a
 pool of resident storages ([Note: lent storage] in ``stage3/storage_pool.py``), emptied before this trim.
-Another allocator does better than any trim: under tcmalloc stage 3 holds 0.56-0.62x tuned DDP's (glibc) peak
-at 0.97-1.02x its step, with no page faults (``benchmarks/results/49-allocators-*``). It takes ``LD_PRELOAD``
+Another allocator does better than any trim: under tcmalloc stage 3 holds 0.54-0.60x tuned DDP's (glibc) peak
+at 0.97-1.04x its step, with no page faults (``benchmarks/results/49-allocators-*``). It takes ``LD_PRELOAD``
 before the process starts, which a library cannot do: ``zero-plugin launch --allocator`` ([Note: host
 allocator] in ``launch/allocator.py``); stage 3 then neither trims nor pools (``malloc_preloaded``).
 [Note: eager trimming when memory is tight] At the end of forward only, a large model still re-touches

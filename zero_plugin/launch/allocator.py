@@ -9,9 +9,9 @@ stage 3 must trim the heap every forward ([Note: heap trimming] in ``engines/hos
 faults, to hold ~700 MiB for ~420 MiB live. tcmalloc and jemalloc keep their free memory in size classes and
 waste less of it (``benchmarks/results/49-allocators-*``, 2 ranks):
 
-  * tcmalloc (gperftools' minimal build): stage 3 at 33.7M holds 621-632 MiB with no page faults, 0.62x the
-    peak and 1.02-1.04x the step of tuned DDP on glibc in the same run; at 117M 0.56x and 0.97x. DDP gains too
-    (886 against 1017 MiB at 33.7M), so against DDP on tcmalloc stage 3 holds 0.71x;
+  * tcmalloc (gperftools' minimal build): stage 3 at 33.7M holds 608-610 MiB with no page faults, 0.59-0.60x
+    the peak of tuned DDP on glibc in the same run at 1.04x its step; at 117M 0.54x at 0.97x. DDP gains too
+    (883 against 1010-1025 MiB at 33.7M): against DDP on tcmalloc stage 3 holds 0.69x at 1.07x its step;
   * jemalloc (with its default ``MALLOC_CONF``): as little memory as tcmalloc, but it hands freed pages back to
     the kernel on a timer (its dirty-page decay) and faults them in again, ~85k faults per step at 33.7M.
 
@@ -19,7 +19,8 @@ An allocator has to be chosen before the interpreter starts (``LD_PRELOAD``): a 
 cannot change it, which is why this is the launcher's option and not a ``ZeroConfig`` field. The children of
 ``accelerate launch`` / torchrun inherit the variable, so ``--allocator`` is ``LD_PRELOAD=<library>`` (before
 any the user set) for every rank; the launcher itself keeps glibc. Users of another launcher set the variable
-themselves (``docs/tuning.md``). stage 3's heap trim then trims an empty glibc heap (microseconds).
+themselves (``docs/tuning.md``). Stage 3 then neither trims glibc's heap nor pools unit storages
+(``engines/hostmem.malloc_preloaded``).
 """
 
 from __future__ import annotations
