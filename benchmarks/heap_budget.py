@@ -22,7 +22,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from .measure import _reset_hwm
+from .measure import _reset_hwm, exit_rank
 from .models import SIZES, build_model, make_batch
 from .step_memory import _heap, _status
 
@@ -92,6 +92,7 @@ def main() -> None:
         if rank == 0:
             print(json.dumps(row), flush=True)
     dist.destroy_process_group()
+    exit_rank()
 
 
 if __name__ == "__main__":

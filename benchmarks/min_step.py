@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .measure import _reset_hwm
+from .measure import _reset_hwm, exit_rank
 from .models import SIZES, build_model, make_batch
 from .step_memory import _status
 
@@ -86,6 +86,7 @@ def main() -> None:
             flush=True,
         )
     dist.destroy_process_group()
+    exit_rank()
 
 
 if __name__ == "__main__":
