@@ -118,9 +118,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--preload {item!r}: expected VARIANT=ALLOCATOR with VARIANT one of --variants")
         if args.shared_ranks:
             p.error("--preload needs fresh ranks per variant: drop --shared-ranks")
-        try:
-            args.preloads[name] = preload_environment(choice, os.environ)["LD_PRELOAD"]
-        except (ValueError, KeyError) as exc:
+        try:  # =glibc: that variant without the preload the benchmark itself may run under
+            args.preloads[name] = preload_environment(choice, os.environ).get("LD_PRELOAD", "")
+        except ValueError as exc:
             p.error(f"--preload {item!r}: {exc}")
     return args
 
@@ -155,8 +155,8 @@ def _header(args: argparse.Namespace, threads: int, rss_method: str, wall: float
 
 def _allocators(args: argparse.Namespace) -> str:
     default = os.environ.get("LD_PRELOAD") or "glibc"
-    preloaded = "; ".join(f"{name}: {lib}" for name, lib in args.preloads.items())
-    return f"{default}" + (f" except {preloaded} (LD_PRELOAD, --preload)" if preloaded else "")
+    preloaded = "; ".join(f"{name}: {lib or 'glibc'}" for name, lib in args.preloads.items())
+    return default + (f" except {preloaded} (LD_PRELOAD, --preload)" if preloaded else "")
 
 
 def _preloaded(library: str | None) -> contextlib.AbstractContextManager:
@@ -205,7 +205,7 @@ def _run(args: argparse.Namespace, variants: list[str]) -> dict:
             if died.keys() & set(spawn.variants):
                 continue  # it died in an earlier round: it would again
             try:
-                with _preloaded(args.preloads.get(spawn.variants[0]) if not args.shared_ranks else None):
+                with _preloaded(args.preloads.get(spawn.variants[0])):  # empty under --shared-ranks
                     mp.spawn(worker, args=(spawn,), nprocs=args.world_size, join=True)
             except mp.ProcessExitedException as exc:
                 if args.shared_ranks:

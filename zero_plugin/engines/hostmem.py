@@ -82,6 +82,10 @@ class HeapTrim(enum.Enum):
 
 @functools.cache
 def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where it has nothing to trim: no glibc, or another allocator preloaded in
+    front of it (``malloc_preloaded``), which leaves glibc's heap empty."""
+    if malloc_preloaded():
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         fn = libc.malloc_trim
@@ -129,7 +133,7 @@ def host_share_used(local_processes: int) -> float | None:
 
 def choose_heap_trim(enabled: bool, on_cpu: bool, each_unit_above: float, share_used: float | None) -> HeapTrim:
     """The trimming mode of a stage-3 engine ([Note: eager trimming when memory is tight])."""
-    if not (enabled and on_cpu) or _malloc_trim() is None or malloc_preloaded():
+    if not (enabled and on_cpu) or _malloc_trim() is None:
         return HeapTrim.OFF
     if each_unit_above == 0 or (share_used is not None and share_used > each_unit_above):
         return HeapTrim.EACH_UNIT

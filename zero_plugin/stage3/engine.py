@@ -66,7 +66,7 @@ def build_stage3_engine(
     sharded: dict[int, ShardedParam] = {}
     per_unit: list[list[ShardedParam]] = [[] for _ in modules]
     all_params = list(model.parameters())
-    trim = comm.device.type == "cpu" and config.stage3.trim_host_heap and not malloc_preloaded()
+    trim = comm.device.type == "cpu" and config.stage3.trim_host_heap
     for index in range(len(modules)):  # one unit at a time: never the whole model unsharded
         params = [p for p in all_params if owner[id(p)] == index]
         for p, full in zip(params, _full_tensors(model, params, param_source, comm)):
